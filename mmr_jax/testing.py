@@ -1,4 +1,4 @@
-"""Tiny offline fixtures for tests and benchmarks: a tokenizer trained on the fly and random checkpoints.
+"""Offline fixtures for tests and benchmarks: an on-the-fly tokenizer and random checkpoints.
 
 Nothing here downloads: the tokenizer is a byte-level BPE trained on a few hundred lines of the
 shared math data (or built-in text), and checkpoints are random transformers models written with
@@ -121,7 +121,7 @@ def make_tiny_checkpoint(
     init_std: float = 0.1,
     **config_overrides,
 ) -> pathlib.Path:
-    """Writes a random-weight HF checkpoint (fp32 safetensors, config, tokenizer) and returns its path.
+    """Writes a random-weight HF checkpoint (fp32 safetensors, config, tokenizer); returns its path.
 
     `init_std` larger than the HF default (0.02) makes logits spread out, so parity tests compare
     meaningful distributions rather than near-uniform ones.
@@ -137,7 +137,8 @@ def make_tiny_checkpoint(
     config = tiny_hf_config(family, initializer_range=init_std, **config_overrides)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
-    with torch.no_grad():  # Non-trivial norm weights and biases, so a missed tensor shows in parity.
+    # Non-trivial norm weights and biases, so a tensor the loader misses shows up in parity.
+    with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))

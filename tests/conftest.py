@@ -1,0 +1,53 @@
+"""Shared pytest setup: slow/gpu markers and session-wide tiny checkpoints."""
+
+import os
+
+# Tests run on the CPU; keep XLA from grabbing every core's worth of threads under pytest-xdist.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest
+
+
+def pytest_addoption(parser):
+    parser.addoption("--runslow", action="store_true", default=False, help="run tests marked slow")
+
+
+def _has_cuda() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
+def pytest_collection_modifyitems(config, items):
+    skip_slow = pytest.mark.skip(reason="slow: run with --runslow")
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    has_cuda = None
+    for item in items:
+        if "slow" in item.keywords and not config.getoption("--runslow"):
+            item.add_marker(skip_slow)
+        if "gpu" in item.keywords:
+            if has_cuda is None:
+                has_cuda = _has_cuda()
+            if not has_cuda:
+                item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory):
+    """A random-weight Llama checkpoint with a trained tokenizer, shared by the session."""
+    from mmr_jax import testing
+
+    return testing.make_tiny_checkpoint(tmp_path_factory.mktemp("tiny_llama"), family="llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tmp_path_factory):
+    """A random-weight Qwen2 checkpoint (q/k/v bias) with a trained tokenizer."""
+    from mmr_jax import testing
+
+    return testing.make_tiny_checkpoint(tmp_path_factory.mktemp("tiny_qwen2"), family="qwen2")
