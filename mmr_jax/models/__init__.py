@@ -1,0 +1,5 @@
+"""Flax decoder of the Llama / Qwen2 families, HF loading and export, LoRA, sharding, log-probs."""
+
+from mmr_jax.models.loading import from_pretrained
+
+__all__ = ["from_pretrained"]

@@ -1,0 +1,223 @@
+"""Every training key, with the paper's shared hyperparameters (MMR-GRPO, Appendix "Training Hyperparameters").
+
+Variant files (`grpo.py`, `dr_grpo.py`, `dapo.py`, `dapo_nods.py`, `cpu_smollm2.py`) call `get_config()`
+and change only what differs. Launch (any variant):
+
+    python scripts/train.py --config=configs/grpo.py:7b --workdir=runs/grpo_7b --config.mmr.enabled=True
+
+Config argument (after the colon): a comma-separated list of a model size (`1.5b`, `7b`, `8b`) and
+`smoke`, which shrinks the run to a few tiny steps that a CPU finishes in minutes.
+"""
+
+from __future__ import annotations
+
+import os
+
+import ml_collections
+from ml_collections import config_dict
+
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Problem files beside the checkout (../shared/data) unless $MMR_JAX_SHARED_DATA points elsewhere.
+SHARED_DATA = os.environ.get("MMR_JAX_SHARED_DATA", os.path.join(os.path.dirname(_REPO), "shared", "data"))
+
+TRAIN_SYSTEM_PROMPT = (
+    "A conversation between User and Assistant. The user asks a question, and the Assistant solves it. "
+    "The assistant first thinks about the reasoning process in the mind and then provides the user "
+    "with the answer, and put your final answer within \\boxed{} . The reasoning process and answer "
+    "are enclosed within <think> </think> and <answer> </answer> tags, respectively, i.e., <think> "
+    "reasoning process here </think> <answer> answer here </answer>. Note that respond by English, "
+    "NOT use other languages."
+)
+EVAL_SYSTEM_PROMPT = (
+    "Solve the following math problem efficiently and clearly.  The last line of your response should "
+    "be of the following format: 'Therefore, the final answer is: $\\\\boxed{{ANSWER}}$. I hope it is "
+    "correct' (without quotes) where ANSWER is just the final number or expression that solves the "
+    "problem. Think step by step before answering.\n"
+)
+EVAL_BENCHMARKS = ("math500", "aime24", "amc23", "minerva_math", "olympiadbench")
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+# Model size -> (HF checkpoint folder, LoRA on). Folders are local HF checkpoints (config.json +
+# safetensors); `--dry_run` reads only config.json.
+MODELS = {
+    "1.5b": ("checkpoints/DeepSeek-R1-Distill-Qwen-1.5B", False),
+    "7b": ("checkpoints/DeepSeek-R1-Distill-Qwen-7B", True),
+    "8b": ("checkpoints/DeepSeek-R1-Distill-Llama-8B", True),
+}
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+    """The shared defaults (GRPO on the 1.5B model); `arg` as in the module docstring."""
+    c = ml_collections.ConfigDict()
+    c.name = "grpo"  # run name, stored in the workdir's run metadata and metrics
+    c.seed = 2025  # seeds sampling, dropout, data order
+    c.total_steps = 500  # optimiser steps (paper: 500; DAPO with dynamic sampling: 200)
+
+    c.model = ml_collections.ConfigDict()
+    c.model.path = MODELS["1.5b"][0]  # HF checkpoint folder (config.json, safetensors, tokenizer)
+    c.model.dtype = "bfloat16"  # compute dtype
+    c.model.param_dtype = "float32"  # master weights
+    c.model.remat = True  # gradient checkpointing in the train step
+    c.model.logprob_chunk = 0  # tokens per log-prob chunk (0 = whole sequence at once)
+
+    c.lora = ml_collections.ConfigDict()
+    c.lora.enabled = False  # train only LoRA adapters; the reference policy is the base (adapters off)
+    c.lora.rank = 64  # r
+    c.lora.alpha = 128.0  # scaling alpha / r
+    c.lora.dropout = 0.05  # dropout on the adapter input
+    c.lora.targets = LORA_TARGETS  # projection names that get adapters
+
+    c.optim = ml_collections.ConfigDict()
+    c.optim.lr = 1e-6  # peak learning rate (AdamW)
+    c.optim.b1 = 0.9  # Adam beta1
+    c.optim.b2 = 0.999  # Adam beta2
+    c.optim.eps = 1e-8  # Adam epsilon
+    c.optim.weight_decay = 0.0  # decoupled weight decay (TRL default 0.0)
+    c.optim.warmup_ratio = 0.1  # linear warmup over this fraction of total_steps
+    c.optim.min_lr_ratio = 0.1  # cosine decays to lr * min_lr_ratio
+    c.optim.grad_clip = 1.0  # clip by global norm (0 = off)
+
+    c.batch = ml_collections.ConfigDict()
+    c.batch.prompts = 8  # prompts per step (B)
+    c.batch.generations = 6  # completions per prompt (G); B * G = 48 per step
+    c.batch.max_prompt_len = 512  # prompts are left-truncated to this many tokens
+    c.batch.max_completion_len = 3584  # new tokens per completion (T)
+    c.batch.length_buckets = 8  # completions padded up to multiples of T / length_buckets (jit buckets)
+
+    c.rollout = ml_collections.ConfigDict()
+    c.rollout.engine = "embedded"  # 'embedded' (JAX sampler in-process) | 'vllm' (HTTP server)
+    c.rollout.url = "http://localhost:8000"  # vLLM server (engine 'vllm')
+    c.rollout.model_name = ""  # vLLM --served-model-name ('' = model.path)
+    c.rollout.timeout_s = 600.0  # per-request timeout
+    c.rollout.max_retries = 5  # retries of an unreachable server before the run stops
+    c.rollout.temperature = 0.7  # sampling temperature (log-probs use the same)
+    c.rollout.top_p = 1.0  # nucleus sampling (1 = off)
+    c.rollout.top_k = 0  # top-k sampling (0 = off)
+    c.rollout.sync_dir = ""  # vLLM weight-sync folder ('' = <workdir>/sync)
+
+    c.rewards = ml_collections.ConfigDict()
+    # Weighted sum of registered reward functions; 0-weight functions are still logged.
+    c.rewards.weights = ml_collections.ConfigDict({"accuracy": 0.0, "format": 1.0, "cosine": 2.0})
+
+    c.advantage = ml_collections.ConfigDict()
+    c.advantage.estimator = "grpo"  # 'grpo' (r - mean) / (std + eps) | 'dr_grpo' (r - mean)
+    c.advantage.std_ddof = 1  # group std convention (TRL: torch.std, ddof=1)
+    c.advantage.eps = 1e-4  # added to the group std
+
+    c.loss = ml_collections.ConfigDict()
+    c.loss.eps_low = 0.2  # ratio clip 1 - eps_low
+    c.loss.eps_high = 0.2  # ratio clip 1 + eps_high (DAPO clip-higher: 0.28)
+    # 'seq_mean_token_mean' (GRPO) | 'token_mean' (DAPO) | 'seq_mean_token_sum_norm' (Dr.GRPO)
+    c.loss.aggregation = "seq_mean_token_mean"
+    c.loss.beta = 0.04  # KL coefficient against the reference policy (0 = no reference pass)
+    c.loss.kl_estimator = "k3"  # 'k1' | 'k2' | 'k3'
+    c.loss.iterations = 1  # passes over each batch (mu); >1 needs old log-probs
+    c.loss.minibatches = 8  # gradient-accumulation minibatches per pass (48 / 8 = 6 per device)
+
+    c.mmr = ml_collections.ConfigDict()
+    c.mmr.enabled = False  # MMR reweighting of rewards before advantages (MMR-GRPO)
+    c.mmr.lam = config_dict.placeholder(float)  # None = adaptive sigmoid(std(r)); else fixed lambda
+    c.mmr.scope = "group"  # 'group' (per prompt) | 'batch' (released code: whole micro-batch)
+    c.mmr.embedding_model = "jinaai/jina-embeddings-v2-small-en"  # encoder name ('hashing' in tests)
+    c.mmr.embedding_max_length = 512  # encoder truncation (tokens)
+    c.mmr.embedding_batch_size = 64  # encoder batch size
+
+    c.dra = ml_collections.ConfigDict()
+    c.dra.enabled = False  # DRA-GRPO baseline r / (1 + sum cos); exclusive with mmr.enabled
+
+    c.dynamic_sampling = ml_collections.ConfigDict()
+    c.dynamic_sampling.enabled = False  # DAPO: drop groups whose filter reward has zero variance
+    c.dynamic_sampling.filter_reward = "accuracy"  # reward function name the filter looks at
+    c.dynamic_sampling.max_generation_batches = 10  # generation rounds per step before giving up
+
+    c.data = ml_collections.ConfigDict()
+    c.data.source = "knoveleng/open-rs"  # hub name, or a local .jsonl / .parquet path
+    c.data.split = "train"  # dataset split
+    c.data.problem_field = "problem"  # column holding the question
+    c.data.answer_field = "answer"  # column holding the gold answer
+    c.data.system_prompt = TRAIN_SYSTEM_PROMPT  # training system prompt (paper, Appendix)
+
+    c.eval = ml_collections.ConfigDict()
+    c.eval.every = 50  # evaluate every N steps (0 = never)
+    c.eval.data_dir = os.path.join(SHARED_DATA, "eval")  # folder of <benchmark>.jsonl
+    c.eval.benchmarks = EVAL_BENCHMARKS  # benchmark names (files in data_dir)
+    c.eval.max_problems = 0  # problems per benchmark (0 = all)
+    c.eval.n = 16  # samples per problem (pass@k up to k = n)
+    c.eval.temperature = 0.6  # evaluation sampling temperature
+    c.eval.top_p = 0.95  # evaluation nucleus sampling
+    c.eval.max_new_tokens = 3584  # evaluation completion length
+    c.eval.system_prompt = EVAL_SYSTEM_PROMPT  # evaluation system prompt (paper, Appendix)
+
+    c.checkpoint = ml_collections.ConfigDict()
+    c.checkpoint.every = 50  # save every N steps (and at the end)
+    c.checkpoint.keep = 3  # keep the last K checkpoints
+    c.checkpoint.keep_period = 0  # also keep every step divisible by this (0 = off)
+    c.checkpoint.export_hf = False  # also write <workdir>/step_<N> as a HF folder (for evaluate.py)
+
+    c.logging = ml_collections.ConfigDict()
+    c.logging.every = 1  # write metrics every N steps
+    c.logging.tensorboard = True  # TensorBoard event files in <workdir>/tb
+    c.logging.samples = 2  # completions printed to the log per step (0 = none)
+
+    c.mesh = ml_collections.ConfigDict()
+    c.mesh.shape = (1, -1, 1)  # (data, fsdp, tensor); -1 takes the remaining devices
+
+    apply_arg(c, arg)
+    return c
+
+
+def parse_arg(arg: str | None) -> tuple[str | None, bool]:
+    """'7b,smoke' -> ('7b', True)."""
+    size, smoke = None, False
+    for part in filter(None, (arg or "").split(",")):
+        part = part.strip().lower()
+        if part == "smoke":
+            smoke = True
+        elif part in MODELS:
+            size = part
+        else:
+            raise ValueError(f"unknown config argument {part!r}; expected one of {[*MODELS, 'smoke']}")
+    return size, smoke
+
+
+def apply_arg(c: ml_collections.ConfigDict, arg: str | None) -> ml_collections.ConfigDict:
+    """Applies the model size and `smoke` of `arg` to `c` in place."""
+    size, smoke = parse_arg(arg)
+    if size is not None:
+        set_model(c, size)
+    if smoke:
+        shrink_for_cpu(c)
+    if arg:
+        c.name = f"{c.name}:{arg}"
+    return c
+
+
+def set_model(c: ml_collections.ConfigDict, size: str) -> None:
+    """Paper models: 1.5B full fine-tune, 7B / 8B LoRA (r 64, alpha 128, dropout 0.05)."""
+    c.model.path, c.lora.enabled = MODELS[size]
+
+
+def shrink_for_cpu(c: ml_collections.ConfigDict) -> None:
+    """A few tiny steps on SmolLM2-135M that a 2-core CPU finishes in minutes; algorithm unchanged."""
+    c.model.path = "checkpoints/smollm2-135m-instruct"
+    c.model.dtype = "float32"
+    c.model.remat = False
+    c.lora.rank = 8
+    c.lora.alpha = 16.0
+    c.total_steps = 4
+    c.batch.prompts = 2
+    c.batch.generations = 4
+    c.batch.max_prompt_len = 128
+    c.batch.max_completion_len = 32
+    c.batch.length_buckets = 2
+    c.loss.minibatches = 2
+    c.mmr.embedding_model = "hashing"
+    c.dynamic_sampling.max_generation_batches = 2
+    c.data.source = os.path.join(SHARED_DATA, "train", "gsm8k_train.jsonl")
+    c.eval.every = 0
+    c.eval.n = 2
+    c.eval.max_problems = 2
+    c.eval.max_new_tokens = 32
+    c.checkpoint.every = 2
+    c.checkpoint.keep = 2
+    c.logging.tensorboard = False

@@ -1,0 +1,19 @@
+"""GRPO (beta 0.04; format 1 + cosine 2), the paper's baseline; `mmr.enabled=True` gives MMR-GRPO.
+
+    python scripts/train.py --config=configs/grpo.py:7b --workdir=runs/grpo_7b
+    python scripts/train.py --config=configs/grpo.py:1.5b --workdir=runs/mmr_grpo_1.5b \\
+        --config.mmr.enabled=True
+    python scripts/train.py --config=configs/grpo.py:8b,smoke --workdir=/tmp/smoke   # CPU
+"""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import base  # noqa: E402
+
+
+def get_config(arg=None):
+    c = base.get_config()
+    c.name = "grpo"
+    return base.apply_arg(c, arg)

@@ -1,0 +1,125 @@
+"""Group-relative advantages (GRPO, Dr.GRPO) and the DAPO dynamic-sampling predicate.
+
+Shape legend: B prompts, G completions per prompt. `...` is any leading batch shape (usually [B]);
+the last axis is one group of G completions of the same prompt.
+
+Masks (True = a real completion) make ragged groups exact: statistics are taken over the valid
+entries only, and masked entries get advantage 0, so a fully masked group gives all zeros. A group
+whose valid rewards are all equal (including a group of one) gets advantage 0 exactly, never NaN:
+the test is max == min over the valid entries, not a threshold on the std.
+"""
+
+from collections.abc import Callable
+
+import chex
+import jax
+import jax.numpy as jnp
+
+
+def _valid(rewards: jax.Array, mask: jax.Array | None) -> jax.Array:
+    valid = jnp.ones(rewards.shape, bool) if mask is None else mask.astype(bool)
+    chex.assert_shape(valid, rewards.shape)
+    return valid
+
+
+def _count(valid: jax.Array) -> jax.Array:
+    return jnp.sum(valid, axis=-1, keepdims=True).astype(jnp.float32)
+
+
+def masked_mean(rewards: jax.Array, *, mask: jax.Array | None = None) -> jax.Array:
+    """[..., G] -> [..., 1] mean over valid entries (0 for a fully masked group)."""
+    valid = _valid(rewards, mask)
+    total = jnp.sum(jnp.where(valid, rewards, 0.0), axis=-1, keepdims=True)
+    return total / jnp.maximum(_count(valid), 1.0).astype(rewards.dtype)
+
+
+def masked_std(rewards: jax.Array, *, mask: jax.Array | None = None, ddof: int = 1) -> jax.Array:
+    """[..., G] -> [..., 1] std over valid entries with divisor max(n - ddof, 1); 0 if n <= ddof."""
+    valid = _valid(rewards, mask)
+    mean = masked_mean(rewards, mask=valid)
+    sq = jnp.sum(jnp.where(valid, jnp.square(rewards - mean), 0.0), axis=-1, keepdims=True)
+    var = sq / jnp.maximum(_count(valid) - ddof, 1.0).astype(rewards.dtype)
+    # Safe sqrt: a zero variance must give a finite (zero) gradient, not inf * 0.
+    return jnp.where(var > 0, jnp.sqrt(jnp.where(var > 0, var, 1.0)), 0.0)
+
+
+def has_variance(rewards: jax.Array, *, mask: jax.Array | None = None) -> jax.Array:
+    """DAPO dynamic sampling: True where a group's valid rewards are not all equal.
+
+    Pass the reward the filter is defined on (DAPO: accuracy). Groups with fewer than two valid
+    entries have no variance.
+
+    Args:
+      rewards: [..., G] rewards.
+      mask: [..., G] bool, True = a real completion.
+
+    Returns:
+      [...] bool.
+    """
+    valid = _valid(rewards, mask)
+    hi = jnp.max(jnp.where(valid, rewards, -jnp.inf), axis=-1)
+    lo = jnp.min(jnp.where(valid, rewards, jnp.inf), axis=-1)
+    return jnp.any(valid, axis=-1) & (hi > lo)
+
+
+def _finish(adv: jax.Array, rewards: jax.Array, valid: jax.Array) -> jax.Array:
+    """Zeroes masked entries and zero-variance groups."""
+    varies = has_variance(rewards, mask=valid)[..., None]
+    return jnp.where(valid & varies, adv, 0.0)
+
+
+Estimator = Callable[..., jax.Array]
+ESTIMATORS: dict[str, Estimator] = {}
+
+
+def register(name: str) -> Callable[[Estimator], Estimator]:
+    """Decorator: `ESTIMATORS[name] = fn`; fn(rewards, *, mask, **options) -> advantages."""
+
+    def deco(fn: Estimator) -> Estimator:
+        if name in ESTIMATORS:
+            raise ValueError(f"advantage estimator {name!r} is already registered")
+        ESTIMATORS[name] = fn
+        return fn
+
+    return deco
+
+
+@register("grpo")
+def grpo_advantages(
+    rewards: jax.Array, *, mask: jax.Array | None = None, ddof: int = 1, eps: float = 1e-4
+) -> jax.Array:
+    """GRPO: A_i = (r_i - mean(r)) / (std(r) + eps) within each group.
+
+    Shao et al. 2024 (DeepSeekMath), MMR-GRPO eq. 1. Defaults ddof=1, eps=1e-4 follow the
+    method's released code (torch.std is unbiased; TRL adds 1e-4).
+
+    Args:
+      rewards: [..., G] (possibly MMR-reweighted) rewards.
+      mask: [..., G] bool, True = a real completion; masked entries get 0.
+      ddof: std divisor is n - ddof (n valid entries); groups with n <= ddof get 0.
+      eps: added to the std.
+
+    Returns:
+      [..., G] advantages, dtype of `rewards`.
+    """
+    valid = _valid(rewards, mask)
+    mean = masked_mean(rewards, mask=valid)
+    std = masked_std(rewards, mask=valid, ddof=ddof)
+    return _finish((rewards - mean) / (std + eps), rewards, valid)
+
+
+@register("dr_grpo")
+def dr_grpo_advantages(rewards: jax.Array, *, mask: jax.Array | None = None) -> jax.Array:
+    """Dr.GRPO: A_i = r_i - mean(r) within each group, no std normalisation.
+
+    Liu et al. 2025 ("Understanding R1-Zero-Like Training").
+
+    Args:
+      rewards: [..., G] rewards.
+      mask: [..., G] bool, True = a real completion; masked entries get 0.
+
+    Returns:
+      [..., G] advantages.
+    """
+    valid = _valid(rewards, mask)
+    return _finish(rewards - masked_mean(rewards, mask=valid), rewards, valid)

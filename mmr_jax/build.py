@@ -1,0 +1,205 @@
+"""Builds what a run needs from a `TrainConfig`: model (split for the functional step), optimiser,
+train state, rollout engine, encoder, prompts; and `dry_run`, the same build done abstractly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import pathlib
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import logging
+from flax import nnx
+
+from mmr_jax import config_types, data, train_step
+from mmr_jax.models import config as model_config
+from mmr_jax.models import loading, sharding
+from mmr_jax.models import lora as lora_lib
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+ARITHMETIC = "arithmetic"  # data.source for generated problems (`data.arithmetic_problems`)
+
+
+@dataclasses.dataclass
+class Policy:
+    """The model split for the functional train step (trainable params live in `TrainState`)."""
+
+    graphdef: Any  # train mode (LoRA dropout on)
+    eval_graphdef: Any  # eval mode, for sampling
+    params: nnx.State  # trainable: nnx.LoRAParam with LoRA, else nnx.Param
+    frozen: nnx.State  # the other parameters (the base under LoRA; empty otherwise)
+    rest: nnx.State  # RNG streams
+    lora: bool
+
+    def model(self, params=None, *, train=False) -> nnx.Module:
+        """A Decoder viewing `params` (default: the initial ones); no copy."""
+        gd = self.graphdef if train else self.eval_graphdef
+        return nnx.merge(gd, self.params if params is None else params, self.frozen, self.rest)
+
+
+def lora_config(cfg: config_types.TrainConfig) -> lora_lib.LoraConfig | None:
+    if not cfg.lora.enabled:
+        return None
+    return lora_lib.LoraConfig(rank=cfg.lora.rank, alpha=cfg.lora.alpha, dropout=cfg.lora.dropout,
+                               target_modules=tuple(cfg.lora.targets), seed=cfg.seed)  # fmt: skip
+
+
+def make_mesh(cfg: config_types.TrainConfig):
+    return sharding.make_mesh(*cfg.mesh.shape)
+
+
+def split_model(model: nnx.Module) -> Policy:
+    """Splits a loaded Decoder into graphdefs and states."""
+    trainable = lora_lib.trainable_filter(model)
+    model.eval()
+    eval_graphdef = nnx.split(model, trainable, nnx.Param, ...)[0]
+    model.train()
+    graphdef, params, frozen, rest = nnx.split(model, trainable, nnx.Param, ...)
+    return Policy(graphdef, eval_graphdef, params, frozen, rest, lora=trainable is nnx.LoRAParam)
+
+
+def load_policy(cfg: config_types.TrainConfig, mesh=None) -> Policy:
+    """Loads `cfg.model.path` (with adapters when LoRA is on)."""
+    model = loading.from_pretrained(
+        cfg.model.path, dtype=_DTYPES[cfg.model.dtype], param_dtype=_DTYPES[cfg.model.param_dtype],
+        mesh=mesh, lora=lora_config(cfg), rngs=nnx.Rngs(cfg.seed), remat=cfg.model.remat,
+    )  # fmt: skip
+    return split_model(model)
+
+
+def make_optimizer(cfg: config_types.TrainConfig):
+    o = cfg.optim
+    return train_step.make_optimizer(
+        lr=o.lr, total_updates=cfg.total_steps * cfg.loss.iterations, warmup_ratio=o.warmup_ratio,
+        min_lr_ratio=o.min_lr_ratio, grad_clip=o.grad_clip, b1=o.b1, b2=o.b2, eps=o.eps,
+        weight_decay=o.weight_decay,
+    )  # fmt: skip
+
+
+def init_state(cfg: config_types.TrainConfig, params, optimizer) -> train_step.TrainState:
+    return train_step.TrainState(
+        step=jnp.zeros([], jnp.int32), params=params, opt_state=optimizer.init(params),
+        rng=jax.random.key_data(jax.random.key(cfg.seed)),
+    )  # fmt: skip
+
+
+def step_config(cfg: config_types.TrainConfig) -> train_step.StepConfig:
+    return train_step.StepConfig(
+        minibatches=cfg.loss.minibatches, iterations=cfg.loss.iterations,
+        temperature=cfg.rollout.temperature, eps_low=cfg.loss.eps_low, eps_high=cfg.loss.eps_high,
+        aggregation=cfg.loss.aggregation, beta=cfg.loss.beta, kl_estimator=cfg.loss.kl_estimator,
+        max_completion_len=cfg.batch.max_completion_len, logprob_chunk=cfg.model.logprob_chunk,
+    )  # fmt: skip
+
+
+def make_engine(cfg: config_types.TrainConfig, policy: Policy, tokenizer, workdir):
+    """The rollout engine of `cfg.rollout.engine`, already holding the policy's weights."""
+    from mmr_jax.rollout import embedded
+
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    if cfg.rollout.engine == "embedded":
+        stops = embedded.eos_token_ids(cfg.model.path) or (tokenizer.eos_token_id,)
+        return embedded.EmbeddedEngine(policy.model(), stop_token_ids=stops, pad_id=pad, seed=cfg.seed)
+    from mmr_jax.rollout import vllm_client, vllm_engine
+
+    client = vllm_client.VllmClient(cfg.rollout.url, timeout_s=cfg.rollout.timeout_s,
+                                    max_retries=cfg.rollout.max_retries)  # fmt: skip
+    return vllm_engine.VllmEngine(
+        client, model=cfg.rollout.model_name or cfg.model.path, pad_id=pad, lora=policy.lora,
+        sync_dir=cfg.rollout.sync_dir or os.path.join(os.fspath(workdir), "sync"),
+        base_model_name_or_path=cfg.model.path,
+    )  # fmt: skip
+
+
+def load_prompts(cfg: config_types.TrainConfig, tokenizer) -> tuple[list[list[int]], list[str]]:
+    """(prompt ids, gold answers) of the training problems that fit `max_prompt_len`."""
+    d = cfg.data
+    if d.source == ARITHMETIC:
+        problems = data.arithmetic_problems(10_000, cfg.seed)
+    else:
+        problems = data.load_problems(d.source, split=d.split, problem_field=d.problem_field,
+                                      answer_field=d.answer_field)  # fmt: skip
+    prompts, kept, dropped = data.build_prompts(
+        tokenizer, problems, d.system_prompt, max_prompt_length=cfg.batch.max_prompt_len
+    )
+    if dropped:
+        logging.info("data: %d of %d problems longer than %d tokens dropped", dropped,
+                     len(problems), cfg.batch.max_prompt_len)  # fmt: skip
+    if not prompts:
+        shortest = min(len(data.build_prompt(tokenizer, p, d.system_prompt)) for p in problems[:100])
+        raise ValueError(
+            f"no training problem of {d.source} fits batch.max_prompt_len={cfg.batch.max_prompt_len} "
+            f"tokens (with the system prompt; shortest of the first 100: {shortest})"
+        )
+    return prompts, [p.answer for p in kept]
+
+
+# ----- dry run ------------------------------------------------------------------------------------
+
+
+def _hf_config(path: str) -> pathlib.Path:
+    """config.json of a checkpoint folder, or configs/models/<name>.json shipped with the repo."""
+    p = pathlib.Path(path)
+    name = p.name
+    repo = pathlib.Path(__file__).resolve().parents[1]
+    for cand in (p / "config.json", p, repo / "configs" / "models" / f"{name}.json",
+                 repo / "configs" / "models" / name / "config.json"):  # fmt: skip
+        if cand.is_file():
+            return cand
+    raise FileNotFoundError(f"no config.json for {path} (nor configs/models/{name}.json)")
+
+
+def _bytes(tree) -> int:
+    return sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+
+def _count(tree) -> int:
+    return sum(math.prod(x.shape) for x in jax.tree.leaves(tree))
+
+
+def dry_run(cfg: config_types.TrainConfig) -> dict[str, Any]:
+    """Builds model, optimiser state and mesh abstractly (no weights); returns and logs the sizes."""
+    mcfg = model_config.ModelConfig.from_hf(_hf_config(cfg.model.path), remat=cfg.model.remat)
+    abstract = loading.abstract_model(mcfg, dtype=_DTYPES[cfg.model.dtype],
+                                      param_dtype=_DTYPES[cfg.model.param_dtype],
+                                      lora=lora_config(cfg))  # fmt: skip
+    trainable = nnx.LoRAParam if cfg.lora.enabled else nnx.Param
+    _, params, frozen, _ = nnx.split(abstract, trainable, nnx.Param, ...)
+    optimizer, _ = make_optimizer(cfg)
+    opt_state = jax.eval_shape(optimizer.init, params)
+    mesh = make_mesh(cfg)
+    n_dev = mesh.devices.size
+    total = _count(params) + _count(frozen)
+    state_bytes = _bytes(params) + _bytes(frozen) + _bytes(opt_state)
+    rows = cfg.rows_per_step // cfg.loss.minibatches
+    seq = cfg.batch.max_prompt_len + cfg.batch.max_completion_len
+    act_dtype = np.dtype(_DTYPES[cfg.model.dtype]).itemsize
+    # Activations: with remat one [rows, L, H] residual per layer plus one layer's working set
+    # (~16 H-wide tensors) and fp32 logits of one chunk (or the whole sequence).
+    chunk = cfg.model.logprob_chunk or seq
+    act = rows * seq * mcfg.hidden_size * act_dtype * (mcfg.num_layers + 16) + rows * chunk * mcfg.vocab_size * 4
+    out = {
+        "model_type": mcfg.model_type,
+        "params_total": total,
+        "params_trainable": _count(params),
+        "bytes_params": _bytes(params) + _bytes(frozen),
+        "bytes_opt_state": _bytes(opt_state),
+        "mesh": dict(mesh.shape),
+        "devices": n_dev,
+        "bytes_state_per_device": state_bytes // max(1, mesh.shape["fsdp"] * mesh.shape["tensor"]),
+        "bytes_activations_per_device_est": act // max(1, mesh.shape["data"] * mesh.shape["fsdp"]),
+    }
+    gib = 2**30
+    logging.info(
+        "dry run %s: %s params (%s trainable, %.2f%%); params %.2f GiB, optimiser %.2f GiB; mesh %s; "
+        "per device: state %.2f GiB + activations ~%.2f GiB",
+        cfg.name, f"{total:,}", f"{out['params_trainable']:,}", 100 * out["params_trainable"] / total,
+        out["bytes_params"] / gib, out["bytes_opt_state"] / gib, out["mesh"],
+        out["bytes_state_per_device"] / gib, out["bytes_activations_per_device_est"] / gib,
+    )  # fmt: skip
+    return out

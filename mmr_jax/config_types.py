@@ -1,0 +1,336 @@
+"""Typed, frozen views of a training config.
+
+`from_config_dict` converts the ml_collections ConfigDict once, at the edge (`scripts/train.py`);
+everything downstream receives these dataclasses. Each section mirrors a block of `configs/base.py`
+key for key: a key missing on either side fails with the valid keys listed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    path: str
+    dtype: str = "bfloat16"
+    param_dtype: str = "float32"
+    remat: bool = True
+    logprob_chunk: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraConfig:
+    enabled: bool = False
+    rank: int = 64
+    alpha: float = 128.0
+    dropout: float = 0.05
+    targets: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    lr: float = 1e-6
+    b1: float = 0.9
+    b2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    warmup_ratio: float = 0.1
+    min_lr_ratio: float = 0.1
+    grad_clip: float = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchConfig:
+    prompts: int = 8
+    generations: int = 6
+    max_prompt_len: int = 512
+    max_completion_len: int = 3584
+    length_buckets: int = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig:
+    engine: str = "embedded"
+    url: str = "http://localhost:8000"
+    model_name: str = ""
+    timeout_s: float = 600.0
+    max_retries: int = 5
+    temperature: float = 0.7
+    top_p: float = 1.0
+    top_k: int = 0
+    sync_dir: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardsConfig:
+    weights: Mapping[str, float] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class AdvantageConfig:
+    estimator: str = "grpo"
+    std_ddof: int = 1
+    eps: float = 1e-4
+
+
+@dataclasses.dataclass(frozen=True)
+class LossConfig:
+    eps_low: float = 0.2
+    eps_high: float = 0.2
+    aggregation: str = "seq_mean_token_mean"
+    beta: float = 0.04
+    kl_estimator: str = "k3"
+    iterations: int = 1
+    minibatches: int = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class MmrConfig:
+    enabled: bool = False
+    lam: float | None = None
+    scope: str = "group"
+    embedding_model: str = "jinaai/jina-embeddings-v2-small-en"
+    embedding_max_length: int = 512
+    embedding_batch_size: int = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class DraConfig:
+    enabled: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class DynamicSamplingConfig:
+    enabled: bool = False
+    filter_reward: str = "accuracy"
+    max_generation_batches: int = 10
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    source: str = ""
+    split: str = "train"
+    problem_field: str = "problem"
+    answer_field: str = "answer"
+    system_prompt: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig:
+    every: int = 0
+    data_dir: str = ""
+    benchmarks: tuple[str, ...] = ()
+    max_problems: int = 0
+    n: int = 16
+    temperature: float = 0.6
+    top_p: float = 0.95
+    max_new_tokens: int = 3584
+    system_prompt: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    every: int = 50
+    keep: int = 3
+    keep_period: int = 0
+    export_hf: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class LoggingConfig:
+    every: int = 1
+    tensorboard: bool = True
+    samples: int = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    shape: tuple[int, ...] = (1, -1, 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """The whole run. `reweighting` is derived: 'mmr' | 'dra' | 'none'."""
+
+    name: str
+    seed: int
+    total_steps: int
+    model: ModelConfig
+    lora: LoraConfig
+    optim: OptimConfig
+    batch: BatchConfig
+    rollout: RolloutConfig
+    rewards: RewardsConfig
+    advantage: AdvantageConfig
+    loss: LossConfig
+    mmr: MmrConfig
+    dra: DraConfig
+    dynamic_sampling: DynamicSamplingConfig
+    data: DataConfig
+    eval: EvalConfig
+    checkpoint: CheckpointConfig
+    logging: LoggingConfig
+    mesh: MeshConfig
+
+    @property
+    def reweighting(self) -> str:
+        return "mmr" if self.mmr.enabled else "dra" if self.dra.enabled else "none"
+
+    @property
+    def rows_per_step(self) -> int:
+        return self.batch.prompts * self.batch.generations
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-able dict (tuples as lists), the form stored in the run metadata."""
+        return json.loads(json.dumps(dataclasses.asdict(self), default=dict))
+
+
+_CHOICES = {
+    ("rollout", "engine"): ("embedded", "vllm"),
+    ("advantage", "estimator"): ("grpo", "dr_grpo"),
+    ("loss", "aggregation"): ("seq_mean_token_mean", "token_mean", "seq_mean_token_sum_norm"),
+    ("loss", "kl_estimator"): ("k1", "k2", "k3"),
+    ("mmr", "scope"): ("group", "batch"),
+}
+
+
+def _plain(value):
+    """ConfigDict / FieldReference / list -> dict / scalar / tuple."""
+    if hasattr(value, "to_dict"):
+        value = value.to_dict()
+    if hasattr(value, "get") and callable(value.get) and not isinstance(value, Mapping):
+        value = value.get()  # FieldReference
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return tuple(_plain(v) for v in value)
+    return value
+
+
+def _build(cls, values: Mapping[str, Any], where: str):
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - set(fields))
+    missing = sorted(n for n, f in fields.items() if n not in values and _required(f))
+    if unknown or missing:
+        raise ValueError(
+            f"config section {where!r}: unknown keys {unknown}, missing keys {missing}; "
+            f"valid keys: {sorted(fields)}"
+        )
+    kwargs = {}
+    for name, value in values.items():
+        sub = _SECTIONS.get(name) if cls is TrainConfig else None
+        if sub is not None:
+            if not isinstance(value, Mapping):
+                raise ValueError(f"config section {name!r} must be a dict, got {value!r}")
+            value = _build(sub, value, name)
+        elif name == "weights":
+            value = {str(k): float(v) for k, v in value.items()}
+        kwargs[name] = value
+    return cls(**kwargs)
+
+
+def _required(f: dataclasses.Field) -> bool:
+    return f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+
+
+_SECTIONS = {
+    "model": ModelConfig,
+    "lora": LoraConfig,
+    "optim": OptimConfig,
+    "batch": BatchConfig,
+    "rollout": RolloutConfig,
+    "rewards": RewardsConfig,
+    "advantage": AdvantageConfig,
+    "loss": LossConfig,
+    "mmr": MmrConfig,
+    "dra": DraConfig,
+    "dynamic_sampling": DynamicSamplingConfig,
+    "data": DataConfig,
+    "eval": EvalConfig,
+    "checkpoint": CheckpointConfig,
+    "logging": LoggingConfig,
+    "mesh": MeshConfig,
+}
+
+
+def validate(cfg: TrainConfig) -> TrainConfig:
+    """Checks choices and cross-field constraints; returns `cfg`."""
+    for (section, key), choices in _CHOICES.items():
+        value = getattr(getattr(cfg, section), key)
+        if value not in choices:
+            raise ValueError(f"config {section}.{key}={value!r}; expected one of {choices}")
+    if cfg.mmr.enabled and cfg.dra.enabled:
+        raise ValueError("mmr.enabled and dra.enabled are exclusive; pick one reweighting")
+    if cfg.mmr.lam is not None and not 0.0 <= cfg.mmr.lam <= 1.0:
+        raise ValueError(f"mmr.lam={cfg.mmr.lam} must lie in [0, 1] (or None for adaptive)")
+    if cfg.rows_per_step % cfg.loss.minibatches:
+        raise ValueError(
+            f"loss.minibatches={cfg.loss.minibatches} must divide batch.prompts * batch.generations "
+            f"= {cfg.rows_per_step}"
+        )
+    if cfg.batch.max_completion_len % cfg.batch.length_buckets:
+        raise ValueError("batch.length_buckets must divide batch.max_completion_len")
+    if cfg.loss.iterations < 1 or cfg.total_steps < 1:
+        raise ValueError("loss.iterations and total_steps must be >= 1")
+    if not any(cfg.rewards.weights.values()):
+        raise ValueError(f"rewards.weights={dict(cfg.rewards.weights)} has no non-zero weight")
+    ds = cfg.dynamic_sampling
+    if ds.enabled and ds.filter_reward not in cfg.rewards.weights:
+        raise ValueError(
+            f"dynamic_sampling.filter_reward={ds.filter_reward!r} is not among rewards.weights "
+            f"{sorted(cfg.rewards.weights)}"
+        )
+    return cfg
+
+
+def from_config_dict(config) -> TrainConfig:
+    """ConfigDict (or nested dict) -> validated `TrainConfig`."""
+    return validate(_build(TrainConfig, _plain(config), "<root>"))
+
+
+class UnknownKeyError(KeyError):
+    """An override names a config key that does not exist."""
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+def load_config_file(spec: str):
+    """'configs/grpo.py:7b,smoke' -> that file's `get_config('7b,smoke')` (a ConfigDict)."""
+    import importlib.util
+    import pathlib
+
+    path, _, arg = spec.partition(":")
+    module_spec = importlib.util.spec_from_file_location(pathlib.Path(path).stem, path)
+    if module_spec is None or not pathlib.Path(path).exists():
+        raise FileNotFoundError(f"config file {path!r} not found")
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module.get_config(arg) if arg else module.get_config()
+
+
+def check_override_keys(argv, flag_name: str = "config") -> None:
+    """Raises `UnknownKeyError` naming the valid keys when a `--config.a.b=v` path does not exist.
+
+    Run on argv before absl parses it: ml_collections reports only a close match, not the keys.
+    """
+    prefix = f"--{flag_name}"
+    spec = next((a.split("=", 1)[1] for a in argv if a.startswith(prefix + "=")), None)
+    overrides = [a[len(prefix) + 1 :].split("=", 1)[0] for a in argv if a.startswith(prefix + ".")]
+    if spec is None or not overrides:
+        return
+    config = _plain(load_config_file(spec))
+    for path in overrides:
+        node, walked = config, []
+        for key in path.split("."):
+            if not isinstance(node, Mapping) or key not in node:
+                where = ".".join(walked) or "<root>"
+                valid = sorted(node) if isinstance(node, Mapping) else []
+                raise UnknownKeyError(
+                    f"unknown config key {path!r}: {where!r} has no key {key!r}; valid keys: {valid}"
+                )
+            node, walked = node[key], [*walked, key]

@@ -1,0 +1,211 @@
+"""From prompts to a training batch: rollout, decode, rewards, embeddings, reweighting, advantages,
+DAPO dynamic sampling, and packing into bucketed arrays for the jitted step.
+
+Shape legend: B prompts, G completions per prompt, T completion tokens, D embedding width,
+F reward functions, N = B * G rows (prompt-major: row b * G + i is completion i of prompt b).
+Everything here is host-side NumPy around the engines; the reweighting and advantage math are the
+jitted functions of `mmr_jax.mmr` and `mmr_jax.advantages`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Mapping, Sequence
+
+import jax
+import numpy as np
+
+from mmr_jax import advantages as advantages_lib
+from mmr_jax import mmr, rewards
+from mmr_jax.rollout import base as rollout_base
+
+
+@dataclasses.dataclass
+class Groups:
+    """B groups of G completions with their scores (host arrays)."""
+
+    prompt_ids: list[list[int]]  # [B] prompt token ids
+    answers: list[str]  # [B] gold answers
+    tokens: np.ndarray  # int32 [B, G, T]
+    mask: np.ndarray  # bool [B, G, T]
+    sampler_logps: np.ndarray  # float32 [B, G, T]
+    truncated: np.ndarray  # bool [B, G] finish reason 'length'
+    texts: list[list[str]]  # [B][G]
+    per_fn: dict[str, np.ndarray]  # name -> float32 [B, G], unweighted
+    total: np.ndarray  # float32 [B, G] weighted reward
+    valid: np.ndarray  # bool [B, G] gold answer parseable
+    embeddings: np.ndarray | None = None  # float32 [B, G, D]
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.prompt_ids)
+
+    def take(self, idx: Sequence[int]) -> Groups:
+        """The groups at `idx` (in that order)."""
+        idx = list(idx)
+        pick = lambda x: None if x is None else x[idx]  # noqa: E731
+        return Groups(
+            prompt_ids=[self.prompt_ids[i] for i in idx], answers=[self.answers[i] for i in idx],
+            tokens=self.tokens[idx], mask=self.mask[idx], sampler_logps=self.sampler_logps[idx],
+            truncated=self.truncated[idx], texts=[self.texts[i] for i in idx],
+            per_fn={k: v[idx] for k, v in self.per_fn.items()}, total=self.total[idx],
+            valid=self.valid[idx], embeddings=pick(self.embeddings),
+        )  # fmt: skip
+
+
+def _pad_time(x: np.ndarray, t: int) -> np.ndarray:
+    pad = [(0, 0)] * (x.ndim - 1) + [(0, t - x.shape[-1])]
+    return np.pad(x, pad)
+
+
+def concat(groups: Sequence[Groups]) -> Groups:
+    """Groups of several generation rounds, padded to a common T."""
+    if len(groups) == 1:
+        return groups[0]
+    t = max(g.tokens.shape[-1] for g in groups)
+    cat = lambda xs: np.concatenate(xs, axis=0)  # noqa: E731
+    embs = [g.embeddings for g in groups]
+    return Groups(
+        prompt_ids=[p for g in groups for p in g.prompt_ids],
+        answers=[a for g in groups for a in g.answers],
+        tokens=cat([_pad_time(g.tokens, t) for g in groups]),
+        mask=cat([_pad_time(g.mask, t) for g in groups]),
+        sampler_logps=cat([_pad_time(g.sampler_logps, t) for g in groups]),
+        truncated=cat([g.truncated for g in groups]),
+        texts=[x for g in groups for x in g.texts],
+        per_fn={k: cat([g.per_fn[k] for g in groups]) for k in groups[0].per_fn},
+        total=cat([g.total for g in groups]),
+        valid=cat([g.valid for g in groups]),
+        embeddings=None if any(e is None for e in embs) else cat(embs),
+    )
+
+
+def generate_and_score(engine, tokenizer, prompt_ids, answers, sampling: rollout_base.SamplingParams,
+                       weights: Mapping[str, float], *, reward_params=None, encoder=None,
+                       timings: dict | None = None) -> Groups:
+    """Rollout -> decode -> rewards -> embeddings for one generation round of B prompts."""
+    timings = timings if timings is not None else {}
+    t0 = time.perf_counter()
+    batch = engine.generate(prompt_ids, sampling)
+    t1 = time.perf_counter()
+    b, g, _ = batch.tokens.shape
+    texts = [[tokenizer.decode(batch.completion_ids(i, j), skip_special_tokens=True)
+              for j in range(g)] for i in range(b)]  # fmt: skip
+    flat_texts = [t for row in texts for t in row]
+    lengths = batch.lengths.reshape(-1).tolist()
+    scores = rewards.score(flat_texts, [a for a in answers for _ in range(g)], lengths,
+                           dict(weights), params=reward_params)  # fmt: skip
+    t2 = time.perf_counter()
+    emb = None
+    if encoder is not None:
+        emb = np.asarray(encoder.encode(flat_texts), np.float32).reshape(b, g, -1)
+    t3 = time.perf_counter()
+    for k, v in (("rollout", t1 - t0), ("rewards", t2 - t1), ("embeddings", t3 - t2)):
+        timings[k] = timings.get(k, 0.0) + v
+    return Groups(
+        prompt_ids=[list(p) for p in prompt_ids], answers=list(answers),
+        tokens=batch.tokens, mask=batch.mask, sampler_logps=batch.logprobs,
+        truncated=np.array([[r == rollout_base.FINISH_LENGTH for r in rs] for rs in batch.finish_reasons]),
+        texts=texts, per_fn={k: v.reshape(b, g) for k, v in scores.per_fn.items()},
+        total=scores.total.reshape(b, g), valid=scores.valid.reshape(b, g), embeddings=emb,
+    )  # fmt: skip
+
+
+def has_variance(groups: Groups, reward: str) -> np.ndarray:
+    """bool [B]: the group's `reward` is not constant over its valid completions (DAPO filter)."""
+    return np.asarray(advantages_lib.has_variance(groups.per_fn[reward], mask=groups.valid))
+
+
+@dataclasses.dataclass(frozen=True)
+class AdvantageOptions:
+    method: str = "none"  # 'none' | 'mmr' | 'dra'
+    lam: float | None = None
+    scope: str = "group"
+    estimator: str = "grpo"
+    std_ddof: int = 1
+    eps: float = 1e-4
+
+
+def compute_advantages(total_BxG, embeddings_BxGxD, valid_BxG, opts: AdvantageOptions):
+    """(reweighted [B, G], advantages [B, G], lambda [B] or None) on the host."""
+    reweighted = mmr.reweight(opts.method, total_BxG, embeddings_BxGxD, lam=opts.lam,
+                              mask=valid_BxG, scope=opts.scope)  # fmt: skip
+    lam = None
+    if opts.method == "mmr":
+        r = np.asarray(total_BxG)
+        m = np.asarray(valid_BxG)
+        if opts.scope == "batch":
+            r, m = r.reshape(1, -1), m.reshape(1, -1)
+        lam = np.full(r.shape[:1], opts.lam) if opts.lam is not None else mmr.adaptive_lambda(r, mask=m)
+    kwargs = {"ddof": opts.std_ddof, "eps": opts.eps} if opts.estimator == "grpo" else {}
+    adv = advantages_lib.ESTIMATORS[opts.estimator](reweighted, mask=np.asarray(valid_BxG), **kwargs)
+    adv = np.where(np.asarray(valid_BxG), np.asarray(adv), 0.0).astype(np.float32)
+    return np.asarray(reweighted, np.float32), adv, None if lam is None else np.asarray(lam)
+
+
+def bucket_len(n: int, quantum: int, maximum: int) -> int:
+    """`n` rounded up to a multiple of `quantum`, at most `maximum` (at least one quantum)."""
+    return int(min(maximum, max(quantum, -(-n // quantum) * quantum)))
+
+
+def pack(groups: Groups, advantages_BxG: np.ndarray, *, pad_id: int, prompt_quantum: int,
+         max_prompt_len: int, completion_quantum: int, max_completion_len: int) -> dict[str, np.ndarray]:
+    """Rows for the train step: prompts left-padded to a bucket P, completions right-padded to T.
+
+    Returns numpy arrays: tokens int32 [N, P + T], attention_mask bool [N, P + T],
+    completion_mask bool [N, T] (False on invalid rows), advantages float32 [N],
+    sampler_logps float32 [N, T].
+    """
+    b, g, t_in = groups.tokens.shape
+    p = bucket_len(max(len(x) for x in groups.prompt_ids), prompt_quantum, max_prompt_len)
+    t = bucket_len(int(groups.mask.sum(-1).max(initial=1)), completion_quantum, max_completion_len)
+    prompt = np.full((b, p), pad_id, np.int32)
+    prompt_mask = np.zeros((b, p), bool)
+    for i, ids in enumerate(groups.prompt_ids):
+        ids = ids[-p:]
+        prompt[i, p - len(ids):] = ids
+        prompt_mask[i, p - len(ids):] = True
+    comp = _pad_time(groups.tokens, max(t, t_in))[..., :t]
+    comp_mask = _pad_time(groups.mask, max(t, t_in))[..., :t]
+    comp = np.where(comp_mask, comp, pad_id)
+    rep = lambda x: np.repeat(x, g, axis=0)  # noqa: E731
+    loss_mask = comp_mask & groups.valid[..., None]
+    return {
+        "tokens": np.concatenate([rep(prompt), comp.reshape(b * g, t)], axis=1).astype(np.int32),
+        "attention_mask": np.concatenate([rep(prompt_mask), comp_mask.reshape(b * g, t)], axis=1),
+        "completion_mask": loss_mask.reshape(b * g, t),
+        "advantages": advantages_BxG.reshape(b * g).astype(np.float32),
+        "sampler_logps": _pad_time(groups.sampler_logps, max(t, t_in))[..., :t].reshape(b * g, t),
+    }
+
+
+def group_metrics(groups: Groups, reweighted, adv, lam, *, filter_reward: str | None) -> dict:
+    """Reward, reweighting, group and length statistics of the step's batch."""
+    valid = groups.valid
+    out = {"reward/mean": groups.total[valid].mean() if valid.any() else 0.0,
+           "reward/std": groups.total[valid].std() if valid.any() else 0.0}  # fmt: skip
+    for name, r in groups.per_fn.items():
+        out[f"reward/{name}/mean"] = float(r.mean())
+        out[f"reward/{name}/std"] = float(r.std())
+    out["reward/reweighted_mean"] = float(np.asarray(reweighted)[valid].mean()) if valid.any() else 0.0
+    out["reward/reweighted_std"] = float(np.asarray(reweighted)[valid].std()) if valid.any() else 0.0
+    out["advantage/abs_mean"] = float(np.abs(adv).mean())
+    if lam is not None:
+        out["mmr/lambda_mean"] = float(np.mean(lam))
+    stds = np.array([groups.total[i][valid[i]].std() if valid[i].any() else 0.0
+                     for i in range(groups.num_groups)])  # fmt: skip
+    out["groups/zero_variance_frac"] = float(np.mean(stds < 1e-6))
+    if filter_reward is not None:
+        out["groups/filter_zero_variance_frac"] = float(1 - has_variance(groups, filter_reward).mean())
+    out["groups/invalid_gold_frac"] = float(1 - valid.mean())
+    lengths = groups.mask.sum(-1)
+    out["completion/length_mean"] = float(lengths.mean())
+    out["completion/length_max"] = float(lengths.max())
+    out["completion/truncated_frac"] = float(groups.truncated.mean())
+    return {k: float(v) for k, v in out.items()}
+
+
+def to_device(arrays: Mapping[str, np.ndarray], sharding=None) -> dict[str, jax.Array]:
+    """Explicit host -> device transfer of the packed batch."""
+    return {k: jax.device_put(v, sharding) for k, v in arrays.items()}

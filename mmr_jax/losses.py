@@ -1,0 +1,178 @@
+"""Clipped policy-gradient objective with token aggregation modes and KL estimators.
+
+Shape legend: B sequences (completions) in the (micro)batch, T completion tokens.
+
+One per-token surrogate serves GRPO, Dr.GRPO and DAPO:
+
+    ratio_t = exp(logp_t - old_logp_t)
+    l_t = -min(ratio_t * A, clip(ratio_t, 1 - eps_low, 1 + eps_high) * A) + beta * KL_t
+
+and the variants differ in how l_t is aggregated (see `AGGREGATIONS`). Every mode is a sum of
+per-token or per-sequence terms divided by a normaliser, `loss = numerator / denominator`:
+
+    'seq_mean_token_mean'      (GRPO)     sum_b [sum_t m l / sum_t m]  /  #sequences with a token
+    'token_mean'               (DAPO)     sum_{b,t} m l                /  sum_{b,t} m
+    'seq_mean_token_sum_norm'  (Dr.GRPO)  sum_{b,t} m l                /  (B * max_completion_len)
+
+Exact gradient accumulation: compute the full batch's denominator once with `loss_denominator`
+(same mask and mode) and pass it as `normaliser` to every microbatch call. Each microbatch loss is
+then its numerator / global denominator, so the sum over microbatches of losses (and of gradients)
+equals the full-batch loss (and gradient) exactly; DAPO's token mean uses the global token count.
+Without `normaliser` the microbatch's own denominator is used (right for a single batch).
+"""
+
+import chex
+import jax
+import jax.numpy as jnp
+
+AGGREGATIONS = ("seq_mean_token_mean", "token_mean", "seq_mean_token_sum_norm")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+
+
+def kl_divergence(logps: jax.Array, ref_logps: jax.Array, *, estimator: str = "k3") -> jax.Array:
+    """Per-token estimate of KL(pi || pi_ref) from samples of pi (Schulman, "Approximating KL").
+
+    With d = ref_logp - logp: k1 = -d, k2 = d^2 / 2, k3 = exp(d) - d - 1 (unbiased, >= 0).
+
+    Args:
+      logps: [...] log-probs of the sampled tokens under the policy.
+      ref_logps: [...] log-probs of the same tokens under the reference policy.
+      estimator: 'k1', 'k2' or 'k3'.
+
+    Returns:
+      [...] per-token KL estimates.
+    """
+    chex.assert_equal_shape([logps, ref_logps])
+    d = ref_logps - logps
+    if estimator == "k1":
+        return -d
+    if estimator == "k2":
+        return 0.5 * jnp.square(d)
+    if estimator == "k3":
+        return jnp.exp(d) - d - 1.0
+    raise ValueError(f"unknown KL estimator {estimator!r}; known: {KL_ESTIMATORS}")
+
+
+def loss_denominator(
+    mask_BxT: jax.Array, *, aggregation: str, max_completion_len: int | None = None
+) -> jax.Array:
+    """The normaliser of `policy_loss` for this mask and mode (module docstring), a float scalar.
+
+    Call it on the full batch's mask and pass the result as `normaliser` to each microbatch.
+    """
+    chex.assert_rank(mask_BxT, 2)
+    m = mask_BxT.astype(jnp.float32)
+    if aggregation == "seq_mean_token_mean":
+        return jnp.sum(jnp.any(mask_BxT, axis=-1)).astype(jnp.float32)
+    if aggregation == "token_mean":
+        return jnp.sum(m)
+    if aggregation == "seq_mean_token_sum_norm":
+        length = mask_BxT.shape[1] if max_completion_len is None else max_completion_len
+        return jnp.asarray(mask_BxT.shape[0] * length, jnp.float32)
+    raise ValueError(f"unknown aggregation {aggregation!r}; known: {AGGREGATIONS}")
+
+
+def _numerator(loss_BxT: jax.Array, m_BxT: jax.Array, aggregation: str) -> jax.Array:
+    """Sum of the per-token losses weighted as `aggregation` prescribes."""
+    if aggregation == "seq_mean_token_mean":
+        n_B = jnp.sum(m_BxT, axis=-1)
+        per_seq_B = jnp.sum(loss_BxT * m_BxT, axis=-1) / jnp.maximum(n_B, 1.0)
+        return jnp.sum(per_seq_B)
+    return jnp.sum(loss_BxT * m_BxT)
+
+
+def _masked_stats(x: jax.Array, valid: jax.Array, m: jax.Array, n: jax.Array) -> dict:
+    return {
+        "mean": jnp.sum(x * m) / n,
+        "min": jnp.min(jnp.where(valid, x, jnp.inf)),
+        "max": jnp.max(jnp.where(valid, x, -jnp.inf)),
+    }
+
+
+def policy_loss(
+    logps_BxT: jax.Array,
+    old_logps_BxT: jax.Array,
+    advantages_B: jax.Array,
+    mask_BxT: jax.Array,
+    *,
+    eps_low: float,
+    eps_high: float,
+    aggregation: str,
+    ref_logps_BxT: jax.Array | None = None,
+    beta: float = 0.0,
+    kl_estimator: str = "k3",
+    max_completion_len: int | None = None,
+    normaliser: jax.Array | float | None = None,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Clipped surrogate (PPO / GRPO / DAPO) with KL penalty, aggregated as `aggregation` says.
+
+    The ratio is taken against `old_logps_BxT` (the policy that sampled, or the pre-update policy
+    when iterations > 1). On the first pass pass `jax.lax.stop_gradient(logps_BxT)`: the ratio is
+    then exactly 1 and the gradient is the plain policy gradient. Masked positions are replaced by
+    0 before any arithmetic, so they carry no gradient and garbage there (even inf) cannot leak.
+
+    Args:
+      logps_BxT: [B, T] float log-probs of the completion tokens under the current policy.
+      old_logps_BxT: [B, T] log-probs under the sampling (old) policy; no gradient flows into it.
+      advantages_B: [B] per-sequence advantages.
+      mask_BxT: [B, T] bool or {0, 1}, True = a completion token that counts.
+      eps_low: lower clip range, ratio >= 1 - eps_low (GRPO/Dr.GRPO/DAPO 0.2).
+      eps_high: upper clip range, ratio <= 1 + eps_high (GRPO/Dr.GRPO 0.2, DAPO 0.28).
+      aggregation: one of AGGREGATIONS (module docstring).
+      ref_logps_BxT: [B, T] reference-policy log-probs; required when beta > 0.
+      beta: KL coefficient.
+      kl_estimator: 'k1', 'k2' or 'k3'.
+      max_completion_len: Dr.GRPO's constant length; defaults to T.
+      normaliser: global denominator for exact gradient accumulation (module docstring).
+
+    Returns:
+      (loss, metrics): scalar loss = numerator / (normaliser or denominator); metrics hold
+      loss_numerator, loss_denominator, num_tokens, clip_frac_low, clip_frac_high (token means of
+      where the clip binds), kl (token mean; 0 without reference) and ratio_mean/min/max.
+    """
+    chex.assert_rank([logps_BxT, advantages_B], [2, 1])
+    b, t = logps_BxT.shape
+    chex.assert_shape([old_logps_BxT, mask_BxT], (b, t))
+    chex.assert_shape(advantages_B, (b,))
+    if aggregation not in AGGREGATIONS:
+        raise ValueError(f"unknown aggregation {aggregation!r}; known: {AGGREGATIONS}")
+    if beta != 0.0 and ref_logps_BxT is None:
+        raise ValueError("beta > 0 needs ref_logps_BxT")
+    valid = mask_BxT.astype(bool)
+    m = valid.astype(logps_BxT.dtype)
+    logps = jnp.where(valid, logps_BxT, 0.0)
+    old = jnp.where(valid, jax.lax.stop_gradient(old_logps_BxT), 0.0)
+    adv = advantages_B[:, None]
+
+    ratio = jnp.exp(logps - old)
+    clipped = jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high)
+    loss_BxT = -jnp.minimum(ratio * adv, clipped * adv)
+    kl = jnp.zeros_like(logps)
+    if ref_logps_BxT is not None:
+        chex.assert_shape(ref_logps_BxT, (b, t))
+        ref = jnp.where(valid, jax.lax.stop_gradient(ref_logps_BxT), 0.0)
+        kl = kl_divergence(logps, ref, estimator=kl_estimator)
+        loss_BxT = loss_BxT + beta * kl
+
+    num = _numerator(loss_BxT, m, aggregation)
+    den = loss_denominator(valid, aggregation=aggregation, max_completion_len=max_completion_len)
+    norm = den if normaliser is None else jnp.asarray(normaliser, jnp.float32)
+    loss = num / jnp.maximum(norm, 1.0).astype(num.dtype)
+
+    n_tok = jnp.maximum(jnp.sum(m), 1.0)
+    # The clip binds (zero gradient) below 1 - eps_low only for A < 0, above 1 + eps_high for A > 0.
+    low = (ratio < 1.0 - eps_low) & (adv < 0)
+    high = (ratio > 1.0 + eps_high) & (adv > 0)
+    stats = _masked_stats(jax.lax.stop_gradient(ratio), valid, m, n_tok)
+    metrics = {
+        "loss_numerator": num,
+        "loss_denominator": den,
+        "num_tokens": jnp.sum(m),
+        "clip_frac_low": jnp.sum(low * m) / n_tok,
+        "clip_frac_high": jnp.sum(high * m) / n_tok,
+        "kl": jnp.sum(jax.lax.stop_gradient(kl) * m) / n_tok,
+        "ratio_mean": stats["mean"],
+        "ratio_min": stats["min"],
+        "ratio_max": stats["max"],
+    }
+    return loss, metrics

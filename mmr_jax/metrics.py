@@ -1,0 +1,141 @@
+"""Metric writers (JSONL + TensorBoard), the console progress line, and periodic actions.
+
+`<workdir>/metrics.jsonl` holds one JSON object per logged step: {"step": s, "<name>": value, ...};
+`scripts/plot_run.py` draws it. TensorBoard event files go to `<workdir>/tb`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+import time
+from collections.abc import Mapping
+
+import numpy as np
+from absl import logging
+
+METRICS_FILE = "metrics.jsonl"
+
+
+def _scalar(value) -> float | None:
+    try:
+        value = float(np.asarray(value))
+    except (TypeError, ValueError):
+        return None
+    return value
+
+
+class MetricWriter:
+    """Appends scalar metrics per step to `metrics.jsonl` and (optionally) TensorBoard.
+
+    Args:
+      workdir: run folder.
+      tensorboard: also write TensorBoard events under `<workdir>/tb`.
+      resume_step: drop lines of steps after this one (written after the last checkpoint of an
+        interrupted run, and about to be recomputed); None keeps the file as it is.
+    """
+
+    def __init__(self, workdir, *, tensorboard: bool = True, resume_step: int | None = None):
+        self.path = pathlib.Path(workdir) / METRICS_FILE
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if resume_step is not None and self.path.exists():
+            kept = [r for r in read_jsonl(self.path) if r.get("step", 0) <= resume_step]
+            tmp = self.path.with_suffix(".tmp")
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+            tmp.replace(self.path)
+        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115
+        self._tb = None
+        if tensorboard:
+            import tensorboardX
+
+            self._tb = tensorboardX.SummaryWriter(str(pathlib.Path(workdir) / "tb"))
+
+    def write(self, step: int, metrics: Mapping[str, object]) -> dict[str, float]:
+        """Writes the scalar entries of `metrics` (non-scalars are skipped); returns them."""
+        scalars = {}
+        for name, value in metrics.items():
+            value = _scalar(value)
+            if value is not None:
+                scalars[name] = value
+        record = {"step": int(step), **{k: (v if math.isfinite(v) else str(v)) for k, v in scalars.items()}}
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            for name, value in scalars.items():
+                self._tb.add_scalar(name, value, int(step))
+            self._tb.flush()
+        return scalars
+
+    def write_text(self, step: int, name: str, text: str) -> None:
+        """A text entry (sample completions) for TensorBoard; not written to JSONL."""
+        if self._tb is not None:
+            self._tb.add_text(name, text, int(step))
+
+    def close(self) -> None:
+        self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+def read_jsonl(path) -> list[dict]:
+    """Rows of a metrics file; a torn last line (killed writer) is skipped."""
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return rows
+
+
+class Periodic:
+    """`every` steps (and at `last`, when given): `periodic(step)` is True on those steps.
+
+    `every <= 0` never fires, except at `last` when `at_last`.
+    """
+
+    def __init__(self, every: int, *, last: int | None = None, at_last: bool = True):
+        self.every, self.last, self.at_last = every, last, at_last
+
+    def __call__(self, step: int) -> bool:
+        if self.at_last and self.last is not None and step == self.last:
+            return True
+        return self.every > 0 and step % self.every == 0
+
+
+def format_duration(seconds: float) -> str:
+    """3725 -> '1h02m05s'."""
+    seconds = max(0, int(round(seconds)))
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s" if m else f"{s}s"
+
+
+class Progress:
+    """Console progress line with ETA, measured from the steps done in this process.
+
+    Args:
+      total: last step of the run.
+      start_step: step the process started at (a resumed run counts only its own steps).
+      keys: metric names shown on the line, when present.
+    """
+
+    def __init__(self, total: int, start_step: int = 0, keys=("reward/mean", "loss", "kl")):
+        self.total, self.start_step, self.keys = total, start_step, tuple(keys)
+        self._t0 = time.monotonic()
+
+    def line(self, step: int, metrics: Mapping[str, float]) -> str:
+        done = step - self.start_step
+        elapsed = time.monotonic() - self._t0
+        eta = elapsed / done * (self.total - step) if done > 0 else float("nan")
+        parts = [f"step {step}/{self.total}"]
+        parts += [f"{k}={metrics[k]:.4g}" for k in self.keys if k in metrics]
+        per_step = elapsed / done if done > 0 else float("nan")
+        eta_text = format_duration(eta) if math.isfinite(eta) else "?"
+        parts += [f"{per_step:.1f}s/step" if math.isfinite(per_step) else "", f"ETA {eta_text}"]
+        return " | ".join(p for p in parts if p)
+
+    def log(self, step: int, metrics: Mapping[str, float]) -> None:
+        logging.info("%s", self.line(step, metrics))

@@ -1,0 +1,233 @@
+"""Decoder-only transformer of the Llama and Qwen2 families (Flax NNX).
+
+One module covers both: GQA, rotate-half RoPE (optionally `llama3`-scaled), q/k/v bias (Qwen2),
+o_proj bias (Llama `attention_bias`), SwiGLU MLP, RMSNorm, tied or untied embeddings. Parameters are
+fp32 master weights (`param_dtype`) cast to the compute `dtype` (e.g. bf16) at use; attention scores,
+softmax and logits are fp32.
+
+Dropout (LoRA only) runs when the model is in train mode (`model.train()`); a new model is in eval
+mode (`model.eval()`), so sampling and log-probs are deterministic by default.
+
+Legend: B batch, T new tokens, S key/cache slots, H hidden, N heads, K kv heads, D head dim, V vocab.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from mmr_jax.models import config as config_lib
+from mmr_jax.models import kv_cache, layers
+from mmr_jax.models import lora as lora_lib
+
+_MASK_VALUE = -1e30  # finite, so fully masked rows (left padding) give a uniform softmax, not NaN
+
+
+def _attend(q_BxTxNxD, k_BxSxKxD, v_BxSxKxD, mask_BxTxS):
+    """Grouped-query attention; scores and softmax in fp32. Returns [B, T, N*D]."""
+    b, t, n, d = q_BxTxNxD.shape
+    kh = k_BxSxKxD.shape[2]
+    q = q_BxTxNxD.reshape(b, t, kh, n // kh, d)
+    s = jnp.einsum("btkgd,bskd->bkgts", q, k_BxSxKxD, preferred_element_type=jnp.float32)
+    s = jnp.where(mask_BxTxS[:, None, None], s * (d**-0.5), _MASK_VALUE)
+    p = jax.nn.softmax(s, axis=-1).astype(v_BxSxKxD.dtype)
+    o = jnp.einsum("bkgts,bskd->btkgd", p, v_BxSxKxD)
+    return o.reshape(b, t, n * d)
+
+
+def _split_key(key, i):
+    return None if key is None else jax.random.fold_in(key, i)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: config_lib.ModelConfig, *, dtype, param_dtype, lora, rngs):
+        def dense(name, din, dout, bias):
+            use = lora if lora is not None and lora.targets(name) else None
+            return layers.Dense(
+                din, dout, use_bias=bias, dtype=dtype, param_dtype=param_dtype, lora=use, rngs=rngs
+            )
+
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.q_proj = dense("q_proj", h, cfg.num_heads * d, cfg.attention_bias)
+        self.k_proj = dense("k_proj", h, cfg.num_kv_heads * d, cfg.attention_bias)
+        self.v_proj = dense("v_proj", h, cfg.num_kv_heads * d, cfg.attention_bias)
+        self.o_proj = dense("o_proj", cfg.num_heads * d, h, cfg.o_proj_bias)
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
+
+    def qkv(self, x_BxTxH, cos, sin, *, disable_lora, key):
+        """Rotated q [B,T,N,D], k [B,T,K,D] and v [B,T,K,D]."""
+        b, t, _ = x_BxTxH.shape
+        kw = dict(disable_lora=disable_lora)
+        q = self.q_proj(x_BxTxH, dropout_key=_split_key(key, 0), **kw)
+        k = self.k_proj(x_BxTxH, dropout_key=_split_key(key, 1), **kw)
+        v = self.v_proj(x_BxTxH, dropout_key=_split_key(key, 2), **kw)
+        q = layers.apply_rope(q.reshape(b, t, self.num_heads, self.head_dim), cos, sin)
+        k = layers.apply_rope(k.reshape(b, t, self.num_kv_heads, self.head_dim), cos, sin)
+        return q, k, v.reshape(b, t, self.num_kv_heads, self.head_dim)
+
+    def out(self, o_BxTxND, *, disable_lora, key):
+        return self.o_proj(o_BxTxND, disable_lora=disable_lora, dropout_key=_split_key(key, 3))
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: config_lib.ModelConfig, *, dtype, param_dtype, lora, rngs):
+        def dense(name, din, dout):
+            use = lora if lora is not None and lora.targets(name) else None
+            return layers.Dense(
+                din, dout, use_bias=False, dtype=dtype, param_dtype=param_dtype, lora=use, rngs=rngs
+            )
+
+        self.gate_proj = dense("gate_proj", cfg.hidden_size, cfg.intermediate_size)
+        self.up_proj = dense("up_proj", cfg.hidden_size, cfg.intermediate_size)
+        self.down_proj = dense("down_proj", cfg.intermediate_size, cfg.hidden_size)
+
+    def __call__(self, x_BxTxH, *, disable_lora=False, key=None):
+        kw = dict(disable_lora=disable_lora)
+        g = self.gate_proj(x_BxTxH, dropout_key=_split_key(key, 4), **kw)
+        u = self.up_proj(x_BxTxH, dropout_key=_split_key(key, 5), **kw)
+        return self.down_proj(jax.nn.silu(g) * u, dropout_key=_split_key(key, 6), **kw)
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: config_lib.ModelConfig, *, dtype, param_dtype, lora, rngs):
+        kw = dict(dtype=dtype, param_dtype=param_dtype)
+        self.input_layernorm = layers.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, **kw)
+        self.self_attn = Attention(cfg, lora=lora, rngs=rngs, **kw)
+        self.post_attention_layernorm = layers.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, **kw)
+        self.mlp = MLP(cfg, lora=lora, rngs=rngs, **kw)
+
+    def __call__(self, x_BxTxH, cos, sin, mask_BxTxS, disable_lora, key):
+        """Full-sequence block (keys = the T tokens themselves)."""
+        h = self.input_layernorm(x_BxTxH)
+        q, k, v = self.self_attn.qkv(h, cos, sin, disable_lora=disable_lora, key=key)
+        o = _attend(q, k, v, mask_BxTxS)
+        x = x_BxTxH + self.self_attn.out(o, disable_lora=disable_lora, key=key)
+        return x + self.mlp(self.post_attention_layernorm(x), disable_lora=disable_lora, key=key)
+
+
+def _block_call(block, x, cos, sin, mask, disable_lora, key):
+    return block(x, cos, sin, mask, disable_lora, key)
+
+
+_block_call_remat = nnx.remat(_block_call, static_argnums=(5,))
+
+
+class Decoder(nnx.Module):
+    """Causal LM: tokens [B, T] -> fp32 logits [B, T, V].
+
+    Args:
+      cfg: sizes and options from config.json (`cfg.remat` turns on per-block checkpointing).
+      dtype: compute dtype (jnp.float32 or jnp.bfloat16).
+      param_dtype: storage dtype of the parameters (fp32 master weights).
+      lora: adapters on `lora.target_modules`, or None.
+      rngs: parameter init (and LoRA dropout) randomness.
+    """
+
+    def __init__(
+        self,
+        cfg: config_lib.ModelConfig,
+        *,
+        dtype=jnp.float32,
+        param_dtype=jnp.float32,
+        lora: lora_lib.LoraConfig | None = None,
+        rngs: nnx.Rngs,
+    ):
+        self.config, self.dtype, self.lora_config = cfg, dtype, lora
+        kw = dict(dtype=dtype, param_dtype=param_dtype)
+        self.embed_tokens = layers.Embed(cfg.vocab_size, cfg.hidden_size, rngs=rngs, **kw)
+        self.layers = nnx.List(
+            [Block(cfg, lora=lora, rngs=rngs, **kw) for _ in range(cfg.num_layers)]
+        )
+        self.norm = layers.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, **kw)
+        self.lm_head = nnx.data(
+            None
+            if cfg.tie_word_embeddings
+            else layers.Dense(cfg.hidden_size, cfg.vocab_size, use_bias=False, lora=None, rngs=rngs, **kw)
+        )
+        self.inv_freq = tuple(
+            float(f) for f in layers.rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling_dict)
+        )
+        use_dropout = lora is not None and lora.dropout > 0
+        self.dropout_rngs = nnx.data(nnx.Rngs(dropout=lora.seed) if use_dropout else None)
+        self.deterministic = True  # eval mode; `model.train()` turns LoRA dropout on
+
+    # ----- full-sequence forward -------------------------------------------------------------
+
+    def __call__(self, tokens_BxT, *, positions_BxT=None, attention_mask_BxT=None, disable_lora=False):
+        """fp32 logits [B, T, V]; attention is causal and ignores keys where the mask is 0."""
+        h = self.hidden(
+            tokens_BxT,
+            positions_BxT=positions_BxT,
+            attention_mask_BxT=attention_mask_BxT,
+            disable_lora=disable_lora,
+        )
+        return self.logits_from_hidden(h)
+
+    def hidden(self, tokens_BxT, *, positions_BxT=None, attention_mask_BxT=None, disable_lora=False):
+        """Final-normed hidden states [B, T, H] in the compute dtype."""
+        b, t = tokens_BxT.shape
+        if attention_mask_BxT is None:
+            attention_mask_BxT = jnp.ones((b, t), jnp.bool_)
+        attention_mask_BxT = attention_mask_BxT.astype(jnp.bool_)
+        if positions_BxT is None:
+            positions_BxT = jnp.maximum(jnp.cumsum(attention_mask_BxT, axis=-1) - 1, 0)
+        causal = jnp.tril(jnp.ones((t, t), jnp.bool_))
+        mask = causal[None] & attention_mask_BxT[:, None, :]
+        cos, sin = layers.rope_cos_sin(positions_BxT, self.inv_freq)
+        key = self._dropout_key()
+        x = self.embed_tokens(tokens_BxT)
+        call = _block_call_remat if self.config.remat else _block_call
+        for i, block in enumerate(self.layers):
+            x = call(block, x, cos, sin, mask, disable_lora, _split_key(key, i))
+        return self.norm(x)
+
+    def logits_from_hidden(self, h_BxTxH):
+        """fp32 logits [B, T, V] from final-normed hidden states."""
+        if self.lm_head is None:
+            return self.embed_tokens.attend(h_BxTxH)
+        w = self.lm_head.kernel[...].astype(self.dtype)
+        return jnp.einsum("bth,hv->btv", h_BxTxH.astype(self.dtype), w, preferred_element_type=jnp.float32)
+
+    def _dropout_key(self):
+        if self.deterministic or self.dropout_rngs is None:
+            return None
+        return self.dropout_rngs.dropout()
+
+    # ----- KV-cache decoding -----------------------------------------------------------------
+
+    def init_cache(self, batch: int, max_len: int, dtype=None) -> kv_cache.KVCache:
+        """A zero cache, k and v [L, B, max_len, K, D] in `dtype` (default: the compute dtype)."""
+        c = self.config
+        return kv_cache.init(
+            c.num_layers, batch, max_len, c.num_kv_heads, c.head_dim, dtype or self.dtype
+        )
+
+    def forward_cached(
+        self, tokens_BxT, positions_BxT, cache: kv_cache.KVCache, *, write_index, kv_mask_BxS,
+        disable_lora=False,
+    ):
+        """Runs T new tokens against the cache; returns (fp32 logits [B, T, V], updated cache).
+
+        The new keys/values go to slots [write_index, write_index + T); query i attends to slot s iff
+        `kv_mask_BxS[b, s] and s <= write_index + i`. `write_index` may be a traced int32 scalar.
+        """
+        t = tokens_BxT.shape[1]
+        s = cache.max_len
+        write_index = jnp.asarray(write_index, jnp.int32)
+        slots = jnp.arange(s, dtype=jnp.int32)
+        limit = write_index + jnp.arange(t, dtype=jnp.int32)
+        mask = (slots[None, :] <= limit[:, None])[None] & kv_mask_BxS.astype(jnp.bool_)[:, None, :]
+        cos, sin = layers.rope_cos_sin(positions_BxT, self.inv_freq)
+        ck, cv = cache.k, cache.v
+        x = self.embed_tokens(tokens_BxT)
+        for i, block in enumerate(self.layers):
+            h = block.input_layernorm(x)
+            q, k, v = block.self_attn.qkv(h, cos, sin, disable_lora=disable_lora, key=None)
+            ck = kv_cache.write(ck, i, k, write_index)
+            cv = kv_cache.write(cv, i, v, write_index)
+            o = _attend(q, ck[i].astype(q.dtype), cv[i].astype(q.dtype), mask)
+            x = x + block.self_attn.out(o, disable_lora=disable_lora, key=None)
+            x = x + block.mlp(block.post_attention_layernorm(x), disable_lora=disable_lora)
+        logits = self.logits_from_hidden(self.norm(x))
+        return logits, kv_cache.KVCache(k=ck, v=cv)

@@ -1,0 +1,136 @@
+"""Building blocks of the decoder: a LoRA-capable dense layer, RMSNorm, embedding and RoPE.
+
+Parameters are stored in `param_dtype` (fp32 master weights) and cast to the compute `dtype` where
+they are used. Attribute names follow the Hugging Face module names (`q_proj`, `input_layernorm`,
+...) so that the safetensors name table in `loading.py` stays a plain rename.
+
+Legend: B batch, T tokens, H hidden size, D head dim, V vocab, r LoRA rank.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from mmr_jax.models import lora as lora_lib
+
+
+def _lead(v_F, ndim: int):
+    """Reshapes a vector [F] to [1, ..., 1, F] of rank `ndim` (explicit broadcasting)."""
+    return v_F.reshape((1,) * (ndim - 1) + v_F.shape)
+
+
+class Dense(nnx.Module):
+    """y = x @ kernel + bias (+ scale * dropout(x) @ lora_a @ lora_b when LoRA is on).
+
+    kernel is [in, out] (the transpose of a HF Linear weight); lora_a [in, r], lora_b [r, out]
+    (`nnx.LoRAParam`, B zero-initialised so a fresh adapter leaves the base unchanged).
+    """
+
+    def __init__(
+        self,
+        din: int,
+        dout: int,
+        *,
+        use_bias: bool,
+        dtype,
+        param_dtype,
+        lora: lora_lib.LoraConfig | None,
+        rngs: nnx.Rngs,
+    ):
+        init = jax.nn.initializers.normal(0.02)
+        self.kernel = nnx.Param(init(rngs.params(), (din, dout), param_dtype))
+        self.bias = nnx.data(nnx.Param(jnp.zeros((dout,), param_dtype)) if use_bias else None)
+        self.dtype = dtype
+        a = b = None
+        if lora is not None:
+            bound = 1.0 / math.sqrt(din)  # PEFT's kaiming_uniform(a=sqrt(5)) for lora_A.
+            a = nnx.LoRAParam(
+                jax.random.uniform(rngs.params(), (din, lora.rank), param_dtype, -bound, bound)
+            )
+            b = nnx.LoRAParam(jnp.zeros((lora.rank, dout), param_dtype))
+        self.lora_a, self.lora_b = nnx.data(a), nnx.data(b)
+        self.lora_scale = lora.alpha / lora.rank if lora is not None else 0.0
+        self.lora_dropout = lora.dropout if lora is not None else 0.0
+
+    def __call__(self, x, *, disable_lora: bool = False, dropout_key=None):
+        """x [..., in] -> [..., out] in the compute dtype."""
+        x = x.astype(self.dtype)
+        y = x @ self.kernel[...].astype(self.dtype)
+        if self.bias is not None:
+            y = y + _lead(self.bias[...].astype(self.dtype), y.ndim)
+        if self.lora_a is not None and not disable_lora:
+            xd = x
+            if dropout_key is not None and self.lora_dropout > 0:
+                keep = jax.random.bernoulli(dropout_key, 1.0 - self.lora_dropout, x.shape)
+                xd = jnp.where(keep, x / (1.0 - self.lora_dropout), 0).astype(self.dtype)
+            low = xd @ self.lora_a[...].astype(self.dtype)
+            y = y + (low @ self.lora_b[...].astype(self.dtype)) * self.lora_scale
+        return y
+
+
+class RMSNorm(nnx.Module):
+    """x / sqrt(mean(x^2) + eps) * weight, normalised in fp32 as transformers does."""
+
+    def __init__(self, dim: int, *, eps: float, dtype, param_dtype):
+        self.weight = nnx.Param(jnp.ones((dim,), param_dtype))
+        self.eps = eps
+        self.dtype = dtype
+
+    def __call__(self, x):
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return _lead(self.weight[...].astype(self.dtype), x.ndim) * x32.astype(self.dtype)
+
+
+class Embed(nnx.Module):
+    """Token embedding [V, H]; `attend` gives tied-head logits in fp32."""
+
+    def __init__(self, vocab: int, dim: int, *, dtype, param_dtype, rngs: nnx.Rngs):
+        init = jax.nn.initializers.normal(0.02)
+        self.embedding = nnx.Param(init(rngs.params(), (vocab, dim), param_dtype))
+        self.dtype = dtype
+
+    def __call__(self, tokens_BxT):
+        return jnp.take(self.embedding[...], tokens_BxT, axis=0).astype(self.dtype)
+
+    def attend(self, h_BxTxH):
+        w = self.embedding[...].astype(self.dtype)
+        return jnp.einsum("bth,vh->btv", h_BxTxH.astype(self.dtype), w, preferred_element_type=jnp.float32)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> np.ndarray:
+    """Inverse frequencies [D/2] (float32), with the `llama3` rescaling when `scaling` is given."""
+    inv = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / head_dim))
+    inv = inv.astype(np.float32)
+    if scaling is None:
+        return inv
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_len = scaling["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv
+    inv_l = np.where(wavelen > low_wavelen, inv / factor, inv)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * inv_l / factor + smooth * inv_l
+    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return np.where(medium, smoothed, inv_l).astype(np.float32)
+
+
+def rope_cos_sin(positions_BxT, inv_freq):
+    """cos, sin [B, T, D] (fp32) for rotate-half RoPE at integer positions."""
+    freqs = positions_BxT.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)[None, None, :]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb), jnp.sin(emb)
+
+
+def apply_rope(x_BxTxNxD, cos, sin):
+    """Rotates x (HF `rotate_half` layout) in fp32 and casts back to x's dtype."""
+    x = x_BxTxNxD.astype(jnp.float32)
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    out = x * cos[:, :, None, :] + rotated * sin[:, :, None, :]
+    return out.astype(x_BxTxNxD.dtype)

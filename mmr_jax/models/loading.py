@@ -1,0 +1,186 @@
+"""Hugging Face safetensors checkpoints -> `decoder.Decoder`.
+
+The model is built abstractly (`nnx.eval_shape`, no memory), then every parameter is filled from its
+tensor, read on its own from a memory-mapped safetensors file (single file or sharded index) and
+placed straight into its target dtype and sharding with `jax.make_array_from_callback`, so each
+device only touches its own slice and no full host copy of the model is ever made.
+
+Name/layout table (our state path -> HF tensor name; kernels are the transpose of HF Linear weights):
+  embed_tokens/embedding                 model.embed_tokens.weight            [V, H]
+  layers/N/self_attn/{q,k,v,o}_proj/kernel   model.layers.N.self_attn.*.weight   transposed
+  layers/N/self_attn/{q,k,v,o}_proj/bias     model.layers.N.self_attn.*.bias
+  layers/N/mlp/{gate,up,down}_proj/kernel    model.layers.N.mlp.*.weight         transposed
+  layers/N/{input,post_attention}_layernorm/weight   model.layers.N.*.weight
+  norm/weight                            model.norm.weight
+  lm_head/kernel                         lm_head.weight (untied only)          transposed
+LoRA adapters are not in the checkpoint: lora_a is drawn as in PEFT, lora_b is zero.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from flax import nnx
+
+from mmr_jax.models import config as config_lib
+from mmr_jax.models import decoder
+from mmr_jax.models import lora as lora_lib
+from mmr_jax.models import sharding as sharding_lib
+
+_DTYPES = {
+    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
+    "BOOL": np.bool_, "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,
+}
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def hf_name(path: tuple) -> tuple[str, bool]:
+    """(HF tensor name, transpose?) for one of our parameter paths."""
+    parts = [str(p) for p in path]
+    leaf = parts[-1]
+    prefix = "" if parts[0] == "lm_head" else "model."
+    name = prefix + ".".join(parts[:-1]) + (".bias" if leaf == "bias" else ".weight")
+    return name, leaf == "kernel"
+
+
+class SafetensorsFile:
+    """Reads single tensors from a safetensors file through a read-only memory map (any dtype)."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = str(path)
+        with open(self.path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(n))
+        header.pop("__metadata__", None)
+        self.header, self._base = header, 8 + n
+        self._mmap = np.memmap(self.path, dtype=np.uint8, mode="r")
+
+    def keys(self):
+        return self.header.keys()
+
+    def get(self, name: str) -> np.ndarray:
+        info = self.header[name]
+        if info["dtype"] not in _DTYPES:
+            raise ValueError(f"{self.path}: tensor {name} has unsupported dtype {info['dtype']}")
+        start, end = info["data_offsets"]
+        raw = self._mmap[self._base + start : self._base + end]
+        return raw.view(_DTYPES[info["dtype"]]).reshape(info["shape"])
+
+
+def open_checkpoint(path: str | os.PathLike) -> dict[str, SafetensorsFile]:
+    """{tensor name: file} for `model.safetensors` or a `model.safetensors.index.json` set."""
+    path = pathlib.Path(path)
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = {f: SafetensorsFile(path / f) for f in sorted(set(weight_map.values()))}
+        return {name: files[f] for name, f in weight_map.items()}
+    single = path / "model.safetensors"
+    if not single.exists():
+        raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {path}")
+    f = SafetensorsFile(single)
+    return {name: f for name in f.keys()}
+
+
+def abstract_model(cfg: config_lib.ModelConfig, *, dtype=jnp.float32, param_dtype=jnp.float32,
+                   lora: lora_lib.LoraConfig | None = None) -> decoder.Decoder:
+    """The decoder with ShapeDtypeStruct leaves (no memory allocated)."""
+    return nnx.eval_shape(
+        lambda: decoder.Decoder(cfg, dtype=dtype, param_dtype=param_dtype, lora=lora, rngs=nnx.Rngs(0))
+    )
+
+
+def _place(shape, dtype, sharding, read):
+    """A jax.Array of `shape`/`dtype` whose device slices come from `read(index)` (host numpy)."""
+    if sharding is None:
+        return jax.device_put(np.asarray(read((slice(None),) * len(shape)), dtype=dtype))
+    return jax.make_array_from_callback(
+        shape, sharding, lambda idx: np.asarray(read(idx), dtype=dtype)
+    )
+
+
+def _lora_init(path, shape, dtype, sharding, key):
+    if path[-1] == "lora_b":
+        return _place(shape, dtype, sharding, lambda idx: np.zeros(shape, dtype)[idx])
+    bound = 1.0 / math.sqrt(shape[0])
+    fn = jax.jit(lambda k: jax.random.uniform(k, shape, dtype, -bound, bound), out_shardings=sharding)
+    return fn(key)
+
+
+def _fill(path, var, tensors, used, missing, mesh, key):
+    """The concrete value for the abstract variable `var` at `path`."""
+    shape, dtype = tuple(var.get_value().shape), var.get_value().dtype
+    sharding = None if mesh is None else sharding_lib.named_sharding(path, shape, mesh)
+    if isinstance(var, nnx.RngKey):
+        return jax.random.key(0)
+    if isinstance(var, nnx.RngCount):
+        return jnp.zeros(shape, dtype)
+    if isinstance(var, nnx.LoRAParam):
+        return _lora_init(path, shape, dtype, sharding, jax.random.fold_in(key, hash(path) % 2**31))
+    name, transpose = hf_name(path)
+    if name not in tensors:
+        missing.append(name)
+        return None
+    used.add(name)
+    src = tensors[name].get(name)
+    src = src.T if transpose else src
+    if tuple(src.shape) != shape:
+        raise ValueError(f"tensor {name}: checkpoint shape {src.shape} (after layout) != model {shape}")
+    return _place(shape, dtype, sharding, lambda idx: src[idx])
+
+
+def load_weights(model_abstract: decoder.Decoder, path, *, mesh=None, rngs=None) -> decoder.Decoder:
+    """Fills an abstract decoder from the checkpoint at `path`; raises listing missing/unexpected."""
+    tensors = open_checkpoint(path)
+    graphdef, state = nnx.split(model_abstract)
+    key = (rngs or nnx.Rngs(0)).params()
+    used, missing, flat = set(), [], []
+    for p, var in nnx.to_flat_state(state):
+        value = _fill(p, var, tensors, used, missing, mesh, key)
+        flat.append((p, var.replace(value) if value is not None else var))
+    unexpected = [
+        n for n in tensors
+        if n not in used and not n.endswith(_IGNORED_SUFFIXES)
+        and not (n == "lm_head.weight" and model_abstract.config.tie_word_embeddings)
+    ]
+    if missing or unexpected:
+        raise ValueError(
+            f"checkpoint {path} does not match the model: missing tensors {sorted(missing)}; "
+            f"unexpected tensors {sorted(unexpected)}"
+        )
+    model = nnx.merge(graphdef, nnx.from_flat_state(flat))
+    model.eval()
+    return model
+
+
+def from_pretrained(
+    path: str | os.PathLike,
+    *,
+    dtype=jnp.float32,
+    param_dtype=jnp.float32,
+    mesh: jax.sharding.Mesh | None = None,
+    lora: lora_lib.LoraConfig | None = None,
+    rngs: nnx.Rngs | None = None,
+    remat: bool = False,
+) -> decoder.Decoder:
+    """Loads a HF folder (config.json + safetensors) as a `Decoder` in eval mode.
+
+    Args:
+      path: the checkpoint folder.
+      dtype: compute dtype; param_dtype: storage dtype of the weights (fp32 master weights).
+      mesh: place each parameter with its partition rule on this mesh (default: one device).
+      lora: add adapters (B = 0, so the model starts equal to the base).
+      rngs: randomness for lora_a (its `params` stream).
+      remat: gradient checkpointing per block.
+    """
+    cfg = config_lib.ModelConfig.from_hf(path, remat=remat)
+    abstract = abstract_model(cfg, dtype=dtype, param_dtype=param_dtype, lora=lora)
+    return load_weights(abstract, path, mesh=mesh, rngs=rngs)

@@ -1,0 +1,87 @@
+"""Per-token log-probabilities (and entropies) of given sequences under the policy.
+
+  logps[b, t] = log softmax(logits[b, t-1] / temperature)[tokens[b, t]],  0 at t = 0 and where masked.
+
+With `chunk_size`, the LM head and log-softmax run over the sequence in chunks under `jax.checkpoint`,
+so only a [B, chunk, V] block of logits exists at a time, in the forward and the backward pass.
+
+Legend: B batch, T tokens, H hidden, V vocab, C chunk length.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def _scores(logits_BxCxV, targets_BxC, temperature, return_entropy):
+    """(log-prob of the targets, entropy) [B, C] of softmax(logits / temperature), in fp32."""
+    logp = jax.nn.log_softmax(logits_BxCxV.astype(jnp.float32) / temperature, axis=-1)
+    picked = jnp.take_along_axis(logp, targets_BxC[..., None], axis=-1)[..., 0]
+    if not return_entropy:
+        return picked, jnp.zeros_like(picked)
+    return picked, -jnp.sum(jnp.exp(logp) * logp, axis=-1)
+
+
+def token_logprobs(
+    model,
+    tokens_BxT: jax.Array,
+    attention_mask_BxT: jax.Array,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+    return_entropy: bool = False,
+    disable_lora: bool = False,
+):
+    """Log-probs [B, T] float32 of `tokens` under `model` (a `decoder.Decoder`) at `temperature`.
+
+    Args:
+      model: the decoder; `disable_lora=True` gives the base (reference) policy.
+      tokens_BxT: int token ids (left or right padding).
+      attention_mask_BxT: 1/True for real tokens.
+      temperature: logits are divided by it before the softmax (as the sampler does).
+      chunk_size: sequence chunk for the LM head; None computes all [B, T, V] logits at once.
+      return_entropy: also return the per-token entropy [B, T] of the same distribution.
+
+    Returns:
+      logps [B, T] (0 at t = 0 and at masked positions), or (logps, entropy).
+    """
+    assert tokens_BxT.ndim == 2 and attention_mask_BxT.shape == tokens_BxT.shape
+    b, t = tokens_BxT.shape
+    mask = attention_mask_BxT.astype(jnp.bool_)
+    h = model.hidden(tokens_BxT, attention_mask_BxT=mask, disable_lora=disable_lora)[:, :-1]
+    targets = tokens_BxT[:, 1:]
+    n = t - 1
+    if chunk_size is None or chunk_size >= n:
+        logp, ent = _scores(model.logits_from_hidden(h), targets, temperature, return_entropy)
+    else:
+        logp, ent = _chunked(model, h, targets, chunk_size, temperature, return_entropy)
+    valid = mask[:, 1:]
+    zero = jnp.zeros((b, 1), jnp.float32)
+    logp = jnp.concatenate([zero, jnp.where(valid, logp, 0.0)], axis=1)
+    if not return_entropy:
+        return logp
+    return logp, jnp.concatenate([zero, jnp.where(valid, ent, 0.0)], axis=1)
+
+
+def _chunked(model, h_BxNxH, targets_BxN, chunk, temperature, return_entropy):
+    """_scores over sequence chunks with rematerialisation; returns two [B, N] arrays."""
+    b, n, hd = h_BxNxH.shape
+    pad = (-n) % chunk
+    h = jnp.pad(h_BxNxH, ((0, 0), (0, pad), (0, 0)))
+    tg = jnp.pad(targets_BxN, ((0, 0), (0, pad)))
+    k = (n + pad) // chunk
+    h = h.reshape(b, k, chunk, hd).swapaxes(0, 1)  # [K, B, C, H]
+    tg = tg.reshape(b, k, chunk).swapaxes(0, 1)
+
+    @jax.checkpoint
+    def one(hc, tc):
+        return _scores(model.logits_from_hidden(hc), tc, temperature, return_entropy)
+
+    def body(carry, xs):
+        return carry, one(*xs)
+
+    _, (logp, ent) = jax.lax.scan(body, None, (h, tg))
+    logp = logp.swapaxes(0, 1).reshape(b, k * chunk)[:, :n]
+    ent = ent.swapaxes(0, 1).reshape(b, k * chunk)[:, :n]
+    return logp, ent

@@ -1,0 +1,83 @@
+"""Device mesh with data / fsdp / tensor axes and partition rules for the decoder's parameters.
+
+Rules are keyed on the parameter's state path (our layout: kernels are [in, out]):
+  embedding [V, H]                     -> (tensor, fsdp)
+  q/k/v/gate/up kernel [H, out]        -> (fsdp, tensor)   column-parallel
+  o/down kernel [in, H]                -> (tensor, fsdp)   row-parallel
+  lm_head kernel [H, V]                -> (fsdp, tensor)
+  q/k/v bias [out]                     -> (tensor,)
+  lora_a [in, r] / lora_b [r, out]     -> the kernel's in / out axis, rank replicated
+  norms, other biases, RNG state       -> replicated
+A dimension not divisible by its axis size is replicated instead. Batches shard over (data, fsdp).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+AXES = ("data", "fsdp", "tensor")
+_COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "lm_head")
+_ROW = ("o_proj", "down_proj")
+
+
+def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, *, devices=None) -> Mesh:
+    """A Mesh of shape (data, fsdp, tensor) over `devices` (default: all); one size may be -1."""
+    devices = list(jax.devices() if devices is None else devices)
+    sizes = [data, fsdp, tensor]
+    if sizes.count(-1) > 1:
+        raise ValueError(f"at most one mesh axis may be -1, got {sizes}")
+    known = math.prod(s for s in sizes if s != -1)
+    sizes = [len(devices) // known if s == -1 else s for s in sizes]
+    if math.prod(sizes) != len(devices):
+        raise ValueError(f"mesh {dict(zip(AXES, sizes, strict=True))} needs {math.prod(sizes)} "
+                         f"devices, have {len(devices)}")
+    return Mesh(np.asarray(devices, dtype=object).reshape(sizes), AXES)
+
+
+def _logical_spec(path: tuple) -> tuple:
+    names = [str(p) for p in path]
+    leaf = names[-1]
+    module = names[-2] if len(names) > 1 else ""
+    if leaf == "embedding":
+        return ("tensor", "fsdp")
+    if module in _COLUMN:
+        return {"kernel": ("fsdp", "tensor"), "bias": ("tensor",),
+                "lora_a": ("fsdp", None), "lora_b": (None, "tensor")}.get(leaf, ())
+    if module in _ROW:
+        return {"kernel": ("tensor", "fsdp"), "lora_a": ("tensor", None),
+                "lora_b": (None, "fsdp")}.get(leaf, ())
+    return ()
+
+
+def partition_spec(path: tuple, shape: tuple[int, ...], mesh: Mesh) -> P:
+    """The PartitionSpec of the parameter at `path`, with non-divisible dims replicated."""
+    spec = _logical_spec(path)
+    if len(spec) != len(shape):
+        return P()
+    return P(*(ax if ax is not None and dim % mesh.shape[ax] == 0 else None
+               for ax, dim in zip(spec, shape, strict=True)))
+
+
+def named_sharding(path: tuple, shape: tuple[int, ...], mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, partition_spec(path, shape, mesh))
+
+
+def shard_model(model, mesh: Mesh) -> None:
+    """Moves every variable of an `nnx.Module` to its rule's sharding on `mesh`, in place."""
+    from flax import nnx
+
+    state = nnx.state(model)
+    for path, var in nnx.to_flat_state(state):
+        value = var.get_value()
+        var.set_value(jax.device_put(value, named_sharding(path, tuple(value.shape), mesh)))
+    nnx.update(model, state)
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    """Sharding of [B, ...] host batches: B over (data, fsdp)."""
+    return NamedSharding(mesh, P(("data", "fsdp")))

@@ -1,0 +1,161 @@
+"""Reward functions of the paper: accuracy, format, cosine (length-scaled accuracy).
+
+Shapes: N completions (all groups of a batch flattened); every function returns float32 [N].
+Reference: MMR-GRPO (Wei et al.), appendix "Reward Functions", and its released code (open-r1
+rewards). Deliberate differences from the released code are listed per function.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+import numpy as np
+
+from mmr_jax.rewards import grading, registry
+
+# The paper's format: reasoning in <think></think>, then <answer></answer> holding a \boxed{}.
+_TAGS_RE = re.compile(
+    r"^\s*<think>.*?</think>\s*<answer>.*?\\boxed\{.*?\}.*?</answer>\s*$", re.DOTALL
+)
+
+
+def _grades(completions, answers, grades, grader):
+    if grades is None:
+        grades = (grader or grading.default_grader()).grade(completions, answers)
+    if len(grades) != len(completions):
+        raise ValueError(f"{len(grades)} grades for {len(completions)} completions")
+    return grades
+
+
+@registry.register("accuracy", needs_grades=True)
+def accuracy(
+    completions: Sequence[str],
+    answers: Sequence[str],
+    *,
+    lengths: Sequence[int] | None = None,
+    grades: Sequence[grading.Grade] | None = None,
+    grader: grading.Grader | None = None,
+) -> np.ndarray:
+    """1.0 where math-verify finds the completion's answer equivalent to the gold, else 0.0.
+
+    Rows whose gold answer cannot be parsed get 0.0 here and valid=False from `rewards.score`
+    (the released code gave them 1.0); rows that time out get 0.0 and are counted there.
+    """
+    del lengths
+    grades = _grades(completions, answers, grades, grader)
+    return np.array([g.correct for g in grades], np.float32)
+
+
+@registry.register("format")
+def format_reward(
+    completions: Sequence[str],
+    answers: Sequence[str] | None = None,
+    *,
+    lengths: Sequence[int] | None = None,
+    style: str = "tags",
+) -> np.ndarray:
+    """1.0 for a well-formed completion, else 0.0.
+
+    style='tags' (the paper's description and training system prompt): the whole completion is
+      `<think> ... </think> <answer> ... \\boxed{...} ... </answer>` (whitespace allowed around).
+    style='r1' (the released code, for R1-distilled models whose chat template opens `<think>`
+      itself): the completion contains the string "\\n</think>\\n" exactly once.
+    """
+    del answers, lengths
+    if style == "tags":
+        return np.array([bool(_TAGS_RE.match(c)) for c in completions], np.float32)
+    if style == "r1":
+        return np.array([c.count("\n</think>\n") == 1 for c in completions], np.float32)
+    raise ValueError(f"unknown format style {style!r}; expected 'tags' or 'r1'")
+
+
+@registry.register("format_r1")
+def format_r1(completions, answers=None, *, lengths=None) -> np.ndarray:
+    """The released code's format reward: format_reward(style='r1')."""
+    return format_reward(completions, answers, lengths=lengths, style="r1")
+
+
+def cosine_schedule(
+    length_N: np.ndarray,
+    correct_N: np.ndarray,
+    *,
+    max_len: float,
+    clamp: bool = True,
+    min_value_wrong: float = 0.0,
+    max_value_wrong: float = -0.5,
+    min_value_correct: float = 0.5,
+    max_value_correct: float = 1.0,
+) -> np.ndarray:
+    """r = lo + (hi - lo) * (1 + cos(pi * L / max_len)) / 2 (released `cosine_scaled_reward`).
+
+    Correct: lo, hi = min_value_correct, max_value_correct (1.0 at L=0 down to 0.5 at max_len).
+    Wrong: lo, hi = max_value_wrong, min_value_wrong (the released code's swap): 0.0 at L=0 down
+    to -0.5 at max_len with the released defaults, so long wrong answers are penalised more. (The
+    paper's prose says short wrong answers get the stronger penalty; the released defaults, which
+    DESIGN.md follows, do the opposite.)
+
+    clamp=True uses min(L, max_len). clamp=False (released) leaves L unbounded, which makes the
+    reward periodic in L with period 2 * max_len: with max_len=1000 characters, a correct 2000-char
+    completion scores 1.0 again, exactly like an empty one, and a wrong one 0.0 again, so for
+    R1-style completions of several thousand characters the "length penalty" is an arbitrary
+    function of length.
+    """
+    length_N = np.asarray(length_N, np.float64)
+    if clamp:
+        length_N = np.minimum(length_N, max_len)
+    cos = np.cos(np.pi * length_N / max_len)
+    correct_N = np.asarray(correct_N, bool)
+    lo = np.where(correct_N, min_value_correct, max_value_wrong)
+    hi = np.where(correct_N, max_value_correct, min_value_wrong)
+    return (lo + 0.5 * (hi - lo) * (1.0 + cos)).astype(np.float32)
+
+
+@registry.register("cosine", needs_grades=True)
+def cosine(
+    completions: Sequence[str],
+    answers: Sequence[str],
+    *,
+    lengths: Sequence[int] | None = None,
+    grades: Sequence[grading.Grade] | None = None,
+    grader: grading.Grader | None = None,
+    max_len: int = 3584,
+    unit: str = "tokens",
+    clamp: bool = True,
+    min_value_wrong: float = 0.0,
+    max_value_wrong: float = -0.5,
+    min_value_correct: float = 0.5,
+    max_value_correct: float = 1.0,
+) -> np.ndarray:
+    """Length-scaled accuracy (see `cosine_schedule`).
+
+    Default: L = `lengths` (completion tokens), clamped at max_len (default 3584, the paper's max
+    completion length; set it to the run's max_new_tokens). `RELEASED_COSINE` reproduces the
+    released code: L = len(completion) in characters, unclamped, max_len 1000.
+    """
+    if unit == "tokens":
+        if lengths is None:
+            raise ValueError("cosine reward with unit='tokens' needs `lengths`")
+        length_N = np.asarray(lengths)
+    elif unit == "chars":
+        length_N = np.array([len(c) for c in completions])
+    else:
+        raise ValueError(f"unknown cosine unit {unit!r}; expected 'tokens' or 'chars'")
+    if len(length_N) != len(completions):
+        raise ValueError(f"{len(length_N)} lengths for {len(completions)} completions")
+    grades = _grades(completions, answers, grades, grader)
+    correct_N = np.array([g.correct for g in grades], bool)
+    return cosine_schedule(
+        length_N,
+        correct_N,
+        max_len=max_len,
+        clamp=clamp,
+        min_value_wrong=min_value_wrong,
+        max_value_wrong=max_value_wrong,
+        min_value_correct=min_value_correct,
+        max_value_correct=max_value_correct,
+    )
+
+
+# The released code's cosine reward, for reproduction: `params={'cosine': RELEASED_COSINE}`.
+RELEASED_COSINE = dict(unit="chars", clamp=False, max_len=1000)

@@ -1,0 +1,109 @@
+"""`EmbeddedEngine`: the in-process rollout engine over a JAX `Decoder` (CPU, TPU, or any GPU
+without a vLLM server). Generation is `sampler.sample`; weight sync is an `nnx.update`."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from mmr_jax.rollout import base, sampler
+
+
+def eos_token_ids(path: str | os.PathLike) -> tuple[int, ...]:
+    """EOS ids of a HF folder: generation_config.json's eos_token_id, else config.json's."""
+    path = pathlib.Path(path)
+    for name in ("generation_config.json", "config.json"):
+        f = path / name
+        if f.exists():
+            eos = json.loads(f.read_text()).get("eos_token_id")
+            if eos is not None:
+                return tuple(int(e) for e in (eos if isinstance(eos, list) else [eos]))
+    return ()
+
+
+def _param_state(model: nnx.Module) -> nnx.State:
+    return nnx.state(model, nnx.Param)
+
+
+def merged_base_state(model: nnx.Module) -> nnx.State:
+    """The non-LoRA parameters of `model` with every adapter merged into its kernel."""
+    from mmr_jax.models import lora as lora_lib
+
+    merged = lora_lib.merge(model)
+    flat = []
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        if isinstance(var, nnx.LoRAParam):
+            continue
+        flat.append((path, var.replace(merged[path]) if path in merged else var))
+    return nnx.from_flat_state(flat)
+
+
+class EmbeddedEngine:
+    """Rollout engine holding a `Decoder`; implements `base.RolloutEngine`.
+
+    Args:
+      model: the decoder that samples (it may be the trainer's own model object).
+      stop_token_ids: ids that always end a completion (the model's EOS ids), like vLLM's EOS.
+      pad_id: written after the end of each completion.
+      seed: seeds calls whose `SamplingParams.seed` is None (a new seed per call).
+      buckets: minimum padded sizes (see `sampler.Buckets`).
+    """
+
+    def __init__(
+        self,
+        model: nnx.Module,
+        *,
+        stop_token_ids: Sequence[int] = (),
+        pad_id: int = 0,
+        seed: int = 0,
+        buckets: sampler.Buckets = sampler.Buckets(),
+    ):
+        self.model = model
+        self.stop_token_ids = tuple(int(t) for t in stop_token_ids)
+        self.pad_id = pad_id
+        self.buckets = buckets
+        self.version = 0
+        self._rng = np.random.default_rng(seed)
+        self.max_len = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike, *, dtype=jnp.float32, **kwargs):
+        """Loads a HF folder; EOS ids from its generation/model config unless given."""
+        from mmr_jax import models
+
+        model = models.from_pretrained(path, dtype=dtype)
+        kwargs.setdefault("stop_token_ids", eos_token_ids(path))
+        return cls(model, **kwargs)
+
+    def generate(
+        self, prompt_ids: Sequence[Sequence[int]], params: base.SamplingParams
+    ) -> base.RolloutBatch:
+        seed = int(self._rng.integers(2**31))
+        return sampler.sample(
+            self.model,
+            [list(map(int, p)) for p in prompt_ids],
+            params,
+            stop_token_ids=self.stop_token_ids,
+            seed=seed,
+            pad_id=self.pad_id,
+            buckets=self.buckets,
+            max_len=self.max_len,
+        )
+
+    def sync_weights(self, model: nnx.Module, *, version: int) -> None:
+        """Copies `model`'s weights in (LoRA merged when this engine's model has no adapters)."""
+        if model is not self.model:
+            src, dst = _param_state(model), _param_state(self.model)
+            if jax.tree.structure(src) != jax.tree.structure(dst):
+                src = merged_base_state(model)
+                if jax.tree.structure(src) != jax.tree.structure(dst):
+                    raise ValueError("sync_weights: the trainer's model and the engine's differ")
+            nnx.update(self.model, src)
+        self.version = version

@@ -1,0 +1,267 @@
+"""Embedded JAX sampler: batched prefill + KV-cache decode of a `Decoder`, all under one jit.
+
+Legend: B prompts (padded to Bp), n samples per prompt, R = Bp * n rows, P prompt slots (padded),
+N new-token slots (padded), S = P + N cache slots, V vocab.
+
+Layout. Prompts are left-padded to P, so every prompt ends at slot P - 1. The prefill writes the
+first P - 1 prompt tokens for the Bp prompts (its logits are unused, so XLA drops the vocab
+projection), the cache is repeated n times (row r = b * n + i), and the decode loop starts by
+feeding the last prompt token at slot P - 1; step t feeds token x_t at slot P - 1 + t and samples
+generated token t. A `lax.while_loop` stops when every row has hit a stop id or `max_new_tokens`.
+
+Sampling. logits / temperature, then (when asked) top-k and then top-p over the top-k-renormalised
+distribution, as vLLM applies them; temperature 0 is greedy (argmax). The reported log-prob is
+log softmax(logits / temperature)[token] *before* the top-k/top-p truncation (temperature 1 when
+greedy): the quantity the trainer recomputes, so on-policy ratios are exactly 1 with top_p = 1 and
+top_k = 0. (vLLM's `processed_logprobs` are renormalised after truncation; equal when it is off.)
+
+Randomness. Row r of a call with seed s draws from fold_in(fold_in(key(s), r), t) at step t, so a
+completion depends on (seed, prompt index, sample index) and not on the padding buckets.
+
+Compiles. Shapes are bucketed to powers of two (prompt count, prompt length, new tokens, number of
+stop ids) and every sampling value is a traced scalar; the static choices are n, greedy or not,
+and whether top-k/top-p filtering is on. `trace_count()` counts traces for tests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from mmr_jax.rollout import base
+
+_TRACES = {"generate": 0}
+
+
+def trace_count() -> int:
+    """How many times the jitted generate function has been traced (= compiled) in this process."""
+    return _TRACES["generate"]
+
+
+def bucket(x: int, minimum: int = 1) -> int:
+    """The smallest power of two >= max(x, minimum)."""
+    x = max(int(x), int(minimum), 1)
+    return 1 << (x - 1).bit_length()
+
+
+@dataclasses.dataclass(frozen=True)
+class Buckets:
+    """Smallest padded sizes; raise them to compile fewer shapes when inputs vary a lot."""
+
+    min_prompts: int = 1
+    min_prompt_len: int = 16
+    min_new_tokens: int = 16
+    min_stop_ids: int = 4
+
+
+def filter_top_k_top_p(logits_RxV: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """Masks (to -inf) tokens outside the top-k, then outside the top-p nucleus of what is left.
+
+    `top_k` 0 = off; `top_p` 1 = off. Ties at a threshold are kept. logits [R, V] -> [R, V].
+    """
+    v = logits_RxV.shape[-1]
+    desc = -jnp.sort(-logits_RxV, axis=-1)
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, v), v)
+    in_k = jnp.arange(v)[None, :] < k
+    desc = jnp.where(in_k, desc, -jnp.inf)
+    probs = jax.nn.softmax(desc, axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    keep = in_k & (mass_before < top_p)
+    keep = keep.at[:, 0].set(True)
+    threshold = jnp.min(jnp.where(keep, desc, jnp.inf), axis=-1, keepdims=True)
+    return jnp.where(logits_RxV >= threshold, logits_RxV, -jnp.inf)
+
+
+def _sample_step(logits_RxV, keys_R, temperature, top_k, top_p, *, greedy, use_filter):
+    """Next token [R] and its log-prob [R] under log softmax(logits / temperature)."""
+    if greedy:
+        tok = jnp.argmax(logits_RxV, axis=-1).astype(jnp.int32)
+        logp_all = jax.nn.log_softmax(logits_RxV, axis=-1)
+    else:
+        scaled = logits_RxV / temperature
+        logp_all = jax.nn.log_softmax(scaled, axis=-1)
+        if use_filter:
+            scaled = filter_top_k_top_p(scaled, top_k, top_p)
+        tok = jax.vmap(jax.random.categorical)(keys_R, scaled).astype(jnp.int32)
+    logp = jnp.take_along_axis(logp_all, tok[:, None], axis=-1)[:, 0]
+    return tok, logp
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "n", "num_new", "greedy", "use_filter"))
+def _generate(
+    graphdef,
+    state,
+    prompts_BxP,
+    prompt_mask_BxP,
+    row_ids_R,
+    real_rows_R,
+    seed,
+    max_new_tokens,
+    temperature,
+    top_k,
+    top_p,
+    stop_ids,
+    *,
+    n: int,
+    num_new: int,
+    greedy: bool,
+    use_filter: bool,
+):
+    """Returns tokens [R, N] int32, logps [R, N] f32, lengths [R] int32, stopped [R] bool."""
+    _TRACES["generate"] += 1
+    model = nnx.merge(graphdef, state)
+    bp, p = prompts_BxP.shape
+    r, s = bp * n, p + num_new
+    lengths_B = prompt_mask_BxP.sum(-1).astype(jnp.int32)
+    positions_BxP = jnp.maximum(jnp.cumsum(prompt_mask_BxP, axis=-1) - 1, 0).astype(jnp.int32)
+    kv_mask_BxS = jnp.concatenate([prompt_mask_BxP, jnp.ones((bp, num_new), bool)], axis=1)
+
+    cache = model.init_cache(bp, s)
+    _, cache = model.forward_cached(
+        prompts_BxP[:, :-1], positions_BxP[:, :-1], cache, write_index=0,
+        kv_mask_BxS=kv_mask_BxS,
+    )
+    cache = jax.tree.map(lambda a: jnp.repeat(a, n, axis=1), cache)
+    kv_mask_RxS = jnp.repeat(kv_mask_BxS, n, axis=0)
+    lengths_R = jnp.repeat(lengths_B, n)
+    row_keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.key(seed), i))(row_ids_R)
+
+    def cond(carry):
+        t, _, _, done, *_ = carry
+        return (t < max_new_tokens) & ~jnp.all(done)
+
+    def body(carry):
+        t, cache, cur_R, done, stopped, toks, logps = carry
+        pos = (lengths_R - 1 + t)[:, None]
+        logits, cache = model.forward_cached(
+            cur_R[:, None], pos, cache, write_index=p - 1 + t, kv_mask_BxS=kv_mask_RxS
+        )
+        keys = jax.vmap(lambda k: jax.random.fold_in(k, t))(row_keys)
+        tok, logp = _sample_step(
+            logits[:, 0], keys, temperature, top_k, top_p, greedy=greedy, use_filter=use_filter
+        )
+        live = ~done
+        toks = toks.at[:, t].set(jnp.where(live, tok, 0))
+        logps = logps.at[:, t].set(jnp.where(live, logp, 0.0))
+        hit = live & jnp.any(tok[:, None] == stop_ids[None, :], axis=-1)
+        stopped = stopped | hit
+        done = done | hit | (t + 1 >= max_new_tokens)
+        return t + 1, cache, tok, done, stopped, toks, logps
+
+    carry = (
+        jnp.int32(0),
+        cache,
+        jnp.repeat(prompts_BxP[:, -1], n),
+        ~real_rows_R,
+        jnp.zeros((r,), bool),
+        jnp.zeros((r, num_new), jnp.int32),
+        jnp.zeros((r, num_new), jnp.float32),
+    )
+    t, _, _, _, stopped, toks, logps = jax.lax.while_loop(cond, body, carry)
+    del t
+    return toks, logps, stopped
+
+
+def left_pad(prompt_ids, num_rows: int, length: int, pad_id: int):
+    """Left-padded int32 tokens [num_rows, length] and bool mask; rows past the prompts are pad."""
+    tokens = np.full((num_rows, length), pad_id, np.int32)
+    mask = np.zeros((num_rows, length), bool)
+    for b, ids in enumerate(prompt_ids):
+        if len(ids):
+            tokens[b, length - len(ids) :] = ids
+            mask[b, length - len(ids) :] = True
+    return tokens, mask
+
+
+def sample(
+    model: nnx.Module,
+    prompt_ids,
+    params: base.SamplingParams,
+    *,
+    stop_token_ids=(),
+    seed: int = 0,
+    pad_id: int = 0,
+    buckets: Buckets = Buckets(),
+    max_len: int | None = None,
+) -> base.RolloutBatch:
+    """Samples `params.n` completions for each prompt with a `Decoder`; see the module docstring.
+
+    Args:
+      model: a `Decoder` (anything with `init_cache` and `forward_cached`).
+      prompt_ids: B non-empty lists of token ids.
+      params: sampling parameters; `params.seed` overrides `seed`.
+      stop_token_ids: ids that end a completion besides `params.stop_token_ids` (the EOS ids).
+      seed: the seed used when `params.seed` is None.
+      pad_id: id written after the end of each completion.
+      buckets: minimum padded sizes.
+      max_len: positions the model supports; prompt + new tokens beyond it raise ValueError.
+    Returns:
+      A `RolloutBatch` with T = the longest completion.
+    """
+    num_prompts = len(prompt_ids)
+    if num_prompts == 0:
+        raise ValueError("no prompts")
+    if any(len(ids) == 0 for ids in prompt_ids):
+        raise ValueError("every prompt needs at least one token")
+    longest = max(len(ids) for ids in prompt_ids)
+    if max_len is not None and longest + params.max_new_tokens > max_len:
+        raise ValueError(
+            f"prompt ({longest}) + max_new_tokens ({params.max_new_tokens}) exceeds the "
+            f"model's {max_len} positions"
+        )
+    bp = bucket(num_prompts, buckets.min_prompts)
+    p = bucket(longest, max(buckets.min_prompt_len, 2))
+    num_new = bucket(params.max_new_tokens, buckets.min_new_tokens)
+    stops = sorted(set(stop_token_ids) | set(params.stop_token_ids))
+    stop_arr = np.full((bucket(len(stops), buckets.min_stop_ids),), -1, np.int32)
+    stop_arr[: len(stops)] = stops
+    tokens, mask = left_pad(prompt_ids, bp, p, pad_id)
+    n = params.n
+    row_ids = np.arange(bp * n, dtype=np.int32)
+    greedy = params.temperature == 0.0
+    graphdef, state = nnx.split(model)
+    toks, logps, stopped = _generate(
+        graphdef,
+        state,
+        jnp.asarray(tokens),
+        jnp.asarray(mask),
+        jnp.asarray(row_ids),
+        jnp.asarray(row_ids < num_prompts * n),
+        jnp.uint32((params.seed if params.seed is not None else seed) % 2**32),
+        jnp.int32(params.max_new_tokens),
+        jnp.float32(params.temperature if not greedy else 1.0),
+        jnp.int32(params.top_k),
+        jnp.float32(params.top_p),
+        jnp.asarray(stop_arr),
+        n=n,
+        num_new=num_new,
+        greedy=greedy,
+        use_filter=not greedy and (params.top_k > 0 or params.top_p < 1.0),
+    )
+    return _to_batch(np.asarray(toks), np.asarray(logps), np.asarray(stopped), num_prompts, n,
+                     params.max_new_tokens, stops, pad_id)
+
+
+def _to_batch(toks, logps, stopped, num_prompts, n, max_new, stops, pad_id) -> base.RolloutBatch:
+    """Device outputs [R, N] -> a host `RolloutBatch` [B, n, T] with T = the longest completion."""
+    r = num_prompts * n
+    toks, logps, stopped = toks[:r, :max_new], logps[:r, :max_new], stopped[:r]
+    is_stop = np.isin(toks, np.asarray(stops, np.int32)) if stops else np.zeros_like(toks, bool)
+    first_stop = np.where(is_stop.any(-1), is_stop.argmax(-1) + 1, max_new)
+    lengths = np.where(stopped, first_stop, max_new)
+    t = max(1, int(lengths.max()))
+    mask = np.arange(t)[None, :] < lengths[:, None]
+    toks = np.where(mask, toks[:, :t], pad_id).astype(np.int32)
+    logps = np.where(mask, logps[:, :t], 0.0).astype(np.float32)
+    reasons = np.where(stopped, base.FINISH_STOP, base.FINISH_LENGTH).reshape(num_prompts, n)
+    return base.RolloutBatch(
+        tokens=toks.reshape(num_prompts, n, t),
+        mask=mask.reshape(num_prompts, n, t),
+        logprobs=logps.reshape(num_prompts, n, t),
+        finish_reasons=reasons.tolist(),
+    )

@@ -1,0 +1,176 @@
+"""`EmbeddedBackend`: hosts a checkpoint for `server.OpenAIServer` with the embedded JAX sampler.
+
+Weight routes behave as vLLM's do for the rollout client:
+  /collective_rpc `RELOAD_METHOD` [path]: loads the HF safetensors in `path` into the base model.
+  /v1/load_lora_adapter: reads a PEFT folder (adapter_config.json + adapter_model.safetensors) and
+    serves base + adapter under the new name; adapters follow later base reloads, as in vLLM.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import threading
+from collections.abc import Sequence
+
+import numpy as np
+from flax import nnx
+
+from mmr_jax.rollout import base, embedded, sampler, vllm_engine
+
+_PEFT_PREFIX = "base_model.model."
+
+
+def read_peft_adapter(path: str | os.PathLike) -> tuple[dict, dict[str, np.ndarray]]:
+    """(adapter_config, {HF module name: {'A': [r, in], 'B': [out, r]}}) of a PEFT folder."""
+    from safetensors.numpy import load_file
+
+    path = pathlib.Path(path)
+    cfg_file, weights = path / "adapter_config.json", path / "adapter_model.safetensors"
+    if not cfg_file.exists() or not weights.exists():
+        raise FileNotFoundError(f"{path} has no adapter_config.json + adapter_model.safetensors")
+    config = json.loads(cfg_file.read_text())
+    if config.get("use_rslora") or config.get("use_dora"):
+        raise ValueError(f"{path}: rsLoRA / DoRA adapters are not supported")
+    tensors: dict[str, dict[str, np.ndarray]] = {}
+    for name, value in load_file(str(weights)).items():
+        name = name.removeprefix(_PEFT_PREFIX).replace(".default.", ".")
+        for part in ("A", "B"):
+            suffix = f".lora_{part}.weight"
+            if name.endswith(suffix):
+                tensors.setdefault(name[: -len(suffix)], {})[part] = value
+    return config, tensors
+
+
+def _module_name(path: tuple) -> str:
+    """Our state path of a lora_a/lora_b -> the HF module name ('model.layers.0.self_attn.q_proj')."""
+    return "model." + ".".join(str(p) for p in path[:-1])
+
+
+def build_lora_model(base_model, config: dict, tensors: dict[str, dict[str, np.ndarray]]):
+    """A LoRA decoder sharing `base_model`'s weights, with the adapter's A and B filled in."""
+    import jax.numpy as jnp
+
+    from mmr_jax.models import lora as lora_lib
+    from mmr_jax.models import loading
+
+    targets = tuple(sorted({n.rsplit(".", 1)[-1] for n in tensors}))
+    lora_cfg = lora_lib.LoraConfig(
+        rank=int(config["r"]), alpha=float(config["lora_alpha"]), dropout=0.0,
+        target_modules=targets,
+    )
+    abstract = loading.abstract_model(base_model.config, dtype=base_model.dtype, lora=lora_cfg)
+    graphdef, state = nnx.split(abstract)
+    base_flat = dict(nnx.to_flat_state(nnx.state(base_model)))
+    flat, used = [], set()
+    for path, var in nnx.to_flat_state(state):
+        if isinstance(var, nnx.LoRAParam):
+            module = _module_name(path)
+            pair = tensors.get(module)
+            if pair is None or set(pair) != {"A", "B"}:
+                raise ValueError(f"adapter has no lora_A/lora_B for {module}")
+            used.add(module)
+            value = pair["A"].T if path[-1] == "lora_a" else pair["B"].T
+            flat.append((path, var.replace(jnp.asarray(value, var.get_value().dtype))))
+        else:
+            flat.append((path, base_flat[path]))
+    unused = sorted(set(tensors) - used)
+    if unused:
+        raise ValueError(f"adapter modules not in the model: {unused[:5]}")
+    model = nnx.merge(graphdef, nnx.from_flat_state(flat))
+    model.eval()
+    return model
+
+
+class EmbeddedBackend:
+    """A checkpoint served by the embedded sampler (implements `server.Backend`).
+
+    Args:
+      engine: the base model's `EmbeddedEngine`.
+      tokenizer: a transformers tokenizer (text prompts, output text, logprob token strings).
+      model_name: the name clients use (vLLM's --served-model-name).
+      max_model_len: prompt + completion limit (default: the model's max positions).
+    """
+
+    def __init__(self, engine: embedded.EmbeddedEngine, tokenizer, *, model_name: str,
+                 max_model_len: int | None = None):
+        self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
+        self.max_model_len = int(max_model_len or engine.max_len or 2**31 - 1)
+        self.eos_token_ids = engine.stop_token_ids
+        self._adapters: dict[str, tuple[str, dict, dict]] = {}
+        self._adapter_models: dict[str, nnx.Module] = {}
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike, *, model_name: str | None = None,
+                        tokenizer_path: str | os.PathLike | None = None, seed: int = 0,
+                        max_model_len: int | None = None, buckets=sampler.Buckets()):
+        import transformers
+
+        tokenizer = transformers.AutoTokenizer.from_pretrained(str(tokenizer_path or path))
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        engine = embedded.EmbeddedEngine.from_pretrained(path, seed=seed, pad_id=pad, buckets=buckets)
+        return cls(engine, tokenizer, model_name=model_name or str(path),
+                   max_model_len=max_model_len)
+
+    # ---- generation ------------------------------------------------------------------------------
+
+    def generate(self, prompt_ids: Sequence[Sequence[int]], params: base.SamplingParams, *,
+                 model: str, ignore_eos: bool = False) -> base.RolloutBatch:
+        with self._lock:
+            decoder = self.engine.model if model == self.model_name else self._adapter_model(model)
+            seed = int(self.engine._rng.integers(2**31))
+            return sampler.sample(
+                decoder, prompt_ids, params,
+                stop_token_ids=() if ignore_eos else self.eos_token_ids, seed=seed,
+                pad_id=self.engine.pad_id, buckets=self.engine.buckets, max_len=self.max_model_len,
+            )
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    def token_strings(self, ids: Sequence[int]) -> list[str]:
+        return [self.tokenizer.decode([int(t)]) for t in ids]
+
+    # ---- weights ---------------------------------------------------------------------------------
+
+    def adapters(self) -> dict[str, str]:
+        return {name: entry[0] for name, entry in self._adapters.items()}
+
+    def _adapter_model(self, name: str):
+        if name not in self._adapter_models:
+            _, config, tensors = self._adapters[name]
+            self._adapter_models[name] = build_lora_model(self.engine.model, config, tensors)
+        return self._adapter_models[name]
+
+    def load_adapter(self, name: str, path: str) -> None:
+        config, tensors = read_peft_adapter(path)
+        with self._lock:
+            self._adapters[name] = (str(path), config, tensors)
+            self._adapter_models.pop(name, None)
+            self._adapter_model(name)  # Fails now, not on the first request, if it does not fit.
+
+    def unload_adapter(self, name: str) -> None:
+        with self._lock:
+            self._adapters.pop(name)
+            self._adapter_models.pop(name, None)
+
+    def reload_weights(self, path: str) -> dict:
+        """Loads the HF safetensors in `path` (shapes of the served model) into the base model."""
+        from mmr_jax.models import loading
+
+        model = self.engine.model
+        new = loading.load_weights(loading.abstract_model(model.config, dtype=model.dtype), path)
+        with self._lock:
+            nnx.update(model, nnx.state(new, nnx.Param))
+            self._adapter_models.clear()  # Rebuilt on the new base when next used.
+        return {"path": str(path), "num_tensors": len(nnx.to_flat_state(nnx.state(new)))}
+
+    def collective_rpc(self, method: str, args: list, kwargs: dict):
+        if method == vllm_engine.RELOAD_METHOD:
+            return self.reload_weights(*args, **kwargs)
+        raise ValueError(f"unknown collective_rpc method {method!r}")

@@ -1,0 +1,213 @@
+"""`VllmEngine`: the rollout engine backed by a vLLM server (or `scripts/serve.py`) over HTTP.
+
+Generation sends token-id prompts to /v1/completions with `n`, `seed`, `logprobs=0` and
+`return_token_ids`, and builds the `RolloutBatch` from the returned token ids and per-token
+log-probs: nothing is re-tokenised. Start the server with `--logprobs-mode processed_logprobs`
+(scripts/launch_vllm.py does) so the log-probs are those after temperature; see `base`.
+
+Weight sync, after each optimiser step:
+  full weights: `export.save_hf` writes the policy as HF safetensors under `sync_dir/weights-v{N}`,
+    `/collective_rpc` calls the worker extension's `RELOAD_METHOD` (third_party/vllm_worker_ext)
+    on every vLLM worker, then `/reset_prefix_cache` drops KV blocks computed with old weights;
+    the previous version's folder is deleted.
+  LoRA: `export.save_peft_adapter` writes a PEFT folder `sync_dir/lora-v{N}`, loaded with
+    `/v1/load_lora_adapter` as `{adapter_prefix}-v{N}` (vLLM refuses to reload a name), the previous
+    adapter is unloaded, and later requests name the new adapter as their model.
+`sync_dir` must be a path the server can read (same host, or a shared file system).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import os
+import pathlib
+import shutil
+from collections.abc import Sequence
+
+from mmr_jax.rollout import base
+from mmr_jax.rollout import vllm_client as client_lib
+
+log = logging.getLogger(__name__)
+
+# Kept equal to third_party/vllm_worker_ext's RELOAD_METHOD (a test checks).
+RELOAD_METHOD = "mmr_reload_weights"
+
+
+def _choice_arrays(choice: dict, where: str) -> tuple[list[int], list[float], str]:
+    """(token ids, log-probs, finish reason) of one completion choice, validated."""
+    ids = choice.get("token_ids")
+    if not isinstance(ids, list):
+        raise client_lib.MalformedResponseError(
+            f"{where}: no token_ids in the reply; the server must support return_token_ids "
+            "(vLLM >= 0.10.2)"
+        )
+    lp = (choice.get("logprobs") or {}).get("token_logprobs")
+    if not isinstance(lp, list) or len(lp) != len(ids):
+        raise client_lib.MalformedResponseError(
+            f"{where}: logprobs.token_logprobs missing or of length "
+            f"{None if lp is None else len(lp)} for {len(ids)} tokens"
+        )
+    if any(x is None for x in lp):
+        raise client_lib.MalformedResponseError(f"{where}: null log-prob for a generated token")
+    reason = choice.get("finish_reason")
+    if reason not in (base.FINISH_STOP, base.FINISH_LENGTH):
+        raise client_lib.MalformedResponseError(f"{where}: unexpected finish_reason {reason!r}")
+    return [int(t) for t in ids], [float(x) for x in lp], reason
+
+
+class VllmEngine:
+    """Implements `base.RolloutEngine` against an OpenAI-compatible vLLM server.
+
+    Args:
+      client: a `VllmClient` (or a base URL, for one with default settings).
+      model: the served model name (vLLM's --served-model-name).
+      sync_dir: folder, readable by the server, where weight versions are written.
+      lora: sync LoRA adapters instead of full weights.
+      base_model_name_or_path: recorded in the PEFT adapter_config.json (LoRA only).
+      prompts_per_request: prompts per /v1/completions request; requests run concurrently.
+      max_concurrency: at most this many requests in flight.
+      pad_id: token id written after the end of each completion.
+      check_model: ask /v1/models once at construction, to fail early on a wrong name.
+    """
+
+    def __init__(
+        self,
+        client: client_lib.VllmClient | str,
+        *,
+        model: str,
+        sync_dir: str | os.PathLike | None = None,
+        lora: bool = False,
+        adapter_prefix: str = "policy",
+        base_model_name_or_path: str | None = None,
+        prompts_per_request: int = 16,
+        max_concurrency: int = 8,
+        pad_id: int = 0,
+        check_model: bool = True,
+    ):
+        self.client = client if isinstance(client, client_lib.VllmClient) else (
+            client_lib.VllmClient(client)
+        )
+        self.base_model = model
+        self.model = model  # the name requests use: the base, or the current LoRA adapter
+        self.sync_dir = pathlib.Path(sync_dir) if sync_dir else None
+        self.lora = lora
+        self.adapter_prefix = adapter_prefix
+        self.base_model_name_or_path = base_model_name_or_path or model
+        self.prompts_per_request = prompts_per_request
+        self.max_concurrency = max_concurrency
+        self.pad_id = pad_id
+        self.version: int | None = None
+        self._last_dir: pathlib.Path | None = None
+        if check_model:
+            self.client.check_model(model)
+
+    # ---- generation ------------------------------------------------------------------------------
+
+    def _payload(self, prompts: list[list[int]], params: base.SamplingParams) -> dict:
+        payload = {
+            "model": self.model,
+            "prompt": prompts,
+            "n": params.n,
+            "max_tokens": params.max_new_tokens,
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+            "top_k": params.top_k if params.top_k > 0 else -1,
+            "stop_token_ids": list(params.stop_token_ids),
+            "logprobs": 0,
+            "return_token_ids": True,
+            "skip_special_tokens": False,
+        }
+        if params.seed is not None:
+            payload["seed"] = params.seed
+        return payload
+
+    def _request(self, prompts: list[list[int]], params: base.SamplingParams, first: int):
+        reply = self.client.completions(self._payload(prompts, params))
+        choices = sorted(reply["choices"], key=lambda c: c.get("index", 0))
+        if len(choices) != len(prompts) * params.n:
+            raise client_lib.MalformedResponseError(
+                f"{self.client.base_url}/v1/completions returned {len(choices)} choices for "
+                f"{len(prompts)} prompts x n={params.n}"
+            )
+        out = []
+        for j, c in enumerate(choices):  # prompt-major: choice j is prompt j // n, sample j % n
+            out.append(_choice_arrays(c, f"prompt {first + j // params.n}, sample {j % params.n}"))
+        return out
+
+    def generate(
+        self, prompt_ids: Sequence[Sequence[int]], params: base.SamplingParams
+    ) -> base.RolloutBatch:
+        prompts = [[int(t) for t in p] for p in prompt_ids]
+        if not prompts:
+            raise ValueError("no prompts")
+        k = self.prompts_per_request
+        chunks = [(prompts[i : i + k], i) for i in range(0, len(prompts), k)]
+        workers = min(self.max_concurrency, len(chunks))
+        with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
+            results = list(pool.map(lambda c: self._request(c[0], params, c[1]), chunks))
+        flat = [x for chunk in results for x in chunk]
+        n = params.n
+        rows = [flat[b * n : (b + 1) * n] for b in range(len(prompts))]
+        return base.batch_from_lists(
+            [[r[0] for r in row] for row in rows],
+            [[r[1] for r in row] for row in rows],
+            [[r[2] for r in row] for row in rows],
+            pad_id=self.pad_id,
+        )
+
+    # ---- weight sync -----------------------------------------------------------------------------
+
+    def _version_dir(self, kind: str, version: int) -> pathlib.Path:
+        if self.sync_dir is None:
+            raise ValueError("VllmEngine needs sync_dir to sync weights")
+        path = self.sync_dir / f"{kind}-v{version}"
+        if path.exists():
+            shutil.rmtree(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return path
+
+    def sync_weights(self, model, *, version: int) -> None:
+        """Exports `model` (full weights or its LoRA adapter) and makes the server use it."""
+        from mmr_jax.models import export
+
+        if self.lora:
+            path = self._version_dir("lora", version)
+            export.save_peft_adapter(
+                model, path, base_model_name_or_path=self.base_model_name_or_path
+            )
+            self.load_adapter_dir(path, version=version)
+        else:
+            path = self._version_dir("weights", version)
+            export.save_hf(model, path)
+            self.load_weights_dir(path, version=version)
+
+    def load_weights_dir(self, path: str | os.PathLike, *, version: int) -> None:
+        """Makes the server load the HF safetensors in `path` (full-weight sync)."""
+        path = pathlib.Path(path).resolve()
+        results = self.client.collective_rpc(RELOAD_METHOD, args=[str(path)])
+        log.info("server reloaded weights v%d from %s: %s", version, path, results)
+        self.client.reset_prefix_cache()
+        self._advance(path, version)
+
+    def load_adapter_dir(self, path: str | os.PathLike, *, version: int) -> None:
+        """Loads the PEFT adapter in `path` as a new adapter name and retires the previous one."""
+        path = pathlib.Path(path).resolve()
+        name = f"{self.adapter_prefix}-v{version}"
+        if name == self.model:
+            raise ValueError(f"adapter {name} is already the current one; use a new version")
+        self.client.load_lora_adapter(name, str(path))
+        previous, self.model = self.model, name
+        if previous != self.base_model:
+            try:
+                self.client.unload_lora_adapter(previous)
+            except client_lib.VllmError as e:
+                log.warning("could not unload the previous adapter %s: %s", previous, e)
+        self._advance(path, version)
+
+    def _advance(self, path: pathlib.Path, version: int) -> None:
+        old, self._last_dir, self.version = self._last_dir, path, version
+        if old is not None and old != path and self.sync_dir and old.is_relative_to(
+            self.sync_dir.resolve()
+        ):
+            shutil.rmtree(old, ignore_errors=True)

@@ -1,0 +1,210 @@
+"""The jitted policy update: `iterations` passes over minibatches with exact gradient accumulation.
+
+Shape legend: N rows (completions, B prompts x G), P prompt tokens (left-padded), T completion
+tokens (right-padded to a length bucket), L = P + T, M minibatches of N / M rows.
+
+The model is functional here: `nnx.split` gives a graphdef, the trainable state (all `nnx.Param`,
+or only the `nnx.LoRAParam` adapters), the frozen parameters and the rest (RNG streams). The step
+is a module-level pure function of arrays, jitted once per (P, T) bucket with the state donated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from mmr_jax import losses
+from mmr_jax.models import logprobs as logprobs_lib
+
+
+@flax.struct.dataclass
+class TrainState:
+    """What the optimiser carries between steps (all of it is checkpointed)."""
+
+    step: jax.Array  # int32 [], training steps done
+    params: Any  # nnx.State of the trainable parameters
+    opt_state: Any  # optax state
+    rng: jax.Array  # uint32 [2], raw key data (portable across PRNG implementations)
+
+
+@flax.struct.dataclass
+class Batch:
+    """One step's rows, on device."""
+
+    tokens: jax.Array  # int32 [N, L] prompt (left-padded) then completion (right-padded)
+    attention_mask: jax.Array  # bool [N, L]
+    completion_mask: jax.Array  # bool [N, T] tokens that enter the loss (False for invalid rows)
+    advantages: jax.Array  # float32 [N]
+    old_logps: jax.Array | None = None  # float32 [N, T], when iterations > 1
+    ref_logps: jax.Array | None = None  # float32 [N, T], when beta > 0
+
+
+@dataclasses.dataclass(frozen=True)
+class StepConfig:
+    """Static hyperparameters of the step (hashable: part of the jit cache key)."""
+
+    minibatches: int
+    iterations: int
+    temperature: float
+    eps_low: float
+    eps_high: float
+    aggregation: str
+    beta: float
+    kl_estimator: str
+    max_completion_len: int
+    logprob_chunk: int = 0
+
+
+def make_optimizer(
+    *, lr: float, total_updates: int, warmup_ratio: float, min_lr_ratio: float, grad_clip: float,
+    b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, weight_decay: float = 0.0,
+) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    """AdamW after global-norm clipping, linear warmup then cosine decay to lr * min_lr_ratio."""
+    warmup = int(round(warmup_ratio * total_updates))
+    if warmup > 0:
+        schedule = optax.warmup_cosine_decay_schedule(
+            init_value=0.0, peak_value=lr, warmup_steps=warmup,
+            decay_steps=max(total_updates, warmup + 1), end_value=lr * min_lr_ratio,
+        )  # fmt: skip
+    else:
+        schedule = optax.cosine_decay_schedule(lr, max(total_updates, 1), alpha=min_lr_ratio)
+    chain = [optax.clip_by_global_norm(grad_clip)] if grad_clip > 0 else []
+    chain.append(optax.adamw(schedule, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay))
+    return optax.chain(*chain), schedule
+
+
+def _with_dropout_key(rest, key):
+    """`rest` with every RNG stream reset to `key` (LoRA dropout draws are a function of the step)."""
+    flat = []
+    for path, var in nnx.to_flat_state(rest):
+        if isinstance(var, nnx.RngKey):
+            var = var.replace(jax.random.wrap_key_data(key, impl=jax.random.key_impl(var.get_value())))
+        elif isinstance(var, nnx.RngCount):
+            var = var.replace(jnp.zeros_like(var.get_value()))
+        flat.append((path, var))
+    return nnx.from_flat_state(flat)
+
+
+def completion_logprobs(model, tokens_NxL, attention_mask_NxL, *, num_completion: int,
+                        temperature: float, chunk: int = 0, entropy: bool = False,
+                        disable_lora: bool = False):
+    """Log-probs (and entropy) of the last `num_completion` positions: [N, T] (each)."""
+    out = logprobs_lib.token_logprobs(
+        model, tokens_NxL, attention_mask_NxL, temperature=temperature,
+        chunk_size=chunk or None, return_entropy=entropy, disable_lora=disable_lora,
+    )
+    if entropy:
+        return out[0][:, -num_completion:], out[1][:, -num_completion:]
+    return out[:, -num_completion:]
+
+
+def _split(x, m):
+    return None if x is None else x.reshape(m, x.shape[0] // m, *x.shape[1:])
+
+
+def _minibatch_loss(params, mb: Batch, key, normaliser, *, graphdef, frozen, rest, cfg: StepConfig):
+    model = nnx.merge(graphdef, params, frozen, _with_dropout_key(rest, key))
+    t = mb.completion_mask.shape[1]
+    logps, entropy = completion_logprobs(
+        model, mb.tokens, mb.attention_mask, num_completion=t, temperature=cfg.temperature,
+        chunk=cfg.logprob_chunk, entropy=True,
+    )
+    old = mb.old_logps if mb.old_logps is not None else jax.lax.stop_gradient(logps)
+    loss, aux = losses.policy_loss(
+        logps, old, mb.advantages, mb.completion_mask,
+        ref_logps_BxT=mb.ref_logps, eps_low=cfg.eps_low, eps_high=cfg.eps_high,
+        aggregation=cfg.aggregation, beta=cfg.beta, kl_estimator=cfg.kl_estimator,
+        max_completion_len=cfg.max_completion_len, normaliser=normaliser,
+    )  # fmt: skip
+    mask = mb.completion_mask
+    tokens = jnp.maximum(mask.sum(), 1)
+    out = {
+        "kl": aux["kl"], "clip/low_frac": aux["clip_frac_low"], "clip/high_frac": aux["clip_frac_high"],
+        "ratio/mean": aux["ratio_mean"], "ratio/min": aux["ratio_min"], "ratio/max": aux["ratio_max"],
+        "entropy": jnp.sum(jax.lax.stop_gradient(entropy) * mask) / tokens,
+        "tokens": mask.sum().astype(jnp.float32),
+    }  # fmt: skip
+    return loss, out
+
+
+def _reduce(name: str, values_M: jax.Array, tokens_M: jax.Array) -> jax.Array:
+    """Minibatch metrics -> one value: token-weighted means, or min / max / sum."""
+    if name == "ratio/min":
+        return values_M.min()
+    if name == "ratio/max":
+        return values_M.max()
+    if name in ("loss", "tokens"):
+        return values_M.sum()
+    return jnp.sum(values_M * tokens_M) / jnp.maximum(tokens_M.sum(), 1.0)
+
+
+def train_step(state: TrainState, batch: Batch, frozen, rest, *, graphdef, optimizer,
+               schedule, cfg: StepConfig) -> tuple[TrainState, dict[str, jax.Array]]:
+    """`cfg.iterations` optimiser updates, each on the gradient accumulated over all minibatches."""
+    m = cfg.minibatches
+    mbs = jax.tree.map(functools.partial(_split, m=m), batch)
+    # Every minibatch loss is divided by the whole batch's normaliser: the sum of the minibatch
+    # gradients is the full-batch gradient exactly (losses module docstring).
+    normaliser = losses.loss_denominator(batch.completion_mask, aggregation=cfg.aggregation,
+                                         max_completion_len=cfg.max_completion_len)  # fmt: skip
+    loss_fn = functools.partial(_minibatch_loss, graphdef=graphdef, frozen=frozen, rest=rest, cfg=cfg)
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    step_key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
+
+    def one_update(carry, it):
+        params, opt_state = carry
+
+        def accumulate(grads, xs):
+            mb, i = xs
+            key = jax.random.key_data(jax.random.fold_in(jax.random.fold_in(step_key, it), i))
+            (loss, aux), g = grad_fn(params, mb, key, normaliser)
+            grads = jax.tree.map(jnp.add, grads, g)
+            return grads, dict(aux, loss=loss)
+
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        grads, aux = jax.lax.scan(accumulate, zeros, (mbs, jnp.arange(m)))
+        grad_norm = optax.global_norm(grads)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        metrics = {k: _reduce(k, v, aux["tokens"]) for k, v in aux.items()}
+        metrics["grad_norm"] = grad_norm
+        return (params, opt_state), metrics
+
+    (params, opt_state), metrics = jax.lax.scan(
+        one_update, (state.params, state.opt_state), jnp.arange(cfg.iterations)
+    )
+    metrics = {k: v.mean() for k, v in metrics.items()}  # over iterations
+    metrics["clip/frac"] = metrics["clip/low_frac"] + metrics["clip/high_frac"]
+    metrics["lr"] = schedule(state.step * cfg.iterations)
+    new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
+    return new_state, metrics
+
+
+def logprobs_fn(params, frozen, rest, tokens_NxL, attention_mask_NxL, *, graphdef, num_completion,
+                temperature, chunk=0, disable_lora=False, minibatches=1):
+    """Log-probs [N, T] of the completion under the given parameters, in `minibatches` chunks."""
+    model = nnx.merge(graphdef, params, frozen, rest)
+
+    def one(xs):
+        tokens, mask = xs
+        return completion_logprobs(
+            model, tokens, mask, num_completion=num_completion, temperature=temperature,
+            chunk=chunk, disable_lora=disable_lora,
+        )
+
+    n = tokens_NxL.shape[0]
+    out = jax.lax.map(one, (_split(tokens_NxL, minibatches), _split(attention_mask_NxL, minibatches)))
+    return out.reshape(n, num_completion)
+
+
+def jit_train_step(*, graphdef, optimizer, schedule, cfg: StepConfig):
+    """`train_step` jitted with the state donated; one compilation per batch shape."""
+    fn = functools.partial(train_step, graphdef=graphdef, optimizer=optimizer, schedule=schedule, cfg=cfg)
+    return jax.jit(fn, donate_argnums=(0,))

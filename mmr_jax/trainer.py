@@ -1,0 +1,288 @@
+"""The training loop (DESIGN.md, "One training step, as data").
+
+    prompts -> rollout -> decode -> rewards -> embeddings -> reweighting (mmr | dra | none) and
+    advantages -> DAPO dynamic sampling -> ref / old log-probs -> jitted update -> weight sync ->
+    metrics -> checkpoint -> periodic evaluation
+
+Side effects (engines, files, clocks, logging) live here; the math lives in `mmr`, `advantages`,
+`losses` and `train_step`. Entry points: `train(cfg, workdir)`, `build.dry_run(cfg)`, `export_hf`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import time
+from typing import Any
+
+import jax
+import numpy as np
+from absl import logging
+
+from mmr_jax import build, checkpoint, config_types, data, experience, metrics, train_step
+from mmr_jax.rollout import base as rollout_base
+
+
+class NonFiniteLossError(FloatingPointError):
+    """The loss became NaN or inf; the run stops, its last good checkpoint untouched."""
+
+
+@dataclasses.dataclass
+class Run:
+    """Everything a running training job holds."""
+
+    cfg: config_types.TrainConfig
+    workdir: str
+    tokenizer: Any
+    prompts: data.PromptIterator  # yields (prompt ids, answer) pairs
+    policy: build.Policy
+    state: train_step.TrainState
+    ref_params: Any  # full fine-tune with beta > 0: the initial weights; else None
+    engine: Any
+    encoder: Any
+    step_fn: Any
+    logp_fn: Any
+    checkpointer: checkpoint.Checkpointer
+    writer: metrics.MetricWriter
+
+
+def _abstract(tree):
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+
+
+def _ckpt_tree(state: train_step.TrainState) -> dict:
+    return {"step": state.step, "params": state.params, "opt_state": state.opt_state, "rng": state.rng}
+
+
+def setup(cfg: config_types.TrainConfig, workdir, *, overwrite: bool = False) -> Run:
+    """Builds the run, resuming from the latest checkpoint in `workdir` when there is one."""
+    import transformers
+
+    from mmr_jax import embeddings
+
+    workdir = os.fspath(checkpoint.prepare_workdir(workdir, cfg.to_dict(), overwrite=overwrite))
+    tokenizer = transformers.AutoTokenizer.from_pretrained(cfg.model.path)
+    prompt_ids, answers = build.load_prompts(cfg, tokenizer)
+    prompts = data.PromptIterator(list(zip(prompt_ids, answers, strict=True)), cfg.batch.prompts, cfg.seed)
+    policy = build.load_policy(cfg, build.make_mesh(cfg))
+    optimizer, schedule = build.make_optimizer(cfg)
+    state = build.init_state(cfg, policy.params, optimizer)
+    ref_params = None
+    if cfg.loss.beta > 0 and not policy.lora:
+        ref_params = jax.tree.map(lambda x: x.copy(), policy.params)  # the donated state moves on
+    ckpt = checkpoint.Checkpointer(os.path.join(workdir, checkpoint.CKPT_DIR),
+                                   keep=cfg.checkpoint.keep, keep_period=cfg.checkpoint.keep_period)  # fmt: skip
+    restored = ckpt.restore(_abstract(_ckpt_tree(state)))
+    resume_step = None
+    if restored is not None:
+        tree, meta = restored
+        state = train_step.TrainState(**tree)
+        prompts.restore(meta["data"])
+        resume_step = int(meta["step"])
+        logging.info("resuming %s from step %d", workdir, resume_step)
+    engine = build.make_engine(cfg, policy, tokenizer, workdir)
+    engine.sync_weights(policy.model(state.params), version=int(state.step))
+    encoder = None
+    if cfg.reweighting != "none":
+        encoder = embeddings.make_encoder(cfg.mmr.embedding_model, max_length=cfg.mmr.embedding_max_length,
+                                          batch_size=cfg.mmr.embedding_batch_size)  # fmt: skip
+    step_fn = train_step.jit_train_step(graphdef=policy.graphdef, optimizer=optimizer,
+                                        schedule=schedule, cfg=build.step_config(cfg))  # fmt: skip
+    logp_fn = jax.jit(train_step.logprobs_fn, static_argnames=(
+        "graphdef", "num_completion", "temperature", "chunk", "disable_lora", "minibatches"))  # fmt: skip
+    writer = metrics.MetricWriter(workdir, tensorboard=cfg.logging.tensorboard, resume_step=resume_step or 0)
+    return Run(cfg, workdir, tokenizer, prompts, policy, state, ref_params, engine, encoder,
+               step_fn, logp_fn, ckpt, writer)  # fmt: skip
+
+
+def _sampling(cfg: config_types.TrainConfig, step: int, round_: int) -> rollout_base.SamplingParams:
+    # The seed is a function of (seed, step, round), so a resumed run samples what it would have.
+    seed = (cfg.seed * 1_000_003 + step * 1_009 + round_) % 2**31
+    return rollout_base.SamplingParams(
+        max_new_tokens=cfg.batch.max_completion_len, temperature=cfg.rollout.temperature,
+        top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k, n=cfg.batch.generations, seed=seed,
+    )  # fmt: skip
+
+
+def collect(run: Run, step: int, timings: dict) -> tuple[experience.Groups, dict]:
+    """B groups for `step`: one generation round, or DAPO's rounds until B groups have variance."""
+    cfg = run.cfg
+    ds = cfg.dynamic_sampling
+    kept, rounds, seen, dropped = [], 0, 0, 0
+    max_rounds = ds.max_generation_batches if ds.enabled else 1
+    while rounds < max_rounds:
+        batch = next(run.prompts)
+        groups = experience.generate_and_score(
+            run.engine, run.tokenizer, [p for p, _ in batch], [a for _, a in batch],
+            _sampling(cfg, step, rounds), cfg.rewards.weights, encoder=run.encoder, timings=timings,
+        )  # fmt: skip
+        rounds += 1
+        seen += groups.num_groups
+        if ds.enabled:
+            keep = np.flatnonzero(experience.has_variance(groups, ds.filter_reward))
+            dropped += groups.num_groups - len(keep)
+            groups = groups.take(keep)
+        kept.append(groups)
+        if sum(g.num_groups for g in kept) >= cfg.batch.prompts:
+            break
+    groups = experience.concat(kept)
+    if groups.num_groups < cfg.batch.prompts:  # DAPO gave up: fill with masked copies (no loss)
+        logging.warning("step %d: only %d of %d groups with reward variance after %d rounds",
+                        step, groups.num_groups, cfg.batch.prompts, rounds)  # fmt: skip
+        fill = groups.take([0] * (cfg.batch.prompts - groups.num_groups)) if groups.num_groups else None
+        if fill is None:
+            raise RuntimeError(f"step {step}: dynamic sampling found no group with reward variance "
+                               f"in {rounds} generation batches")  # fmt: skip
+        fill.valid = np.zeros_like(fill.valid)
+        groups = experience.concat([groups, fill])
+    groups = groups.take(range(cfg.batch.prompts))
+    info = {"dynamic_sampling/generation_batches": rounds, "dynamic_sampling/dropped_frac": dropped / seen}
+    return groups, info if ds.enabled else {}
+
+
+def make_batch(run: Run, groups: experience.Groups, timings: dict) -> tuple[train_step.Batch, dict]:
+    """Reweighting and advantages, packing, and the ref / old log-probs the loss needs."""
+    cfg = run.cfg
+    t0 = time.perf_counter()
+    opts = experience.AdvantageOptions(
+        method=cfg.reweighting, lam=cfg.mmr.lam, scope=cfg.mmr.scope, estimator=cfg.advantage.estimator,
+        std_ddof=cfg.advantage.std_ddof, eps=cfg.advantage.eps,
+    )  # fmt: skip
+    reweighted, adv, lam = experience.compute_advantages(groups.total, groups.embeddings, groups.valid, opts)
+    timings["reweighting"] = time.perf_counter() - t0
+    info = experience.group_metrics(groups, reweighted, adv, lam, filter_reward=(
+        cfg.dynamic_sampling.filter_reward if cfg.dynamic_sampling.enabled else None))  # fmt: skip
+    b = cfg.batch
+    host = experience.pack(
+        groups, adv, pad_id=run.engine.pad_id if hasattr(run.engine, "pad_id") else 0,
+        prompt_quantum=max(1, b.max_prompt_len // b.length_buckets), max_prompt_len=b.max_prompt_len,
+        completion_quantum=b.max_completion_len // b.length_buckets, max_completion_len=b.max_completion_len,
+    )  # fmt: skip
+    dev = experience.to_device({k: v for k, v in host.items() if k != "sampler_logps"})
+    t = host["completion_mask"].shape[1]
+    kw = dict(graphdef=run.policy.eval_graphdef, num_completion=t, temperature=cfg.rollout.temperature,
+              chunk=cfg.model.logprob_chunk, minibatches=cfg.loss.minibatches)  # fmt: skip
+    ref = old = None
+    if cfg.loss.beta > 0:
+        params = run.ref_params if run.ref_params is not None else run.state.params
+        ref = run.logp_fn(params, run.policy.frozen, run.policy.rest, dev["tokens"], dev["attention_mask"],
+                          disable_lora=run.policy.lora, **kw)  # fmt: skip
+    if cfg.loss.iterations > 1:
+        old = run.logp_fn(run.state.params, run.policy.frozen, run.policy.rest, dev["tokens"],
+                          dev["attention_mask"], **kw)  # fmt: skip
+    batch = train_step.Batch(dev["tokens"], dev["attention_mask"], dev["completion_mask"],
+                             dev["advantages"], old_logps=old, ref_logps=ref)  # fmt: skip
+    info["throughput/tokens"] = float(host["completion_mask"].sum())
+    return batch, info
+
+
+def _check_finite(step: int, device_metrics: dict, workdir: str, last_saved) -> dict:
+    host = {k: float(v) for k, v in jax.device_get(device_metrics).items()}
+    if not math.isfinite(host.get("loss", 0.0)) or not math.isfinite(host.get("grad_norm", 0.0)):
+        raise NonFiniteLossError(
+            f"step {step}: non-finite loss {host.get('loss')} (grad norm {host.get('grad_norm')}); "
+            f"stopping. The last good checkpoint (step {last_saved}) in {workdir} is intact; lower "
+            f"optim.lr or check the rewards and data, then resume from it."
+        )
+    return host
+
+
+def _log(run: Run, step: int, host: dict, progress: metrics.Progress) -> None:
+    if metrics.Periodic(run.cfg.logging.every, last=run.cfg.total_steps)(step):
+        run.writer.write(step, host)
+        progress.log(step, host)
+
+
+def save(run: Run, step: int) -> None:
+    run.checkpointer.save(step, _ckpt_tree(run.state), {"step": step, "data": run.prompts.state()})
+    if run.cfg.checkpoint.export_hf:
+        run.checkpointer.wait()
+        export_model(run.policy.model(run.state.params), os.path.join(run.workdir, f"step_{step}"),
+                     tokenizer_dir=run.cfg.model.path, lora=run.policy.lora)  # fmt: skip
+
+
+def export_model(model, out_dir, *, tokenizer_dir, lora: bool) -> None:
+    """A HF folder (full weights) or, under LoRA, a PEFT adapter folder."""
+    from mmr_jax.models import export
+
+    if lora:
+        export.save_peft_adapter(model, out_dir, base_model_name_or_path=tokenizer_dir)
+    else:
+        export.save_hf(model, out_dir, tokenizer_dir=tokenizer_dir)
+    logging.info("exported %s", out_dir)
+
+
+def evaluate(run: Run, step: int) -> dict[str, float]:
+    from mmr_jax import evaluation
+
+    e = run.cfg.eval
+    problems = evaluation.load_benchmarks(e.data_dir, e.benchmarks, max_problems=e.max_problems)
+    result = evaluation.evaluate(run.engine, run.tokenizer, problems, n=e.n, temperature=e.temperature,
+                                 top_p=e.top_p, max_new_tokens=e.max_new_tokens,
+                                 system_prompt=e.system_prompt, seed=run.cfg.seed + step)  # fmt: skip
+    out = {f"eval/{b}/{k}": v for b, m in result.per_benchmark.items() for k, v in m.items()}
+    out.update({f"eval/average/{k}": v for k, v in result.average.items()})
+    return out
+
+
+def train(cfg: config_types.TrainConfig, workdir, *, overwrite: bool = False) -> dict[str, float]:
+    """Trains to `cfg.total_steps`, resuming from `workdir`; returns the last step's metrics."""
+    run = setup(cfg, workdir, overwrite=overwrite)
+    start = int(run.state.step)
+    save_now = metrics.Periodic(cfg.checkpoint.every, last=cfg.total_steps)
+    eval_now = metrics.Periodic(cfg.eval.every, last=cfg.total_steps, at_last=cfg.eval.every > 0)
+    progress = metrics.Progress(cfg.total_steps, start)
+    pending, last_saved, host = None, start or None, {}
+    try:
+        for step in range(start + 1, cfg.total_steps + 1):
+            t_step, timings = time.perf_counter(), {}
+            groups, info = collect(run, step, timings)
+            batch, batch_info = make_batch(run, groups, timings)
+            info.update(batch_info)
+            t0 = time.perf_counter()
+            run.state, device_metrics = run.step_fn(run.state, batch, run.policy.frozen, run.policy.rest)
+            if pending is not None:  # the previous step's metrics, fetched while this one runs
+                host = _check_finite(pending[0], pending[1], run.workdir, last_saved)
+                _log(run, pending[0], {**pending[2], **host}, progress)
+                pending = None
+            t1 = time.perf_counter()
+            run.engine.sync_weights(run.policy.model(run.state.params), version=step)
+            timings["sync"] = time.perf_counter() - t1
+            timings["train"] = t1 - t0
+            if cfg.logging.samples:
+                for text in groups.texts[0][: cfg.logging.samples]:
+                    logging.info("step %d sample: %r", step, text[:300])
+            pending = (step, device_metrics, info)
+            if save_now(step) or eval_now(step):  # a checkpoint only of a finite state
+                host = _check_finite(step, device_metrics, run.workdir, last_saved)
+            if eval_now(step):
+                info.update(evaluate(run, step))
+            info.update({f"time/{k}": v for k, v in timings.items()})
+            info["time/step"] = time.perf_counter() - t_step
+            info["throughput/tokens_per_s"] = info["throughput/tokens"] / info["time/step"]
+            if save_now(step):
+                save(run, step)
+                last_saved = step
+        if pending is not None:
+            host = _check_finite(pending[0], pending[1], run.workdir, last_saved)
+            _log(run, pending[0], {**pending[2], **host}, progress)
+            host = {**pending[2], **host}
+    finally:
+        run.checkpointer.close()
+        run.writer.close()
+    return host
+
+
+def export_hf(cfg: config_types.TrainConfig, workdir, out_dir, *, step: int | None = None) -> str:
+    """Writes checkpoint `step` (default: latest) of `workdir` as a HF folder (PEFT under LoRA)."""
+    policy = build.load_policy(cfg)
+    optimizer, _ = build.make_optimizer(cfg)
+    state = build.init_state(cfg, policy.params, optimizer)
+    ckpt = checkpoint.Checkpointer(os.path.join(os.fspath(workdir), checkpoint.CKPT_DIR), keep=None)
+    restored = ckpt.restore(_abstract(_ckpt_tree(state)), step=step)
+    ckpt.close()
+    if restored is None:
+        raise FileNotFoundError(f"no checkpoint in {workdir}")
+    export_model(policy.model(restored[0]["params"]), out_dir, tokenizer_dir=cfg.model.path, lora=policy.lora)
+    return os.fspath(out_dir)

@@ -1,0 +1,168 @@
+"""Generated tokens per second: the embedded JAX sampler against transformers' `generate` (torch CPU).
+
+    python scripts/bench_sampler.py                      # tiny model + SmolLM2-135M-Instruct
+    python scripts/bench_sampler.py --json=bench.json --prompts=8,32 --n=4 --new_tokens=128
+
+Both engines get the same prompts (chat-templated GSM8K problems from ../shared/data, or built-in
+text), the same sampling settings (temperature 0.7, top-p 1, top-k off) and generate exactly
+`new_tokens` tokens per completion (EOS ignored), so tokens/s = prompts * n * new_tokens / seconds.
+The JAX sampler is timed after one warm-up call of the same shape (its compile time is reported
+apart: a training run compiles each bucket once); transformers is timed after a short warm-up.
+The SmolLM2 row needs checkpoints/smollm2-135m-instruct (scripts/prepare_smollm2.py); without it
+the row is skipped with a message.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import sys
+import tempfile
+import time
+
+from absl import app, flags
+
+_REPO = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(_REPO))
+
+_JSON = flags.DEFINE_string("json", None, "also write the results to this JSON file")
+_PROMPTS = flags.DEFINE_list("prompts", ["8", "32"], "prompt counts")
+_N = flags.DEFINE_integer("n", 4, "completions per prompt")
+_NEW = flags.DEFINE_integer("new_tokens", 128, "new tokens per completion")
+_TEMP = flags.DEFINE_float("temperature", 0.7, "sampling temperature (both engines)")
+_MODELS = flags.DEFINE_list("models", ["tiny", "smollm2"], "which models: tiny, smollm2")
+_SMOL = flags.DEFINE_string(
+    "smollm2_path", str(_REPO / "checkpoints" / "smollm2-135m-instruct"), "SmolLM2 checkpoint"
+)
+
+FALLBACK = [
+    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May.",
+    "What is 12 + 35? Think step by step.",
+    "A robe takes 2 bolts of blue fiber and half that much white fiber. How many bolts in total?",
+]
+
+
+def problems(count: int) -> list[str]:
+    from mmr_jax import testing
+
+    path = testing.default_shared_data() / "train" / "gsm8k_train.jsonl"
+    texts = []
+    if path.exists():
+        with open(path, encoding="utf-8") as f:
+            texts = [json.loads(line)["problem"] for _, line in zip(range(count), f, strict=False)]
+    while len(texts) < count:
+        texts.append(FALLBACK[len(texts) % len(FALLBACK)])
+    return texts
+
+
+def prompt_ids(tokenizer, count: int) -> list[list[int]]:
+    out = []
+    for text in problems(count):
+        msgs = [{"role": "user", "content": text}]
+        text = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+        out.append(tokenizer.encode(text, add_special_tokens=False))
+    return out
+
+
+def bench_jax(model, prompts, n, new_tokens, temperature):
+    from mmr_jax.rollout import base, sampler
+
+    params = base.SamplingParams(new_tokens, temperature=temperature, n=n, seed=0)
+    t0 = time.perf_counter()
+    sampler.sample(model, prompts, params)  # Warm-up: compile this bucket.
+    compile_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    batch = sampler.sample(model, prompts, base.SamplingParams(
+        new_tokens, temperature=temperature, n=n, seed=1))
+    seconds = time.perf_counter() - t0
+    assert int(batch.mask.sum()) == len(prompts) * n * new_tokens
+    return seconds, compile_s
+
+
+def bench_hf(hf, tokenizer, prompts, n, new_tokens, temperature):
+    import torch
+
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):  # Left padding, as generation needs.
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    kw = dict(do_sample=True, temperature=temperature, top_p=1.0, top_k=0,
+              num_return_sequences=n, pad_token_id=pad, eos_token_id=None)
+    with torch.no_grad():
+        hf.generate(ids[:1], attention_mask=mask[:1], max_new_tokens=4, min_new_tokens=4, **kw)
+        torch.manual_seed(0)
+        t0 = time.perf_counter()
+        out = hf.generate(ids, attention_mask=mask, max_new_tokens=new_tokens,
+                          min_new_tokens=new_tokens, **kw)
+        seconds = time.perf_counter() - t0
+    assert out.shape == (len(prompts) * n, width + new_tokens)
+    return seconds
+
+
+def run_model(name: str, path: str) -> list[dict]:
+    import torch
+    import transformers
+
+    from mmr_jax import models
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None
+    model = models.from_pretrained(path)
+    rows = []
+    for count in map(int, _PROMPTS.value):
+        prompts = prompt_ids(tokenizer, count)
+        tokens = count * _N.value * _NEW.value
+        hf_s = bench_hf(hf, tokenizer, prompts, _N.value, _NEW.value, _TEMP.value)
+        jax_s, compile_s = bench_jax(model, prompts, _N.value, _NEW.value, _TEMP.value)
+        row = dict(model=name, prompts=count, n=_N.value, new_tokens=_NEW.value,
+                   prompt_len=max(len(p) for p in prompts), hf_tok_s=tokens / hf_s,
+                   jax_tok_s=tokens / jax_s, ratio=hf_s / jax_s, jax_compile_s=compile_s)
+        print(_fmt(row), flush=True)
+        rows.append(row)
+    return rows
+
+
+HEADER = (f"{'model':<10}{'prompts':>8}{'n':>3}{'new':>5}{'plen':>6}{'hf tok/s':>10}"
+          f"{'jax tok/s':>11}{'ratio':>7}{'compile s':>11}")
+
+
+def _fmt(r: dict) -> str:
+    return (f"{r['model']:<10}{r['prompts']:>8}{r['n']:>3}{r['new_tokens']:>5}{r['prompt_len']:>6}"
+            f"{r['hf_tok_s']:>10.1f}{r['jax_tok_s']:>11.1f}{r['ratio']:>6.2f}x"
+            f"{r['jax_compile_s']:>11.1f}")
+
+
+def main(argv):
+    del argv
+    import jax
+    import torch
+
+    from mmr_jax import testing
+
+    print(f"jax {jax.__version__} on {jax.devices()[0].platform}, torch {torch.__version__} "
+          f"({torch.get_num_threads()} threads), {os.cpu_count()} CPUs")
+    print(HEADER, flush=True)
+    rows = []
+    for name in _MODELS.value:
+        if name == "tiny":
+            with tempfile.TemporaryDirectory() as tmp:
+                rows += run_model("tiny", str(testing.make_tiny_checkpoint(tmp)))
+        elif name == "smollm2":
+            if not (pathlib.Path(_SMOL.value) / "config.json").exists():
+                print(f"smollm2: skipped, no checkpoint at {_SMOL.value} "
+                      "(run scripts/prepare_smollm2.py)")
+                continue
+            rows += run_model("smollm2", _SMOL.value)
+        else:
+            raise app.UsageError(f"unknown model {name!r}")
+    if _JSON.value:
+        pathlib.Path(_JSON.value).write_text(json.dumps(rows, indent=2))
+
+
+if __name__ == "__main__":
+    app.run(main)

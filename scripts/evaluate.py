@@ -1,0 +1,105 @@
+"""pass@k evaluation of one checkpoint, or of every saved checkpoint of a run.
+
+    python scripts/evaluate.py --config=configs/eval.py --config.checkpoint=runs/x/step_150
+    python scripts/evaluate.py --config=configs/eval.py --config.run_dir=runs/x
+
+Prints a table (per benchmark and average); writes `eval.json` with per-problem records. With
+`run_dir`: one JSON per step, `eval_summary.json` with the peak step, and `pass1_vs_step.png`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import sys
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from mmr_jax import evaluation
+from mmr_jax.rewards import grading
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Evaluation config.", lock_config=True)
+
+
+def make_engine(config, checkpoint: str):
+    """The rollout engine that samples from `checkpoint`.
+
+    'embedded': the JAX sampler on the checkpoint (EOS ids from its generation config). 'vllm': a
+    server at `config.url` that already serves `checkpoint` under that name (one server per
+    checkpoint, so a run sweep with vLLM needs the server restarted between steps).
+    """
+    if config.engine == "embedded":
+        from mmr_jax.rollout import embedded
+
+        return embedded.EmbeddedEngine.from_pretrained(checkpoint, seed=config.seed)
+    if config.engine == "vllm":
+        from mmr_jax.rollout import vllm_engine
+
+        return vllm_engine.VllmEngine(config.url, model=checkpoint)
+    raise ValueError(f"unknown engine {config.engine!r}; expected 'embedded' or 'vllm'")
+
+
+def evaluate_checkpoint(config, checkpoint: str, problems, grader) -> evaluation.EvalResult:
+    import transformers
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(checkpoint)
+    return evaluation.evaluate(
+        make_engine(config, checkpoint),
+        tokenizer,
+        problems,
+        n=config.n,
+        temperature=config.temperature,
+        top_p=config.top_p,
+        max_new_tokens=config.max_new_tokens,
+        ks=tuple(config.ks),
+        system_prompt=config.system_prompt or None,
+        seed=config.seed,
+        prompt_batch_size=config.prompt_batch_size,
+        grader=grader,
+        keep_completions=config.keep_completions,
+    )
+
+
+def main(argv):
+    del argv
+    config = _CONFIG.value
+    if bool(config.checkpoint) == bool(config.run_dir):
+        raise app.UsageError("set exactly one of --config.checkpoint and --config.run_dir")
+    problems = evaluation.load_benchmarks(
+        config.data_dir, tuple(config.benchmarks), max_problems=config.max_problems
+    )
+    grader = grading.Grader(workers=config.grader_workers, timeout_s=config.grader_timeout_s)
+    meta = dict(config=config.to_dict())
+    try:
+        if config.checkpoint:
+            out_dir = config.output_dir or os.path.join(config.checkpoint, "eval")
+            result = evaluate_checkpoint(config, config.checkpoint, problems, grader)
+            print(evaluation.format_table(result))
+            evaluation.write_json(result, os.path.join(out_dir, "eval.json"), **meta)
+            logging.info("wrote %s", os.path.join(out_dir, "eval.json"))
+            return
+        out_dir = config.output_dir or os.path.join(config.run_dir, "eval")
+
+        def one(path):
+            result = evaluate_checkpoint(config, path, problems, grader)
+            name = os.path.basename(path)
+            print(f"== {name}\n{evaluation.format_table(result)}", flush=True)
+            evaluation.write_json(result, os.path.join(out_dir, f"{name}.json"), **meta)
+            return result
+
+        results, peak = evaluation.evaluate_run(config.run_dir, one)
+        evaluation.plot_curve(results, os.path.join(out_dir, "pass1_vs_step.png"))
+        summary = {str(s): {"average": r.average, **r.per_benchmark} for s, r in results}
+        with open(os.path.join(out_dir, "eval_summary.json"), "w") as f:
+            json.dump(dict(peak_step=peak, steps=summary, **meta), f, indent=1)
+        print(f"peak step {peak}: average pass@1 {100 * dict(results)[peak].average['pass@1']:.2f}")
+    finally:
+        grader.close()
+
+
+if __name__ == "__main__":
+    flags.mark_flag_as_required("config")
+    app.run(main)

@@ -1,0 +1,133 @@
+"""Training curves from `metrics.jsonl` to PNG; several runs overlaid for comparison.
+
+    python scripts/plot_run.py runs/cpu_smollm2 --out=runs/cpu_smollm2/curves.png
+    python scripts/plot_run.py runs/grpo_7b runs/mmr_grpo_7b --labels=GRPO,MMR-GRPO --out=cmp.png
+    python scripts/plot_run.py runs/x --metrics=reward/mean,kl --smooth=0.6 --out=x.png
+
+Each argument is a workdir (or a metrics.jsonl file). One panel per metric; each run one colour.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import pathlib
+import sys
+
+from absl import app, flags
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from mmr_jax import metrics as metrics_lib  # noqa: E402
+
+_OUT = flags.DEFINE_string("out", "curves.png", "PNG file to write.")
+_METRICS = flags.DEFINE_list("metrics", [], "Metrics to draw (default: the standard set present).")
+_LABELS = flags.DEFINE_list("labels", [], "One legend label per run (default: folder names).")
+_SMOOTH = flags.DEFINE_float("smooth", 0.0, "EMA smoothing in [0, 1) drawn over the raw curve.")
+
+DEFAULT_METRICS = (
+    "reward/mean",
+    "reward/*/mean",
+    "reward/reweighted_mean",
+    "mmr/lambda_mean",
+    "groups/zero_variance_frac",
+    "kl",
+    "loss",
+    "entropy",
+    "clip/frac",
+    "completion/length_mean",
+    "completion/truncated_frac",
+    "grad_norm",
+    "lr",
+    "time/step",
+    "eval/average/pass@1",
+)
+
+
+def load_run(path) -> list[dict]:
+    """Rows of a run's metrics (a workdir or a metrics.jsonl), the last row per step kept."""
+    path = pathlib.Path(path)
+    if path.is_dir():
+        path = path / metrics_lib.METRICS_FILE
+    if not path.exists():
+        raise FileNotFoundError(f"no metrics file at {path}")
+    by_step = {}
+    for row in metrics_lib.read_jsonl(path):
+        by_step.setdefault(row["step"], {}).update(row)
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def select_metrics(runs: list[list[dict]], wanted=DEFAULT_METRICS) -> list[str]:
+    """Names in `wanted` present in any run, expanding 'a/*/b' patterns."""
+    present = sorted({k for rows in runs for row in rows for k in row if k != "step"})
+    out = []
+    for pattern in wanted:
+        if "*" in pattern:
+            head, tail = pattern.split("*", 1)
+            for k in present:
+                middle = k[len(head) : len(k) - len(tail)]
+                if k.startswith(head) and k.endswith(tail) and middle and "/" not in middle:
+                    out.append(k)
+        elif pattern in present:
+            out.append(pattern)
+    return list(dict.fromkeys(out))
+
+
+def _ema(values: list[float], alpha: float) -> list[float]:
+    out, acc = [], None
+    for v in values:
+        acc = v if acc is None or not math.isfinite(acc) else alpha * acc + (1 - alpha) * v
+        out.append(acc)
+    return out
+
+
+def plot(run_paths, out, *, metrics=(), labels=(), smooth: float = 0.0) -> list[str]:
+    """Draws the runs' curves into `out` (PNG); returns the metric names drawn."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [load_run(p) for p in run_paths]
+    labels = list(labels) or [os.path.basename(os.path.normpath(str(p))) for p in run_paths]
+    if len(labels) != len(runs):
+        raise ValueError(f"{len(labels)} labels for {len(runs)} runs")
+    names = select_metrics(runs, metrics or DEFAULT_METRICS)
+    if not names:
+        raise ValueError(f"none of the metrics {list(metrics or DEFAULT_METRICS)} is in the runs")
+    cols = min(3, len(names))
+    rows = math.ceil(len(names) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.2 * rows), squeeze=False)
+    for ax, name in zip(axes.flat, names, strict=False):
+        for i, (rows_, label) in enumerate(zip(runs, labels, strict=True)):
+            pts = [(r["step"], float(r[name])) for r in rows_ if isinstance(r.get(name), int | float)]
+            if not pts:
+                continue
+            xs, ys = zip(*pts, strict=True)
+            color = f"C{i}"
+            if smooth > 0:
+                ax.plot(xs, ys, color=color, alpha=0.3, linewidth=1)
+                ax.plot(xs, _ema(list(ys), smooth), color=color, label=label, linewidth=1.8)
+            else:
+                ax.plot(xs, ys, color=color, label=label, marker="." if len(xs) < 40 else None)
+        ax.set_title(name, fontsize=10)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(names) :]:
+        ax.axis("off")
+    axes.flat[0].legend(fontsize=8)
+    fig.tight_layout()
+    pathlib.Path(out).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return names
+
+
+def main(argv):
+    if len(argv) < 2:
+        raise app.UsageError("give one or more run folders (or metrics.jsonl files)")
+    names = plot(argv[1:], _OUT.value, metrics=_METRICS.value, labels=_LABELS.value, smooth=_SMOOTH.value)
+    print(f"wrote {_OUT.value}: {', '.join(names)}")
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,115 @@
+"""Config files: every variant loads, converts to typed config, and rejects bad keys."""
+
+import dataclasses
+import pathlib
+import sys
+from unittest import mock
+
+import pytest
+from absl import flags
+from ml_collections import config_flags
+
+from mmr_jax import config_types
+
+CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "configs"
+VARIANTS = ["grpo", "dr_grpo", "dapo", "dapo_nods", "grpo_7b", "cpu_smollm2", "base"]
+
+
+def _load(name, arg=None, overrides=()):
+    fv = flags.FlagValues()
+    spec = str(CONFIGS / f"{name}.py") + (f":{arg}" if arg else "")
+    config_flags.DEFINE_config_file("config", spec, flag_values=fv, lock_config=True)
+    argv = ["prog", f"--config={spec}", *overrides]
+    with mock.patch.object(sys, "argv", argv):  # config_flags reads overrides from sys.argv
+        fv(argv)
+    return fv.config
+
+
+class TestVariants:
+    @pytest.mark.parametrize("name", VARIANTS)
+    @pytest.mark.parametrize("arg", [None, "1.5b", "7b", "8b", "smoke", "8b,smoke"])
+    def test_loads_and_converts(self, name, arg):
+        cfg = config_types.from_config_dict(_load(name, arg))
+        assert dataclasses.is_dataclass(cfg) and cfg.rows_per_step > 0
+        if arg and "smoke" in arg:
+            assert cfg.total_steps <= 4 and cfg.batch.max_completion_len <= 64
+
+    @pytest.mark.parametrize("size,lora", [("1.5b", False), ("7b", True), ("8b", True)])
+    def test_model_sizes(self, size, lora):
+        cfg = config_types.from_config_dict(_load("grpo", size))
+        assert cfg.lora.enabled == lora
+        assert cfg.lora.rank == 64 and cfg.lora.alpha == 128 and cfg.lora.dropout == 0.05
+
+    def test_paper_shared_hyperparameters(self):
+        cfg = config_types.from_config_dict(_load("grpo"))
+        assert (cfg.optim.lr, cfg.optim.min_lr_ratio, cfg.optim.warmup_ratio) == (1e-6, 0.1, 0.1)
+        assert cfg.optim.grad_clip == 1.0 and cfg.seed == 2025 and cfg.total_steps == 500
+        assert cfg.rows_per_step == 48 and cfg.batch.generations == 6
+        assert (cfg.batch.max_prompt_len, cfg.batch.max_completion_len) == (512, 3584)
+        assert cfg.rollout.temperature == 0.7 and cfg.checkpoint.every == 50
+        assert cfg.loss.beta == 0.04 and dict(cfg.rewards.weights) == {
+            "accuracy": 0.0, "format": 1.0, "cosine": 2.0}  # fmt: skip
+
+    def test_dapo(self):
+        cfg = config_types.from_config_dict(_load("dapo"))
+        assert (cfg.loss.eps_low, cfg.loss.eps_high, cfg.loss.beta) == (0.2, 0.28, 0.0)
+        assert cfg.dynamic_sampling.enabled and cfg.dynamic_sampling.filter_reward == "accuracy"
+        assert cfg.dynamic_sampling.max_generation_batches == 10 and cfg.total_steps == 200
+        assert cfg.rewards.weights["accuracy"] == 1.0 and cfg.rewards.weights["cosine"] == 1.0
+        nods = config_types.from_config_dict(_load("dapo_nods"))
+        assert not nods.dynamic_sampling.enabled and nods.loss.eps_high == 0.28
+
+    def test_dr_grpo(self):
+        cfg = config_types.from_config_dict(_load("dr_grpo"))
+        assert cfg.advantage.estimator == "dr_grpo"
+        assert cfg.loss.aggregation == "seq_mean_token_sum_norm"
+
+    def test_overrides(self):
+        cfg = _load("grpo_7b", None, ["--config.mmr.enabled=True", "--config.mmr.lam=0.7"])
+        typed = config_types.from_config_dict(cfg)
+        assert typed.reweighting == "mmr" and typed.mmr.lam == 0.7 and typed.lora.enabled
+        assert config_types.from_config_dict(_load("grpo")).mmr.lam is None
+
+
+class TestBadInput:
+    def test_unknown_key_fails_in_flags(self):
+        with pytest.raises(Exception, match="lam"):  # ml_collections: 'Did you mean "lam"'
+            _load("grpo", None, ["--config.mmr.lamda=0.5"])
+
+    @pytest.mark.parametrize("key", ["mmr.lamda", "mmrr.lam", "loss.beta.x"])
+    def test_check_override_keys(self, key):
+        argv = ["prog", f"--config={CONFIGS / 'grpo.py'}:smoke", f"--config.{key}=1"]
+        with pytest.raises(config_types.UnknownKeyError, match="valid keys"):
+            config_types.check_override_keys(argv)
+        config_types.check_override_keys([*argv[:2], "--config.mmr.lam=0.5"])
+
+    def test_unknown_key_in_dict(self):
+        cfg = _load("grpo").to_dict()
+        cfg["loss"]["bogus"] = 1
+        with pytest.raises(ValueError, match=r"unknown keys \['bogus'\].*valid keys"):
+            config_types.from_config_dict(cfg)
+
+    def test_bad_arg(self):
+        with pytest.raises(Exception, match="unknown config argument"):
+            _load("grpo", "70b")
+
+    @pytest.mark.parametrize(
+        "override,match",
+        [
+            (("advantage", "estimator", "ppo"), "advantage.estimator"),
+            (("mmr", "scope", "global"), "mmr.scope"),
+            (("mmr", "lam", 1.5), "mmr.lam"),
+            (("loss", "minibatches", 5), "minibatches"),
+        ],
+    )
+    def test_invalid_values(self, override, match):
+        cfg = _load("grpo").to_dict()
+        section, key, value = override
+        cfg[section][key] = value
+        with pytest.raises(ValueError, match=match):
+            config_types.from_config_dict(cfg)
+
+    def test_mmr_and_dra_exclusive(self):
+        cfg = _load("grpo", None, ["--config.mmr.enabled=True", "--config.dra.enabled=True"])
+        with pytest.raises(ValueError, match="exclusive"):
+            config_types.from_config_dict(cfg)

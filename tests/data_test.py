@@ -1,0 +1,142 @@
+"""Tests for mmr_jax.data: loading and schema checks, prompts, PromptIterator, arithmetic."""
+
+import json
+
+import pytest
+
+from mmr_jax import data, testing
+
+EVAL_DIR = testing.default_shared_data() / "eval"
+
+
+def _write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    return testing.make_tiny_tokenizer(tmp_path_factory.mktemp("tok"))
+
+
+class TestLoadProblems:
+    @pytest.mark.parametrize(
+        "name,rows",
+        [("math500", 500), ("aime24", 30), ("amc23", 40), ("minerva_math", 272),
+         ("olympiadbench", 675)],
+    )  # fmt: skip
+    def test_eval_files(self, name, rows):
+        problems = data.load_problems(EVAL_DIR / f"{name}.jsonl")
+        assert len(problems) == rows
+        assert all(p.problem.strip() and p.answer.strip() and p.id for p in problems)
+        assert len({p.id for p in problems}) == rows
+
+    def test_custom_fields_and_numeric_answer(self, tmp_path):
+        path = _write_jsonl(tmp_path / "q.jsonl", [{"question": "1+1?", "gt": 2}])
+        (p,) = data.load_problems(path, problem_field="question", answer_field="gt")
+        assert p == data.Problem(id="0", problem="1+1?", answer="2")
+
+    @pytest.mark.parametrize(
+        "rows,message",
+        [
+            ([{"problem": "a", "answer": "1"}, {"problem": "b"}],
+             r"bad\.jsonl: row 1: missing field 'answer'"),
+            ([{"problem": "a", "answer": "1"}, {"problem": "b", "answer": "  "}],
+             r"bad\.jsonl: row 1: field 'answer' is empty"),
+            ([{"answer": "1"}], r"bad\.jsonl: row 0: missing field 'problem'"),
+        ],
+    )  # fmt: skip
+    def test_malformed_rows(self, tmp_path, rows, message):
+        path = _write_jsonl(tmp_path / "bad.jsonl", rows)
+        with pytest.raises(ValueError, match=message):
+            data.load_problems(path)
+
+    def test_parquet(self, tmp_path):
+        import datasets
+
+        path = str(tmp_path / "p.parquet")
+        datasets.Dataset.from_list([{"id": "x", "problem": "q", "answer": "3"}]).to_parquet(path)
+        assert data.load_problems(path) == [data.Problem("x", "q", "3")]
+
+    def test_missing_file(self, tmp_path):
+        with pytest.raises(FileNotFoundError, match="nope.jsonl"):
+            data.load_problems(tmp_path / "nope.jsonl")
+
+
+class TestBuildPrompt:
+    def test_chat_template_with_system_prompt(self, tokenizer):
+        ids = data.build_prompt(tokenizer, data.Problem("0", "What is 2+2?", "4"), "Be brief.")
+        text = tokenizer.decode(ids)
+        assert text == (
+            "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhat is 2+2?<|im_end|>\n"
+            "<|im_start|>assistant\n"
+        )
+
+    def test_no_system_prompt(self, tokenizer):
+        text = tokenizer.decode(data.build_prompt(tokenizer, "hi", None))
+        assert text.startswith("<|im_start|>user\nhi")
+
+    def test_long_prompts_dropped_and_counted(self, tokenizer):
+        problems = [data.Problem("a", "1+1?", "2"), data.Problem("b", "word " * 200, "1")]
+        prompts, kept, dropped = data.build_prompts(
+            tokenizer, problems, "Be brief.", max_prompt_length=60
+        )
+        assert [p.id for p in kept] == ["a"] and dropped == 1 and len(prompts) == 1
+        assert len(prompts[0]) <= 60
+
+    def test_paper_prompts(self):
+        assert "<think> reasoning process here </think>" in data.TRAIN_SYSTEM_PROMPT
+        assert "Therefore, the final answer is:" in data.EVAL_SYSTEM_PROMPT
+
+
+class TestPromptIterator:
+    def test_each_epoch_is_a_permutation_and_epochs_differ(self):
+        it = data.PromptIterator(list(range(10)), batch_size=5, seed=3)
+        e0 = next(it) + next(it)
+        e1 = next(it) + next(it)
+        assert sorted(e0) == sorted(e1) == list(range(10)) and e0 != e1
+
+    def test_batches_continue_across_epochs(self):
+        it = data.PromptIterator(list(range(5)), batch_size=3, seed=0)
+        b = [next(it) for _ in range(5)]  # 15 items = 3 epochs
+        flat = [x for bb in b for x in bb]
+        assert all(sorted(flat[i : i + 5]) == list(range(5)) for i in (0, 5, 10))
+
+    def test_restore_reproduces_the_order(self):
+        it = data.PromptIterator(list(range(7)), batch_size=3, seed=11)
+        for _ in range(4):
+            next(it)
+        state = json.loads(json.dumps(it.state()))
+        expected = [next(it) for _ in range(6)]
+        fresh = data.PromptIterator(list(range(7)), batch_size=3, seed=11)
+        fresh.restore(state)
+        assert [next(fresh) for _ in range(6)] == expected
+
+    def test_same_seed_same_order_other_seed_differs(self):
+        a = [next(data.PromptIterator(list(range(20)), 20, seed=1))]
+        b = [next(data.PromptIterator(list(range(20)), 20, seed=1))]
+        c = [next(data.PromptIterator(list(range(20)), 20, seed=2))]
+        assert a == b != c
+
+    def test_restore_rejects_other_data(self):
+        state = data.PromptIterator(list(range(4)), 2, seed=0).state()
+        with pytest.raises(ValueError, match="4 items"):
+            data.PromptIterator(list(range(5)), 2, seed=0).restore(state)
+
+
+class TestArithmeticProblems:
+    def test_deterministic_and_correct(self):
+        a = data.arithmetic_problems(50, seed=7)
+        assert a == data.arithmetic_problems(50, seed=7) != data.arithmetic_problems(50, seed=8)
+        for p in a:
+            expr = p.problem.removeprefix("What is ").removesuffix("?")
+            assert str(eval(expr)) == p.answer  # digits and + - * only
+
+    def test_answers_grade_correct(self):
+        from mmr_jax.rewards import grading
+
+        problems = data.arithmetic_problems(5, seed=0, num_terms=3)
+        grades = grading.Grader(workers=0).grade(
+            [f"\\boxed{{{p.answer}}}" for p in problems], [p.answer for p in problems]
+        )
+        assert all(g.correct for g in grades)

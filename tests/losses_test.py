@@ -1,0 +1,143 @@
+"""Tests for mmr_jax.losses: hand-worked surrogate, aggregation modes, KL, masks, accumulation."""
+
+import math
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from absl.testing import parameterized
+
+from mmr_jax import losses
+
+jax.config.update("jax_numpy_rank_promotion", "raise")
+
+# Two sequences, T = 3, eps_low = eps_high = 0.2.
+#   seq 0: A = +1, mask [1, 1, 0], ratio [1, 1.5, (masked)]; clip -> [1, 1.2];
+#          token loss -min(r A, clip(r) A) = [-1, -1.2].
+#   seq 1: A = -2, mask [1, 1, 1], ratio [1, 0.5, 1.1]; clip -> [1, 0.8, 1.1];
+#          r A = [-2, -1, -2.2], clip A = [-2, -1.6, -2.2], min = [-2, -1.6, -2.2];
+#          token loss [2, 1.6, 2.2].
+#   seq_mean_token_mean: (mean(-1, -1.2) + mean(2, 1.6, 2.2)) / 2 = (-1.1 + 5.8 / 3) / 2
+#   token_mean: (-2.2 + 5.8) / 5 = 0.72
+#   seq_mean_token_sum_norm with max_completion_len 4: 3.6 / (2 * 4) = 0.45
+OLD = jnp.array([[-1.0, -2.0, -3.0], [-0.5, -1.0, -1.5]])
+LOGPS = OLD + jnp.log(jnp.array([[1.0, 1.5, 7.0], [1.0, 0.5, 1.1]]))
+ADV = jnp.array([1.0, -2.0])
+MASK = jnp.array([[True, True, False], [True, True, True]])
+CLIP = dict(eps_low=0.2, eps_high=0.2)
+
+
+class PolicyLossTest(chex.TestCase):
+    @chex.variants(with_jit=True, without_jit=True)
+    @parameterized.named_parameters(
+        ("grpo", "seq_mean_token_mean", (-1.1 + 5.8 / 3) / 2),
+        ("dapo", "token_mean", 0.72),
+        ("dr_grpo", "seq_mean_token_sum_norm", 0.45),
+    )
+    def test_hand_worked(self, aggregation, want):
+        fn = self.variant(lambda lp, old, a, m: losses.policy_loss(
+            lp, old, a, m, aggregation=aggregation, max_completion_len=4, **CLIP))
+        loss, metrics = fn(LOGPS, OLD, ADV, MASK)
+        np.testing.assert_allclose(loss, want, rtol=1e-6)
+        # Clip binds at seq 1 token 1 (0.5 < 0.8, A < 0) and seq 0 token 1 (1.5 > 1.2, A > 0).
+        np.testing.assert_allclose(metrics["clip_frac_low"], 1 / 5, rtol=1e-6)
+        np.testing.assert_allclose(metrics["clip_frac_high"], 1 / 5, rtol=1e-6)
+        np.testing.assert_allclose(metrics["ratio_mean"], (1 + 1.5 + 1 + 0.5 + 1.1) / 5, rtol=1e-6)
+        np.testing.assert_allclose(metrics["ratio_min"], 0.5, rtol=1e-6)
+        np.testing.assert_allclose(metrics["ratio_max"], 1.5, rtol=1e-6)
+        np.testing.assert_array_equal(metrics["num_tokens"], 5.0)
+
+    def test_aggregations_differ_as_their_formulas_say(self):
+        def run(agg):
+            return losses.policy_loss(LOGPS, OLD, ADV, MASK, aggregation=agg, **CLIP)[1]
+
+        tm, sn, sm = run("token_mean"), run("seq_mean_token_sum_norm"), run("seq_mean_token_mean")
+        # Same numerator (sum of masked token losses), different denominators: 5 tokens vs B*T=6.
+        np.testing.assert_array_equal(tm["loss_numerator"], sn["loss_numerator"])
+        np.testing.assert_array_equal(tm["loss_denominator"], 5.0)
+        np.testing.assert_array_equal(sn["loss_denominator"], 6.0)
+        # Sequence mean weights each sequence's mean token loss equally (2 sequences).
+        np.testing.assert_allclose(sm["loss_numerator"], -1.1 + 5.8 / 3, rtol=1e-6)
+        np.testing.assert_array_equal(sm["loss_denominator"], 2.0)
+
+    def test_gradient_zero_on_masked_and_clipped_tokens(self):
+        bad = LOGPS.at[0, 2].set(jnp.inf)  # garbage at the masked position must not leak
+        grad = jax.grad(lambda lp: losses.policy_loss(
+            lp, OLD, ADV, MASK, aggregation="token_mean", **CLIP)[0])(bad)
+        # d/dlogp of -ratio * A / 5 where unclipped: seq 0 t0: -1 * 1 / 5; seq 1 t0: 1 * 2 / 5;
+        # seq 1 t2: 1.1 * 2 / 5. Clipped tokens (seq 0 t1, seq 1 t1) and the masked one get 0.
+        np.testing.assert_allclose(grad, [[-0.2, 0.0, 0.0], [0.4, 0.0, 0.44]], rtol=1e-6)
+
+    def test_first_pass_ratio_is_exactly_one(self):
+        rng = np.random.default_rng(0)
+        lp = jnp.asarray(-rng.random((4, 5)) * 3, jnp.float32)
+        adv = jnp.asarray(rng.normal(size=4), jnp.float32)
+        mask = jnp.asarray(rng.random((4, 5)) < 0.8).at[:, 0].set(True)
+
+        def f(x):
+            return losses.policy_loss(x, jax.lax.stop_gradient(x), adv, mask,
+                                      aggregation="token_mean", eps_low=0.2, eps_high=0.28)
+
+        (loss, metrics), grad = jax.value_and_grad(f, has_aux=True)(lp)
+        for k in ("ratio_min", "ratio_max", "ratio_mean"):
+            np.testing.assert_array_equal(metrics[k], 1.0)
+        np.testing.assert_array_equal(metrics["clip_frac_low"], 0.0)
+        np.testing.assert_array_equal(metrics["clip_frac_high"], 0.0)
+        n = np.sum(mask)
+        np.testing.assert_allclose(loss, -np.sum(np.asarray(adv)[:, None] * mask) / n, rtol=1e-6)
+        # Plain policy gradient: -A / (number of tokens) on every real token.
+        np.testing.assert_allclose(grad, -np.asarray(adv)[:, None] * mask / n, rtol=1e-6)
+
+    @parameterized.named_parameters(
+        ("k1", "k1", 1.0), ("k2", "k2", 0.5), ("k3", "k3", math.exp(-1.0))
+    )
+    def test_kl_estimators(self, estimator, want):
+        # logp = -1, ref = -2: d = ref - logp = -1. k1 = 1, k2 = 1/2, k3 = e^-1 + 1 - 1.
+        lp, ref = jnp.full((1, 2), -1.0), jnp.full((1, 2), -2.0)
+        np.testing.assert_allclose(losses.kl_divergence(lp, ref, estimator=estimator), want,
+                                   rtol=1e-6)
+        # Added to the surrogate with beta; ratio 1 and A = 0 leave only the KL term.
+        loss, metrics = losses.policy_loss(
+            lp, lp, jnp.zeros(1), jnp.ones((1, 2), bool), aggregation="token_mean",
+            ref_logps_BxT=ref, beta=0.1, kl_estimator=estimator, **CLIP)
+        np.testing.assert_allclose(loss, 0.1 * want, rtol=1e-6)
+        np.testing.assert_allclose(metrics["kl"], want, rtol=1e-6)
+
+    @parameterized.parameters(*losses.AGGREGATIONS)
+    def test_microbatch_accumulation_equals_full_batch(self, aggregation):
+        rng = np.random.default_rng(1)
+        with jax.enable_x64(True):
+            b, t = 8, 7
+            old = jnp.asarray(-rng.random((b, t)) * 3)
+            lp = old + jnp.asarray(rng.normal(size=(b, t)) * 0.3)
+            ref = old + jnp.asarray(rng.normal(size=(b, t)) * 0.1)
+            adv = jnp.asarray(rng.normal(size=b))
+            mask = jnp.asarray(rng.random((b, t)) < np.linspace(0.2, 0.95, b)[:, None])
+            kw = dict(aggregation=aggregation, ref_logps_BxT=None, beta=0.05,
+                      max_completion_len=9, **CLIP)
+
+            def f(x, sl, norm=None):
+                return losses.policy_loss(x[sl], old[sl], adv[sl], mask[sl], normaliser=norm,
+                                          **{**kw, "ref_logps_BxT": ref[sl]})[0]
+
+            full, full_grad = jax.value_and_grad(f)(lp, slice(None))
+            norm = losses.loss_denominator(mask, aggregation=aggregation, max_completion_len=9)
+            parts = [jax.value_and_grad(f)(lp, slice(i, i + 2), norm) for i in range(0, b, 2)]
+            np.testing.assert_allclose(sum(p[0] for p in parts), full, rtol=1e-12)
+            np.testing.assert_allclose(sum(p[1] for p in parts), full_grad, rtol=1e-12, atol=1e-15)
+            if aggregation == "token_mean":
+                # Averaging per-microbatch token means is not the batch token mean (ragged masks).
+                naive = np.mean([f(lp, slice(i, i + 2)) for i in range(0, b, 2)])
+                assert abs(naive - full) > 1e-6
+
+    def test_bad_arguments_raise(self):
+        with pytest.raises(ValueError, match="aggregation"):
+            losses.policy_loss(LOGPS, OLD, ADV, MASK, aggregation="sum", **CLIP)
+        with pytest.raises(ValueError, match="ref_logps"):
+            losses.policy_loss(LOGPS, OLD, ADV, MASK, aggregation="token_mean", beta=0.1, **CLIP)
+        with pytest.raises(ValueError, match="KL estimator"):
+            losses.kl_divergence(LOGPS, OLD, estimator="k4")
+        with pytest.raises(AssertionError):
+            losses.policy_loss(LOGPS, OLD, ADV[:1], MASK, aggregation="token_mean", **CLIP)

@@ -1,0 +1,325 @@
+"""Tests for mmr_jax.mmr: Algorithm 1 parity, invariances, masks, DRA, validation, registry."""
+
+import math
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from absl.testing import parameterized
+
+from mmr_jax import mmr
+
+jax.config.update("jax_numpy_rank_promotion", "raise")
+
+# Eager dispatch of the greedy loop is slow; tests that are not about eager mode use these.
+mmr_jit = jax.jit(mmr.mmr_reweight)
+mmr_aux_jit = jax.jit(mmr.mmr_reweight_with_aux)
+
+
+# --- An independent plain-Python Algorithm 1 (MMR-GRPO paper), written from the pseudo-code ---
+
+
+def _unit(v):
+    n = math.sqrt(sum(x * x for x in v))
+    return None if n == 0 else [x / n for x in v]
+
+
+def _cos(a, b):
+    return 0.0 if a is None or b is None else sum(x * y for x, y in zip(a, b, strict=True))
+
+
+def reference_mmr(rewards, embeddings, lam=None, mask=None):
+    """Returns (reweighted list, selection order list, lam) for one group, in plain Python."""
+    g = len(rewards)
+    keep = [i for i in range(g) if mask is None or mask[i]]
+    out = [float(x) for x in rewards]
+    if not keep:
+        return out, [], lam
+    r = [float(rewards[i]) for i in keep]
+    e = [_unit([float(x) for x in embeddings[i]]) for i in keep]
+    if lam is None:
+        mean = sum(r) / len(r)
+        std = math.sqrt(sum((x - mean) ** 2 for x in r) / len(r))
+        lam = 1.0 / (1.0 + math.exp(-std))
+    m = [[_cos(a, b) for b in e] for a in e]
+    first = 0
+    for a in range(len(r)):  # strict > keeps the lowest index on ties
+        if r[a] > r[first]:
+            first = a
+    selected = [first]
+    new = {first: r[first]}
+    for _ in range(1, len(r)):
+        best_i, best_score = None, None
+        for a in range(len(r)):
+            if a in new:
+                continue
+            best_sim = max(m[a][b] for b in selected)
+            score = lam * r[a] - (1 - lam) * best_sim
+            if best_score is None or score > best_score:
+                best_i, best_score = a, score
+        selected.append(best_i)
+        new[best_i] = best_score
+    for a, i in enumerate(keep):
+        out[i] = new[a]
+    return out, [keep[a] for a in selected], lam
+
+
+# --- Case generator: exact dyadic data (true ties) and Gaussian data ---
+
+
+def _structured_embeddings(rng, g, d):
+    """Rows from a few prototypes with four +-0.5 entries (unit norm, exact cosines), some zero."""
+    protos = np.zeros((4, d))
+    for p in protos:
+        p[rng.choice(d, 4, replace=False)] = rng.choice([-0.5, 0.5], 4)
+    emb = protos[rng.integers(0, 4, g)] * rng.choice([0.25, 1.0, 4.0], (g, 1))
+    emb[rng.random(g) < 0.15] = 0.0
+    return emb
+
+
+def _case(rng, g, d, kind):
+    if kind == "structured":
+        r = rng.integers(-4, 9, g) / 4.0  # multiples of 1/4: many exact ties
+        if rng.random() < 0.2:
+            r[:] = r[0]  # all-equal rewards
+        emb = _structured_embeddings(rng, g, d)
+    else:
+        r = rng.normal(size=g)
+        emb = rng.normal(size=(g, d))
+        emb[rng.random(g) < 0.1] = 0.0
+        if g > 1 and rng.random() < 0.3:
+            emb[1] = emb[0]  # identical completions
+    u = rng.random()
+    if u < 0.3:
+        mask = np.ones(g, bool)
+    elif u < 0.6:
+        mask = rng.random(g) < 0.75
+    elif u < 0.95:  # ragged group: only the first k of G are real completions
+        mask = np.arange(g) < rng.integers(1, g + 1)
+    else:
+        mask = np.zeros(g, bool)
+    return r, emb, mask
+
+
+# Each size costs two compilations, so the sizes are few; ragged masks cover every G in 1..64.
+GROUP_SIZES = (1, 2, 3, 6, 16, 17, 64)
+N_PER_SIZE = 48  # 7 sizes x 48 groups x 2 lambda modes = 672 random groups
+
+
+class MmrReweightTest(chex.TestCase):
+    @parameterized.parameters(*GROUP_SIZES)
+    def test_matches_reference_loop(self, g):
+        rng = np.random.default_rng(g)
+        d = 8
+        kinds = ["structured" if i % 2 else "gaussian" for i in range(N_PER_SIZE)]
+        cases = [_case(rng, g, d, k) for k in kinds]
+        r = np.stack([c[0] for c in cases])
+        emb = np.stack([c[1] for c in cases])
+        mask = np.stack([c[2] for c in cases])
+        # Fixed lambdas are dyadic for dyadic data so real-number ties stay exact ties.
+        fixed = np.array([rng.choice([0.0, 0.25, 0.5, 0.75, 1.0]) if k == "structured"
+                          else rng.choice([0.3, 0.7, 0.9]) for k in kinds])
+        # float64 so that non-tied candidates are never within rounding of each other.
+        with jax.enable_x64(True):
+            for lam in (None, fixed):
+                got, aux = mmr_aux_jit(
+                    jnp.asarray(r), jnp.asarray(emb), lam=None if lam is None else jnp.asarray(lam),
+                    mask=jnp.asarray(mask))
+                got, order, lam_used = np.asarray(got), np.asarray(aux.order), np.asarray(aux.lam)
+                for b in range(N_PER_SIZE):
+                    want, want_order, want_lam = reference_mmr(
+                        r[b], emb[b], None if lam is None else float(lam[b]), mask[b])
+                    np.testing.assert_array_equal(order[b][: len(want_order)], want_order)
+                    np.testing.assert_array_equal(order[b][len(want_order):], -1)
+                    np.testing.assert_allclose(got[b], want, rtol=0, atol=1e-12)
+                    if want_lam is not None:
+                        np.testing.assert_allclose(lam_used[b], want_lam, rtol=1e-12)
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_hand_worked_example(self):
+        # r = [1, 1, 0, 0.5]; rows 0 and 1 identical, row 2 orthogonal, row 3 zero; lam = 0.5.
+        # pick 0 (argmax, lowest index of the tie), r~0 = 1. best_sim = [1, 1, 0, 0].
+        # scores 0.5 r - 0.5 best: i=1: 0, i=2: 0, i=3: 0.25 -> pick 3, r~3 = 0.25.
+        # best_sim unchanged (row 3 is zero); i=1: 0, i=2: 0 -> pick 1 (lower index), r~1 = 0.
+        # last: i=2 -> r~2 = 0.
+        r = jnp.array([1.0, 1.0, 0.0, 0.5])
+        e = jnp.array([[3.0, 0.0], [3.0, 0.0], [0.0, 2.0], [0.0, 0.0]])
+        fn = self.variant(lambda r, e: mmr.mmr_reweight_with_aux(r, e, lam=0.5))
+        got, aux = fn(r, e)
+        np.testing.assert_array_equal(got, [1.0, 0.0, 0.0, 0.25])
+        np.testing.assert_array_equal(aux.order, [0, 3, 1, 2])
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_jit_and_eager_agree(self):
+        rng = np.random.default_rng(0)
+        r = jnp.asarray(rng.normal(size=(5, 6)), jnp.float32)
+        e = jnp.asarray(rng.normal(size=(5, 6, 16)), jnp.float32)
+        mask = jnp.asarray(rng.random((5, 6)) < 0.8)
+        got = self.variant(lambda r, e, m: mmr.mmr_reweight(r, e, mask=m))(r, e, mask)
+        want = [reference_mmr(r[b], e[b], None, mask[b])[0] for b in range(5)]
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+    def test_lam_one_returns_rewards_in_descending_order(self):
+        rng = np.random.default_rng(1)
+        r = jnp.asarray(rng.integers(0, 3, (8, 16)) / 2.0, jnp.float32)  # ties on purpose
+        e = jnp.asarray(rng.normal(size=(8, 16, 4)), jnp.float32)
+        got, aux = mmr_aux_jit(r, e, lam=1.0)
+        np.testing.assert_array_equal(got, r)
+        # lam = 1 is plain reward ordering: a stable descending sort.
+        np.testing.assert_array_equal(aux.order, np.argsort(-np.asarray(r), axis=-1, kind="stable"))
+
+    def test_permuting_a_group_permutes_the_output(self):
+        rng = np.random.default_rng(2)
+        with jax.enable_x64(True):
+            for g in (6, 64):
+                r, e = rng.normal(size=g), rng.normal(size=(g, 12))
+                perm = rng.permutation(g)
+                base = np.asarray(mmr_jit(jnp.asarray(r), jnp.asarray(e)))
+                permuted = mmr_jit(jnp.asarray(r[perm]), jnp.asarray(e[perm]))
+                np.testing.assert_allclose(permuted, base[perm], rtol=0, atol=1e-12)
+
+    def test_masked_entries_unchanged_and_without_influence(self):
+        rng = np.random.default_rng(3)
+        r, e = rng.normal(size=10).astype(np.float32), rng.normal(size=(10, 8)).astype(np.float32)
+        mask = np.array([1, 0, 1, 1, 0, 1, 1, 1, 0, 1], bool)
+        r_junk, e_junk = r.copy(), e.copy()
+        r_junk[~mask], e_junk[~mask] = 1e3, e[0]  # would dominate argmax, std and similarity
+        got = np.asarray(mmr_jit(jnp.asarray(r_junk), jnp.asarray(e_junk), mask=jnp.asarray(mask)))
+        compact = mmr_jit(jnp.asarray(r[mask]), jnp.asarray(e[mask]))
+        np.testing.assert_array_equal(got[~mask], r_junk[~mask])
+        np.testing.assert_allclose(got[mask], compact, rtol=1e-6, atol=1e-6)
+
+    @parameterized.parameters(None, 0.5)
+    def test_fully_masked_group_unchanged(self, lam):
+        r = jnp.array([[0.3, -1.0, 2.0], [1.0, 0.0, 1.0]])
+        e = jnp.ones((2, 3, 4))
+        mask = jnp.array([[False] * 3, [True] * 3])
+        got, aux = mmr_aux_jit(r, e, lam=lam, mask=mask)
+        np.testing.assert_array_equal(got[0], r[0])
+        np.testing.assert_array_equal(aux.order[0], [-1, -1, -1])
+        assert not np.array_equal(got[1], r[1])
+
+    def test_group_of_one_keeps_its_reward(self):
+        got = mmr.mmr_reweight(jnp.array([[0.7]]), jnp.array([[[0.0, 1.0]]]))
+        np.testing.assert_array_equal(got, np.float32([[0.7]]))
+
+    def test_zero_and_identical_embeddings(self):
+        # All-zero rows: every similarity is 0, so later picks get lam * r in reward order.
+        r = jnp.array([0.5, 2.0, 1.0])
+        got = mmr_jit(r, jnp.zeros((3, 5)), lam=0.75)
+        np.testing.assert_array_equal(got, [0.375, 2.0, 0.75])
+        # Identical rows: similarity 1 to the first pick: lam * r - (1 - lam).
+        got = mmr_jit(r, jnp.ones((3, 5)), lam=0.75)
+        np.testing.assert_allclose(got, [0.375 - 0.25, 2.0, 0.75 - 0.25], rtol=1e-6)
+
+    def test_any_leading_shape(self):
+        rng = np.random.default_rng(4)
+        r = jnp.asarray(rng.normal(size=(2, 3, 5)), jnp.float32)
+        e = jnp.asarray(rng.normal(size=(2, 3, 5, 7)), jnp.float32)
+        got = mmr_jit(r, e)
+        chex.assert_shape(got, (2, 3, 5))
+        for i in range(2):
+            for j in range(3):
+                np.testing.assert_array_equal(got[i, j], mmr_jit(r[i, j], e[i, j]))
+
+    def test_gradients_are_finite(self):
+        r = jnp.array([[1.0, 1.0, 1.0, 0.0]])  # also an all-equal-reward group below
+        e = jnp.array([[[1.0, 0.0], [0.0, 0.0], [1.0, 0.0], [0.0, 1.0]]])
+        for rr in (r, jnp.ones_like(r)):
+            loss = lambda a, b: mmr.mmr_reweight(a, b).sum()
+            g_r, g_e = jax.jit(jax.grad(loss, argnums=(0, 1)))(rr, e)
+            assert np.all(np.isfinite(g_r)) and np.all(np.isfinite(g_e))
+
+
+class AdaptiveLambdaTest(chex.TestCase):
+    def test_hand_values(self):
+        # [0, 1]: mean 0.5, population std 0.5. [2, 2, 2]: std 0 -> sigmoid(0) = 0.5.
+        # [0, 3, 9(masked)]: valid [0, 3], std 1.5.
+        r = jnp.array([[0.0, 1.0, 0.0], [2.0, 2.0, 2.0], [0.0, 3.0, 9.0]])
+        mask = jnp.array([[True, True, False], [True] * 3, [True, True, False]])
+        got = mmr.adaptive_lambda(r, mask=mask)
+        want = [1 / (1 + math.exp(-0.5)), 0.5, 1 / (1 + math.exp(-1.5))]
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+
+    def test_fully_masked_group_gives_half(self):
+        got = mmr.adaptive_lambda(jnp.array([[1.0, 5.0]]), mask=jnp.zeros((1, 2), bool))
+        np.testing.assert_array_equal(got, [0.5])
+
+
+class DraReweightTest(chex.TestCase):
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_hand_worked_example(self):
+        # rows: e0 = e1 = (1, 0), e2 = (0, 1), e3 = 0. cos(0,1) = 1, others 0.
+        # r0 / (1 + 1) = 0.5, r1 / 2 = 1, r2 / 1 = 3, r3 / 1 = 4; masked entry 4 untouched and
+        # its row (identical to e0) adds nothing to the sums.
+        r = jnp.array([1.0, 2.0, 3.0, 4.0, 5.0])
+        e = jnp.array([[2.0, 0.0], [5.0, 0.0], [0.0, 1.0], [0.0, 0.0], [1.0, 0.0]])
+        mask = jnp.array([True, True, True, True, False])
+        got = self.variant(lambda r, e, m: mmr.dra_reweight(r, e, mask=m))(r, e, mask)
+        np.testing.assert_array_equal(got, [0.5, 1.0, 3.0, 4.0, 5.0])
+
+    def test_matches_loop(self):
+        rng = np.random.default_rng(5)
+        r, e = rng.normal(size=(4, 6)), np.abs(rng.normal(size=(4, 6, 3)))
+        got = jax.jit(mmr.dra_reweight)(jnp.asarray(r, jnp.float32), jnp.asarray(e, jnp.float32))
+        for b in range(4):
+            u = [_unit(row) for row in e[b]]
+            want = [r[b, i] / (1 + sum(_cos(u[i], u[j]) for j in range(6) if j != i))
+                    for i in range(6)]
+            np.testing.assert_allclose(got[b], want, rtol=1e-5)
+
+
+class ReweightEntryTest(chex.TestCase):
+    def test_registry_names(self):
+        assert set(mmr.REWEIGHTERS) == {"none", "mmr", "dra"}
+        with pytest.raises(ValueError, match="already registered"):
+            mmr.register("mmr")(lambda *a, **k: None)
+
+    def test_methods_dispatch(self):
+        rng = np.random.default_rng(6)
+        r, e = rng.normal(size=(3, 4)).astype(np.float32), rng.normal(size=(3, 4, 5)).astype(
+            np.float32)
+        np.testing.assert_array_equal(mmr.reweight("none", r, None), r)
+        np.testing.assert_array_equal(mmr.reweight("mmr", r, e, lam=0.7), mmr_jit(r, e, lam=0.7))
+        np.testing.assert_array_equal(mmr.reweight("dra", r, e), jax.jit(mmr.dra_reweight)(r, e))
+
+    def test_batch_scope_is_one_group_over_all_completions(self):
+        rng = np.random.default_rng(7)
+        r, e = rng.normal(size=(3, 4)).astype(np.float32), rng.normal(size=(3, 4, 5)).astype(
+            np.float32)
+        got = mmr.reweight("mmr", r, e, scope="batch")
+        want = mmr_jit(r.reshape(1, 12), e.reshape(1, 12, 5)).reshape(3, 4)
+        np.testing.assert_array_equal(got, want)
+        assert not np.allclose(got, mmr.reweight("mmr", r, e, scope="group"))
+
+    @parameterized.named_parameters(
+        ("nan_rewards", (2, 3), (2, 3, 4), "rewards", "nan_r"),
+        ("inf_embeddings", (2, 3), (2, 3, 4), "embeddings", "inf_e"),
+        ("embeddings_rank", (2, 3), (2, 3), "embeddings must have rank 3", None),
+        ("mismatched_g", (2, 3), (2, 4, 4), r"embeddings of shape \(2, 4, 4\)", None),
+        ("mismatched_lead", (2, 3), (5, 3, 4), r"rewards of shape \(2, 3\)", None),
+        ("scalar_rewards", (), (4,), "rewards must have rank", None),
+    )
+    def test_bad_inputs_raise(self, r_shape, e_shape, match, poison):
+        r, e = np.zeros(r_shape, np.float32), np.ones(e_shape, np.float32)
+        if poison == "nan_r":
+            r[0, 1] = np.nan
+        if poison == "inf_e":
+            e[1, 0, 2] = np.inf
+        with pytest.raises(ValueError, match=match):
+            mmr.reweight("mmr", r, e)
+
+    def test_bad_mask_lam_method_scope_raise(self):
+        r, e = np.zeros((2, 3), np.float32), np.ones((2, 3, 4), np.float32)
+        with pytest.raises(ValueError, match=r"mask of shape \(3,\)"):
+            mmr.reweight("mmr", r, e, mask=np.ones(3, bool))
+        with pytest.raises(ValueError, match="lam"):
+            mmr.reweight("mmr", r, e, lam=1.5)
+        with pytest.raises(ValueError, match="unknown reweighting method"):
+            mmr.reweight("smi", r, e)
+        with pytest.raises(ValueError, match="scope"):
+            mmr.reweight("mmr", r, e, scope="prompt")
+        with pytest.raises(ValueError, match="dra reweighting takes no lam"):
+            mmr.reweight("dra", r, e, lam=0.5)

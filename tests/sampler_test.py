@@ -1,0 +1,163 @@
+"""Embedded JAX sampler: parity with transformers, log-probs, seeds, stops, compile counts."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mmr_jax.rollout import base, embedded, sampler
+
+jax.config.update("jax_numpy_rank_promotion", "raise")
+
+EOS = 2
+PROMPTS = [[5, 17, 33, 9, 100], [7, 8], list(range(40, 61))]
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_llama_dir):
+    from mmr_jax import models
+
+    return models.from_pretrained(tiny_llama_dir)
+
+
+@pytest.fixture(scope="module")
+def qwen2(tiny_qwen2_dir):
+    from mmr_jax import models
+
+    return models.from_pretrained(tiny_qwen2_dir)
+
+
+def _hf_greedy(path, prompts, max_new, eos=EOS):
+    import torch
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    outs = []
+    with torch.no_grad():
+        for prompt in prompts:
+            out = hf.generate(
+                torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                max_new_tokens=max_new, do_sample=False, eos_token_id=eos, pad_token_id=3,
+            )
+            outs.append(out[0, len(prompt):].tolist())
+    return outs
+
+
+class TestSample:
+    @pytest.mark.parametrize("family", ["llama", "qwen2"])
+    def test_greedy_matches_transformers_generate(self, family, request):
+        path = request.getfixturevalue(f"tiny_{family}_dir")
+        model = request.getfixturevalue(family)
+        params = base.SamplingParams(max_new_tokens=16, temperature=0.0, n=2)
+        batch = sampler.sample(model, PROMPTS, params, stop_token_ids=(EOS,))
+        for b, ref in enumerate(_hf_greedy(path, PROMPTS, 16)):
+            assert batch.completion_ids(b, 0) == ref
+            assert batch.completion_ids(b, 1) == ref
+
+    @pytest.mark.parametrize("top_p,top_k", [(1.0, 0), (0.8, 20)])
+    def test_logprobs_are_the_models_at_temperature(self, llama, top_p, top_k):
+        from mmr_jax.models import logprobs
+
+        temp = 0.7
+        params = base.SamplingParams(max_new_tokens=16, temperature=temp, top_p=top_p,
+                                     top_k=top_k, n=2, seed=1)
+        batch = sampler.sample(llama, PROMPTS, params)
+        assert batch.mask.all()  # no stop ids: every completion has the full length
+        for b, prompt in enumerate(PROMPTS):
+            seqs = np.stack([np.concatenate([prompt, batch.tokens[b, i]]) for i in range(2)])
+            ref = logprobs.token_logprobs(llama, jnp.asarray(seqs), jnp.ones(seqs.shape, bool),
+                                          temperature=temp)
+            np.testing.assert_allclose(batch.logprobs[b], np.asarray(ref)[:, len(prompt):],
+                                       atol=2e-5, rtol=1e-5)
+
+    def test_seed_reproduces_and_ignores_padding(self, llama):
+        params = base.SamplingParams(max_new_tokens=12, temperature=1.0, n=2, seed=7)
+        a = sampler.sample(llama, PROMPTS, params)
+        b = sampler.sample(llama, PROMPTS, params)
+        np.testing.assert_array_equal(a.tokens, b.tokens)
+        np.testing.assert_array_equal(a.logprobs, b.logprobs)
+        alone = sampler.sample(llama, PROMPTS[:1], params)  # Other batch and length buckets.
+        np.testing.assert_array_equal(alone.tokens[0], a.tokens[0])
+        other = sampler.sample(llama, PROMPTS, base.SamplingParams(
+            max_new_tokens=12, temperature=1.0, n=2, seed=8))
+        assert not np.array_equal(other.tokens, a.tokens)
+        assert not np.array_equal(a.tokens[:, 0], a.tokens[:, 1])  # n samples differ
+
+    def test_stop_token_and_max_tokens(self, llama):
+        greedy = base.SamplingParams(max_new_tokens=10, temperature=0.0, n=2)
+        free = sampler.sample(llama, PROMPTS, greedy).completion_ids(0, 0)
+        stop = free[3]
+        first = free.index(stop)
+        params = base.SamplingParams(max_new_tokens=10, temperature=0.0, n=2,
+                                     stop_token_ids=(stop,))
+        batch = sampler.sample(llama, PROMPTS, params, pad_id=3)
+        assert batch.completion_ids(0, 1) == free[: first + 1]  # stop token kept
+        assert batch.finish_reasons[0] == ["stop", "stop"]
+        assert (batch.tokens[0, :, first + 1 :] == 3).all() and batch.lengths[0, 0] == first + 1
+        short = sampler.sample(llama, PROMPTS, base.SamplingParams(
+            max_new_tokens=5, temperature=0, n=2))
+        assert short.tokens.shape == (3, 2, 5) and short.mask.all()
+        assert short.finish_reasons == [["length"] * 2] * 3
+
+    def test_compiles_once_per_bucket(self, llama):
+        params = base.SamplingParams(max_new_tokens=10, temperature=0.9, n=2)
+        sampler.sample(llama, PROMPTS, params)
+        before = sampler.trace_count()
+        long = PROMPTS[2]  # 21 tokens: every call below pads to 4 prompts x 32 slots, 16 new.
+        for prompts, temp, new, seed in [
+            ([long, [1, 2, 3], [4], [5, 6]], 0.5, 12, 1),
+            ([long[:17], [9] * 11, [4, 5]], 1.3, 16, 2),
+            (PROMPTS[::-1], 0.7, 3, 3),
+            ([[8] * 30, [1], [2], [3]], 1.0, 1, None),
+        ]:
+            sampler.sample(llama, prompts, base.SamplingParams(
+                max_new_tokens=new, temperature=temp, n=2, seed=seed))
+        assert sampler.trace_count() == before
+
+
+class TestFilter:
+    def test_top_k_then_top_p(self):
+        logits = jnp.log(jnp.array([[0.05, 0.4, 0.1, 0.3, 0.15], [0.2] * 5]))
+        out = sampler.filter_top_k_top_p(logits, jnp.int32(3), jnp.float32(0.6))
+        # Row 0: top-3 = {0.4, 0.3, 0.15}, renormalised 0.47, 0.35, 0.18 -> nucleus 0.6 keeps two.
+        assert np.isfinite(np.asarray(out[0])).tolist() == [False, True, False, True, False]
+        assert np.isfinite(np.asarray(out[1])).all()  # ties at the top-k threshold are kept
+
+    def test_off_keeps_everything(self):
+        logits = jax.random.normal(jax.random.key(0), (2, 50))
+        out = sampler.filter_top_k_top_p(logits, jnp.int32(0), jnp.float32(1.0))
+        np.testing.assert_array_equal(out, logits)
+
+
+class TestEmbeddedEngine:
+    def test_generate_and_sync_weights(self, tiny_llama_dir, tmp_path):
+        from mmr_jax import models, testing
+
+        engine = embedded.EmbeddedEngine.from_pretrained(tiny_llama_dir)
+        assert engine.stop_token_ids == (EOS,)
+        params = base.SamplingParams(max_new_tokens=8, temperature=0.0, n=2)
+        before = engine.generate(PROMPTS, params)
+        other_dir = testing.make_tiny_checkpoint(tmp_path / "other", family="llama", seed=1)
+        other = models.from_pretrained(other_dir)
+        engine.sync_weights(other, version=1)
+        after = engine.generate(PROMPTS, params)
+        ref = sampler.sample(other, PROMPTS, params, stop_token_ids=(EOS,))
+        np.testing.assert_array_equal(after.tokens, ref.tokens)
+        assert not np.array_equal(before.tokens, after.tokens)
+        assert engine.version == 1
+
+    def test_sync_merges_lora_into_a_plain_model(self, tiny_llama_dir):
+        from mmr_jax import models
+        from mmr_jax.models import lora
+        from flax import nnx
+
+        plain = models.from_pretrained(tiny_llama_dir)
+        adapted = models.from_pretrained(tiny_llama_dir, lora=lora.LoraConfig(rank=4, alpha=8.0))
+        for path, var in nnx.to_flat_state(nnx.state(adapted, nnx.LoRAParam)):
+            if path[-1] == "lora_b":
+                var.set_value(0.2 * jax.random.normal(jax.random.key(len(path)), var.shape))
+        engine = embedded.EmbeddedEngine(plain, stop_token_ids=(EOS,))
+        engine.sync_weights(adapted, version=3)
+        params = base.SamplingParams(max_new_tokens=8, temperature=0.0, n=2)
+        ref = sampler.sample(adapted, PROMPTS, params, stop_token_ids=(EOS,))
+        np.testing.assert_array_equal(engine.generate(PROMPTS, params).tokens, ref.tokens)
