@@ -1,9 +1,10 @@
-"""Every training key, with the paper's shared hyperparameters (MMR-GRPO, Appendix "Training Hyperparameters").
+"""Every training key, with the paper's shared hyperparameters (MMR-GRPO, Appendix B).
 
-Variant files (`grpo.py`, `dr_grpo.py`, `dapo.py`, `dapo_nods.py`, `cpu_smollm2.py`) call `get_config()`
-and change only what differs. Launch (any variant):
+Variant files (`grpo.py`, `dr_grpo.py`, `dapo.py`, `dapo_nods.py`, `cpu_smollm2.py`) call
+`get_config()` and change only what differs. Launch (any variant):
 
-    python scripts/train.py --config=configs/grpo.py:7b --workdir=runs/grpo_7b --config.mmr.enabled=True
+    python scripts/train.py --config=configs/grpo.py:7b --workdir=runs/grpo_7b \\
+        --config.mmr.enabled=True
 
 Config argument (after the colon): a comma-separated list of a model size (`1.5b`, `7b`, `8b`) and
 `smoke`, which shrinks the run to a few tiny steps that a CPU finishes in minutes.
@@ -12,28 +13,21 @@ Config argument (after the colon): a comma-separated list of a model size (`1.5b
 from __future__ import annotations
 
 import os
+import sys
 
 import ml_collections
 from ml_collections import config_dict
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# Problem files beside the checkout (../shared/data) unless $MMR_JAX_SHARED_DATA points elsewhere.
-SHARED_DATA = os.environ.get("MMR_JAX_SHARED_DATA", os.path.join(os.path.dirname(_REPO), "shared", "data"))
+if _REPO not in sys.path:  # configs load by path; the prompts live in the library
+    sys.path.append(_REPO)
+from mmr_jax import data  # noqa: E402
 
-TRAIN_SYSTEM_PROMPT = (
-    "A conversation between User and Assistant. The user asks a question, and the Assistant solves it. "
-    "The assistant first thinks about the reasoning process in the mind and then provides the user "
-    "with the answer, and put your final answer within \\boxed{} . The reasoning process and answer "
-    "are enclosed within <think> </think> and <answer> </answer> tags, respectively, i.e., <think> "
-    "reasoning process here </think> <answer> answer here </answer>. Note that respond by English, "
-    "NOT use other languages."
+# Problem files beside the checkout (../shared/data) unless $MMR_JAX_SHARED_DATA points elsewhere.
+SHARED_DATA = os.environ.get(
+    "MMR_JAX_SHARED_DATA", os.path.join(os.path.dirname(_REPO), "shared", "data")
 )
-EVAL_SYSTEM_PROMPT = (
-    "Solve the following math problem efficiently and clearly.  The last line of your response should "
-    "be of the following format: 'Therefore, the final answer is: $\\\\boxed{{ANSWER}}$. I hope it is "
-    "correct' (without quotes) where ANSWER is just the final number or expression that solves the "
-    "problem. Think step by step before answering.\n"
-)
+
 EVAL_BENCHMARKS = ("math500", "aime24", "amc23", "minerva_math", "olympiadbench")
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -61,7 +55,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.model.logprob_chunk = 0  # tokens per log-prob chunk (0 = whole sequence at once)
 
     c.lora = ml_collections.ConfigDict()
-    c.lora.enabled = False  # train only LoRA adapters; the reference policy is the base (adapters off)
+    c.lora.enabled = False  # train only adapters; the reference policy is the base, adapters off
     c.lora.rank = 64  # r
     c.lora.alpha = 128.0  # scaling alpha / r
     c.lora.dropout = 0.05  # dropout on the adapter input
@@ -82,7 +76,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.batch.generations = 6  # completions per prompt (G); B * G = 48 per step
     c.batch.max_prompt_len = 512  # prompts are left-truncated to this many tokens
     c.batch.max_completion_len = 3584  # new tokens per completion (T)
-    c.batch.length_buckets = 8  # completions padded up to multiples of T / length_buckets (jit buckets)
+    c.batch.length_buckets = 8  # pad completions to multiples of T / length_buckets (jit shapes)
 
     c.rollout = ml_collections.ConfigDict()
     c.rollout.engine = "embedded"  # 'embedded' (JAX sampler in-process) | 'vllm' (HTTP server)
@@ -98,6 +92,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.rewards = ml_collections.ConfigDict()
     # Weighted sum of registered reward functions; 0-weight functions are still logged.
     c.rewards.weights = ml_collections.ConfigDict({"accuracy": 0.0, "format": 1.0, "cosine": 2.0})
+    # 'tokens': length in tokens, clamped at max_completion_len; 'released': characters, unclamped,
+    # max_len 1000 (the released code's form, periodic in the length).
+    c.rewards.cosine_form = "tokens"
 
     c.advantage = ml_collections.ConfigDict()
     c.advantage.estimator = "grpo"  # 'grpo' (r - mean) / (std + eps) | 'dr_grpo' (r - mean)
@@ -118,7 +115,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.mmr.enabled = False  # MMR reweighting of rewards before advantages (MMR-GRPO)
     c.mmr.lam = config_dict.placeholder(float)  # None = adaptive sigmoid(std(r)); else fixed lambda
     c.mmr.scope = "group"  # 'group' (per prompt) | 'batch' (released code: whole micro-batch)
-    c.mmr.embedding_model = "jinaai/jina-embeddings-v2-small-en"  # encoder name ('hashing' in tests)
+    c.mmr.embedding_model = "jinaai/jina-embeddings-v2-small-en"  # encoder ('hashing': no model)
     c.mmr.embedding_max_length = 512  # encoder truncation (tokens)
     c.mmr.embedding_batch_size = 64  # encoder batch size
 
@@ -135,7 +132,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.data.split = "train"  # dataset split
     c.data.problem_field = "problem"  # column holding the question
     c.data.answer_field = "answer"  # column holding the gold answer
-    c.data.system_prompt = TRAIN_SYSTEM_PROMPT  # training system prompt (paper, Appendix)
+    c.data.system_prompt = data.TRAIN_SYSTEM_PROMPT  # training system prompt (paper, Appendix)
 
     c.eval = ml_collections.ConfigDict()
     c.eval.every = 50  # evaluate every N steps (0 = never)
@@ -146,7 +143,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.eval.temperature = 0.6  # evaluation sampling temperature
     c.eval.top_p = 0.95  # evaluation nucleus sampling
     c.eval.max_new_tokens = 3584  # evaluation completion length
-    c.eval.system_prompt = EVAL_SYSTEM_PROMPT  # evaluation system prompt (paper, Appendix)
+    c.eval.system_prompt = data.EVAL_SYSTEM_PROMPT  # evaluation system prompt (paper, Appendix)
 
     c.checkpoint = ml_collections.ConfigDict()
     c.checkpoint.every = 50  # save every N steps (and at the end)
@@ -176,7 +173,9 @@ def parse_arg(arg: str | None) -> tuple[str | None, bool]:
         elif part in MODELS:
             size = part
         else:
-            raise ValueError(f"unknown config argument {part!r}; expected one of {[*MODELS, 'smoke']}")
+            raise ValueError(
+                f"unknown config argument {part!r}; expected one of {[*MODELS, 'smoke']}"
+            )
     return size, smoke
 
 
@@ -198,7 +197,7 @@ def set_model(c: ml_collections.ConfigDict, size: str) -> None:
 
 
 def shrink_for_cpu(c: ml_collections.ConfigDict) -> None:
-    """A few tiny steps on SmolLM2-135M that a 2-core CPU finishes in minutes; algorithm unchanged."""
+    """A few tiny steps on SmolLM2-135M that a 2-core CPU runs in minutes; algorithm unchanged."""
     c.model.path = "checkpoints/smollm2-135m-instruct"
     c.model.dtype = "float32"
     c.model.remat = False

@@ -1,4 +1,4 @@
-"""The CPU default: MMR-GRPO on SmolLM2-135M-Instruct with easy generated arithmetic, full fine-tune.
+"""The CPU default: MMR-GRPO on SmolLM2-135M-Instruct, easy generated arithmetic, full fine-tune.
 
 A 2-core CPU shows the reward rising within about 30 minutes. Build the checkpoint once with
 `python scripts/prepare_smollm2.py`, then:
@@ -13,7 +13,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import base  # noqa: E402
+import base
 
 
 def get_config(arg=None):

@@ -9,8 +9,8 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import base  # noqa: E402
-import dapo  # noqa: E402
+import base
+import dapo
 
 
 def get_config(arg=None):

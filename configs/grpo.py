@@ -10,7 +10,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import base  # noqa: E402
+import base
 
 
 def get_config(arg=None):

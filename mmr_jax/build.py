@@ -21,7 +21,7 @@ from mmr_jax.models import config as model_config
 from mmr_jax.models import loading, sharding
 from mmr_jax.models import lora as lora_lib
 
-_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 ARITHMETIC = "arithmetic"  # data.source for generated problems (`data.arithmetic_problems`)
 
 
@@ -45,8 +45,13 @@ class Policy:
 def lora_config(cfg: config_types.TrainConfig) -> lora_lib.LoraConfig | None:
     if not cfg.lora.enabled:
         return None
-    return lora_lib.LoraConfig(rank=cfg.lora.rank, alpha=cfg.lora.alpha, dropout=cfg.lora.dropout,
-                               target_modules=tuple(cfg.lora.targets), seed=cfg.seed)  # fmt: skip
+    return lora_lib.LoraConfig(
+        rank=cfg.lora.rank,
+        alpha=cfg.lora.alpha,
+        dropout=cfg.lora.dropout,
+        target_modules=tuple(cfg.lora.targets),
+        seed=cfg.seed,
+    )
 
 
 def make_mesh(cfg: config_types.TrainConfig):
@@ -66,35 +71,54 @@ def split_model(model: nnx.Module) -> Policy:
 def load_policy(cfg: config_types.TrainConfig, mesh=None) -> Policy:
     """Loads `cfg.model.path` (with adapters when LoRA is on)."""
     model = loading.from_pretrained(
-        cfg.model.path, dtype=_DTYPES[cfg.model.dtype], param_dtype=_DTYPES[cfg.model.param_dtype],
-        mesh=mesh, lora=lora_config(cfg), rngs=nnx.Rngs(cfg.seed), remat=cfg.model.remat,
-    )  # fmt: skip
+        cfg.model.path,
+        dtype=DTYPES[cfg.model.dtype],
+        param_dtype=DTYPES[cfg.model.param_dtype],
+        mesh=mesh,
+        lora=lora_config(cfg),
+        rngs=nnx.Rngs(cfg.seed),
+        remat=cfg.model.remat,
+    )
     return split_model(model)
 
 
 def make_optimizer(cfg: config_types.TrainConfig):
     o = cfg.optim
     return train_step.make_optimizer(
-        lr=o.lr, total_updates=cfg.total_steps * cfg.loss.iterations, warmup_ratio=o.warmup_ratio,
-        min_lr_ratio=o.min_lr_ratio, grad_clip=o.grad_clip, b1=o.b1, b2=o.b2, eps=o.eps,
+        lr=o.lr,
+        total_updates=cfg.total_steps * cfg.loss.iterations,
+        warmup_ratio=o.warmup_ratio,
+        min_lr_ratio=o.min_lr_ratio,
+        grad_clip=o.grad_clip,
+        b1=o.b1,
+        b2=o.b2,
+        eps=o.eps,
         weight_decay=o.weight_decay,
-    )  # fmt: skip
+    )
 
 
 def init_state(cfg: config_types.TrainConfig, params, optimizer) -> train_step.TrainState:
     return train_step.TrainState(
-        step=jnp.zeros([], jnp.int32), params=params, opt_state=optimizer.init(params),
+        step=jnp.zeros([], jnp.int32),
+        params=params,
+        opt_state=optimizer.init(params),
         rng=jax.random.key_data(jax.random.key(cfg.seed)),
-    )  # fmt: skip
+    )
 
 
 def step_config(cfg: config_types.TrainConfig) -> train_step.StepConfig:
     return train_step.StepConfig(
-        minibatches=cfg.loss.minibatches, iterations=cfg.loss.iterations,
-        temperature=cfg.rollout.temperature, eps_low=cfg.loss.eps_low, eps_high=cfg.loss.eps_high,
-        aggregation=cfg.loss.aggregation, beta=cfg.loss.beta, kl_estimator=cfg.loss.kl_estimator,
-        max_completion_len=cfg.batch.max_completion_len, logprob_chunk=cfg.model.logprob_chunk,
-    )  # fmt: skip
+        minibatches=cfg.loss.minibatches,
+        iterations=cfg.loss.iterations,
+        temperature=cfg.rollout.temperature,
+        eps_low=cfg.loss.eps_low,
+        eps_high=cfg.loss.eps_high,
+        aggregation=cfg.loss.aggregation,
+        beta=cfg.loss.beta,
+        kl_estimator=cfg.loss.kl_estimator,
+        max_completion_len=cfg.batch.max_completion_len,
+        logprob_chunk=cfg.model.logprob_chunk,
+    )
 
 
 def make_engine(cfg: config_types.TrainConfig, policy: Policy, tokenizer, workdir):
@@ -104,36 +128,50 @@ def make_engine(cfg: config_types.TrainConfig, policy: Policy, tokenizer, workdi
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     if cfg.rollout.engine == "embedded":
         stops = embedded.eos_token_ids(cfg.model.path) or (tokenizer.eos_token_id,)
-        return embedded.EmbeddedEngine(policy.model(), stop_token_ids=stops, pad_id=pad, seed=cfg.seed)
+        return embedded.EmbeddedEngine(
+            policy.model(), stop_token_ids=stops, pad_id=pad, seed=cfg.seed
+        )
     from mmr_jax.rollout import vllm_client, vllm_engine
 
-    client = vllm_client.VllmClient(cfg.rollout.url, timeout_s=cfg.rollout.timeout_s,
-                                    max_retries=cfg.rollout.max_retries)  # fmt: skip
+    client = vllm_client.VllmClient(
+        cfg.rollout.url, timeout_s=cfg.rollout.timeout_s, max_retries=cfg.rollout.max_retries
+    )
     return vllm_engine.VllmEngine(
-        client, model=cfg.rollout.model_name or cfg.model.path, pad_id=pad, lora=policy.lora,
+        client,
+        model=cfg.rollout.model_name or cfg.model.path,
+        pad_id=pad,
+        lora=policy.lora,
         sync_dir=cfg.rollout.sync_dir or os.path.join(os.fspath(workdir), "sync"),
         base_model_name_or_path=cfg.model.path,
-    )  # fmt: skip
+    )
 
 
 def load_prompts(cfg: config_types.TrainConfig, tokenizer) -> tuple[list[list[int]], list[str]]:
     """(prompt ids, gold answers) of the training problems that fit `max_prompt_len`."""
     d = cfg.data
     if d.source == ARITHMETIC:
-        problems = data.arithmetic_problems(10_000, cfg.seed)
+        problems = data.arithmetic_problems(2_000, cfg.seed)
     else:
-        problems = data.load_problems(d.source, split=d.split, problem_field=d.problem_field,
-                                      answer_field=d.answer_field)  # fmt: skip
+        problems = data.load_problems(
+            d.source, split=d.split, problem_field=d.problem_field, answer_field=d.answer_field
+        )
     prompts, kept, dropped = data.build_prompts(
         tokenizer, problems, d.system_prompt, max_prompt_length=cfg.batch.max_prompt_len
     )
     if dropped:
-        logging.info("data: %d of %d problems longer than %d tokens dropped", dropped,
-                     len(problems), cfg.batch.max_prompt_len)  # fmt: skip
+        logging.info(
+            "data: %d of %d problems longer than %d tokens dropped",
+            dropped,
+            len(problems),
+            cfg.batch.max_prompt_len,
+        )
     if not prompts:
-        shortest = min(len(data.build_prompt(tokenizer, p, d.system_prompt)) for p in problems[:100])
+        shortest = min(
+            len(data.build_prompt(tokenizer, p, d.system_prompt)) for p in problems[:100]
+        )
         raise ValueError(
-            f"no training problem of {d.source} fits batch.max_prompt_len={cfg.batch.max_prompt_len} "
+            f"no training problem of {d.source} fits "
+            f"batch.max_prompt_len={cfg.batch.max_prompt_len} "
             f"tokens (with the system prompt; shortest of the first 100: {shortest})"
         )
     return prompts, [p.answer for p in kept]
@@ -143,63 +181,52 @@ def load_prompts(cfg: config_types.TrainConfig, tokenizer) -> tuple[list[list[in
 
 
 def _hf_config(path: str) -> pathlib.Path:
-    """config.json of a checkpoint folder, or configs/models/<name>.json shipped with the repo."""
+    """config.json of a checkpoint folder, else configs/models/<name>.json shipped with the repo."""
     p = pathlib.Path(path)
-    name = p.name
-    repo = pathlib.Path(__file__).resolve().parents[1]
-    for cand in (p / "config.json", p, repo / "configs" / "models" / f"{name}.json",
-                 repo / "configs" / "models" / name / "config.json"):  # fmt: skip
+    stem = p.name.lower().replace("-", "_").replace(".", "_")
+    models_dir = pathlib.Path(__file__).resolve().parents[1] / "configs" / "models"
+    for cand in (p / "config.json", p, models_dir / f"{stem}.json"):
         if cand.is_file():
             return cand
-    raise FileNotFoundError(f"no config.json for {path} (nor configs/models/{name}.json)")
-
-
-def _bytes(tree) -> int:
-    return sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
-
-
-def _count(tree) -> int:
-    return sum(math.prod(x.shape) for x in jax.tree.leaves(tree))
+    raise FileNotFoundError(f"no config.json in {path} (nor configs/models/{stem}.json)")
 
 
 def dry_run(cfg: config_types.TrainConfig) -> dict[str, Any]:
-    """Builds model, optimiser state and mesh abstractly (no weights); returns and logs the sizes."""
+    """Builds model, optimiser state and mesh abstractly (no weights); returns, logs the sizes.
+
+    The mesh is the configured one, with -1 standing for the devices of this host.
+    """
+    from mmr_jax.models import dry_run as model_dry_run
+
     mcfg = model_config.ModelConfig.from_hf(_hf_config(cfg.model.path), remat=cfg.model.remat)
-    abstract = loading.abstract_model(mcfg, dtype=_DTYPES[cfg.model.dtype],
-                                      param_dtype=_DTYPES[cfg.model.param_dtype],
-                                      lora=lora_config(cfg))  # fmt: skip
-    trainable = nnx.LoRAParam if cfg.lora.enabled else nnx.Param
-    _, params, frozen, _ = nnx.split(abstract, trainable, nnx.Param, ...)
+    lora = lora_config(cfg)
+    abstract = loading.abstract_model(
+        mcfg, dtype=DTYPES[cfg.model.dtype], param_dtype=DTYPES[cfg.model.param_dtype], lora=lora
+    )
+    trainable = nnx.LoRAParam if lora is not None else nnx.Param
+    _, params, _, _ = nnx.split(abstract, trainable, nnx.Param, ...)
     optimizer, _ = make_optimizer(cfg)
     opt_state = jax.eval_shape(optimizer.init, params)
-    mesh = make_mesh(cfg)
-    n_dev = mesh.devices.size
-    total = _count(params) + _count(frozen)
-    state_bytes = _bytes(params) + _bytes(frozen) + _bytes(opt_state)
-    rows = cfg.rows_per_step // cfg.loss.minibatches
-    seq = cfg.batch.max_prompt_len + cfg.batch.max_completion_len
-    act_dtype = np.dtype(_DTYPES[cfg.model.dtype]).itemsize
-    # Activations: with remat one [rows, L, H] residual per layer plus one layer's working set
-    # (~16 H-wide tensors) and fp32 logits of one chunk (or the whole sequence).
-    chunk = cfg.model.logprob_chunk or seq
-    act = rows * seq * mcfg.hidden_size * act_dtype * (mcfg.num_layers + 16) + rows * chunk * mcfg.vocab_size * 4
-    out = {
-        "model_type": mcfg.model_type,
-        "params_total": total,
-        "params_trainable": _count(params),
-        "bytes_params": _bytes(params) + _bytes(frozen),
-        "bytes_opt_state": _bytes(opt_state),
-        "mesh": dict(mesh.shape),
-        "devices": n_dev,
-        "bytes_state_per_device": state_bytes // max(1, mesh.shape["fsdp"] * mesh.shape["tensor"]),
-        "bytes_activations_per_device_est": act // max(1, mesh.shape["data"] * mesh.shape["fsdp"]),
-    }
-    gib = 2**30
+    sizes = list(cfg.mesh.shape)
+    if -1 in sizes:
+        sizes[sizes.index(-1)] = max(
+            1, len(jax.devices()) // math.prod(s for s in sizes if s != -1)
+        )
+    mesh = model_dry_run.MeshShape(*sizes)
+    out = model_dry_run.summarize(
+        mcfg, mesh=mesh, lora=lora, param_dtype=DTYPES[cfg.model.param_dtype]
+    )
+    out["opt_state_gib"] = (
+        sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(opt_state))
+        / 2**30
+    )
+    out["params_total"] = out["params"] + out["lora_params"]
+    logging.info("dry run %s (%s)", cfg.name, mcfg.model_type)
+    logging.info("%s", model_dry_run.format_summary(cfg.name, out))
     logging.info(
-        "dry run %s: %s params (%s trainable, %.2f%%); params %.2f GiB, optimiser %.2f GiB; mesh %s; "
-        "per device: state %.2f GiB + activations ~%.2f GiB",
-        cfg.name, f"{total:,}", f"{out['params_trainable']:,}", 100 * out["params_trainable"] / total,
-        out["bytes_params"] / gib, out["bytes_opt_state"] / gib, out["mesh"],
-        out["bytes_state_per_device"] / gib, out["bytes_activations_per_device_est"] / gib,
-    )  # fmt: skip
+        "%s params, %s trainable; optimiser state %.2f GiB in all",
+        f"{out['params_total']:,}",
+        f"{out['trainable']:,}",
+        out["opt_state_gib"],
+    )
     return out

@@ -57,7 +57,9 @@ class Checkpointer:
 
     def save(self, step: int, state: Any, meta: Mapping[str, Any]) -> bool:
         """Saves `state` (a pytree of arrays) and `meta` (JSON-able) at `step`."""
-        args = ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(dict(meta)))
+        args = ocp.args.Composite(
+            state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(dict(meta))
+        )
         saved = self._manager.save(int(step), args=args, force=True)
         if saved:
             logging.info("checkpoint: saving step %d to %s", step, self.directory)
@@ -73,7 +75,9 @@ class Checkpointer:
         if step is None:
             return None
         abstract = jax.tree.map(_abstract, abstract_state)
-        args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore())
+        args = ocp.args.Composite(
+            state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()
+        )
         out = self._manager.restore(int(step), args=args)
         return out["state"], dict(out["meta"])
 

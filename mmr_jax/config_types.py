@@ -68,6 +68,7 @@ class RolloutConfig:
 @dataclasses.dataclass(frozen=True)
 class RewardsConfig:
     weights: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    cosine_form: str = "tokens"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,6 +196,7 @@ _CHOICES = {
     ("loss", "aggregation"): ("seq_mean_token_mean", "token_mean", "seq_mean_token_sum_norm"),
     ("loss", "kl_estimator"): ("k1", "k2", "k3"),
     ("mmr", "scope"): ("group", "batch"),
+    ("rewards", "cosine_form"): ("tokens", "released"),
 }
 
 
@@ -269,7 +271,8 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         raise ValueError(f"mmr.lam={cfg.mmr.lam} must lie in [0, 1] (or None for adaptive)")
     if cfg.rows_per_step % cfg.loss.minibatches:
         raise ValueError(
-            f"loss.minibatches={cfg.loss.minibatches} must divide batch.prompts * batch.generations "
+            f"loss.minibatches={cfg.loss.minibatches} must divide "
+            "batch.prompts * batch.generations "
             f"= {cfg.rows_per_step}"
         )
     if cfg.batch.max_completion_len % cfg.batch.length_buckets:
@@ -331,6 +334,7 @@ def check_override_keys(argv, flag_name: str = "config") -> None:
                 where = ".".join(walked) or "<root>"
                 valid = sorted(node) if isinstance(node, Mapping) else []
                 raise UnknownKeyError(
-                    f"unknown config key {path!r}: {where!r} has no key {key!r}; valid keys: {valid}"
+                    f"unknown config key {path!r}: {where!r} has no key {key!r}; "
+                    f"valid keys: {valid}"
                 )
             node, walked = node[key], [*walked, key]

@@ -44,14 +44,20 @@ class Groups:
     def take(self, idx: Sequence[int]) -> Groups:
         """The groups at `idx` (in that order)."""
         idx = list(idx)
-        pick = lambda x: None if x is None else x[idx]  # noqa: E731
+        pick = lambda x: None if x is None else x[idx]
         return Groups(
-            prompt_ids=[self.prompt_ids[i] for i in idx], answers=[self.answers[i] for i in idx],
-            tokens=self.tokens[idx], mask=self.mask[idx], sampler_logps=self.sampler_logps[idx],
-            truncated=self.truncated[idx], texts=[self.texts[i] for i in idx],
-            per_fn={k: v[idx] for k, v in self.per_fn.items()}, total=self.total[idx],
-            valid=self.valid[idx], embeddings=pick(self.embeddings),
-        )  # fmt: skip
+            prompt_ids=[self.prompt_ids[i] for i in idx],
+            answers=[self.answers[i] for i in idx],
+            tokens=self.tokens[idx],
+            mask=self.mask[idx],
+            sampler_logps=self.sampler_logps[idx],
+            truncated=self.truncated[idx],
+            texts=[self.texts[i] for i in idx],
+            per_fn={k: v[idx] for k, v in self.per_fn.items()},
+            total=self.total[idx],
+            valid=self.valid[idx],
+            embeddings=pick(self.embeddings),
+        )
 
 
 def _pad_time(x: np.ndarray, t: int) -> np.ndarray:
@@ -64,7 +70,7 @@ def concat(groups: Sequence[Groups]) -> Groups:
     if len(groups) == 1:
         return groups[0]
     t = max(g.tokens.shape[-1] for g in groups)
-    cat = lambda xs: np.concatenate(xs, axis=0)  # noqa: E731
+    cat = lambda xs: np.concatenate(xs, axis=0)
     embs = [g.embeddings for g in groups]
     return Groups(
         prompt_ids=[p for g in groups for p in g.prompt_ids],
@@ -81,21 +87,37 @@ def concat(groups: Sequence[Groups]) -> Groups:
     )
 
 
-def generate_and_score(engine, tokenizer, prompt_ids, answers, sampling: rollout_base.SamplingParams,
-                       weights: Mapping[str, float], *, reward_params=None, encoder=None,
-                       timings: dict | None = None) -> Groups:
+def generate_and_score(
+    engine,
+    tokenizer,
+    prompt_ids,
+    answers,
+    sampling: rollout_base.SamplingParams,
+    weights: Mapping[str, float],
+    *,
+    reward_params=None,
+    encoder=None,
+    timings: dict | None = None,
+) -> Groups:
     """Rollout -> decode -> rewards -> embeddings for one generation round of B prompts."""
     timings = timings if timings is not None else {}
     t0 = time.perf_counter()
     batch = engine.generate(prompt_ids, sampling)
     t1 = time.perf_counter()
     b, g, _ = batch.tokens.shape
-    texts = [[tokenizer.decode(batch.completion_ids(i, j), skip_special_tokens=True)
-              for j in range(g)] for i in range(b)]  # fmt: skip
+    texts = [
+        [tokenizer.decode(batch.completion_ids(i, j), skip_special_tokens=True) for j in range(g)]
+        for i in range(b)
+    ]
     flat_texts = [t for row in texts for t in row]
     lengths = batch.lengths.reshape(-1).tolist()
-    scores = rewards.score(flat_texts, [a for a in answers for _ in range(g)], lengths,
-                           dict(weights), params=reward_params)  # fmt: skip
+    scores = rewards.score(
+        flat_texts,
+        [a for a in answers for _ in range(g)],
+        lengths,
+        dict(weights),
+        params=reward_params,
+    )
     t2 = time.perf_counter()
     emb = None
     if encoder is not None:
@@ -104,12 +126,20 @@ def generate_and_score(engine, tokenizer, prompt_ids, answers, sampling: rollout
     for k, v in (("rollout", t1 - t0), ("rewards", t2 - t1), ("embeddings", t3 - t2)):
         timings[k] = timings.get(k, 0.0) + v
     return Groups(
-        prompt_ids=[list(p) for p in prompt_ids], answers=list(answers),
-        tokens=batch.tokens, mask=batch.mask, sampler_logps=batch.logprobs,
-        truncated=np.array([[r == rollout_base.FINISH_LENGTH for r in rs] for rs in batch.finish_reasons]),
-        texts=texts, per_fn={k: v.reshape(b, g) for k, v in scores.per_fn.items()},
-        total=scores.total.reshape(b, g), valid=scores.valid.reshape(b, g), embeddings=emb,
-    )  # fmt: skip
+        prompt_ids=[list(p) for p in prompt_ids],
+        answers=list(answers),
+        tokens=batch.tokens,
+        mask=batch.mask,
+        sampler_logps=batch.logprobs,
+        truncated=np.array(
+            [[r == rollout_base.FINISH_LENGTH for r in rs] for rs in batch.finish_reasons]
+        ),
+        texts=texts,
+        per_fn={k: v.reshape(b, g) for k, v in scores.per_fn.items()},
+        total=scores.total.reshape(b, g),
+        valid=scores.valid.reshape(b, g),
+        embeddings=emb,
+    )
 
 
 def has_variance(groups: Groups, reward: str) -> np.ndarray:
@@ -129,17 +159,24 @@ class AdvantageOptions:
 
 def compute_advantages(total_BxG, embeddings_BxGxD, valid_BxG, opts: AdvantageOptions):
     """(reweighted [B, G], advantages [B, G], lambda [B] or None) on the host."""
-    reweighted = mmr.reweight(opts.method, total_BxG, embeddings_BxGxD, lam=opts.lam,
-                              mask=valid_BxG, scope=opts.scope)  # fmt: skip
+    reweighted = mmr.reweight(
+        opts.method, total_BxG, embeddings_BxGxD, lam=opts.lam, mask=valid_BxG, scope=opts.scope
+    )
     lam = None
     if opts.method == "mmr":
         r = np.asarray(total_BxG)
         m = np.asarray(valid_BxG)
         if opts.scope == "batch":
             r, m = r.reshape(1, -1), m.reshape(1, -1)
-        lam = np.full(r.shape[:1], opts.lam) if opts.lam is not None else mmr.adaptive_lambda(r, mask=m)
+        lam = (
+            np.full(r.shape[:1], opts.lam)
+            if opts.lam is not None
+            else mmr.adaptive_lambda(r, mask=m)
+        )
     kwargs = {"ddof": opts.std_ddof, "eps": opts.eps} if opts.estimator == "grpo" else {}
-    adv = advantages_lib.ESTIMATORS[opts.estimator](reweighted, mask=np.asarray(valid_BxG), **kwargs)
+    adv = advantages_lib.ESTIMATORS[opts.estimator](
+        reweighted, mask=np.asarray(valid_BxG), **kwargs
+    )
     adv = np.where(np.asarray(valid_BxG), np.asarray(adv), 0.0).astype(np.float32)
     return np.asarray(reweighted, np.float32), adv, None if lam is None else np.asarray(lam)
 
@@ -149,8 +186,16 @@ def bucket_len(n: int, quantum: int, maximum: int) -> int:
     return int(min(maximum, max(quantum, -(-n // quantum) * quantum)))
 
 
-def pack(groups: Groups, advantages_BxG: np.ndarray, *, pad_id: int, prompt_quantum: int,
-         max_prompt_len: int, completion_quantum: int, max_completion_len: int) -> dict[str, np.ndarray]:
+def pack(
+    groups: Groups,
+    advantages_BxG: np.ndarray,
+    *,
+    pad_id: int,
+    prompt_quantum: int,
+    max_prompt_len: int,
+    completion_quantum: int,
+    max_completion_len: int,
+) -> dict[str, np.ndarray]:
     """Rows for the train step: prompts left-padded to a bucket P, completions right-padded to T.
 
     Returns numpy arrays: tokens int32 [N, P + T], attention_mask bool [N, P + T],
@@ -164,12 +209,12 @@ def pack(groups: Groups, advantages_BxG: np.ndarray, *, pad_id: int, prompt_quan
     prompt_mask = np.zeros((b, p), bool)
     for i, ids in enumerate(groups.prompt_ids):
         ids = ids[-p:]
-        prompt[i, p - len(ids):] = ids
-        prompt_mask[i, p - len(ids):] = True
+        prompt[i, p - len(ids) :] = ids
+        prompt_mask[i, p - len(ids) :] = True
     comp = _pad_time(groups.tokens, max(t, t_in))[..., :t]
     comp_mask = _pad_time(groups.mask, max(t, t_in))[..., :t]
     comp = np.where(comp_mask, comp, pad_id)
-    rep = lambda x: np.repeat(x, g, axis=0)  # noqa: E731
+    rep = lambda x: np.repeat(x, g, axis=0)
     loss_mask = comp_mask & groups.valid[..., None]
     return {
         "tokens": np.concatenate([rep(prompt), comp.reshape(b * g, t)], axis=1).astype(np.int32),
@@ -183,21 +228,33 @@ def pack(groups: Groups, advantages_BxG: np.ndarray, *, pad_id: int, prompt_quan
 def group_metrics(groups: Groups, reweighted, adv, lam, *, filter_reward: str | None) -> dict:
     """Reward, reweighting, group and length statistics of the step's batch."""
     valid = groups.valid
-    out = {"reward/mean": groups.total[valid].mean() if valid.any() else 0.0,
-           "reward/std": groups.total[valid].std() if valid.any() else 0.0}  # fmt: skip
+    out = {
+        "reward/mean": groups.total[valid].mean() if valid.any() else 0.0,
+        "reward/std": groups.total[valid].std() if valid.any() else 0.0,
+    }
     for name, r in groups.per_fn.items():
         out[f"reward/{name}/mean"] = float(r.mean())
         out[f"reward/{name}/std"] = float(r.std())
-    out["reward/reweighted_mean"] = float(np.asarray(reweighted)[valid].mean()) if valid.any() else 0.0
-    out["reward/reweighted_std"] = float(np.asarray(reweighted)[valid].std()) if valid.any() else 0.0
+    out["reward/reweighted_mean"] = (
+        float(np.asarray(reweighted)[valid].mean()) if valid.any() else 0.0
+    )
+    out["reward/reweighted_std"] = (
+        float(np.asarray(reweighted)[valid].std()) if valid.any() else 0.0
+    )
     out["advantage/abs_mean"] = float(np.abs(adv).mean())
     if lam is not None:
         out["mmr/lambda_mean"] = float(np.mean(lam))
-    stds = np.array([groups.total[i][valid[i]].std() if valid[i].any() else 0.0
-                     for i in range(groups.num_groups)])  # fmt: skip
+    stds = np.array(
+        [
+            groups.total[i][valid[i]].std() if valid[i].any() else 0.0
+            for i in range(groups.num_groups)
+        ]
+    )
     out["groups/zero_variance_frac"] = float(np.mean(stds < 1e-6))
     if filter_reward is not None:
-        out["groups/filter_zero_variance_frac"] = float(1 - has_variance(groups, filter_reward).mean())
+        out["groups/filter_zero_variance_frac"] = float(
+            1 - has_variance(groups, filter_reward).mean()
+        )
     out["groups/invalid_gold_frac"] = float(1 - valid.mean())
     lengths = groups.mask.sum(-1)
     out["completion/length_mean"] = float(lengths.mean())

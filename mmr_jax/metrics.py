@@ -44,7 +44,7 @@ class MetricWriter:
             tmp = self.path.with_suffix(".tmp")
             tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
             tmp.replace(self.path)
-        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115
+        self._file = open(self.path, "a", encoding="utf-8")
         self._tb = None
         if tensorboard:
             import tensorboardX
@@ -58,7 +58,10 @@ class MetricWriter:
             value = _scalar(value)
             if value is not None:
                 scalars[name] = value
-        record = {"step": int(step), **{k: (v if math.isfinite(v) else str(v)) for k, v in scalars.items()}}
+        record = {
+            "step": int(step),
+            **{k: (v if math.isfinite(v) else str(v)) for k, v in scalars.items()},
+        }
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
         if self._tb is not None:

@@ -63,16 +63,27 @@ class StepConfig:
 
 
 def make_optimizer(
-    *, lr: float, total_updates: int, warmup_ratio: float, min_lr_ratio: float, grad_clip: float,
-    b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, weight_decay: float = 0.0,
+    *,
+    lr: float,
+    total_updates: int,
+    warmup_ratio: float,
+    min_lr_ratio: float,
+    grad_clip: float,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
 ) -> tuple[optax.GradientTransformation, optax.Schedule]:
     """AdamW after global-norm clipping, linear warmup then cosine decay to lr * min_lr_ratio."""
     warmup = int(round(warmup_ratio * total_updates))
     if warmup > 0:
         schedule = optax.warmup_cosine_decay_schedule(
-            init_value=0.0, peak_value=lr, warmup_steps=warmup,
-            decay_steps=max(total_updates, warmup + 1), end_value=lr * min_lr_ratio,
-        )  # fmt: skip
+            init_value=0.0,
+            peak_value=lr,
+            warmup_steps=warmup,
+            decay_steps=max(total_updates, warmup + 1),
+            end_value=lr * min_lr_ratio,
+        )
     else:
         schedule = optax.cosine_decay_schedule(lr, max(total_updates, 1), alpha=min_lr_ratio)
     chain = [optax.clip_by_global_norm(grad_clip)] if grad_clip > 0 else []
@@ -81,24 +92,39 @@ def make_optimizer(
 
 
 def _with_dropout_key(rest, key):
-    """`rest` with every RNG stream reset to `key` (LoRA dropout draws are a function of the step)."""
+    """`rest` with every RNG stream reset to `key` (LoRA dropout draws depend only on the step)."""
     flat = []
     for path, var in nnx.to_flat_state(rest):
         if isinstance(var, nnx.RngKey):
-            var = var.replace(jax.random.wrap_key_data(key, impl=jax.random.key_impl(var.get_value())))
+            var = var.replace(
+                jax.random.wrap_key_data(key, impl=jax.random.key_impl(var.get_value()))
+            )
         elif isinstance(var, nnx.RngCount):
             var = var.replace(jnp.zeros_like(var.get_value()))
         flat.append((path, var))
     return nnx.from_flat_state(flat)
 
 
-def completion_logprobs(model, tokens_NxL, attention_mask_NxL, *, num_completion: int,
-                        temperature: float, chunk: int = 0, entropy: bool = False,
-                        disable_lora: bool = False):
+def completion_logprobs(
+    model,
+    tokens_NxL,
+    attention_mask_NxL,
+    *,
+    num_completion: int,
+    temperature: float,
+    chunk: int = 0,
+    entropy: bool = False,
+    disable_lora: bool = False,
+):
     """Log-probs (and entropy) of the last `num_completion` positions: [N, T] (each)."""
     out = logprobs_lib.token_logprobs(
-        model, tokens_NxL, attention_mask_NxL, temperature=temperature,
-        chunk_size=chunk or None, return_entropy=entropy, disable_lora=disable_lora,
+        model,
+        tokens_NxL,
+        attention_mask_NxL,
+        temperature=temperature,
+        chunk_size=chunk or None,
+        return_entropy=entropy,
+        disable_lora=disable_lora,
     )
     if entropy:
         return out[0][:, -num_completion:], out[1][:, -num_completion:]
@@ -113,24 +139,41 @@ def _minibatch_loss(params, mb: Batch, key, normaliser, *, graphdef, frozen, res
     model = nnx.merge(graphdef, params, frozen, _with_dropout_key(rest, key))
     t = mb.completion_mask.shape[1]
     logps, entropy = completion_logprobs(
-        model, mb.tokens, mb.attention_mask, num_completion=t, temperature=cfg.temperature,
-        chunk=cfg.logprob_chunk, entropy=True,
+        model,
+        mb.tokens,
+        mb.attention_mask,
+        num_completion=t,
+        temperature=cfg.temperature,
+        chunk=cfg.logprob_chunk,
+        entropy=True,
     )
     old = mb.old_logps if mb.old_logps is not None else jax.lax.stop_gradient(logps)
     loss, aux = losses.policy_loss(
-        logps, old, mb.advantages, mb.completion_mask,
-        ref_logps_BxT=mb.ref_logps, eps_low=cfg.eps_low, eps_high=cfg.eps_high,
-        aggregation=cfg.aggregation, beta=cfg.beta, kl_estimator=cfg.kl_estimator,
-        max_completion_len=cfg.max_completion_len, normaliser=normaliser,
-    )  # fmt: skip
+        logps,
+        old,
+        mb.advantages,
+        mb.completion_mask,
+        ref_logps_BxT=mb.ref_logps,
+        eps_low=cfg.eps_low,
+        eps_high=cfg.eps_high,
+        aggregation=cfg.aggregation,
+        beta=cfg.beta,
+        kl_estimator=cfg.kl_estimator,
+        max_completion_len=cfg.max_completion_len,
+        normaliser=normaliser,
+    )
     mask = mb.completion_mask
     tokens = jnp.maximum(mask.sum(), 1)
     out = {
-        "kl": aux["kl"], "clip/low_frac": aux["clip_frac_low"], "clip/high_frac": aux["clip_frac_high"],
-        "ratio/mean": aux["ratio_mean"], "ratio/min": aux["ratio_min"], "ratio/max": aux["ratio_max"],
+        "kl": aux["kl"],
+        "clip/low_frac": aux["clip_frac_low"],
+        "clip/high_frac": aux["clip_frac_high"],
+        "ratio/mean": aux["ratio_mean"],
+        "ratio/min": aux["ratio_min"],
+        "ratio/max": aux["ratio_max"],
         "entropy": jnp.sum(jax.lax.stop_gradient(entropy) * mask) / tokens,
         "tokens": mask.sum().astype(jnp.float32),
-    }  # fmt: skip
+    }
     return loss, out
 
 
@@ -145,16 +188,22 @@ def _reduce(name: str, values_M: jax.Array, tokens_M: jax.Array) -> jax.Array:
     return jnp.sum(values_M * tokens_M) / jnp.maximum(tokens_M.sum(), 1.0)
 
 
-def train_step(state: TrainState, batch: Batch, frozen, rest, *, graphdef, optimizer,
-               schedule, cfg: StepConfig) -> tuple[TrainState, dict[str, jax.Array]]:
+def train_step(
+    state: TrainState, batch: Batch, frozen, rest, *, graphdef, optimizer, schedule, cfg: StepConfig
+) -> tuple[TrainState, dict[str, jax.Array]]:
     """`cfg.iterations` optimiser updates, each on the gradient accumulated over all minibatches."""
     m = cfg.minibatches
     mbs = jax.tree.map(functools.partial(_split, m=m), batch)
     # Every minibatch loss is divided by the whole batch's normaliser: the sum of the minibatch
     # gradients is the full-batch gradient exactly (losses module docstring).
-    normaliser = losses.loss_denominator(batch.completion_mask, aggregation=cfg.aggregation,
-                                         max_completion_len=cfg.max_completion_len)  # fmt: skip
-    loss_fn = functools.partial(_minibatch_loss, graphdef=graphdef, frozen=frozen, rest=rest, cfg=cfg)
+    normaliser = losses.loss_denominator(
+        batch.completion_mask,
+        aggregation=cfg.aggregation,
+        max_completion_len=cfg.max_completion_len,
+    )
+    loss_fn = functools.partial(
+        _minibatch_loss, graphdef=graphdef, frozen=frozen, rest=rest, cfg=cfg
+    )
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
     step_key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
 
@@ -187,24 +236,45 @@ def train_step(state: TrainState, batch: Batch, frozen, rest, *, graphdef, optim
     return new_state, metrics
 
 
-def logprobs_fn(params, frozen, rest, tokens_NxL, attention_mask_NxL, *, graphdef, num_completion,
-                temperature, chunk=0, disable_lora=False, minibatches=1):
+def logprobs_fn(
+    params,
+    frozen,
+    rest,
+    tokens_NxL,
+    attention_mask_NxL,
+    *,
+    graphdef,
+    num_completion,
+    temperature,
+    chunk=0,
+    disable_lora=False,
+    minibatches=1,
+):
     """Log-probs [N, T] of the completion under the given parameters, in `minibatches` chunks."""
     model = nnx.merge(graphdef, params, frozen, rest)
 
     def one(xs):
         tokens, mask = xs
         return completion_logprobs(
-            model, tokens, mask, num_completion=num_completion, temperature=temperature,
-            chunk=chunk, disable_lora=disable_lora,
+            model,
+            tokens,
+            mask,
+            num_completion=num_completion,
+            temperature=temperature,
+            chunk=chunk,
+            disable_lora=disable_lora,
         )
 
     n = tokens_NxL.shape[0]
-    out = jax.lax.map(one, (_split(tokens_NxL, minibatches), _split(attention_mask_NxL, minibatches)))
+    out = jax.lax.map(
+        one, (_split(tokens_NxL, minibatches), _split(attention_mask_NxL, minibatches))
+    )
     return out.reshape(n, num_completion)
 
 
 def jit_train_step(*, graphdef, optimizer, schedule, cfg: StepConfig):
     """`train_step` jitted with the state donated; one compilation per batch shape."""
-    fn = functools.partial(train_step, graphdef=graphdef, optimizer=optimizer, schedule=schedule, cfg=cfg)
+    fn = functools.partial(
+        train_step, graphdef=graphdef, optimizer=optimizer, schedule=schedule, cfg=cfg
+    )
     return jax.jit(fn, donate_argnums=(0,))

@@ -20,7 +20,7 @@ import jax
 import numpy as np
 from absl import logging
 
-from mmr_jax import build, checkpoint, config_types, data, experience, metrics, train_step
+from mmr_jax import build, checkpoint, config_types, data, experience, metrics, rewards, train_step
 from mmr_jax.rollout import base as rollout_base
 
 
@@ -52,7 +52,12 @@ def _abstract(tree):
 
 
 def _ckpt_tree(state: train_step.TrainState) -> dict:
-    return {"step": state.step, "params": state.params, "opt_state": state.opt_state, "rng": state.rng}
+    return {
+        "step": state.step,
+        "params": state.params,
+        "opt_state": state.opt_state,
+        "rng": state.rng,
+    }
 
 
 def setup(cfg: config_types.TrainConfig, workdir, *, overwrite: bool = False) -> Run:
@@ -64,15 +69,20 @@ def setup(cfg: config_types.TrainConfig, workdir, *, overwrite: bool = False) ->
     workdir = os.fspath(checkpoint.prepare_workdir(workdir, cfg.to_dict(), overwrite=overwrite))
     tokenizer = transformers.AutoTokenizer.from_pretrained(cfg.model.path)
     prompt_ids, answers = build.load_prompts(cfg, tokenizer)
-    prompts = data.PromptIterator(list(zip(prompt_ids, answers, strict=True)), cfg.batch.prompts, cfg.seed)
+    prompts = data.PromptIterator(
+        list(zip(prompt_ids, answers, strict=True)), cfg.batch.prompts, cfg.seed
+    )
     policy = build.load_policy(cfg, build.make_mesh(cfg))
     optimizer, schedule = build.make_optimizer(cfg)
     state = build.init_state(cfg, policy.params, optimizer)
     ref_params = None
     if cfg.loss.beta > 0 and not policy.lora:
         ref_params = jax.tree.map(lambda x: x.copy(), policy.params)  # the donated state moves on
-    ckpt = checkpoint.Checkpointer(os.path.join(workdir, checkpoint.CKPT_DIR),
-                                   keep=cfg.checkpoint.keep, keep_period=cfg.checkpoint.keep_period)  # fmt: skip
+    ckpt = checkpoint.Checkpointer(
+        os.path.join(workdir, checkpoint.CKPT_DIR),
+        keep=cfg.checkpoint.keep,
+        keep_period=cfg.checkpoint.keep_period,
+    )
     restored = ckpt.restore(_abstract(_ckpt_tree(state)))
     resume_step = None
     if restored is not None:
@@ -85,24 +95,64 @@ def setup(cfg: config_types.TrainConfig, workdir, *, overwrite: bool = False) ->
     engine.sync_weights(policy.model(state.params), version=int(state.step))
     encoder = None
     if cfg.reweighting != "none":
-        encoder = embeddings.make_encoder(cfg.mmr.embedding_model, max_length=cfg.mmr.embedding_max_length,
-                                          batch_size=cfg.mmr.embedding_batch_size)  # fmt: skip
-    step_fn = train_step.jit_train_step(graphdef=policy.graphdef, optimizer=optimizer,
-                                        schedule=schedule, cfg=build.step_config(cfg))  # fmt: skip
-    logp_fn = jax.jit(train_step.logprobs_fn, static_argnames=(
-        "graphdef", "num_completion", "temperature", "chunk", "disable_lora", "minibatches"))  # fmt: skip
-    writer = metrics.MetricWriter(workdir, tensorboard=cfg.logging.tensorboard, resume_step=resume_step or 0)
-    return Run(cfg, workdir, tokenizer, prompts, policy, state, ref_params, engine, encoder,
-               step_fn, logp_fn, ckpt, writer)  # fmt: skip
+        encoder = embeddings.make_encoder(
+            cfg.mmr.embedding_model,
+            max_length=cfg.mmr.embedding_max_length,
+            batch_size=cfg.mmr.embedding_batch_size,
+        )
+    step_fn = train_step.jit_train_step(
+        graphdef=policy.graphdef, optimizer=optimizer, schedule=schedule, cfg=build.step_config(cfg)
+    )
+    logp_fn = jax.jit(
+        train_step.logprobs_fn,
+        static_argnames=(
+            "graphdef",
+            "num_completion",
+            "temperature",
+            "chunk",
+            "disable_lora",
+            "minibatches",
+        ),
+    )
+    writer = metrics.MetricWriter(
+        workdir, tensorboard=cfg.logging.tensorboard, resume_step=resume_step or 0
+    )
+    return Run(
+        cfg,
+        workdir,
+        tokenizer,
+        prompts,
+        policy,
+        state,
+        ref_params,
+        engine,
+        encoder,
+        step_fn,
+        logp_fn,
+        ckpt,
+        writer,
+    )
 
 
 def _sampling(cfg: config_types.TrainConfig, step: int, round_: int) -> rollout_base.SamplingParams:
     # The seed is a function of (seed, step, round), so a resumed run samples what it would have.
     seed = (cfg.seed * 1_000_003 + step * 1_009 + round_) % 2**31
     return rollout_base.SamplingParams(
-        max_new_tokens=cfg.batch.max_completion_len, temperature=cfg.rollout.temperature,
-        top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k, n=cfg.batch.generations, seed=seed,
-    )  # fmt: skip
+        max_new_tokens=cfg.batch.max_completion_len,
+        temperature=cfg.rollout.temperature,
+        top_p=cfg.rollout.top_p,
+        top_k=cfg.rollout.top_k,
+        n=cfg.batch.generations,
+        seed=seed,
+    )
+
+
+def _reward_params(cfg: config_types.TrainConfig) -> dict:
+    if "cosine" not in cfg.rewards.weights:
+        return {}
+    if cfg.rewards.cosine_form == "released":
+        return {"cosine": dict(rewards.RELEASED_COSINE)}
+    return {"cosine": {"max_len": cfg.batch.max_completion_len}}
 
 
 def collect(run: Run, step: int, timings: dict) -> tuple[experience.Groups, dict]:
@@ -114,11 +164,19 @@ def collect(run: Run, step: int, timings: dict) -> tuple[experience.Groups, dict
     while rounds < max_rounds:
         batch = next(run.prompts)
         groups = experience.generate_and_score(
-            run.engine, run.tokenizer, [p for p, _ in batch], [a for _, a in batch],
-            _sampling(cfg, step, rounds), cfg.rewards.weights, encoder=run.encoder, timings=timings,
-        )  # fmt: skip
+            run.engine,
+            run.tokenizer,
+            [p for p, _ in batch],
+            [a for _, a in batch],
+            _sampling(cfg, step, rounds),
+            cfg.rewards.weights,
+            reward_params=_reward_params(cfg),
+            encoder=run.encoder,
+            timings=timings,
+        )
         rounds += 1
         seen += groups.num_groups
+        last = groups
         if ds.enabled:
             keep = np.flatnonzero(experience.has_variance(groups, ds.filter_reward))
             dropped += groups.num_groups - len(keep)
@@ -128,16 +186,24 @@ def collect(run: Run, step: int, timings: dict) -> tuple[experience.Groups, dict
             break
     groups = experience.concat(kept)
     if groups.num_groups < cfg.batch.prompts:  # DAPO gave up: fill with masked copies (no loss)
-        logging.warning("step %d: only %d of %d groups with reward variance after %d rounds",
-                        step, groups.num_groups, cfg.batch.prompts, rounds)  # fmt: skip
-        fill = groups.take([0] * (cfg.batch.prompts - groups.num_groups)) if groups.num_groups else None
-        if fill is None:
-            raise RuntimeError(f"step {step}: dynamic sampling found no group with reward variance "
-                               f"in {rounds} generation batches")  # fmt: skip
+        logging.warning(
+            "step %d: only %d of %d groups with reward variance after %d rounds",
+            step,
+            groups.num_groups,
+            cfg.batch.prompts,
+            rounds,
+        )
+        source = groups if groups.num_groups else last  # no group at all: a step without signal
+        fill = source.take(
+            [i % source.num_groups for i in range(cfg.batch.prompts - groups.num_groups)]
+        )
         fill.valid = np.zeros_like(fill.valid)
         groups = experience.concat([groups, fill])
     groups = groups.take(range(cfg.batch.prompts))
-    info = {"dynamic_sampling/generation_batches": rounds, "dynamic_sampling/dropped_frac": dropped / seen}
+    info = {
+        "dynamic_sampling/generation_batches": rounds,
+        "dynamic_sampling/dropped_frac": dropped / seen,
+    }
     return groups, info if ds.enabled else {}
 
 
@@ -146,33 +212,74 @@ def make_batch(run: Run, groups: experience.Groups, timings: dict) -> tuple[trai
     cfg = run.cfg
     t0 = time.perf_counter()
     opts = experience.AdvantageOptions(
-        method=cfg.reweighting, lam=cfg.mmr.lam, scope=cfg.mmr.scope, estimator=cfg.advantage.estimator,
-        std_ddof=cfg.advantage.std_ddof, eps=cfg.advantage.eps,
-    )  # fmt: skip
-    reweighted, adv, lam = experience.compute_advantages(groups.total, groups.embeddings, groups.valid, opts)
+        method=cfg.reweighting,
+        lam=cfg.mmr.lam,
+        scope=cfg.mmr.scope,
+        estimator=cfg.advantage.estimator,
+        std_ddof=cfg.advantage.std_ddof,
+        eps=cfg.advantage.eps,
+    )
+    reweighted, adv, lam = experience.compute_advantages(
+        groups.total, groups.embeddings, groups.valid, opts
+    )
     timings["reweighting"] = time.perf_counter() - t0
-    info = experience.group_metrics(groups, reweighted, adv, lam, filter_reward=(
-        cfg.dynamic_sampling.filter_reward if cfg.dynamic_sampling.enabled else None))  # fmt: skip
+    info = experience.group_metrics(
+        groups,
+        reweighted,
+        adv,
+        lam,
+        filter_reward=(
+            cfg.dynamic_sampling.filter_reward if cfg.dynamic_sampling.enabled else None
+        ),
+    )
     b = cfg.batch
     host = experience.pack(
-        groups, adv, pad_id=run.engine.pad_id if hasattr(run.engine, "pad_id") else 0,
-        prompt_quantum=max(1, b.max_prompt_len // b.length_buckets), max_prompt_len=b.max_prompt_len,
-        completion_quantum=b.max_completion_len // b.length_buckets, max_completion_len=b.max_completion_len,
-    )  # fmt: skip
+        groups,
+        adv,
+        pad_id=run.engine.pad_id if hasattr(run.engine, "pad_id") else 0,
+        prompt_quantum=max(1, b.max_prompt_len // b.length_buckets),
+        max_prompt_len=b.max_prompt_len,
+        completion_quantum=b.max_completion_len // b.length_buckets,
+        max_completion_len=b.max_completion_len,
+    )
     dev = experience.to_device({k: v for k, v in host.items() if k != "sampler_logps"})
     t = host["completion_mask"].shape[1]
-    kw = dict(graphdef=run.policy.eval_graphdef, num_completion=t, temperature=cfg.rollout.temperature,
-              chunk=cfg.model.logprob_chunk, minibatches=cfg.loss.minibatches)  # fmt: skip
+    kw = dict(
+        graphdef=run.policy.eval_graphdef,
+        num_completion=t,
+        temperature=cfg.rollout.temperature,
+        chunk=cfg.model.logprob_chunk,
+        minibatches=cfg.loss.minibatches,
+    )
     ref = old = None
     if cfg.loss.beta > 0:
         params = run.ref_params if run.ref_params is not None else run.state.params
-        ref = run.logp_fn(params, run.policy.frozen, run.policy.rest, dev["tokens"], dev["attention_mask"],
-                          disable_lora=run.policy.lora, **kw)  # fmt: skip
+        ref = run.logp_fn(
+            params,
+            run.policy.frozen,
+            run.policy.rest,
+            dev["tokens"],
+            dev["attention_mask"],
+            disable_lora=run.policy.lora,
+            **kw,
+        )
     if cfg.loss.iterations > 1:
-        old = run.logp_fn(run.state.params, run.policy.frozen, run.policy.rest, dev["tokens"],
-                          dev["attention_mask"], **kw)  # fmt: skip
-    batch = train_step.Batch(dev["tokens"], dev["attention_mask"], dev["completion_mask"],
-                             dev["advantages"], old_logps=old, ref_logps=ref)  # fmt: skip
+        old = run.logp_fn(
+            run.state.params,
+            run.policy.frozen,
+            run.policy.rest,
+            dev["tokens"],
+            dev["attention_mask"],
+            **kw,
+        )
+    batch = train_step.Batch(
+        dev["tokens"],
+        dev["attention_mask"],
+        dev["completion_mask"],
+        dev["advantages"],
+        old_logps=old,
+        ref_logps=ref,
+    )
     info["throughput/tokens"] = float(host["completion_mask"].sum())
     return batch, info
 
@@ -198,18 +305,24 @@ def save(run: Run, step: int) -> None:
     run.checkpointer.save(step, _ckpt_tree(run.state), {"step": step, "data": run.prompts.state()})
     if run.cfg.checkpoint.export_hf:
         run.checkpointer.wait()
-        export_model(run.policy.model(run.state.params), os.path.join(run.workdir, f"step_{step}"),
-                     tokenizer_dir=run.cfg.model.path, lora=run.policy.lora)  # fmt: skip
+        export_model(
+            run.cfg, run.policy.model(run.state.params), os.path.join(run.workdir, f"step_{step}")
+        )
 
 
-def export_model(model, out_dir, *, tokenizer_dir, lora: bool) -> None:
-    """A HF folder (full weights) or, under LoRA, a PEFT adapter folder."""
+def export_model(cfg: config_types.TrainConfig, model, out_dir) -> None:
+    """A HF folder (LoRA merged) in the compute dtype; under LoRA also a PEFT adapter/ folder."""
     from mmr_jax.models import export
 
-    if lora:
-        export.save_peft_adapter(model, out_dir, base_model_name_or_path=tokenizer_dir)
-    else:
-        export.save_hf(model, out_dir, tokenizer_dir=tokenizer_dir)
+    export.save_hf(
+        model, out_dir, tokenizer_dir=cfg.model.path, dtype=build.DTYPES[cfg.model.dtype]
+    )
+    if cfg.lora.enabled:
+        export.save_peft_adapter(
+            model,
+            os.path.join(os.fspath(out_dir), "adapter"),
+            base_model_name_or_path=cfg.model.path,
+        )
     logging.info("exported %s", out_dir)
 
 
@@ -218,9 +331,17 @@ def evaluate(run: Run, step: int) -> dict[str, float]:
 
     e = run.cfg.eval
     problems = evaluation.load_benchmarks(e.data_dir, e.benchmarks, max_problems=e.max_problems)
-    result = evaluation.evaluate(run.engine, run.tokenizer, problems, n=e.n, temperature=e.temperature,
-                                 top_p=e.top_p, max_new_tokens=e.max_new_tokens,
-                                 system_prompt=e.system_prompt, seed=run.cfg.seed + step)  # fmt: skip
+    result = evaluation.evaluate(
+        run.engine,
+        run.tokenizer,
+        problems,
+        n=e.n,
+        temperature=e.temperature,
+        top_p=e.top_p,
+        max_new_tokens=e.max_new_tokens,
+        system_prompt=e.system_prompt,
+        seed=run.cfg.seed + step,
+    )
     out = {f"eval/{b}/{k}": v for b, m in result.per_benchmark.items() for k, v in m.items()}
     out.update({f"eval/average/{k}": v for k, v in result.average.items()})
     return out
@@ -241,7 +362,9 @@ def train(cfg: config_types.TrainConfig, workdir, *, overwrite: bool = False) ->
             batch, batch_info = make_batch(run, groups, timings)
             info.update(batch_info)
             t0 = time.perf_counter()
-            run.state, device_metrics = run.step_fn(run.state, batch, run.policy.frozen, run.policy.rest)
+            run.state, device_metrics = run.step_fn(
+                run.state, batch, run.policy.frozen, run.policy.rest
+            )
             if pending is not None:  # the previous step's metrics, fetched while this one runs
                 host = _check_finite(pending[0], pending[1], run.workdir, last_saved)
                 _log(run, pending[0], {**pending[2], **host}, progress)
@@ -284,5 +407,5 @@ def export_hf(cfg: config_types.TrainConfig, workdir, out_dir, *, step: int | No
     ckpt.close()
     if restored is None:
         raise FileNotFoundError(f"no checkpoint in {workdir}")
-    export_model(policy.model(restored[0]["params"]), out_dir, tokenizer_dir=cfg.model.path, lora=policy.lora)
+    export_model(cfg, policy.model(restored[0]["params"]), out_dir)
     return os.fspath(out_dir)

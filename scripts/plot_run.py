@@ -17,7 +17,7 @@ import sys
 from absl import app, flags
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from mmr_jax import metrics as metrics_lib  # noqa: E402
+from mmr_jax import metrics as metrics_lib
 
 _OUT = flags.DEFINE_string("out", "curves.png", "PNG file to write.")
 _METRICS = flags.DEFINE_list("metrics", [], "Metrics to draw (default: the standard set present).")
@@ -99,7 +99,9 @@ def plot(run_paths, out, *, metrics=(), labels=(), smooth: float = 0.0) -> list[
     fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.2 * rows), squeeze=False)
     for ax, name in zip(axes.flat, names, strict=False):
         for i, (rows_, label) in enumerate(zip(runs, labels, strict=True)):
-            pts = [(r["step"], float(r[name])) for r in rows_ if isinstance(r.get(name), int | float)]
+            pts = [
+                (r["step"], float(r[name])) for r in rows_ if isinstance(r.get(name), int | float)
+            ]
             if not pts:
                 continue
             xs, ys = zip(*pts, strict=True)
@@ -125,7 +127,9 @@ def plot(run_paths, out, *, metrics=(), labels=(), smooth: float = 0.0) -> list[
 def main(argv):
     if len(argv) < 2:
         raise app.UsageError("give one or more run folders (or metrics.jsonl files)")
-    names = plot(argv[1:], _OUT.value, metrics=_METRICS.value, labels=_LABELS.value, smooth=_SMOOTH.value)
+    names = plot(
+        argv[1:], _OUT.value, metrics=_METRICS.value, labels=_LABELS.value, smooth=_SMOOTH.value
+    )
     print(f"wrote {_OUT.value}: {', '.join(names)}")
 
 

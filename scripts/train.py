@@ -1,6 +1,7 @@
 """Trains a policy with GRPO / Dr.GRPO / DAPO, optionally with MMR or DRA reweighting.
 
-    python scripts/train.py --config=configs/grpo_7b.py --workdir=runs/grpo_7b --config.mmr.enabled=True
+    python scripts/train.py --config=configs/grpo_7b.py --workdir=runs/mmr_grpo_7b \\
+        --config.mmr.enabled=True
     python scripts/train.py --config=configs/cpu_smollm2.py --workdir=runs/cpu_smollm2
     python scripts/train.py --config=configs/dapo.py:8b --dry_run
     python scripts/train.py --config=configs/grpo.py:1.5b --workdir=runs/x --export_hf=runs/x/hf
@@ -15,14 +16,17 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from mmr_jax import build, config_types, trainer  # noqa: E402
+from mmr_jax import build, config_types, trainer
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (configs/*.py[:arg]).",
-                                          lock_config=True)  # fmt: skip
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", None, "Config file (configs/*.py[:arg]).", lock_config=True
+)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run folder: checkpoints, metrics, TensorBoard.")
 _DRY_RUN = flags.DEFINE_bool("dry_run", False, "Build everything abstractly, print sizes, exit.")
 _OVERWRITE = flags.DEFINE_bool("overwrite", False, "Delete a run of another config in --workdir.")
-_EXPORT_HF = flags.DEFINE_string("export_hf", None, "Export a checkpoint of --workdir here and exit.")
+_EXPORT_HF = flags.DEFINE_string(
+    "export_hf", None, "Export a checkpoint of --workdir here and exit."
+)
 _EXPORT_STEP = flags.DEFINE_integer("export_step", None, "Step to export (default: latest).")
 
 

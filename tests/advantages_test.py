@@ -27,14 +27,15 @@ class GrpoAdvantagesTest(chex.TestCase):
 
     def test_eps(self):
         # r = [2, 0], ddof 0: std 1, A = +-1 / (1 + eps).
-        got = advantages.grpo_advantages(jnp.array([2.0, 0.0]), ddof=0, eps=0.5)
+        got = jax.jit(advantages.grpo_advantages, static_argnames="ddof")(
+            jnp.array([2.0, 0.0]), ddof=0, eps=0.5)
         np.testing.assert_allclose(got, [1 / 1.5, -1 / 1.5], rtol=1e-6)
 
     def test_masked_ragged_group(self):
         # Valid [3, 1, 2] (9 masked): mean 2, squared deviations 1 + 1 + 0 = 2, ddof 1 -> std 1.
         r = jnp.array([3.0, 9.0, 1.0, 2.0])
         mask = jnp.array([True, False, True, True])
-        got = advantages.grpo_advantages(r, mask=mask, eps=0.0)
+        got = jax.jit(advantages.grpo_advantages)(r, mask=mask, eps=0.0)
         np.testing.assert_allclose(got, [1.0, 0.0, -1.0, 0.0], rtol=1e-6)
 
     @parameterized.named_parameters(
@@ -47,9 +48,9 @@ class GrpoAdvantagesTest(chex.TestCase):
         r = jnp.asarray(r)
         mask = None if mask is None else jnp.asarray(mask)
         for fn in (advantages.grpo_advantages, advantages.dr_grpo_advantages):
-            got = fn(r, mask=mask)
+            got = jax.jit(fn)(r, mask=mask)
             np.testing.assert_array_equal(got, np.zeros(r.shape))
-        g = jax.grad(lambda x: advantages.grpo_advantages(x, mask=mask).sum())(r)
+        g = jax.jit(jax.grad(lambda x: advantages.grpo_advantages(x, mask=mask).sum()))(r)
         assert np.all(np.isfinite(g))
 
 
@@ -69,7 +70,7 @@ class HasVarianceTest(chex.TestCase):
                        [2.0, 2.0, 2.0]])
         mask = jnp.array([[True] * 3, [True] * 3, [True, False, True], [False] * 3,
                           [True, True, True]])
-        got = advantages.has_variance(r, mask=mask)
+        got = jax.jit(advantages.has_variance)(r, mask=mask)
         np.testing.assert_array_equal(got, [False, True, False, False, False])
 
 

@@ -68,7 +68,9 @@ class TestWorkdir:
 
     def test_other_config_refused(self, tmp_path):
         checkpoint.prepare_workdir(tmp_path, {"loss": {"beta": 0.04}})
-        with pytest.raises(checkpoint.RunMismatchError, match=r"loss.beta: 0.04 -> 0.0.*--overwrite"):
+        with pytest.raises(
+            checkpoint.RunMismatchError, match=r"loss.beta: 0.04 -> 0.0.*--overwrite"
+        ):
             checkpoint.prepare_workdir(tmp_path, {"loss": {"beta": 0.0}})
 
     def test_overwrite_deletes_run(self, tmp_path):

@@ -48,7 +48,10 @@ class TestVariants:
         assert (cfg.batch.max_prompt_len, cfg.batch.max_completion_len) == (512, 3584)
         assert cfg.rollout.temperature == 0.7 and cfg.checkpoint.every == 50
         assert cfg.loss.beta == 0.04 and dict(cfg.rewards.weights) == {
-            "accuracy": 0.0, "format": 1.0, "cosine": 2.0}  # fmt: skip
+            "accuracy": 0.0,
+            "format": 1.0,
+            "cosine": 2.0,
+        }
 
     def test_dapo(self):
         cfg = config_types.from_config_dict(_load("dapo"))

@@ -154,11 +154,11 @@ class MmrReweightTest(chex.TestCase):
     @chex.variants(with_jit=True, without_jit=True)
     def test_jit_and_eager_agree(self):
         rng = np.random.default_rng(0)
-        r = jnp.asarray(rng.normal(size=(5, 6)), jnp.float32)
-        e = jnp.asarray(rng.normal(size=(5, 6, 16)), jnp.float32)
-        mask = jnp.asarray(rng.random((5, 6)) < 0.8)
+        r = jnp.asarray(rng.normal(size=(3, 5)), jnp.float32)
+        e = jnp.asarray(rng.normal(size=(3, 5, 16)), jnp.float32)
+        mask = jnp.asarray(rng.random((3, 5)) < 0.8)
         got = self.variant(lambda r, e, m: mmr.mmr_reweight(r, e, mask=m))(r, e, mask)
-        want = [reference_mmr(r[b], e[b], None, mask[b])[0] for b in range(5)]
+        want = [reference_mmr(r[b], e[b], None, mask[b])[0] for b in range(3)]
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
     def test_lam_one_returns_rewards_in_descending_order(self):
@@ -202,7 +202,7 @@ class MmrReweightTest(chex.TestCase):
         assert not np.array_equal(got[1], r[1])
 
     def test_group_of_one_keeps_its_reward(self):
-        got = mmr.mmr_reweight(jnp.array([[0.7]]), jnp.array([[[0.0, 1.0]]]))
+        got = mmr_jit(jnp.array([[0.7]]), jnp.array([[[0.0, 1.0]]]))
         np.testing.assert_array_equal(got, np.float32([[0.7]]))
 
     def test_zero_and_identical_embeddings(self):
@@ -225,12 +225,12 @@ class MmrReweightTest(chex.TestCase):
                 np.testing.assert_array_equal(got[i, j], mmr_jit(r[i, j], e[i, j]))
 
     def test_gradients_are_finite(self):
-        r = jnp.array([[1.0, 1.0, 1.0, 0.0]])  # also an all-equal-reward group below
-        e = jnp.array([[[1.0, 0.0], [0.0, 0.0], [1.0, 0.0], [0.0, 1.0]]])
-        for rr in (r, jnp.ones_like(r)):
-            loss = lambda a, b: mmr.mmr_reweight(a, b).sum()
-            g_r, g_e = jax.jit(jax.grad(loss, argnums=(0, 1)))(rr, e)
-            assert np.all(np.isfinite(g_r)) and np.all(np.isfinite(g_e))
+        # Group 0 mixes a zero row and identical rows; group 1 has all-equal rewards (std 0).
+        r = jnp.array([[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 1.0, 1.0]])
+        e = jnp.array([[[1.0, 0.0], [0.0, 0.0], [1.0, 0.0], [0.0, 1.0]]] * 2)
+        loss = lambda a, b: mmr.mmr_reweight(a, b).sum()
+        g_r, g_e = jax.jit(jax.grad(loss, argnums=(0, 1)))(r, e)
+        assert np.all(np.isfinite(g_r)) and np.all(np.isfinite(g_e))
 
 
 class AdaptiveLambdaTest(chex.TestCase):

@@ -24,8 +24,15 @@ def _run(path, offset=0.0, steps=8):
     path.mkdir(parents=True)
     with open(path / "metrics.jsonl", "w") as f:
         for s in range(1, steps + 1):
-            row = {"step": s, "reward/mean": offset + 0.1 * s, "reward/accuracy/mean": 0.05 * s,
-                   "reward/format/mean": 0.5, "mmr/lambda_mean": 0.6, "kl": 0.01 * s, "other": 1}  # fmt: skip
+            row = {
+                "step": s,
+                "reward/mean": offset + 0.1 * s,
+                "reward/accuracy/mean": 0.05 * s,
+                "reward/format/mean": 0.5,
+                "mmr/lambda_mean": 0.6,
+                "kl": 0.01 * s,
+                "other": 1,
+            }
             f.write(json.dumps(row) + "\n")
     return path
 
@@ -51,7 +58,11 @@ class TestPlotRun:
     def test_cli(self, tmp_path):
         run = _run(tmp_path / "r")
         out = tmp_path / "c.png"
-        res = subprocess.run([sys.executable, str(SCRIPT), str(run), f"--out={out}"],
-                             capture_output=True, text=True, check=False)  # fmt: skip
+        res = subprocess.run(
+            [sys.executable, str(SCRIPT), str(run), f"--out={out}"],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
         assert res.returncode == 0, res.stderr
         assert out.exists() and "reward/mean" in res.stdout

@@ -131,6 +131,7 @@ def _check_unsupported(config: dict) -> None:
         ("use_sliding_window", not config.get("use_sliding_window", False)),
         ("quantization_config", config.get("quantization_config") is None),
         ("pretraining_tp", config.get("pretraining_tp", 1) == 1),
+        ("rope_interleaved", not config.get("rope_interleaved", False)),
     ]
     layer_types = config.get("layer_types")
     if layer_types:

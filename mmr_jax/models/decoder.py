@@ -40,19 +40,21 @@ def _split_key(key, i):
     return None if key is None else jax.random.fold_in(key, i)
 
 
+def _dense(name, din, dout, bias, *, dtype, param_dtype, lora, key, index):
+    use = lora if lora is not None and lora.targets(name) else None
+    return layers.Dense(din, dout, use_bias=bias, dtype=dtype, param_dtype=param_dtype, lora=use,
+                        key=jax.random.fold_in(key, index))
+
+
 class Attention(nnx.Module):
-    def __init__(self, cfg: config_lib.ModelConfig, *, dtype, param_dtype, lora, rngs):
-        def dense(name, din, dout, bias):
-            use = lora if lora is not None and lora.targets(name) else None
-            return layers.Dense(
-                din, dout, use_bias=bias, dtype=dtype, param_dtype=param_dtype, lora=use, rngs=rngs
-            )
+    def __init__(self, cfg: config_lib.ModelConfig, *, dtype, param_dtype, lora, key):
+        kw = dict(dtype=dtype, param_dtype=param_dtype, lora=lora, key=key)
 
         h, d = cfg.hidden_size, cfg.head_dim
-        self.q_proj = dense("q_proj", h, cfg.num_heads * d, cfg.attention_bias)
-        self.k_proj = dense("k_proj", h, cfg.num_kv_heads * d, cfg.attention_bias)
-        self.v_proj = dense("v_proj", h, cfg.num_kv_heads * d, cfg.attention_bias)
-        self.o_proj = dense("o_proj", cfg.num_heads * d, h, cfg.o_proj_bias)
+        self.q_proj = _dense("q_proj", h, cfg.num_heads * d, cfg.attention_bias, index=0, **kw)
+        self.k_proj = _dense("k_proj", h, cfg.num_kv_heads * d, cfg.attention_bias, index=1, **kw)
+        self.v_proj = _dense("v_proj", h, cfg.num_kv_heads * d, cfg.attention_bias, index=2, **kw)
+        self.o_proj = _dense("o_proj", cfg.num_heads * d, h, cfg.o_proj_bias, index=3, **kw)
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
 
     def qkv(self, x_BxTxH, cos, sin, *, disable_lora, key):
@@ -71,16 +73,12 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-    def __init__(self, cfg: config_lib.ModelConfig, *, dtype, param_dtype, lora, rngs):
-        def dense(name, din, dout):
-            use = lora if lora is not None and lora.targets(name) else None
-            return layers.Dense(
-                din, dout, use_bias=False, dtype=dtype, param_dtype=param_dtype, lora=use, rngs=rngs
-            )
-
-        self.gate_proj = dense("gate_proj", cfg.hidden_size, cfg.intermediate_size)
-        self.up_proj = dense("up_proj", cfg.hidden_size, cfg.intermediate_size)
-        self.down_proj = dense("down_proj", cfg.intermediate_size, cfg.hidden_size)
+    def __init__(self, cfg: config_lib.ModelConfig, *, dtype, param_dtype, lora, key):
+        kw = dict(dtype=dtype, param_dtype=param_dtype, lora=lora, key=key)
+        h, i = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = _dense("gate_proj", h, i, False, index=4, **kw)
+        self.up_proj = _dense("up_proj", h, i, False, index=5, **kw)
+        self.down_proj = _dense("down_proj", i, h, False, index=6, **kw)
 
     def __call__(self, x_BxTxH, *, disable_lora=False, key=None):
         kw = dict(disable_lora=disable_lora)
@@ -90,12 +88,12 @@ class MLP(nnx.Module):
 
 
 class Block(nnx.Module):
-    def __init__(self, cfg: config_lib.ModelConfig, *, dtype, param_dtype, lora, rngs):
+    def __init__(self, cfg: config_lib.ModelConfig, *, dtype, param_dtype, lora, key):
         kw = dict(dtype=dtype, param_dtype=param_dtype)
         self.input_layernorm = layers.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, **kw)
-        self.self_attn = Attention(cfg, lora=lora, rngs=rngs, **kw)
+        self.self_attn = Attention(cfg, lora=lora, key=key, **kw)
         self.post_attention_layernorm = layers.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, **kw)
-        self.mlp = MLP(cfg, lora=lora, rngs=rngs, **kw)
+        self.mlp = MLP(cfg, lora=lora, key=key, **kw)
 
     def __call__(self, x_BxTxH, cos, sin, mask_BxTxS, disable_lora, key):
         """Full-sequence block (keys = the T tokens themselves)."""
@@ -135,15 +133,20 @@ class Decoder(nnx.Module):
     ):
         self.config, self.dtype, self.lora_config = cfg, dtype, lora
         kw = dict(dtype=dtype, param_dtype=param_dtype)
-        self.embed_tokens = layers.Embed(cfg.vocab_size, cfg.hidden_size, rngs=rngs, **kw)
+        # One draw from `rngs`, then fold_in per module: cheap to trace under nnx.eval_shape.
+        key = rngs.params()
+        embed_key, head_key = jax.random.fold_in(key, 10**6), jax.random.fold_in(key, 10**6 + 1)
+        self.embed_tokens = layers.Embed(cfg.vocab_size, cfg.hidden_size, key=embed_key, **kw)
         self.layers = nnx.List(
-            [Block(cfg, lora=lora, rngs=rngs, **kw) for _ in range(cfg.num_layers)]
+            [Block(cfg, lora=lora, key=jax.random.fold_in(key, i), **kw) for i in range(cfg.num_layers)]
         )
         self.norm = layers.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, **kw)
         self.lm_head = nnx.data(
             None
             if cfg.tie_word_embeddings
-            else layers.Dense(cfg.hidden_size, cfg.vocab_size, use_bias=False, lora=None, rngs=rngs, **kw)
+            else layers.Dense(
+                cfg.hidden_size, cfg.vocab_size, use_bias=False, lora=None, key=head_key, **kw
+            )
         )
         self.inv_freq = tuple(
             float(f) for f in layers.rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling_dict)

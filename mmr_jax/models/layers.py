@@ -40,17 +40,18 @@ class Dense(nnx.Module):
         dtype,
         param_dtype,
         lora: lora_lib.LoraConfig | None,
-        rngs: nnx.Rngs,
+        key: jax.Array,
     ):
+        k_kernel, k_lora = jax.random.split(key)
         init = jax.nn.initializers.normal(0.02)
-        self.kernel = nnx.Param(init(rngs.params(), (din, dout), param_dtype))
+        self.kernel = nnx.Param(init(k_kernel, (din, dout), param_dtype))
         self.bias = nnx.data(nnx.Param(jnp.zeros((dout,), param_dtype)) if use_bias else None)
         self.dtype = dtype
         a = b = None
         if lora is not None:
             bound = 1.0 / math.sqrt(din)  # PEFT's kaiming_uniform(a=sqrt(5)) for lora_A.
             a = nnx.LoRAParam(
-                jax.random.uniform(rngs.params(), (din, lora.rank), param_dtype, -bound, bound)
+                jax.random.uniform(k_lora, (din, lora.rank), param_dtype, -bound, bound)
             )
             b = nnx.LoRAParam(jnp.zeros((lora.rank, dout), param_dtype))
         self.lora_a, self.lora_b = nnx.data(a), nnx.data(b)
@@ -90,9 +91,9 @@ class RMSNorm(nnx.Module):
 class Embed(nnx.Module):
     """Token embedding [V, H]; `attend` gives tied-head logits in fp32."""
 
-    def __init__(self, vocab: int, dim: int, *, dtype, param_dtype, rngs: nnx.Rngs):
+    def __init__(self, vocab: int, dim: int, *, dtype, param_dtype, key: jax.Array):
         init = jax.nn.initializers.normal(0.02)
-        self.embedding = nnx.Param(init(rngs.params(), (vocab, dim), param_dtype))
+        self.embedding = nnx.Param(init(key, (vocab, dim), param_dtype))
         self.dtype = dtype
 
     def __call__(self, tokens_BxT):

@@ -107,24 +107,27 @@ def _place(shape, dtype, sharding, read):
     )
 
 
-def _lora_init(path, shape, dtype, sharding, key):
+def _lora_init(path, shape, dtype, sharding, seed):
+    """lora_b = 0; lora_a ~ U(-1/sqrt(in), 1/sqrt(in)) (drawn on the host: [in, r] is small)."""
     if path[-1] == "lora_b":
-        return _place(shape, dtype, sharding, lambda idx: np.zeros(shape, dtype)[idx])
-    bound = 1.0 / math.sqrt(shape[0])
-    fn = jax.jit(lambda k: jax.random.uniform(k, shape, dtype, -bound, bound), out_shardings=sharding)
-    return fn(key)
+        value = np.zeros(shape, dtype)
+    else:
+        bound = 1.0 / math.sqrt(shape[0])
+        path_seed = [seed, *(ord(c) for c in "/".join(map(str, path)))]
+        value = np.random.default_rng(path_seed).uniform(-bound, bound, shape).astype(dtype)
+    return _place(shape, dtype, sharding, lambda idx: value[idx])
 
 
-def _fill(path, var, tensors, used, missing, mesh, key):
-    """The concrete value for the abstract variable `var` at `path`."""
+def _fill(path, var, tensors, used, missing, mesh, seed):
+    """The concrete value for the abstract variable `var` at `path` (None if its tensor is missing)."""
     shape, dtype = tuple(var.get_value().shape), var.get_value().dtype
     sharding = None if mesh is None else sharding_lib.named_sharding(path, shape, mesh)
-    if isinstance(var, nnx.RngKey):
-        return jax.random.key(0)
+    if isinstance(var, nnx.RngKey):  # LoRA dropout stream
+        return jax.random.key(seed)
     if isinstance(var, nnx.RngCount):
         return jnp.zeros(shape, dtype)
     if isinstance(var, nnx.LoRAParam):
-        return _lora_init(path, shape, dtype, sharding, jax.random.fold_in(key, hash(path) % 2**31))
+        return _lora_init(path, shape, dtype, sharding, seed)
     name, transpose = hf_name(path)
     if name not in tensors:
         missing.append(name)
@@ -141,10 +144,10 @@ def load_weights(model_abstract: decoder.Decoder, path, *, mesh=None, rngs=None)
     """Fills an abstract decoder from the checkpoint at `path`; raises listing missing/unexpected."""
     tensors = open_checkpoint(path)
     graphdef, state = nnx.split(model_abstract)
-    key = (rngs or nnx.Rngs(0)).params()
+    seed = int(jax.random.randint((rngs or nnx.Rngs(0)).params(), (), 0, 2**31 - 1))
     used, missing, flat = set(), [], []
     for p, var in nnx.to_flat_state(state):
-        value = _fill(p, var, tensors, used, missing, mesh, key)
+        value = _fill(p, var, tensors, used, missing, mesh, seed)
         flat.append((p, var.replace(value) if value is not None else var))
     unexpected = [
         n for n in tensors

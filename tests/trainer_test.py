@@ -1,0 +1,302 @@
+"""End-to-end training on a tiny random model: variants, resume after SIGKILL, learning, dry run."""
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from mmr_jax import build, checkpoint, config_types, metrics, rewards, trainer
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "configs"))
+import dapo  # noqa: E402
+import dapo_nods  # noqa: E402
+import dr_grpo  # noqa: E402
+import grpo  # noqa: E402
+
+# Compiled programs are shared by the runs of this module and the subprocesses it starts.
+_XLA_CACHE = os.environ.setdefault(
+    "JAX_COMPILATION_CACHE_DIR", f"/tmp/mmr_jax_test_xla_cache_{os.getuid()}"
+)
+jax.config.update("jax_compilation_cache_dir", _XLA_CACHE)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+ALGOS = {"grpo": grpo, "dr_grpo": dr_grpo, "dapo": dapo, "dapo_nods": dapo_nods}
+TARGET = set("0123456789")
+
+
+@rewards.register("test_target") if "test_target" not in rewards.REGISTRY else (lambda f: f)
+def _target_reward(completions, answers, *, lengths=None):
+    """Pays for the share of digit characters: a tiny random model can learn to emit more."""
+    del answers, lengths
+    return np.array(
+        [sum(ch in TARGET for ch in c) / max(len(c), 1) for c in completions], np.float32
+    )
+
+
+def _config(algo, ckpt, *, mmr=False, lora=False, steps=2, **overrides):
+    c = ALGOS[algo].get_config("smoke")
+    c.model.path = str(ckpt)
+    c.total_steps = steps
+    c.lora.enabled = lora
+    c.mmr.enabled = mmr
+    c.data.source = build.ARITHMETIC
+    c.data.system_prompt = ""
+    c.batch.max_prompt_len = 32
+    c.batch.max_completion_len = 16
+    c.optim.lr = 1e-3
+    c.optim.warmup_ratio = 0.0
+    c.rewards.weights = {"test_target": 1.0, "format": 0.0}
+    c.dynamic_sampling.filter_reward = "test_target"
+    c.checkpoint.every = 1
+    c.logging.samples = 0
+    for key, value in overrides.items():
+        node = c
+        *path, last = key.split(".")
+        for p in path:
+            node = node[p]
+        node[last] = value
+    return config_types.from_config_dict(c)
+
+
+def _params(workdir, cfg, step=None):
+    ck = checkpoint.Checkpointer(pathlib.Path(workdir) / checkpoint.CKPT_DIR, keep=None)
+    policy = build.load_policy(cfg)
+    optimizer, _ = build.make_optimizer(cfg)
+    state = build.init_state(cfg, policy.params, optimizer)
+    tree, meta = ck.restore(
+        jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), trainer._ckpt_tree(state)),
+        step,
+    )
+    ck.close()
+    return policy.params, tree["params"], meta
+
+
+VARIANTS = [  # each algorithm, MMR on and off, LoRA and full, in 4 runs; the full product is slow
+    ("grpo", True, False),
+    ("dr_grpo", False, True),
+    ("dapo", True, True),
+    ("dapo_nods", False, False),
+]
+ALL = [(a, m, lo) for a in ALGOS for m in (False, True) for lo in (False, True)]
+
+
+def _check_run(tmp_path, ckpt, algo, mmr, lora):
+    cfg = _config(algo, ckpt, mmr=mmr, lora=lora)
+    out = trainer.train(cfg, tmp_path / "run")
+    assert np.isfinite(out["loss"]) and np.isfinite(out["grad_norm"]) and out["grad_norm"] > 0
+    rows = metrics.read_jsonl(tmp_path / "run" / metrics.METRICS_FILE)
+    assert [r["step"] for r in rows] == [1, 2]
+    assert ("mmr/lambda_mean" in rows[0]) == mmr
+    initial, final, meta = _params(tmp_path / "run", cfg)
+    assert meta["step"] == 2 and meta["data"]["position"] > 0
+    diffs = jax.tree.leaves(
+        jax.tree.map(
+            lambda a, b: float(np.abs(np.asarray(a) - np.asarray(b)).max()), initial, final
+        )
+    )
+    assert max(diffs) > 0, "no parameter changed"
+    if lora:
+        assert all("lora" in str(p[-1]) for p, _ in __import__("flax").nnx.to_flat_state(final))
+
+
+class TestVariants:
+    @pytest.mark.parametrize("algo,mmr,lora", VARIANTS)
+    def test_two_steps(self, tmp_path, tiny_llama_dir, algo, mmr, lora):
+        _check_run(tmp_path, tiny_llama_dir, algo, mmr, lora)
+
+    @pytest.mark.slow
+    @pytest.mark.parametrize("algo,mmr,lora", [v for v in ALL if v not in VARIANTS])
+    def test_two_steps_all(self, tmp_path, tiny_llama_dir, algo, mmr, lora):
+        _check_run(tmp_path, tiny_llama_dir, algo, mmr, lora)
+
+    def test_dra_batch_scope_and_iterations(self, tmp_path, tiny_qwen2_dir):
+        cfg = _config("grpo", tiny_qwen2_dir, **{"dra.enabled": True, "loss.iterations": 2})
+        out = trainer.train(cfg, tmp_path / "run")
+        assert np.isfinite(out["loss"]) and out["ratio/max"] != 1.0  # 2nd pass: the ratio moves
+        cfg = _config("grpo", tiny_qwen2_dir, mmr=True, **{"mmr.scope": "batch", "mmr.lam": 0.7})
+        assert np.isfinite(trainer.train(cfg, tmp_path / "run2")["loss"])
+
+
+class TestLearning:
+    def test_target_token_reward_rises(self, tmp_path, tiny_llama_dir):
+        # Fixed in advance: mean reward of the last 4 steps beats the first 4 by at least 0.05
+        # (the reward is the share of '7' characters; random text starts near 0.01).
+        cfg = _config(
+            "dapo_nods",
+            tiny_llama_dir,
+            steps=16,
+            **{
+                "optim.lr": 3e-3,
+                "batch.generations": 8,
+                "batch.prompts": 4,
+                "loss.minibatches": 2,
+                "checkpoint.every": 0,
+                "mmr.embedding_model": "hashing",
+            },
+        )
+        trainer.train(cfg, tmp_path / "run")
+        r = [
+            row["reward/mean"]
+            for row in metrics.read_jsonl(tmp_path / "run" / metrics.METRICS_FILE)
+        ]
+        assert len(r) == 16
+        assert np.mean(r[-4:]) > np.mean(r[:4]) + 0.05, r
+
+
+def _train_cmd(workdir, ckpt, steps):
+    return [
+        sys.executable,
+        str(REPO / "scripts" / "train.py"),
+        f"--config={REPO / 'configs' / 'grpo.py'}:smoke",
+        f"--workdir={workdir}",
+        f"--config.model.path={ckpt}",
+        f"--config.total_steps={steps}",
+        "--config.data.source=arithmetic",
+        "--config.data.system_prompt=",
+        "--config.mmr.enabled=True",
+        "--config.batch.max_prompt_len=32",
+        "--config.batch.max_completion_len=16",
+        "--config.optim.lr=0.001",
+        "--config.checkpoint.every=1",
+        "--config.checkpoint.keep=5",
+        "--config.logging.samples=0",
+    ]
+
+
+class TestResume:
+    @pytest.mark.slow
+    def test_sigkill_then_resume_matches(self, tmp_path, tiny_llama_dir):
+        steps = 5
+        env = dict(os.environ, JAX_PLATFORMS="cpu")
+        ref = tmp_path / "ref"
+        subprocess.run(
+            _train_cmd(ref, tiny_llama_dir, steps), check=True, env=env, capture_output=True
+        )
+        run = tmp_path / "run"
+        proc = subprocess.Popen(
+            _train_cmd(run, tiny_llama_dir, steps),
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.time() + 300
+        while not (run / checkpoint.CKPT_DIR / "2").exists() and time.time() < deadline:
+            time.sleep(0.2)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        done = checkpoint.Checkpointer(run / checkpoint.CKPT_DIR, keep=None)
+        killed_at = done.latest_step()
+        done.close()
+        assert killed_at is not None and killed_at < steps
+        res = subprocess.run(
+            _train_cmd(run, tiny_llama_dir, steps), env=env, capture_output=True, text=True
+        )
+        assert res.returncode == 0, res.stderr[-3000:]
+        assert f"resuming {run} from step {killed_at}" in res.stderr
+        cfg = config_types.from_config_dict(
+            json.loads((run / checkpoint.RUN_FILE).read_text())["config"]
+        )
+        _, a, meta_a = _params(ref, cfg)
+        _, b, meta_b = _params(run, cfg)
+        assert meta_a == meta_b  # same step and data-iterator position
+        jax.tree.map(
+            lambda x, y: np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=1e-6), a, b
+        )
+        rows_a = metrics.read_jsonl(ref / metrics.METRICS_FILE)
+        rows_b = metrics.read_jsonl(run / metrics.METRICS_FILE)
+        assert [r["step"] for r in rows_b] == list(range(1, steps + 1))
+        for x, y in zip(rows_a, rows_b, strict=True):  # same data order and samples
+            assert x["reward/mean"] == pytest.approx(y["reward/mean"], abs=1e-6)
+            assert x["completion/length_mean"] == y["completion/length_mean"]
+
+
+class TestDryRun:
+    @pytest.mark.parametrize(
+        "size,total,trainable",
+        [
+            ("1.5b", 1_777_088_000, 1_777_088_000),
+            ("7b", 7_615_616_512 + 161_480_704, 161_480_704),
+            ("8b", 8_030_261_248 + 167_772_160, 167_772_160),
+        ],
+    )
+    def test_param_counts(self, size, total, trainable):
+        out = build.dry_run(config_types.from_config_dict(grpo.get_config(size)))
+        assert (out["params_total"], out["trainable"]) == (total, trainable)
+
+    def test_script_prints_counts(self):
+        res = subprocess.run(
+            [
+                sys.executable,
+                str(REPO / "scripts" / "train.py"),
+                f"--config={REPO / 'configs' / 'grpo_7b.py'}",
+                "--dry_run",
+            ],
+            capture_output=True,
+            text=True,
+            env=dict(os.environ, JAX_PLATFORMS="cpu"),
+        )
+        assert res.returncode == 0, res.stderr[-2000:]
+        assert "161,480,704 trainable" in res.stderr
+
+
+class TestBadInput:
+    def test_unknown_key_lists_valid_keys(self, tmp_path):
+        res = subprocess.run(
+            [
+                sys.executable,
+                str(REPO / "scripts" / "train.py"),
+                f"--config={REPO / 'configs' / 'grpo.py'}:smoke",
+                f"--workdir={tmp_path}",
+                "--config.mmr.lamda=0.5",
+            ],
+            capture_output=True,
+            text=True,
+        )
+        assert res.returncode != 0
+        assert "valid keys" in res.stderr and "'scope'" in res.stderr and "lamda" in res.stderr
+
+    def test_dataset_without_fields(self, tmp_path, tiny_llama_dir):
+        path = tmp_path / "bad.jsonl"
+        path.write_text(json.dumps({"question": "1+1?", "answer": "2"}) + "\n")
+        cfg = _config("grpo", tiny_llama_dir, **{"data.source": str(path)})
+        with pytest.raises(ValueError, match="problem"):
+            trainer.train(cfg, tmp_path / "run")
+
+    def test_workdir_of_another_config(self, tmp_path, tiny_llama_dir):
+        checkpoint.prepare_workdir(tmp_path / "run", _config("grpo", tiny_llama_dir).to_dict())
+        with pytest.raises(checkpoint.RunMismatchError, match="loss.beta"):
+            trainer.train(_config("dapo", tiny_llama_dir), tmp_path / "run")
+
+    def test_non_finite_loss_stops_and_keeps_checkpoint(
+        self, tmp_path, tiny_llama_dir, monkeypatch
+    ):
+        cfg = _config("grpo", tiny_llama_dir, steps=3)
+        real = trainer.train_step.jit_train_step
+
+        def poisoned(**kw):
+            fn = real(**kw)
+
+            def step(state, batch, *a):
+                state, m = fn(state, batch, *a)
+                return state, dict(
+                    m, loss=m["loss"] * np.nan if int(state.step) == 2 else m["loss"]
+                )
+
+            return step
+
+        monkeypatch.setattr(trainer.train_step, "jit_train_step", poisoned)
+        with pytest.raises(
+            trainer.NonFiniteLossError, match="step 2.*last good checkpoint \\(step 1\\)"
+        ):
+            trainer.train(cfg, tmp_path / "run")
+        ck = checkpoint.Checkpointer(tmp_path / "run" / checkpoint.CKPT_DIR, keep=None)
+        assert ck.all_steps() == [1]
+        ck.close()
