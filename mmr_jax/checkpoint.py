@@ -168,3 +168,19 @@ def prepare_workdir(workdir, config: Mapping[str, Any], *, overwrite: bool = Fal
 def read_run_config(workdir) -> dict:
     """The config dict stored in `workdir/run.json`."""
     return json.loads((pathlib.Path(workdir) / RUN_FILE).read_text())["config"]
+
+
+def export_model(model, out_dir, *, base_path: str, dtype, lora: bool) -> pathlib.Path:
+    """Writes `model` as a HF folder (LoRA merged) that transformers and vLLM load.
+
+    Under LoRA the adapters alone are also written as a PEFT folder, `<out_dir>/adapter`.
+    `base_path` is the HF folder the run started from (tokenizer files, PEFT base name).
+    """
+    from mmr_jax.models import export
+
+    out_dir = pathlib.Path(out_dir)
+    export.save_hf(model, out_dir, tokenizer_dir=base_path, dtype=dtype)
+    if lora:
+        export.save_peft_adapter(model, out_dir / "adapter", base_model_name_or_path=base_path)
+    logging.info("exported %s", out_dir)
+    return out_dir

@@ -38,8 +38,9 @@ def cosine_similarity(embeddings: jax.Array) -> jax.Array:
     """[..., G, D] -> [..., G, G] cosine similarities; a zero row has similarity 0 to everything."""
     # Normalising the Gram matrix by its diagonal reads the [G, D] embeddings once (the matmul)
     # instead of three times; it is the same cosine up to rounding.
-    gram = jnp.einsum("...id,...jd->...ij", embeddings, embeddings,
-                      precision=jax.lax.Precision.HIGHEST)
+    gram = jnp.einsum(
+        "...id,...jd->...ij", embeddings, embeddings, precision=jax.lax.Precision.HIGHEST
+    )
     sq = jnp.diagonal(gram, axis1=-2, axis2=-1)
     nonzero = sq > 0
     # Double `where`: a zero row gets similarity 0 and a finite (zero) gradient, never NaN.
@@ -84,10 +85,12 @@ def _mmr_group(
     # best_sim starts as the similarity to the first pick only: Algorithm 1 takes the max over
     # the selected set S (no clamp at 0, unlike the released code's zero-initialised running max).
     best_G = sim_GxG[:, first]
-    order_G = jnp.full((g,), -1, jnp.int32).at[0].set(jnp.where(any_valid, first, -1).astype(jnp.int32))
+    # Each entry's pick step (g = never picked); the order is rebuilt after the loop, because a
+    # dynamic-index write per step costs more than the rest of the step on CPU.
+    step_G = jnp.where(picked_G, 0, g).astype(jnp.int32)
 
     def step(t, carry):
-        out_G, picked_G, best_G, order_G = carry
+        out_G, picked_G, best_G, step_G = carry
         score_G = lam * r_G - (1.0 - lam) * best_G
         cand_G = valid_G & ~picked_G
         i = jnp.argmax(jnp.where(cand_G, score_G, neg_inf))
@@ -96,12 +99,14 @@ def _mmr_group(
         out_G = jnp.where(hit_G, score_G, out_G)
         picked_G = picked_G | hit_G
         best_G = jnp.where(ok, jnp.maximum(best_G, sim_GxG[:, i]), best_G)
-        order_G = order_G.at[t].set(jnp.where(ok, i, -1).astype(jnp.int32))
-        return out_G, picked_G, best_G, order_G
+        step_G = jnp.where(hit_G, t, step_G)
+        return out_G, picked_G, best_G, step_G
 
-    carry = (out_G, picked_G, best_G, order_G)
+    carry = (out_G, picked_G, best_G, step_G)
     # Unrolling short loops lets XLA fuse the steps; long groups keep a compact while loop.
-    out_G, _, _, order_G = jax.lax.fori_loop(1, g, step, carry, unroll=g <= 16)
+    out_G, _, _, step_G = jax.lax.fori_loop(1, g, step, carry, unroll=g <= 16)
+    order_G = jnp.argsort(step_G, stable=True).astype(jnp.int32)
+    order_G = jnp.where(jnp.sort(step_G) < g, order_G, -1)
     return jnp.where(valid_G, out_G, r_G), order_G
 
 
@@ -255,7 +260,9 @@ def check_inputs(
         if not np.all(np.isfinite(e)):
             raise ValueError(f"embeddings of shape {e.shape} contain NaN or inf")
     if mask is not None and np.shape(mask) != r.shape:
-        raise ValueError(f"mask of shape {np.shape(mask)} does not match rewards of shape {r.shape}")
+        raise ValueError(
+            f"mask of shape {np.shape(mask)} does not match rewards of shape {r.shape}"
+        )
     if lam is not None and not 0.0 <= float(lam) <= 1.0:
         raise ValueError(f"lam must lie in [0, 1], got {lam}")
 

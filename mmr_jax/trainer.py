@@ -305,25 +305,16 @@ def save(run: Run, step: int) -> None:
     run.checkpointer.save(step, _ckpt_tree(run.state), {"step": step, "data": run.prompts.state()})
     if run.cfg.checkpoint.export_hf:
         run.checkpointer.wait()
-        export_model(
+        _export(
             run.cfg, run.policy.model(run.state.params), os.path.join(run.workdir, f"step_{step}")
         )
 
 
-def export_model(cfg: config_types.TrainConfig, model, out_dir) -> None:
-    """A HF folder (LoRA merged) in the compute dtype; under LoRA also a PEFT adapter/ folder."""
-    from mmr_jax.models import export
-
-    export.save_hf(
-        model, out_dir, tokenizer_dir=cfg.model.path, dtype=build.DTYPES[cfg.model.dtype]
+def _export(cfg: config_types.TrainConfig, model, out_dir) -> None:
+    dtype = build.DTYPES[cfg.model.dtype]
+    checkpoint.export_model(
+        model, out_dir, base_path=cfg.model.path, dtype=dtype, lora=cfg.lora.enabled
     )
-    if cfg.lora.enabled:
-        export.save_peft_adapter(
-            model,
-            os.path.join(os.fspath(out_dir), "adapter"),
-            base_model_name_or_path=cfg.model.path,
-        )
-    logging.info("exported %s", out_dir)
 
 
 def evaluate(run: Run, step: int) -> dict[str, float]:
@@ -407,5 +398,5 @@ def export_hf(cfg: config_types.TrainConfig, workdir, out_dir, *, step: int | No
     ckpt.close()
     if restored is None:
         raise FileNotFoundError(f"no checkpoint in {workdir}")
-    export_model(cfg, policy.model(restored[0]["params"]), out_dir)
+    _export(cfg, policy.model(restored[0]["params"]), out_dir)
     return os.fspath(out_dir)

@@ -14,27 +14,35 @@ import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-import jax.numpy as jnp  # noqa: E402
+import jax.numpy as jnp
 
-from mmr_jax.models import config as config_lib  # noqa: E402
-from mmr_jax.models import dry_run  # noqa: E402
-from mmr_jax.models import lora as lora_lib  # noqa: E402
+from mmr_jax.models import config as config_lib
+from mmr_jax.models import dry_run
+from mmr_jax.models import lora as lora_lib
 
 CONFIG_DIR = pathlib.Path(__file__).resolve().parents[1] / "configs" / "models"
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", action="append", help="config.json path(s); default: all in configs/models")
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--config", action="append", help="config.json path(s); default: all in configs/models"
+    )
     ap.add_argument("--mesh", default="1,1,1", help="data,fsdp,tensor sizes (default 1,1,1)")
-    ap.add_argument("--lora", action="store_true", help="LoRA r=64, alpha=128 on q/k/v/o/gate/up/down")
+    ap.add_argument(
+        "--lora", action="store_true", help="LoRA r=64, alpha=128 on q/k/v/o/gate/up/down"
+    )
     ap.add_argument("--lora_rank", type=int, default=64)
     ap.add_argument("--param_dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--json", action="store_true", help="print one JSON object per model")
     args = ap.parse_args(argv)
     paths = args.config or sorted(str(p) for p in CONFIG_DIR.glob("*.json"))
     mesh = dry_run.MeshShape(*(int(x) for x in args.mesh.split(",")))
-    lora = lora_lib.LoraConfig(rank=args.lora_rank, alpha=2.0 * args.lora_rank) if args.lora else None
+    lora = (
+        lora_lib.LoraConfig(rank=args.lora_rank, alpha=2.0 * args.lora_rank) if args.lora else None
+    )
     for path in paths:
         cfg = config_lib.ModelConfig.from_hf(path)
         s = dry_run.summarize(cfg, mesh=mesh, lora=lora, param_dtype=jnp.dtype(args.param_dtype))

@@ -28,7 +28,8 @@ class GrpoAdvantagesTest(chex.TestCase):
     def test_eps(self):
         # r = [2, 0], ddof 0: std 1, A = +-1 / (1 + eps).
         got = jax.jit(advantages.grpo_advantages, static_argnames="ddof")(
-            jnp.array([2.0, 0.0]), ddof=0, eps=0.5)
+            jnp.array([2.0, 0.0]), ddof=0, eps=0.5
+        )
         np.testing.assert_allclose(got, [1 / 1.5, -1 / 1.5], rtol=1e-6)
 
     def test_masked_ragged_group(self):
@@ -66,10 +67,12 @@ class DrGrpoAdvantagesTest(chex.TestCase):
 
 class HasVarianceTest(chex.TestCase):
     def test_predicate(self):
-        r = jnp.array([[1.0, 1.0, 1.0], [0.0, 1.0, 0.0], [1.0, 0.0, 1.0], [1.0, 0.0, 1.0],
-                       [2.0, 2.0, 2.0]])
-        mask = jnp.array([[True] * 3, [True] * 3, [True, False, True], [False] * 3,
-                          [True, True, True]])
+        r = jnp.array(
+            [[1.0, 1.0, 1.0], [0.0, 1.0, 0.0], [1.0, 0.0, 1.0], [1.0, 0.0, 1.0], [2.0, 2.0, 2.0]]
+        )
+        mask = jnp.array(
+            [[True] * 3, [True] * 3, [True, False, True], [False] * 3, [True, True, True]]
+        )
         got = jax.jit(advantages.has_variance)(r, mask=mask)
         np.testing.assert_array_equal(got, [False, True, False, False, False])
 

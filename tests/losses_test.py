@@ -37,8 +37,11 @@ class PolicyLossTest(chex.TestCase):
         ("dr_grpo", "seq_mean_token_sum_norm", 0.45),
     )
     def test_hand_worked(self, aggregation, want):
-        fn = self.variant(lambda lp, old, a, m: losses.policy_loss(
-            lp, old, a, m, aggregation=aggregation, max_completion_len=4, **CLIP))
+        fn = self.variant(
+            lambda lp, old, a, m: losses.policy_loss(
+                lp, old, a, m, aggregation=aggregation, max_completion_len=4, **CLIP
+            )
+        )
         loss, metrics = fn(LOGPS, OLD, ADV, MASK)
         np.testing.assert_allclose(loss, want, rtol=1e-6)
         # Clip binds at seq 1 token 1 (0.5 < 0.8, A < 0) and seq 0 token 1 (1.5 > 1.2, A > 0).
@@ -64,8 +67,11 @@ class PolicyLossTest(chex.TestCase):
 
     def test_gradient_zero_on_masked_and_clipped_tokens(self):
         bad = LOGPS.at[0, 2].set(jnp.inf)  # garbage at the masked position must not leak
-        grad = jax.jit(jax.grad(lambda lp: losses.policy_loss(
-            lp, OLD, ADV, MASK, aggregation="token_mean", **CLIP)[0]))(bad)
+
+        def loss(lp):
+            return losses.policy_loss(lp, OLD, ADV, MASK, aggregation="token_mean", **CLIP)[0]
+
+        grad = jax.jit(jax.grad(loss))(bad)
         # d/dlogp of -ratio * A / 5 where unclipped: seq 0 t0: -1 * 1 / 5; seq 1 t0: 1 * 2 / 5;
         # seq 1 t2: 1.1 * 2 / 5. Clipped tokens (seq 0 t1, seq 1 t1) and the masked one get 0.
         np.testing.assert_allclose(grad, [[-0.2, 0.0, 0.0], [0.4, 0.0, 0.44]], rtol=1e-6)
@@ -77,8 +83,15 @@ class PolicyLossTest(chex.TestCase):
         mask = jnp.asarray(rng.random((4, 5)) < 0.8).at[:, 0].set(True)
 
         def f(x):
-            return losses.policy_loss(x, jax.lax.stop_gradient(x), adv, mask,
-                                      aggregation="token_mean", eps_low=0.2, eps_high=0.28)
+            return losses.policy_loss(
+                x,
+                jax.lax.stop_gradient(x),
+                adv,
+                mask,
+                aggregation="token_mean",
+                eps_low=0.2,
+                eps_high=0.28,
+            )
 
         (loss, metrics), grad = jax.jit(jax.value_and_grad(f, has_aux=True))(lp)
         for k in ("ratio_min", "ratio_max", "ratio_mean"):
@@ -96,12 +109,21 @@ class PolicyLossTest(chex.TestCase):
     def test_kl_estimators(self, estimator, want):
         # logp = -1, ref = -2: d = ref - logp = -1. k1 = 1, k2 = 1/2, k3 = e^-1 + 1 - 1.
         lp, ref = jnp.full((1, 2), -1.0), jnp.full((1, 2), -2.0)
-        np.testing.assert_allclose(losses.kl_divergence(lp, ref, estimator=estimator), want,
-                                   rtol=1e-6)
+        np.testing.assert_allclose(
+            losses.kl_divergence(lp, ref, estimator=estimator), want, rtol=1e-6
+        )
         # Added to the surrogate with beta; ratio 1 and A = 0 leave only the KL term.
         loss, metrics = losses.policy_loss(
-            lp, lp, jnp.zeros(1), jnp.ones((1, 2), bool), aggregation="token_mean",
-            ref_logps_BxT=ref, beta=0.1, kl_estimator=estimator, **CLIP)
+            lp,
+            lp,
+            jnp.zeros(1),
+            jnp.ones((1, 2), bool),
+            aggregation="token_mean",
+            ref_logps_BxT=ref,
+            beta=0.1,
+            kl_estimator=estimator,
+            **CLIP,
+        )
         np.testing.assert_allclose(loss, 0.1 * want, rtol=1e-6)
         np.testing.assert_allclose(metrics["kl"], want, rtol=1e-6)
 
@@ -120,8 +142,9 @@ class PolicyLossTest(chex.TestCase):
             @jax.jit
             @jax.value_and_grad
             def f(x, old, adv, mask, ref, norm):
-                return losses.policy_loss(x, old, adv, mask, ref_logps_BxT=ref, normaliser=norm,
-                                          **kw)[0]
+                return losses.policy_loss(
+                    x, old, adv, mask, ref_logps_BxT=ref, normaliser=norm, **kw
+                )[0]
 
             full, full_grad = f(lp, old, adv, mask, ref, None)
             norm = losses.loss_denominator(mask, aggregation=aggregation, max_completion_len=9)
@@ -132,8 +155,9 @@ class PolicyLossTest(chex.TestCase):
             np.testing.assert_allclose(grads, full_grad, rtol=1e-12, atol=1e-15)
             if aggregation == "token_mean":
                 # Averaging per-microbatch token means is not the batch token mean (ragged masks).
-                naive = np.mean([f(lp[c], old[c], adv[c], mask[c], ref[c], None)[0]
-                                 for c in chunks])
+                naive = np.mean(
+                    [f(lp[c], old[c], adv[c], mask[c], ref[c], None)[0] for c in chunks]
+                )
                 assert abs(naive - full) > 1e-6
 
     def test_bad_arguments_raise(self):

@@ -119,20 +119,30 @@ class MmrReweightTest(chex.TestCase):
         emb = np.stack([c[1] for c in cases])
         mask = np.stack([c[2] for c in cases])
         # Fixed lambdas are dyadic for dyadic data so real-number ties stay exact ties.
-        fixed = np.array([rng.choice([0.0, 0.25, 0.5, 0.75, 1.0]) if k == "structured"
-                          else rng.choice([0.3, 0.7, 0.9]) for k in kinds])
+        fixed = np.array(
+            [
+                rng.choice([0.0, 0.25, 0.5, 0.75, 1.0])
+                if k == "structured"
+                else rng.choice([0.3, 0.7, 0.9])
+                for k in kinds
+            ]
+        )
         # float64 so that non-tied candidates are never within rounding of each other.
         with jax.enable_x64(True):
             for lam in (None, fixed):
                 got, aux = mmr_aux_jit(
-                    jnp.asarray(r), jnp.asarray(emb), lam=None if lam is None else jnp.asarray(lam),
-                    mask=jnp.asarray(mask))
+                    jnp.asarray(r),
+                    jnp.asarray(emb),
+                    lam=None if lam is None else jnp.asarray(lam),
+                    mask=jnp.asarray(mask),
+                )
                 got, order, lam_used = np.asarray(got), np.asarray(aux.order), np.asarray(aux.lam)
                 for b in range(N_PER_SIZE):
                     want, want_order, want_lam = reference_mmr(
-                        r[b], emb[b], None if lam is None else float(lam[b]), mask[b])
+                        r[b], emb[b], None if lam is None else float(lam[b]), mask[b]
+                    )
                     np.testing.assert_array_equal(order[b][: len(want_order)], want_order)
-                    np.testing.assert_array_equal(order[b][len(want_order):], -1)
+                    np.testing.assert_array_equal(order[b][len(want_order) :], -1)
                     np.testing.assert_allclose(got[b], want, rtol=0, atol=1e-12)
                     if want_lam is not None:
                         np.testing.assert_allclose(lam_used[b], want_lam, rtol=1e-12)
@@ -266,8 +276,9 @@ class DraReweightTest(chex.TestCase):
         got = jax.jit(mmr.dra_reweight)(jnp.asarray(r, jnp.float32), jnp.asarray(e, jnp.float32))
         for b in range(4):
             u = [_unit(row) for row in e[b]]
-            want = [r[b, i] / (1 + sum(_cos(u[i], u[j]) for j in range(6) if j != i))
-                    for i in range(6)]
+            want = [
+                r[b, i] / (1 + sum(_cos(u[i], u[j]) for j in range(6) if j != i)) for i in range(6)
+            ]
             np.testing.assert_allclose(got[b], want, rtol=1e-5)
 
 
@@ -279,16 +290,20 @@ class ReweightEntryTest(chex.TestCase):
 
     def test_methods_dispatch(self):
         rng = np.random.default_rng(6)
-        r, e = rng.normal(size=(3, 4)).astype(np.float32), rng.normal(size=(3, 4, 5)).astype(
-            np.float32)
+        r, e = (
+            rng.normal(size=(3, 4)).astype(np.float32),
+            rng.normal(size=(3, 4, 5)).astype(np.float32),
+        )
         np.testing.assert_array_equal(mmr.reweight("none", r, None), r)
         np.testing.assert_array_equal(mmr.reweight("mmr", r, e, lam=0.7), mmr_jit(r, e, lam=0.7))
         np.testing.assert_array_equal(mmr.reweight("dra", r, e), jax.jit(mmr.dra_reweight)(r, e))
 
     def test_batch_scope_is_one_group_over_all_completions(self):
         rng = np.random.default_rng(7)
-        r, e = rng.normal(size=(3, 4)).astype(np.float32), rng.normal(size=(3, 4, 5)).astype(
-            np.float32)
+        r, e = (
+            rng.normal(size=(3, 4)).astype(np.float32),
+            rng.normal(size=(3, 4, 5)).astype(np.float32),
+        )
         got = mmr.reweight("mmr", r, e, scope="batch")
         want = mmr_jit(r.reshape(1, 12), e.reshape(1, 12, 5)).reshape(3, 4)
         np.testing.assert_array_equal(got, want)

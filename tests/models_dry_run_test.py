@@ -1,4 +1,4 @@
-"""Abstract builds of the paper's models: parameter counts match the config formula and known totals."""
+"""Abstract builds of the paper's models: parameter counts match the formula and known totals."""
 
 from __future__ import annotations
 
@@ -43,7 +43,9 @@ def test_abstract_counts_and_memory(name):
     with_lora = dry_run.summarize(cfg, mesh=dry_run.MeshShape(1, 8, 1), lora=lora)
     assert full["params"] == full["formula_params"] == KNOWN[name]
     assert with_lora["params"] == KNOWN[name]
-    assert with_lora["trainable"] == with_lora["lora_params"] == dry_run.formula_lora_count(cfg, lora)
+    assert (
+        with_lora["trainable"] == with_lora["lora_params"] == dry_run.formula_lora_count(cfg, lora)
+    )
     # fp32 full fine-tuning: params + grads + Adam mu, nu = 16 bytes per parameter, split ~8 ways.
     assert full["total_gib_per_device"] == pytest.approx(16 * KNOWN[name] / 8 / 2**30, rel=0.02)
     assert with_lora["grad_gib_per_device"] < full["grad_gib_per_device"]

@@ -22,7 +22,9 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
-_forward = nnx.jit(lambda m, t, disable_lora=False: m(t, disable_lora=disable_lora), static_argnums=2)
+_forward = nnx.jit(
+    lambda m, t, disable_lora=False: m(t, disable_lora=disable_lora), static_argnums=2
+)
 
 
 @pytest.fixture(scope="module")
@@ -66,9 +68,7 @@ class TestLora:
         model = models.from_pretrained(ckpt, lora=lora_lib.LoraConfig(rank=4, alpha=8, dropout=0.5))
         _randomise_b(model)
         tokens = _tokens()
-        np.testing.assert_array_equal(
-            _forward(model, tokens, True), _forward(base, tokens)
-        )
+        np.testing.assert_array_equal(_forward(model, tokens, True), _forward(base, tokens))
         eval_out = _forward(model, tokens)
         assert np.abs(eval_out - _forward(base, tokens)).max() > 1e-2
         np.testing.assert_array_equal(eval_out, _forward(model, tokens))  # eval: deterministic
@@ -103,7 +103,9 @@ class TestExport:
         diff = np.abs(np.asarray(_forward(model, _tokens())) - _torch_logits(hf, _tokens())).max()
         assert diff <= 1e-4, diff  # measured ~2.2e-6
         reloaded = models.from_pretrained(tmp_path)  # and our own loader reads it back
-        np.testing.assert_allclose(_forward(reloaded, _tokens()), _forward(model, _tokens()), atol=1e-4)
+        np.testing.assert_allclose(
+            _forward(reloaded, _tokens()), _forward(model, _tokens()), atol=1e-4
+        )
 
     def test_save_hf_bf16_loads_in_transformers(self, ckpt, tmp_path):
         model = models.from_pretrained(ckpt)

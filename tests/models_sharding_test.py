@@ -32,7 +32,7 @@ _SCRIPT = textwrap.dedent(
     single = models.from_pretrained(path, lora=cfg)
     sharded = models.from_pretrained(path, mesh=mesh, lora=cfg)
     q = sharded.layers[0].self_attn.q_proj
-    assert q.kernel[...].sharding.spec == jax.sharding.PartitionSpec("fsdp", "tensor"), q.kernel[...].sharding
+    assert q.kernel[...].sharding.spec == jax.sharding.PartitionSpec("fsdp", "tensor")
     assert q.lora_b[...].sharding.spec == jax.sharding.PartitionSpec(None, "tensor")
     assert len(q.kernel[...].addressable_shards) == 8
     tokens = jnp.asarray(np.random.RandomState(0).randint(0, 300, (4, 16)), jnp.int32)
@@ -67,16 +67,24 @@ class TestPartitionSpec:
 
 
 def test_mesh_2x2x2_logits_equal_single_device(tmp_path):
-    # Qwen2: q/k/v biases are sharded too. The checkpoint is written here so the child imports no torch.
+    # Qwen2: q/k/v biases are sharded too. Written here, so the child process imports no torch.
     from mmr_jax import testing
 
-    path = testing.make_tiny_checkpoint(tmp_path / "ckpt", family="qwen2", tokenizer=False, vocab_size=384)
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    path = testing.make_tiny_checkpoint(
+        tmp_path / "ckpt", family="qwen2", tokenizer=False, vocab_size=384
+    )
+    env = dict(
+        os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu"
+    )
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     proc = subprocess.run(
         [sys.executable, "-c", _SCRIPT, str(path)],
-        env=env, capture_output=True, text=True, timeout=300, cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=root,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "MAXDIFF" in proc.stdout

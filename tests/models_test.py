@@ -1,7 +1,7 @@
-"""Decoder, loading, KV cache and log-probs against transformers (torch CPU) on tiny random checkpoints.
+"""Decoder, loading, KV cache and log-probs vs transformers (torch CPU) on tiny random checkpoints.
 
-Measured max |logit diff| in fp32 (jax 0.10.2 / torch 2.13 CPU, 2 cores) is ~2.5e-6 for every variant
-below; the bound asserted is the 1e-4 of the issue.
+Measured max |logit diff| in fp32 (jax 0.10.2 / torch 2.13 CPU, 2 cores) is ~2.5e-6 for every
+variant below; the bound asserted is the 1e-4 of the issue.
 """
 
 from __future__ import annotations
@@ -48,8 +48,9 @@ def checkpoints(tmp_path_factory):
     testing.make_tiny_tokenizer(tok_dir)
     out = {}
     for name, (family, overrides) in VARIANTS.items():
-        out[name] = testing.make_tiny_checkpoint(root / name, family=family, tokenizer=False,
-                                                 vocab_size=384, **overrides)
+        out[name] = testing.make_tiny_checkpoint(
+            root / name, family=family, tokenizer=False, vocab_size=384, **overrides
+        )
     return out
 
 
@@ -112,7 +113,9 @@ class TestParity:
     def test_logits_match_transformers(self, checkpoints, name):
         model = models.from_pretrained(checkpoints[name])
         tokens = _tokens(2, 48, seed=1)
-        diff = np.abs(np.asarray(_forward(model, tokens)) - _hf_logits(checkpoints[name], tokens)).max()
+        diff = np.abs(
+            np.asarray(_forward(model, tokens)) - _hf_logits(checkpoints[name], tokens)
+        ).max()
         assert diff <= PARITY_TOL, diff  # measured ~2.5e-6
 
     def test_left_padded_batch_matches_transformers(self, checkpoints):
@@ -157,7 +160,9 @@ class TestKVCache:
         max_len = prompt_len + new + 3
         kv_mask = jnp.zeros((3, max_len), jnp.int32).at[:, : prompt_len + new].set(mask)
         cache = model.init_cache(3, max_len)
-        step = nnx.jit(lambda m, t, p, c, i: m.forward_cached(t, p, c, write_index=i, kv_mask_BxS=kv_mask))
+        step = nnx.jit(
+            lambda m, t, p, c, i: m.forward_cached(t, p, c, write_index=i, kv_mask_BxS=kv_mask)
+        )
         logits, cache = step(model, tokens[:, :prompt_len], positions[:, :prompt_len], cache, 0)
         got = [np.asarray(logits)]
         for i in range(prompt_len, prompt_len + new):
@@ -177,11 +182,18 @@ class TestTokenLogprobs:
         fn = nnx.jit(lambda m, t, k: logprobs.token_logprobs(m, t, k, temperature=temp))
         got = np.asarray(fn(model, tokens, mask))
         ref_logits = torch.tensor(_hf_logits(path, tokens, mask, positions)) / temp
-        ref = torch.log_softmax(ref_logits, -1)[:, :-1].gather(
-            -1, torch.tensor(np.asarray(tokens))[:, 1:, None].long())[..., 0].numpy()
+        ref = (
+            torch.log_softmax(ref_logits, -1)[:, :-1]
+            .gather(-1, torch.tensor(np.asarray(tokens))[:, 1:, None].long())[..., 0]
+            .numpy()
+        )
         ref = np.concatenate([np.zeros((2, 1)), ref * np.asarray(mask)[:, 1:]], axis=1)
-        assert got.shape == (2, 24) and (got[:, 0] == 0).all() and (got[np.asarray(mask) == 0] == 0).all()
-        # The first real token of a left-padded row is predicted from a pad position: not comparable.
+        assert (
+            got.shape == (2, 24)
+            and (got[:, 0] == 0).all()
+            and (got[np.asarray(mask) == 0] == 0).all()
+        )
+        # A left-padded row's first real token is predicted from a pad position: not comparable.
         both = np.concatenate([np.ones((2, 1), bool), np.asarray(mask[:, :-1], bool)], axis=1)
         np.testing.assert_allclose(got * both, ref * both, atol=1e-4)
 
@@ -190,7 +202,9 @@ class TestTokenLogprobs:
         tokens, mask, _ = _left_padded([30, 21], 30, seed=4)
 
         def loss(m, chunk):
-            lp, ent = logprobs.token_logprobs(m, tokens, mask, chunk_size=chunk, return_entropy=True)
+            lp, ent = logprobs.token_logprobs(
+                m, tokens, mask, chunk_size=chunk, return_entropy=True
+            )
             return lp.sum() + 0.1 * ent.sum(), (lp, ent)
 
         grad = nnx.jit(nnx.grad(loss, has_aux=True), static_argnums=1)

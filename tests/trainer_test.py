@@ -84,12 +84,13 @@ VARIANTS = [  # each algorithm, MMR on and off, LoRA and full, in 4 runs; the fu
     ("dr_grpo", False, True),
     ("dapo", True, True),
     ("dapo_nods", False, False),
-]
+]  # and test_eval_and_export: dapo_nods with MMR and LoRA
 ALL = [(a, m, lo) for a in ALGOS for m in (False, True) for lo in (False, True)]
+FAST = [*VARIANTS, ("dapo_nods", True, True)]
 
 
-def _check_run(tmp_path, ckpt, algo, mmr, lora):
-    cfg = _config(algo, ckpt, mmr=mmr, lora=lora)
+def _check_run(tmp_path, ckpt, algo, mmr, lora, **overrides):
+    cfg = _config(algo, ckpt, mmr=mmr, lora=lora, **overrides)
     out = trainer.train(cfg, tmp_path / "run")
     assert np.isfinite(out["loss"]) and np.isfinite(out["grad_norm"]) and out["grad_norm"] > 0
     rows = metrics.read_jsonl(tmp_path / "run" / metrics.METRICS_FILE)
@@ -105,6 +106,16 @@ def _check_run(tmp_path, ckpt, algo, mmr, lora):
     assert max(diffs) > 0, "no parameter changed"
     if lora:
         assert all("lora" in str(p[-1]) for p, _ in __import__("flax").nnx.to_flat_state(final))
+    return cfg, out
+
+
+def _eval_overrides(tmp_path):
+    bench = tmp_path / "bench"
+    bench.mkdir()
+    rows = [{"id": str(i), "problem": f"What is {i} + 1?", "answer": str(i + 1)} for i in range(2)]
+    (bench / "tiny.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return {"eval.every": 2, "eval.data_dir": str(bench), "eval.benchmarks": ("tiny",),
+            "eval.n": 2, "eval.max_new_tokens": 8, "eval.system_prompt": ""}
 
 
 class TestVariants:
@@ -112,8 +123,16 @@ class TestVariants:
     def test_two_steps(self, tmp_path, tiny_llama_dir, algo, mmr, lora):
         _check_run(tmp_path, tiny_llama_dir, algo, mmr, lora)
 
+    def test_eval_and_export(self, tmp_path, tiny_llama_dir):
+        cfg, out = _check_run(tmp_path, tiny_llama_dir, "dapo_nods", True, True,
+                              **_eval_overrides(tmp_path))
+        assert 0.0 <= out["eval/tiny/pass@1"] <= 1.0 and "eval/average/pass@2" in out
+        path = trainer.export_hf(cfg, tmp_path / "run", tmp_path / "hf", step=1)
+        assert (pathlib.Path(path) / "config.json").exists()
+        assert (pathlib.Path(path) / "adapter" / "adapter_config.json").exists()
+
     @pytest.mark.slow
-    @pytest.mark.parametrize("algo,mmr,lora", [v for v in ALL if v not in VARIANTS])
+    @pytest.mark.parametrize("algo,mmr,lora", [v for v in ALL if v not in FAST])
     def test_two_steps_all(self, tmp_path, tiny_llama_dir, algo, mmr, lora):
         _check_run(tmp_path, tiny_llama_dir, algo, mmr, lora)
 

@@ -15,17 +15,22 @@ import pathlib
 from typing import Any
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
-_ROPE_KEYS_LLAMA3 = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+_ROPE_KEYS_LLAMA3 = (
+    "factor",
+    "low_freq_factor",
+    "high_freq_factor",
+    "original_max_position_embeddings",
+)
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Decoder hyper-parameters.
 
-    `rope_scaling` is None (plain RoPE) or a tuple of (key, value) pairs of a `llama3` scaling, kept as
-    a tuple so the config stays hashable (usable as a static jit argument).
-    `attention_bias` is the q/k/v bias (always on for Qwen2); `o_proj_bias` the output-projection bias
-    (Llama's `attention_bias` flag sets both).
+    `rope_scaling` is None (plain RoPE) or a tuple of (key, value) pairs of a `llama3` scaling,
+    kept as a tuple so the config stays hashable (usable as a static jit argument).
+    `attention_bias` is the q/k/v bias (always on for Qwen2); `o_proj_bias` the output-projection
+    bias (Llama's `attention_bias` flag sets both).
     """
 
     vocab_size: int
@@ -102,7 +107,7 @@ class ModelConfig:
 
 
 def _rope(config: dict) -> tuple[float, tuple | None]:
-    """(rope_theta, llama3 scaling or None) from `rope_scaling` / `rope_parameters` (transformers 5)."""
+    """(rope_theta, llama3 scaling or None) from `rope_scaling` / `rope_parameters` (v5 name)."""
     params = dict(config.get("rope_parameters") or {})
     scaling = config.get("rope_scaling")
     if scaling:

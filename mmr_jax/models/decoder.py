@@ -1,14 +1,15 @@
 """Decoder-only transformer of the Llama and Qwen2 families (Flax NNX).
 
 One module covers both: GQA, rotate-half RoPE (optionally `llama3`-scaled), q/k/v bias (Qwen2),
-o_proj bias (Llama `attention_bias`), SwiGLU MLP, RMSNorm, tied or untied embeddings. Parameters are
-fp32 master weights (`param_dtype`) cast to the compute `dtype` (e.g. bf16) at use; attention scores,
-softmax and logits are fp32.
+o_proj bias (Llama `attention_bias`), SwiGLU MLP, RMSNorm, tied or untied embeddings. Parameters
+are fp32 master weights (`param_dtype`) cast to the compute `dtype` (e.g. bf16) at use; attention
+scores, softmax and logits are fp32.
 
 Dropout (LoRA only) runs when the model is in train mode (`model.train()`); a new model is in eval
 mode (`model.eval()`), so sampling and log-probs are deterministic by default.
 
-Legend: B batch, T new tokens, S key/cache slots, H hidden, N heads, K kv heads, D head dim, V vocab.
+Legend: B batch, T new tokens, S key/cache slots, H hidden, N heads, K kv heads, D head dim,
+V vocab.
 """
 
 from __future__ import annotations
@@ -42,8 +43,15 @@ def _split_key(key, i):
 
 def _dense(name, din, dout, bias, *, dtype, param_dtype, lora, key, index):
     use = lora if lora is not None and lora.targets(name) else None
-    return layers.Dense(din, dout, use_bias=bias, dtype=dtype, param_dtype=param_dtype, lora=use,
-                        key=jax.random.fold_in(key, index))
+    return layers.Dense(
+        din,
+        dout,
+        use_bias=bias,
+        dtype=dtype,
+        param_dtype=param_dtype,
+        lora=use,
+        key=jax.random.fold_in(key, index),
+    )
 
 
 class Attention(nnx.Module):
@@ -138,7 +146,10 @@ class Decoder(nnx.Module):
         embed_key, head_key = jax.random.fold_in(key, 10**6), jax.random.fold_in(key, 10**6 + 1)
         self.embed_tokens = layers.Embed(cfg.vocab_size, cfg.hidden_size, key=embed_key, **kw)
         self.layers = nnx.List(
-            [Block(cfg, lora=lora, key=jax.random.fold_in(key, i), **kw) for i in range(cfg.num_layers)]
+            [
+                Block(cfg, lora=lora, key=jax.random.fold_in(key, i), **kw)
+                for i in range(cfg.num_layers)
+            ]
         )
         self.norm = layers.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, **kw)
         self.lm_head = nnx.data(
@@ -149,7 +160,8 @@ class Decoder(nnx.Module):
             )
         )
         self.inv_freq = tuple(
-            float(f) for f in layers.rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling_dict)
+            float(f)
+            for f in layers.rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling_dict)
         )
         use_dropout = lora is not None and lora.dropout > 0
         self.dropout_rngs = nnx.data(nnx.Rngs(dropout=lora.seed) if use_dropout else None)
@@ -157,7 +169,9 @@ class Decoder(nnx.Module):
 
     # ----- full-sequence forward -------------------------------------------------------------
 
-    def __call__(self, tokens_BxT, *, positions_BxT=None, attention_mask_BxT=None, disable_lora=False):
+    def __call__(
+        self, tokens_BxT, *, positions_BxT=None, attention_mask_BxT=None, disable_lora=False
+    ):
         """fp32 logits [B, T, V]; attention is causal and ignores keys where the mask is 0."""
         h = self.hidden(
             tokens_BxT,
@@ -167,7 +181,9 @@ class Decoder(nnx.Module):
         )
         return self.logits_from_hidden(h)
 
-    def hidden(self, tokens_BxT, *, positions_BxT=None, attention_mask_BxT=None, disable_lora=False):
+    def hidden(
+        self, tokens_BxT, *, positions_BxT=None, attention_mask_BxT=None, disable_lora=False
+    ):
         """Final-normed hidden states [B, T, H] in the compute dtype."""
         b, t = tokens_BxT.shape
         if attention_mask_BxT is None:
@@ -190,7 +206,9 @@ class Decoder(nnx.Module):
         if self.lm_head is None:
             return self.embed_tokens.attend(h_BxTxH)
         w = self.lm_head.kernel[...].astype(self.dtype)
-        return jnp.einsum("bth,hv->btv", h_BxTxH.astype(self.dtype), w, preferred_element_type=jnp.float32)
+        return jnp.einsum(
+            "bth,hv->btv", h_BxTxH.astype(self.dtype), w, preferred_element_type=jnp.float32
+        )
 
     def _dropout_key(self):
         if self.deterministic or self.dropout_rngs is None:
@@ -207,13 +225,19 @@ class Decoder(nnx.Module):
         )
 
     def forward_cached(
-        self, tokens_BxT, positions_BxT, cache: kv_cache.KVCache, *, write_index, kv_mask_BxS,
+        self,
+        tokens_BxT,
+        positions_BxT,
+        cache: kv_cache.KVCache,
+        *,
+        write_index,
+        kv_mask_BxS,
         disable_lora=False,
     ):
         """Runs T new tokens against the cache; returns (fp32 logits [B, T, V], updated cache).
 
-        The new keys/values go to slots [write_index, write_index + T); query i attends to slot s iff
-        `kv_mask_BxS[b, s] and s <= write_index + i`. `write_index` may be a traced int32 scalar.
+        The new keys/values go to slots [write_index, write_index + T); query i attends to slot s
+        iff `kv_mask_BxS[b, s] and s <= write_index + i`. `write_index` may be a traced int32.
         """
         t = tokens_BxT.shape[1]
         s = cache.max_len

@@ -45,8 +45,15 @@ def formula_lora_count(cfg: config_lib.ModelConfig, lora: lora_lib.LoraConfig) -
     """LoRA parameter count: rank * (in + out) per targeted projection per layer."""
     h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
-    dims = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-            "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+    dims = {
+        "q_proj": (h, q),
+        "k_proj": (h, kv),
+        "v_proj": (h, kv),
+        "o_proj": (q, h),
+        "gate_proj": (h, i),
+        "up_proj": (h, i),
+        "down_proj": (i, h),
+    }
     return cfg.num_layers * sum(lora.rank * sum(dims[m]) for m in lora.target_modules)
 
 

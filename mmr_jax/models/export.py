@@ -2,8 +2,9 @@
 
 `save_hf` writes config.json, safetensors (sharded with an index above `max_shard_bytes`) with LoRA
 merged into the kernels, and copies the tokenizer files, so transformers and vLLM load it directly.
-`save_peft_adapter` writes `adapter_config.json` + `adapter_model.safetensors` with PEFT's tensor names
-(`base_model.model.model.layers.N.self_attn.q_proj.lora_A.weight`, lora_A [r, in], lora_B [out, r]).
+`save_peft_adapter` writes `adapter_config.json` + `adapter_model.safetensors` with PEFT's tensor
+names (`base_model.model.model.layers.N.self_attn.q_proj.lora_A.weight`; lora_A [r, in],
+lora_B [out, r]).
 Tensors are fetched to the host and written one at a time. Single-host only (`np.asarray` of a
 sharded array gathers it on this host).
 """
@@ -30,8 +31,15 @@ _ST_DTYPES = {
     np.dtype(np.float64): "F64",
 }
 TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
     "generation_config.json",
 )
 
@@ -44,11 +52,16 @@ def write_safetensors(path: str | os.PathLike, tensors: dict, *, metadata=None) 
     """
     entries, dtypes, offset = {}, {}, 0
     for name, item in tensors.items():
-        shape, dtype = (item[0], np.dtype(item[1])) if isinstance(item, tuple) else (item.shape, item.dtype)
+        shape, dtype = (
+            (item[0], np.dtype(item[1])) if isinstance(item, tuple) else (item.shape, item.dtype)
+        )
         dtypes[name] = dtype
         nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-        entries[name] = {"dtype": _ST_DTYPES[dtype], "shape": list(shape),
-                         "data_offsets": [offset, offset + nbytes]}
+        entries[name] = {
+            "dtype": _ST_DTYPES[dtype],
+            "shape": list(shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
         offset += nbytes
     header = dict(entries)
     header["__metadata__"] = metadata or {"format": "pt"}
@@ -99,14 +112,22 @@ def _shard(tensors: dict, max_bytes: int) -> list[dict]:
     return [*shards, cur]
 
 
-def save_hf(model, out_dir: str | os.PathLike, *, tokenizer_dir=None, dtype=jnp.float32,
-            max_shard_bytes: int = 5 * 2**30) -> pathlib.Path:
+def save_hf(
+    model,
+    out_dir: str | os.PathLike,
+    *,
+    tokenizer_dir=None,
+    dtype=jnp.float32,
+    max_shard_bytes: int = 5 * 2**30,
+) -> pathlib.Path:
     """Writes a HF folder (config.json, safetensors, tokenizer files) that transformers loads."""
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     np_dtype = _np_dtype(dtype)
     cfg = model.config.to_hf()
-    cfg["dtype"] = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}[np_dtype.name]
+    cfg["dtype"] = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}[
+        np_dtype.name
+    ]
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     shards = _shard(_hf_tensors(model, np_dtype), max_shard_bytes)
     if len(shards) == 1:
@@ -129,8 +150,9 @@ def save_hf(model, out_dir: str | os.PathLike, *, tokenizer_dir=None, dtype=jnp.
     return out
 
 
-def save_peft_adapter(model, out_dir: str | os.PathLike, *, base_model_name_or_path: str,
-                      dtype=jnp.float32) -> pathlib.Path:
+def save_peft_adapter(
+    model, out_dir: str | os.PathLike, *, base_model_name_or_path: str, dtype=jnp.float32
+) -> pathlib.Path:
     """Writes the LoRA adapters as a PEFT folder (loadable by `peft` and vLLM)."""
     cfg = model.lora_config
     if cfg is None:
@@ -147,11 +169,22 @@ def save_peft_adapter(model, out_dir: str | os.PathLike, *, base_model_name_or_p
                 tensors[f"{prefix}.{hf}.weight"] = arr.astype(np_dtype)
     write_safetensors(out / "adapter_model.safetensors", tensors)
     adapter_config = {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(base_model_name_or_path),
-        "r": cfg.rank, "lora_alpha": cfg.alpha, "lora_dropout": cfg.dropout,
-        "target_modules": sorted(cfg.target_modules), "bias": "none", "fan_in_fan_out": False,
-        "inference_mode": True, "init_lora_weights": True, "modules_to_save": None,
-        "use_rslora": False, "use_dora": False, "layers_to_transform": None, "revision": None,
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": str(base_model_name_or_path),
+        "r": cfg.rank,
+        "lora_alpha": cfg.alpha,
+        "lora_dropout": cfg.dropout,
+        "target_modules": sorted(cfg.target_modules),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "inference_mode": True,
+        "init_lora_weights": True,
+        "modules_to_save": None,
+        "use_rslora": False,
+        "use_dora": False,
+        "layers_to_transform": None,
+        "revision": None,
     }
     (out / "adapter_config.json").write_text(json.dumps(adapter_config, indent=2))
     return out

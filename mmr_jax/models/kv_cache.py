@@ -12,7 +12,7 @@ from flax import struct
 
 @struct.dataclass
 class KVCache:
-    """k, v: [L, B, S, K, D]. Slot s of row b holds the key/value written there by `forward_cached`."""
+    """k, v: [L, B, S, K, D]; slot s of row b holds what `forward_cached` wrote there."""
 
     k: jax.Array
     v: jax.Array
@@ -22,7 +22,9 @@ class KVCache:
         return self.k.shape[2]
 
 
-def init(num_layers: int, batch: int, max_len: int, num_kv_heads: int, head_dim: int, dtype) -> KVCache:
+def init(
+    num_layers: int, batch: int, max_len: int, num_kv_heads: int, head_dim: int, dtype
+) -> KVCache:
     """A zero cache of shape [L, B, S, K, D] for k and v."""
     shape = (num_layers, batch, max_len, num_kv_heads, head_dim)
     return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))

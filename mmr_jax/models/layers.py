@@ -101,7 +101,9 @@ class Embed(nnx.Module):
 
     def attend(self, h_BxTxH):
         w = self.embedding[...].astype(self.dtype)
-        return jnp.einsum("bth,vh->btv", h_BxTxH.astype(self.dtype), w, preferred_element_type=jnp.float32)
+        return jnp.einsum(
+            "bth,vh->btv", h_BxTxH.astype(self.dtype), w, preferred_element_type=jnp.float32
+        )
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> np.ndarray:

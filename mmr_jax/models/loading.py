@@ -5,7 +5,7 @@ tensor, read on its own from a memory-mapped safetensors file (single file or sh
 placed straight into its target dtype and sharding with `jax.make_array_from_callback`, so each
 device only touches its own slice and no full host copy of the model is ever made.
 
-Name/layout table (our state path -> HF tensor name; kernels are the transpose of HF Linear weights):
+Name/layout table (our state path -> HF tensor name; kernels are HF Linear weights transposed):
   embed_tokens/embedding                 model.embed_tokens.weight            [V, H]
   layers/N/self_attn/{q,k,v,o}_proj/kernel   model.layers.N.self_attn.*.weight   transposed
   layers/N/self_attn/{q,k,v,o}_proj/bias     model.layers.N.self_attn.*.bias
@@ -35,9 +35,18 @@ from mmr_jax.models import lora as lora_lib
 from mmr_jax.models import sharding as sharding_lib
 
 _DTYPES = {
-    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
-    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
-    "BOOL": np.bool_, "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,
+    "F64": np.float64,
+    "F32": np.float32,
+    "F16": np.float16,
+    "BF16": ml_dtypes.bfloat16,
+    "I64": np.int64,
+    "I32": np.int32,
+    "I16": np.int16,
+    "I8": np.int8,
+    "U8": np.uint8,
+    "BOOL": np.bool_,
+    "F8_E4M3": ml_dtypes.float8_e4m3fn,
+    "F8_E5M2": ml_dtypes.float8_e5m2,
 }
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -90,11 +99,18 @@ def open_checkpoint(path: str | os.PathLike) -> dict[str, SafetensorsFile]:
     return {name: f for name in f.keys()}
 
 
-def abstract_model(cfg: config_lib.ModelConfig, *, dtype=jnp.float32, param_dtype=jnp.float32,
-                   lora: lora_lib.LoraConfig | None = None) -> decoder.Decoder:
+def abstract_model(
+    cfg: config_lib.ModelConfig,
+    *,
+    dtype=jnp.float32,
+    param_dtype=jnp.float32,
+    lora: lora_lib.LoraConfig | None = None,
+) -> decoder.Decoder:
     """The decoder with ShapeDtypeStruct leaves (no memory allocated)."""
     return nnx.eval_shape(
-        lambda: decoder.Decoder(cfg, dtype=dtype, param_dtype=param_dtype, lora=lora, rngs=nnx.Rngs(0))
+        lambda: decoder.Decoder(
+            cfg, dtype=dtype, param_dtype=param_dtype, lora=lora, rngs=nnx.Rngs(0)
+        )
     )
 
 
@@ -119,7 +135,7 @@ def _lora_init(path, shape, dtype, sharding, seed):
 
 
 def _fill(path, var, tensors, used, missing, mesh, seed):
-    """The concrete value for the abstract variable `var` at `path` (None if its tensor is missing)."""
+    """The concrete value for the abstract variable at `path` (None if its tensor is missing)."""
     shape, dtype = tuple(var.get_value().shape), var.get_value().dtype
     sharding = None if mesh is None else sharding_lib.named_sharding(path, shape, mesh)
     if isinstance(var, nnx.RngKey):  # LoRA dropout stream
@@ -136,12 +152,14 @@ def _fill(path, var, tensors, used, missing, mesh, seed):
     src = tensors[name].get(name)
     src = src.T if transpose else src
     if tuple(src.shape) != shape:
-        raise ValueError(f"tensor {name}: checkpoint shape {src.shape} (after layout) != model {shape}")
+        raise ValueError(
+            f"tensor {name}: checkpoint shape {src.shape} (after layout) != model {shape}"
+        )
     return _place(shape, dtype, sharding, lambda idx: src[idx])
 
 
 def load_weights(model_abstract: decoder.Decoder, path, *, mesh=None, rngs=None) -> decoder.Decoder:
-    """Fills an abstract decoder from the checkpoint at `path`; raises listing missing/unexpected."""
+    """Fills an abstract decoder from the checkpoint at `path`; errors list missing/unexpected."""
     tensors = open_checkpoint(path)
     graphdef, state = nnx.split(model_abstract)
     seed = int(jax.random.randint((rngs or nnx.Rngs(0)).params(), (), 0, 2**31 - 1))
@@ -150,8 +168,10 @@ def load_weights(model_abstract: decoder.Decoder, path, *, mesh=None, rngs=None)
         value = _fill(p, var, tensors, used, missing, mesh, seed)
         flat.append((p, var.replace(value) if value is not None else var))
     unexpected = [
-        n for n in tensors
-        if n not in used and not n.endswith(_IGNORED_SUFFIXES)
+        n
+        for n in tensors
+        if n not in used
+        and not n.endswith(_IGNORED_SUFFIXES)
         and not (n == "lm_head.weight" and model_abstract.config.tie_word_embeddings)
     ]
     if missing or unexpected:

@@ -1,9 +1,11 @@
 """Per-token log-probabilities (and entropies) of given sequences under the policy.
 
-  logps[b, t] = log softmax(logits[b, t-1] / temperature)[tokens[b, t]],  0 at t = 0 and where masked.
+  logps[b, t] = log softmax(logits[b, t-1] / temperature)[tokens[b, t]],
+  0 at t = 0 and where masked.
 
-With `chunk_size`, the LM head and log-softmax run over the sequence in chunks under `jax.checkpoint`,
-so only a [B, chunk, V] block of logits exists at a time, in the forward and the backward pass.
+With `chunk_size`, the LM head and log-softmax run over the sequence in chunks under
+`jax.checkpoint`, so only a [B, chunk, V] block of logits exists at a time, in the forward and the
+backward pass.
 
 Legend: B batch, T tokens, H hidden, V vocab, C chunk length.
 """

@@ -1,8 +1,8 @@
 """LoRA configuration and helpers (merge, trainable filter).
 
-The adapters live inside `layers.Dense` as `nnx.LoRAParam` (lora_a [in, r], lora_b [r, out]) and add
-`alpha / r * dropout(x) @ lora_a @ lora_b` to the frozen base projection. The reference policy is the
-same model called with `disable_lora=True`: no second copy of the weights.
+The adapters live inside `layers.Dense` as `nnx.LoRAParam` (lora_a [in, r], lora_b [r, out]) and
+add `alpha / r * dropout(x) @ lora_a @ lora_b` to the frozen base projection. The reference policy
+is the same model called with `disable_lora=True`: no second copy of the weights.
 """
 
 from __future__ import annotations
@@ -27,7 +27,9 @@ class LoraConfig:
     def __post_init__(self):
         unknown = set(self.target_modules) - set(ALL_TARGETS)
         if unknown:
-            raise ValueError(f"unsupported LoRA target_modules {sorted(unknown)}; known: {ALL_TARGETS}")
+            raise ValueError(
+                f"unsupported LoRA target_modules {sorted(unknown)}; known: {ALL_TARGETS}"
+            )
         if self.rank <= 0:
             raise ValueError(f"LoRA rank must be positive, got {self.rank}")
 

@@ -34,8 +34,10 @@ def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, *, devices=None) -
     known = math.prod(s for s in sizes if s != -1)
     sizes = [len(devices) // known if s == -1 else s for s in sizes]
     if math.prod(sizes) != len(devices):
-        raise ValueError(f"mesh {dict(zip(AXES, sizes, strict=True))} needs {math.prod(sizes)} "
-                         f"devices, have {len(devices)}")
+        raise ValueError(
+            f"mesh {dict(zip(AXES, sizes, strict=True))} needs {math.prod(sizes)} "
+            f"devices, have {len(devices)}"
+        )
     return Mesh(np.asarray(devices, dtype=object).reshape(sizes), AXES)
 
 
@@ -46,11 +48,18 @@ def _logical_spec(path: tuple) -> tuple:
     if leaf == "embedding":
         return ("tensor", "fsdp")
     if module in _COLUMN:
-        return {"kernel": ("fsdp", "tensor"), "bias": ("tensor",),
-                "lora_a": ("fsdp", None), "lora_b": (None, "tensor")}.get(leaf, ())
+        return {
+            "kernel": ("fsdp", "tensor"),
+            "bias": ("tensor",),
+            "lora_a": ("fsdp", None),
+            "lora_b": (None, "tensor"),
+        }.get(leaf, ())
     if module in _ROW:
-        return {"kernel": ("tensor", "fsdp"), "lora_a": ("tensor", None),
-                "lora_b": (None, "fsdp")}.get(leaf, ())
+        return {
+            "kernel": ("tensor", "fsdp"),
+            "lora_a": ("tensor", None),
+            "lora_b": (None, "fsdp"),
+        }.get(leaf, ())
     return ()
 
 
@@ -59,8 +68,12 @@ def partition_spec(path: tuple, shape: tuple[int, ...], mesh: Mesh) -> P:
     spec = _logical_spec(path)
     if len(spec) != len(shape):
         return P()
-    return P(*(ax if ax is not None and dim % mesh.shape[ax] == 0 else None
-               for ax, dim in zip(spec, shape, strict=True)))
+    return P(
+        *(
+            ax if ax is not None and dim % mesh.shape[ax] == 0 else None
+            for ax, dim in zip(spec, shape, strict=True)
+        )
+    )
 
 
 def named_sharding(path: tuple, shape: tuple[int, ...], mesh: Mesh) -> NamedSharding:

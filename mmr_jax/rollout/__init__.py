@@ -1,0 +1,54 @@
+"""Rollout engines behind one interface (`base.RolloutEngine`): the embedded JAX sampler and a
+vLLM-server client, plus an OpenAI-compatible server over the embedded sampler."""
+
+from __future__ import annotations
+
+import os
+
+from mmr_jax.rollout.base import RolloutBatch, RolloutEngine, SamplingParams
+
+__all__ = ["RolloutBatch", "RolloutEngine", "SamplingParams", "make_engine"]
+
+
+def make_engine(
+    kind: str = "embedded",
+    *,
+    model=None,
+    model_path: str | os.PathLike | None = None,
+    url: str = "http://localhost:8000",
+    served_model_name: str | None = None,
+    sync_dir: str | os.PathLike | None = None,
+    lora: bool = False,
+    timeout_s: float = 600.0,
+    max_retries: int = 3,
+    pad_id: int = 0,
+    seed: int = 0,
+) -> RolloutEngine:
+    """An engine by name.
+
+    'embedded': samples with `model` (a `Decoder`, e.g. the trainer's own), or loads `model_path`;
+      EOS ids come from `model_path`'s generation config when given.
+    'vllm': a client of the server at `url` serving `served_model_name` (default: `model_path`,
+      what scripts/launch_vllm.py serves); weights sync through `sync_dir`, as LoRA when `lora`.
+    """
+    from mmr_jax.rollout import embedded
+
+    eos = embedded.eos_token_ids(model_path) if model_path else ()
+    if kind == "embedded":
+        if model is None:
+            if model_path is None:
+                raise ValueError("the embedded engine needs `model` or `model_path`")
+            return embedded.EmbeddedEngine.from_pretrained(model_path, pad_id=pad_id, seed=seed)
+        return embedded.EmbeddedEngine(model, stop_token_ids=eos, pad_id=pad_id, seed=seed)
+    if kind == "vllm":
+        from mmr_jax.rollout import vllm_client, vllm_engine
+
+        name = served_model_name or (str(model_path) if model_path else None)
+        if name is None:
+            raise ValueError("the vllm engine needs `served_model_name` or `model_path`")
+        client = vllm_client.VllmClient(url, timeout_s=timeout_s, max_retries=max_retries)
+        return vllm_engine.VllmEngine(
+            client, model=name, sync_dir=sync_dir, lora=lora, pad_id=pad_id, eos_token_ids=eos,
+            base_model_name_or_path=str(model_path) if model_path else None,
+        )
+    raise ValueError(f"unknown rollout engine {kind!r}; expected 'embedded' or 'vllm'")

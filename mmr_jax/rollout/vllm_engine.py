@@ -68,6 +68,8 @@ class VllmEngine:
       prompts_per_request: prompts per /v1/completions request; requests run concurrently.
       max_concurrency: at most this many requests in flight.
       pad_id: token id written after the end of each completion.
+      eos_token_ids: always sent as stop ids (the launcher turns off the checkpoint's generation
+        config, which is where vLLM would otherwise find extra EOS ids).
       check_model: ask /v1/models once at construction, to fail early on a wrong name.
     """
 
@@ -83,6 +85,7 @@ class VllmEngine:
         prompts_per_request: int = 16,
         max_concurrency: int = 8,
         pad_id: int = 0,
+        eos_token_ids: Sequence[int] = (),
         check_model: bool = True,
     ):
         self.client = client if isinstance(client, client_lib.VllmClient) else (
@@ -97,6 +100,7 @@ class VllmEngine:
         self.prompts_per_request = prompts_per_request
         self.max_concurrency = max_concurrency
         self.pad_id = pad_id
+        self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
         self.version: int | None = None
         self._last_dir: pathlib.Path | None = None
         if check_model:
@@ -113,7 +117,8 @@ class VllmEngine:
             "temperature": params.temperature,
             "top_p": params.top_p,
             "top_k": params.top_k if params.top_k > 0 else -1,
-            "stop_token_ids": list(params.stop_token_ids),
+            "stop_token_ids": sorted(set(params.stop_token_ids) | set(self.eos_token_ids)),
+            "repetition_penalty": 1.0,
             "logprobs": 0,
             "return_token_ids": True,
             "skip_special_tokens": False,

@@ -1,0 +1,302 @@
+"""vLLM client and engine over real HTTP, against the in-process server with a fake backend and
+against stub servers (500s, malformed replies, nothing listening). These prove the protocol and the
+error handling, not vLLM itself; tests/serve_test.py runs a real model, and the `gpu` test at the
+end runs a real `vllm serve`."""
+
+import http.server
+import importlib.util
+import os
+import pathlib
+import shutil
+import socket
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from mmr_jax.rollout import base, server, vllm_client, vllm_engine
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+class FakeBackend:
+    """Completion k of sample i for prompt p: token (sum(p) + 7 * i + k) % 50 + 10."""
+
+    model_name = "fake"
+    max_model_len = 256
+    eos_token_ids = (2,)
+
+    def __init__(self):
+        self._adapters, self.rpc_calls, self.generate_models = {}, [], []
+
+    def generate(self, prompt_ids, params, *, model, ignore_eos):
+        self.generate_models.append(model)
+        stops = set(params.stop_token_ids) | (set() if ignore_eos else set(self.eos_token_ids))
+        toks, lps, reasons = [], [], []
+        for p in prompt_ids:
+            rows = [[], [], []]
+            for i in range(params.n):
+                ids, reason = [], "length"
+                for k in range(params.max_new_tokens):
+                    ids.append((sum(p) + 7 * i + k) % 50 + 10)
+                    if ids[-1] in stops:
+                        reason = "stop"
+                        break
+                rows[0].append(ids)
+                rows[1].append([-0.1 * (k + 1) for k in range(len(ids))])
+                rows[2].append(reason)
+            toks.append(rows[0]), lps.append(rows[1]), reasons.append(rows[2])
+        return base.batch_from_lists(toks, lps, reasons)
+
+    def encode(self, text, *, add_special_tokens=True):
+        return [ord(c) % 50 for c in text]
+
+    def decode(self, ids):
+        return " ".join(map(str, ids))
+
+    def token_strings(self, ids):
+        return [str(t) for t in ids]
+
+    def adapters(self):
+        return dict(self._adapters)
+
+    def load_adapter(self, name, path):
+        self._adapters[name] = path
+
+    def unload_adapter(self, name):
+        del self._adapters[name]
+
+    def collective_rpc(self, method, args, kwargs):
+        self.rpc_calls.append((method, args))
+        return {"ok": True}
+
+
+@pytest.fixture
+def fake():
+    backend = FakeBackend()
+    with server.OpenAIServer(backend) as srv:
+        yield backend, srv
+
+
+def _client(url, **kw):
+    kw.setdefault("max_retries", 2)
+    kw.setdefault("backoff_s", 0.01)
+    kw.setdefault("timeout_s", 5.0)
+    return vllm_client.VllmClient(url, **kw)
+
+
+class TestVllmEngineGenerate:
+    def test_batch_is_prompt_major_with_returned_ids_and_logprobs(self, fake):
+        backend, srv = fake
+        engine = vllm_engine.VllmEngine(_client(srv.url), model="fake", prompts_per_request=2)
+        prompts = [[1, 2], [3], [4, 5, 6], [7], [30, 3]]
+        params = base.SamplingParams(max_new_tokens=6, n=3, stop_token_ids=(15,), seed=3)
+        batch = engine.generate(prompts, params)
+        ref = backend.generate(prompts, params, model="fake", ignore_eos=False)
+        np.testing.assert_array_equal(batch.tokens, ref.tokens)
+        np.testing.assert_array_equal(batch.mask, ref.mask)
+        np.testing.assert_allclose(batch.logprobs, ref.logprobs, rtol=1e-6)
+        assert batch.finish_reasons == ref.finish_reasons
+        assert "stop" in sum(batch.finish_reasons, []) and "length" in sum(batch.finish_reasons, [])
+
+    def test_response_shape_is_vllms(self, fake):
+        _, srv = fake
+        body = _client(srv.url).completions({
+            "model": "fake", "prompt": "ab", "n": 2, "max_tokens": 3, "logprobs": 0,
+            "return_token_ids": True, "stop_token_ids": [],
+        })
+        assert body["object"] == "text_completion" and body["usage"]["completion_tokens"] == 6
+        c = body["choices"][1]
+        assert c["index"] == 1 and c["prompt_token_ids"] == [47, 48]
+        assert len(c["token_ids"]) == 3 and c["finish_reason"] == "length"
+        assert set(c["logprobs"]) == {"text_offset", "token_logprobs", "tokens", "top_logprobs"}
+
+    def test_wrong_model_name_lists_served_models(self, fake):
+        _, srv = fake
+        with pytest.raises(vllm_client.ModelNotFoundError, match=r"'nope'.*\['fake'\]"):
+            vllm_engine.VllmEngine(_client(srv.url), model="nope")
+        engine = vllm_engine.VllmEngine(_client(srv.url), model="nope", check_model=False)
+        with pytest.raises(vllm_client.ModelNotFoundError, match="served models"):
+            engine.generate([[1]], base.SamplingParams(max_new_tokens=2))
+
+    def test_unsupported_request_is_a_clear_400(self, fake):
+        _, srv = fake
+        with pytest.raises(vllm_client.ServerError, match="stop strings are not supported") as e:
+            _client(srv.url).completions({"model": "fake", "prompt": [1], "stop": ["x"]})
+        assert e.value.status == 400
+
+
+class TestWeightSync:
+    def test_full_weights_rpc_then_reset(self, fake, tmp_path):
+        backend, srv = fake
+        engine = vllm_engine.VllmEngine(_client(srv.url), model="fake", sync_dir=tmp_path)
+        for v in (1, 2):
+            (tmp_path / f"weights-v{v}").mkdir()
+            engine.load_weights_dir(tmp_path / f"weights-v{v}", version=v)
+        assert backend.rpc_calls == [
+            (vllm_engine.RELOAD_METHOD, [str((tmp_path / f"weights-v{v}").resolve())])
+            for v in (1, 2)
+        ]
+        assert not (tmp_path / "weights-v1").exists() and (tmp_path / "weights-v2").exists()
+        assert engine.version == 2
+
+    def test_lora_new_name_per_version_old_unloaded(self, fake, tmp_path):
+        backend, srv = fake
+        engine = vllm_engine.VllmEngine(_client(srv.url), model="fake", sync_dir=tmp_path,
+                                        lora=True)
+        for v in (1, 2):
+            (tmp_path / f"lora-v{v}").mkdir()
+            engine.load_adapter_dir(tmp_path / f"lora-v{v}", version=v)
+        assert backend.adapters() == {"policy-v2": str((tmp_path / "lora-v2").resolve())}
+        assert engine.model == "policy-v2"
+        engine.generate([[1, 2]], base.SamplingParams(max_new_tokens=2))
+        assert backend.generate_models[-1] == "policy-v2"
+        assert engine.client.models() == ["fake", "policy-v2"]
+
+    def test_worker_extension_method_matches_and_loads(self, tmp_path):
+        torch = pytest.importorskip("torch")
+        from safetensors.torch import save_file
+
+        sys.path.insert(0, str(REPO / "third_party"))
+        try:
+            ext = importlib.import_module("vllm_worker_ext")
+        finally:
+            sys.path.remove(str(REPO / "third_party"))
+        assert ext.RELOAD_METHOD == vllm_engine.RELOAD_METHOD
+        save_file({"a.weight": torch.ones(2)}, str(tmp_path / "model-00001.safetensors"))
+        save_file({"b.weight": torch.zeros(3)}, str(tmp_path / "model-00002.safetensors"))
+        seen = {}
+
+        class Model:
+            def load_weights(self, weights):
+                seen.update(dict(weights))
+
+        class Worker(ext.WeightSyncExtension):
+            model_runner = type("Runner", (), {"model": Model()})()
+
+        assert Worker().mmr_reload_weights(str(tmp_path)) == {"path": str(tmp_path),
+                                                              "num_tensors": 2}
+        assert sorted(seen) == ["a.weight", "b.weight"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _Stub(http.server.BaseHTTPRequestHandler):
+    status, body, count = 500, b'{"error": {"message": "boom"}}', 0
+
+    def do_POST(self):  # noqa: N802
+        type(self).count += 1
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        self.send_response(self.status)
+        self.send_header("Content-Length", str(len(self.body)))
+        self.end_headers()
+        self.wfile.write(self.body)
+
+    do_GET = do_POST
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def stub():
+    handler = type("Handler", (_Stub,), {"count": 0})
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    yield handler, f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
+    httpd.server_close()
+
+
+class TestFailures:
+    def test_server_down_is_a_clear_error_within_the_timeout(self):
+        url = f"http://127.0.0.1:{_free_port()}"
+        client = _client(url, max_retries=2, backoff_s=0.1)
+        start = time.monotonic()
+        with pytest.raises(vllm_client.ServerUnavailableError, match=url + ".*unreachable"):
+            client.completions({"prompt": [1]})
+        assert time.monotonic() - start < 3.0
+        assert not client.health()
+
+    def test_http_500_is_retried_then_raises(self, stub):
+        handler, url = stub
+        with pytest.raises(vllm_client.ServerError, match=r"3 attempts.*HTTP 500: boom"):
+            _client(url, max_retries=2).completions({"prompt": [1]})
+        assert handler.count == 3
+
+    @pytest.mark.parametrize("body,match", [
+        (b"not json", "non-JSON"),
+        (b'{"choices": [{"index": 0, "text": "x", "finish_reason": "stop"}]}', "token_ids"),
+        (b'{"choices": []}', "0 choices"),
+    ])
+    def test_malformed_reply(self, stub, body, match):
+        handler, url = stub
+        handler.status, handler.body = 200, body
+        engine = vllm_engine.VllmEngine(_client(url), model="m", check_model=False)
+        with pytest.raises(vllm_client.MalformedResponseError, match=match):
+            engine.generate([[1, 2]], base.SamplingParams(max_new_tokens=2))
+        assert handler.count == 1  # Not retried.
+
+
+class TestLaunchCommand:
+    def test_flags_for_full_and_lora(self):
+        from mmr_jax.rollout import vllm_launch
+
+        argv, env = vllm_launch.command(vllm_launch.LaunchOptions(
+            model="ckpt/m", port=8123, gpu_memory_utilization=0.4, max_model_len=4096))
+        joined = " ".join(argv)
+        assert argv[:3] == ["vllm", "serve", "ckpt/m"]
+        assert "--logprobs-mode processed_logprobs" in joined
+        assert "--worker-extension-cls vllm_worker_ext.WeightSyncExtension" in joined
+        assert "--gpu-memory-utilization 0.4" in joined and "--enable-lora" not in joined
+        assert env["VLLM_SERVER_DEV_MODE"] == "1"
+        assert str(REPO / "third_party") in env["PYTHONPATH"].split(os.pathsep)
+        argv, env = vllm_launch.command(vllm_launch.LaunchOptions(model="m", lora_rank=64))
+        assert "--enable-lora" in argv and argv[argv.index("--max-lora-rank") + 1] == "64"
+        assert env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
+
+
+def _has_vllm_gpu() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available() and shutil.which("vllm") is not None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _has_vllm_gpu(), reason="needs CUDA and the vllm CLI")
+def test_real_vllm_serve_matches_embedded_greedy(tiny_llama_dir, tmp_path):
+    """Greedy tokens of a real `vllm serve` on the tiny checkpoint equal the JAX sampler's, before
+    and after a full-weight sync through the worker extension."""
+    import subprocess
+
+    from mmr_jax import models, testing
+    from mmr_jax.rollout import sampler, vllm_launch
+
+    port = _free_port()
+    argv, env = vllm_launch.command(vllm_launch.LaunchOptions(
+        model=str(tiny_llama_dir), served_model_name="tiny", port=port, max_model_len=512,
+        gpu_memory_utilization=0.3, dtype="float32", extra_args=("--enforce-eager",)))
+    proc = subprocess.Popen(argv, env=env)
+    try:
+        client = _client(f"http://127.0.0.1:{port}", timeout_s=120)
+        client.wait_until_ready(timeout_s=600)
+        engine = vllm_engine.VllmEngine(client, model="tiny", sync_dir=tmp_path / "sync")
+        prompts = [[5, 17, 33, 9, 100], [7, 8], list(range(40, 61))]
+        params = base.SamplingParams(max_new_tokens=16, temperature=0.0)
+        for path in (tiny_llama_dir, testing.make_tiny_checkpoint(tmp_path / "o", seed=1)):
+            if path != tiny_llama_dir:
+                engine.load_weights_dir(path, version=1)
+            ref = sampler.sample(models.from_pretrained(path), prompts, params,
+                                 stop_token_ids=(2,))
+            np.testing.assert_array_equal(engine.generate(prompts, params).tokens, ref.tokens)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
