@@ -128,10 +128,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.dynamic_sampling.max_generation_batches = 10  # generation rounds per step before giving up
 
     c.data = ml_collections.ConfigDict()
-    c.data.source = "knoveleng/open-rs"  # hub name, or a local .jsonl / .parquet path
+    c.data.source = "knoveleng/open-rs"  # hub name, local .jsonl / .parquet, or 'arithmetic'
     c.data.split = "train"  # dataset split
     c.data.problem_field = "problem"  # column holding the question
     c.data.answer_field = "answer"  # column holding the gold answer
+    c.data.arithmetic_max_operand = 50  # source 'arithmetic': operands in [1, this]
+    c.data.arithmetic_ops = ("+", "-", "*")  # source 'arithmetic': operators drawn from
     c.data.system_prompt = data.TRAIN_SYSTEM_PROMPT  # training system prompt (paper, Appendix)
 
     c.eval = ml_collections.ConfigDict()
@@ -208,7 +210,7 @@ def shrink_for_cpu(c: ml_collections.ConfigDict) -> None:
     c.batch.generations = 4
     c.batch.max_prompt_len = 128
     c.batch.max_completion_len = 32
-    c.batch.length_buckets = 2
+    c.batch.length_buckets = 1
     c.loss.minibatches = 2
     c.mmr.embedding_model = "hashing"
     c.dynamic_sampling.max_generation_batches = 2

@@ -16,7 +16,7 @@ import numpy as np
 from absl import logging
 from flax import nnx
 
-from mmr_jax import config_types, data, train_step
+from mmr_jax import config_types, data, rollout, train_step
 from mmr_jax.models import config as model_config
 from mmr_jax.models import loading, sharding
 from mmr_jax.models import lora as lora_lib
@@ -123,26 +123,31 @@ def step_config(cfg: config_types.TrainConfig) -> train_step.StepConfig:
 
 def make_engine(cfg: config_types.TrainConfig, policy: Policy, tokenizer, workdir):
     """The rollout engine of `cfg.rollout.engine`, already holding the policy's weights."""
-    from mmr_jax.rollout import embedded
+    from mmr_jax.rollout import embedded, sampler
 
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     if cfg.rollout.engine == "embedded":
         stops = embedded.eos_token_ids(cfg.model.path) or (tokenizer.eos_token_id,)
-        return embedded.EmbeddedEngine(
-            policy.model(), stop_token_ids=stops, pad_id=pad, seed=cfg.seed
+        # Training prompts padded to one shape: the sampler compiles once, not per prompt length.
+        buckets = sampler.Buckets(
+            min_prompts=cfg.batch.prompts,
+            min_prompt_len=cfg.batch.max_prompt_len,
+            min_new_tokens=cfg.batch.max_completion_len,
         )
-    from mmr_jax.rollout import vllm_client, vllm_engine
-
-    client = vllm_client.VllmClient(
-        cfg.rollout.url, timeout_s=cfg.rollout.timeout_s, max_retries=cfg.rollout.max_retries
-    )
-    return vllm_engine.VllmEngine(
-        client,
-        model=cfg.rollout.model_name or cfg.model.path,
-        pad_id=pad,
-        lora=policy.lora,
+        return embedded.EmbeddedEngine(
+            policy.model(), stop_token_ids=stops, pad_id=pad, seed=cfg.seed, buckets=buckets
+        )
+    return rollout.make_engine(
+        "vllm",
+        model_path=cfg.model.path,
+        url=cfg.rollout.url,
+        served_model_name=cfg.rollout.model_name or None,
         sync_dir=cfg.rollout.sync_dir or os.path.join(os.fspath(workdir), "sync"),
-        base_model_name_or_path=cfg.model.path,
+        lora=policy.lora,
+        timeout_s=cfg.rollout.timeout_s,
+        max_retries=cfg.rollout.max_retries,
+        pad_id=pad,
+        seed=cfg.seed,
     )
 
 
@@ -150,7 +155,9 @@ def load_prompts(cfg: config_types.TrainConfig, tokenizer) -> tuple[list[list[in
     """(prompt ids, gold answers) of the training problems that fit `max_prompt_len`."""
     d = cfg.data
     if d.source == ARITHMETIC:
-        problems = data.arithmetic_problems(2_000, cfg.seed)
+        problems = data.arithmetic_problems(
+            2_000, cfg.seed, max_operand=d.arithmetic_max_operand, ops=d.arithmetic_ops
+        )
     else:
         problems = data.load_problems(
             d.source, split=d.split, problem_field=d.problem_field, answer_field=d.answer_field

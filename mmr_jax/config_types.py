@@ -117,6 +117,8 @@ class DataConfig:
     split: str = "train"
     problem_field: str = "problem"
     answer_field: str = "answer"
+    arithmetic_max_operand: int = 50
+    arithmetic_ops: tuple[str, ...] = ("+", "-", "*")
     system_prompt: str = ""
 
 

@@ -1,4 +1,4 @@
-"""Generated tokens per second: the embedded JAX sampler against transformers' `generate` (torch CPU).
+"""Generated tokens/s: the embedded JAX sampler against transformers' `generate` (torch CPU).
 
     python scripts/bench_sampler.py                      # tiny model + SmolLM2-135M-Instruct
     python scripts/bench_sampler.py --json=bench.json --prompts=8,32 --n=4 --new_tokens=128
@@ -37,7 +37,7 @@ _SMOL = flags.DEFINE_string(
 )
 
 FALLBACK = [
-    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May.",
+    "Natalia sold clips to 48 of her friends in April, and half as many clips in May.",
     "What is 12 + 35? Think step by step.",
     "A robe takes 2 bolts of blue fiber and half that much white fiber. How many bolts in total?",
 ]
@@ -73,8 +73,9 @@ def bench_jax(model, prompts, n, new_tokens, temperature):
     sampler.sample(model, prompts, params)  # Warm-up: compile this bucket.
     compile_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    batch = sampler.sample(model, prompts, base.SamplingParams(
-        new_tokens, temperature=temperature, n=n, seed=1))
+    batch = sampler.sample(
+        model, prompts, base.SamplingParams(new_tokens, temperature=temperature, n=n, seed=1)
+    )
     seconds = time.perf_counter() - t0
     assert int(batch.mask.sum()) == len(prompts) * n * new_tokens
     return seconds, compile_s
@@ -88,16 +89,24 @@ def bench_hf(hf, tokenizer, prompts, n, new_tokens, temperature):
     ids = torch.full((len(prompts), width), pad, dtype=torch.long)
     mask = torch.zeros((len(prompts), width), dtype=torch.long)
     for i, p in enumerate(prompts):  # Left padding, as generation needs.
-        ids[i, width - len(p):] = torch.tensor(p)
-        mask[i, width - len(p):] = 1
-    kw = dict(do_sample=True, temperature=temperature, top_p=1.0, top_k=0,
-              num_return_sequences=n, pad_token_id=pad, eos_token_id=None)
+        ids[i, width - len(p) :] = torch.tensor(p)
+        mask[i, width - len(p) :] = 1
+    kw = dict(
+        do_sample=True,
+        temperature=temperature,
+        top_p=1.0,
+        top_k=0,
+        num_return_sequences=n,
+        pad_token_id=pad,
+        eos_token_id=None,
+    )
     with torch.no_grad():
         hf.generate(ids[:1], attention_mask=mask[:1], max_new_tokens=4, min_new_tokens=4, **kw)
         torch.manual_seed(0)
         t0 = time.perf_counter()
-        out = hf.generate(ids, attention_mask=mask, max_new_tokens=new_tokens,
-                          min_new_tokens=new_tokens, **kw)
+        out = hf.generate(
+            ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kw
+        )
         seconds = time.perf_counter() - t0
     assert out.shape == (len(prompts) * n, width + new_tokens)
     return seconds
@@ -119,22 +128,34 @@ def run_model(name: str, path: str) -> list[dict]:
         tokens = count * _N.value * _NEW.value
         hf_s = bench_hf(hf, tokenizer, prompts, _N.value, _NEW.value, _TEMP.value)
         jax_s, compile_s = bench_jax(model, prompts, _N.value, _NEW.value, _TEMP.value)
-        row = dict(model=name, prompts=count, n=_N.value, new_tokens=_NEW.value,
-                   prompt_len=max(len(p) for p in prompts), hf_tok_s=tokens / hf_s,
-                   jax_tok_s=tokens / jax_s, ratio=hf_s / jax_s, jax_compile_s=compile_s)
+        row = dict(
+            model=name,
+            prompts=count,
+            n=_N.value,
+            new_tokens=_NEW.value,
+            prompt_len=max(len(p) for p in prompts),
+            hf_tok_s=tokens / hf_s,
+            jax_tok_s=tokens / jax_s,
+            ratio=hf_s / jax_s,
+            jax_compile_s=compile_s,
+        )
         print(_fmt(row), flush=True)
         rows.append(row)
     return rows
 
 
-HEADER = (f"{'model':<10}{'prompts':>8}{'n':>3}{'new':>5}{'plen':>6}{'hf tok/s':>10}"
-          f"{'jax tok/s':>11}{'ratio':>7}{'compile s':>11}")
+HEADER = (
+    f"{'model':<10}{'prompts':>8}{'n':>3}{'new':>5}{'plen':>6}{'hf tok/s':>10}"
+    f"{'jax tok/s':>11}{'ratio':>7}{'compile s':>11}"
+)
 
 
 def _fmt(r: dict) -> str:
-    return (f"{r['model']:<10}{r['prompts']:>8}{r['n']:>3}{r['new_tokens']:>5}{r['prompt_len']:>6}"
-            f"{r['hf_tok_s']:>10.1f}{r['jax_tok_s']:>11.1f}{r['ratio']:>6.2f}x"
-            f"{r['jax_compile_s']:>11.1f}")
+    return (
+        f"{r['model']:<10}{r['prompts']:>8}{r['n']:>3}{r['new_tokens']:>5}{r['prompt_len']:>6}"
+        f"{r['hf_tok_s']:>10.1f}{r['jax_tok_s']:>11.1f}{r['ratio']:>6.2f}x"
+        f"{r['jax_compile_s']:>11.1f}"
+    )
 
 
 def main(argv):
@@ -144,8 +165,10 @@ def main(argv):
 
     from mmr_jax import testing
 
-    print(f"jax {jax.__version__} on {jax.devices()[0].platform}, torch {torch.__version__} "
-          f"({torch.get_num_threads()} threads), {os.cpu_count()} CPUs")
+    print(
+        f"jax {jax.__version__} on {jax.devices()[0].platform}, torch {torch.__version__} "
+        f"({torch.get_num_threads()} threads), {os.cpu_count()} CPUs"
+    )
     print(HEADER, flush=True)
     rows = []
     for name in _MODELS.value:
@@ -154,8 +177,10 @@ def main(argv):
                 rows += run_model("tiny", str(testing.make_tiny_checkpoint(tmp)))
         elif name == "smollm2":
             if not (pathlib.Path(_SMOL.value) / "config.json").exists():
-                print(f"smollm2: skipped, no checkpoint at {_SMOL.value} "
-                      "(run scripts/prepare_smollm2.py)")
+                print(
+                    f"smollm2: skipped, no checkpoint at {_SMOL.value} "
+                    "(run scripts/prepare_smollm2.py)"
+                )
                 continue
             rows += run_model("smollm2", _SMOL.value)
         else:

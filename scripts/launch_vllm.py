@@ -13,7 +13,7 @@ GPU memory. vLLM's --gpu-memory-utilization is the fraction of the whole GPU it 
 (default 0.75) of the memory it *sees*. The two must not add up to more than ~0.95 of one GPU.
 
   Two GPUs (recommended): vLLM alone on one, the trainer on the other.
-      python scripts/launch_vllm.py --config=... --cuda_visible_devices=1 --gpu_memory_utilization=0.9
+      python scripts/launch_vllm.py --config=C --cuda_visible_devices=1 --gpu_memory_utilization=.9
       CUDA_VISIBLE_DEVICES=0 XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 python scripts/train.py ...
   One GPU, shared: start vLLM first (it checks that the fraction is free), then the trainer.
       1.5B full fine-tune on 80 GB: --gpu_memory_utilization=0.3 (3.5 GB bf16 weights, the rest
@@ -37,7 +37,7 @@ from ml_collections import config_flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from mmr_jax.rollout import vllm_launch  # noqa: E402
+from mmr_jax.rollout import vllm_launch
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "training config file", lock_config=True)
 _DRY = flags.DEFINE_bool("dry_run", False, "print the command and environment, do not start")
@@ -65,8 +65,16 @@ def main(argv):
         extra_args=tuple(_EXTRA.value) or None,
     )
     cmd, env = vllm_launch.command(opts)
-    shown = {k: env[k] for k in ("VLLM_SERVER_DEV_MODE", "VLLM_ALLOW_RUNTIME_LORA_UPDATING",
-                                 "PYTHONPATH", "CUDA_VISIBLE_DEVICES") if k in env}
+    shown = {
+        k: env[k]
+        for k in (
+            "VLLM_SERVER_DEV_MODE",
+            "VLLM_ALLOW_RUNTIME_LORA_UPDATING",
+            "PYTHONPATH",
+            "CUDA_VISIBLE_DEVICES",
+        )
+        if k in env
+    }
     print(" ".join(f"{k}={shlex.quote(v)}" for k, v in shown.items()), shlex.join(cmd), flush=True)
     if not _DRY.value:
         os.execvpe(cmd[0], cmd, env)

@@ -36,10 +36,14 @@ def _hf_greedy(path, prompts, max_new, eos=EOS):
     with torch.no_grad():
         for prompt in prompts:
             out = hf.generate(
-                torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                max_new_tokens=max_new, do_sample=False, eos_token_id=eos, pad_token_id=3,
+                torch.tensor([prompt]),
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                max_new_tokens=max_new,
+                do_sample=False,
+                eos_token_id=eos,
+                pad_token_id=3,
             )
-            outs.append(out[0, len(prompt):].tolist())
+            outs.append(out[0, len(prompt) :].tolist())
     return outs
 
 
@@ -59,16 +63,19 @@ class TestSample:
         from mmr_jax.models import logprobs
 
         temp = 0.7
-        params = base.SamplingParams(max_new_tokens=16, temperature=temp, top_p=top_p,
-                                     top_k=top_k, n=2, seed=1)
+        params = base.SamplingParams(
+            max_new_tokens=16, temperature=temp, top_p=top_p, top_k=top_k, n=2, seed=1
+        )
         batch = sampler.sample(llama, PROMPTS, params)
         assert batch.mask.all()  # no stop ids: every completion has the full length
         for b, prompt in enumerate(PROMPTS):
             seqs = np.stack([np.concatenate([prompt, batch.tokens[b, i]]) for i in range(2)])
-            ref = logprobs.token_logprobs(llama, jnp.asarray(seqs), jnp.ones(seqs.shape, bool),
-                                          temperature=temp)
-            np.testing.assert_allclose(batch.logprobs[b], np.asarray(ref)[:, len(prompt):],
-                                       atol=2e-5, rtol=1e-5)
+            ref = logprobs.token_logprobs(
+                llama, jnp.asarray(seqs), jnp.ones(seqs.shape, bool), temperature=temp
+            )
+            np.testing.assert_allclose(
+                batch.logprobs[b], np.asarray(ref)[:, len(prompt) :], atol=2e-5, rtol=1e-5
+            )
 
     def test_seed_reproduces_and_ignores_padding(self, llama):
         params = base.SamplingParams(max_new_tokens=12, temperature=1.0, n=2, seed=7)
@@ -78,8 +85,9 @@ class TestSample:
         np.testing.assert_array_equal(a.logprobs, b.logprobs)
         alone = sampler.sample(llama, PROMPTS[:1], params)  # Other batch and length buckets.
         np.testing.assert_array_equal(alone.tokens[0], a.tokens[0])
-        other = sampler.sample(llama, PROMPTS, base.SamplingParams(
-            max_new_tokens=12, temperature=1.0, n=2, seed=8))
+        other = sampler.sample(
+            llama, PROMPTS, base.SamplingParams(max_new_tokens=12, temperature=1.0, n=2, seed=8)
+        )
         assert not np.array_equal(other.tokens, a.tokens)
         assert not np.array_equal(a.tokens[:, 0], a.tokens[:, 1])  # n samples differ
 
@@ -88,14 +96,16 @@ class TestSample:
         free = sampler.sample(llama, PROMPTS, greedy).completion_ids(0, 0)
         stop = free[3]
         first = free.index(stop)
-        params = base.SamplingParams(max_new_tokens=10, temperature=0.0, n=2,
-                                     stop_token_ids=(stop,))
+        params = base.SamplingParams(
+            max_new_tokens=10, temperature=0.0, n=2, stop_token_ids=(stop,)
+        )
         batch = sampler.sample(llama, PROMPTS, params, pad_id=3)
         assert batch.completion_ids(0, 1) == free[: first + 1]  # stop token kept
         assert batch.finish_reasons[0] == ["stop", "stop"]
         assert (batch.tokens[0, :, first + 1 :] == 3).all() and batch.lengths[0, 0] == first + 1
-        short = sampler.sample(llama, PROMPTS, base.SamplingParams(
-            max_new_tokens=5, temperature=0, n=2))
+        short = sampler.sample(
+            llama, PROMPTS, base.SamplingParams(max_new_tokens=5, temperature=0, n=2)
+        )
         assert short.tokens.shape == (3, 2, 5) and short.mask.all()
         assert short.finish_reasons == [["length"] * 2] * 3
 
@@ -110,8 +120,11 @@ class TestSample:
             (PROMPTS[::-1], 0.7, 3, 3),
             ([[8] * 30, [1], [2], [3]], 1.0, 1, None),
         ]:
-            sampler.sample(llama, prompts, base.SamplingParams(
-                max_new_tokens=new, temperature=temp, n=2, seed=seed))
+            sampler.sample(
+                llama,
+                prompts,
+                base.SamplingParams(max_new_tokens=new, temperature=temp, n=2, seed=seed),
+            )
         assert sampler.trace_count() == before
 
 
@@ -147,9 +160,10 @@ class TestEmbeddedEngine:
         assert engine.version == 1
 
     def test_sync_merges_lora_into_a_plain_model(self, tiny_llama_dir):
+        from flax import nnx
+
         from mmr_jax import models
         from mmr_jax.models import lora
-        from flax import nnx
 
         plain = models.from_pretrained(tiny_llama_dir)
         adapted = models.from_pretrained(tiny_llama_dir, lora=lora.LoraConfig(rank=4, alpha=8.0))

@@ -29,8 +29,9 @@ def served(tiny_llama_dir):
 def engine(served, tmp_path):
     backend, srv = served
     client = vllm_client.VllmClient(srv.url, timeout_s=120, max_retries=1, backoff_s=0.01)
-    return vllm_engine.VllmEngine(client, model="tiny", sync_dir=tmp_path / "sync",
-                                  eos_token_ids=(EOS,), pad_id=3)
+    return vllm_engine.VllmEngine(
+        client, model="tiny", sync_dir=tmp_path / "sync", eos_token_ids=(EOS,), pad_id=3
+    )
 
 
 def _greedy(model, prompts=PROMPTS, params=GREEDY):
@@ -54,14 +55,26 @@ class TestServe:
     def test_client_over_http_equals_the_sampler(self, served, engine, tiny_llama_dir):
         from mmr_jax import models
 
-        _assert_same(engine.generate(PROMPTS, GREEDY), _greedy(models.from_pretrained(tiny_llama_dir)))
+        _assert_same(
+            engine.generate(PROMPTS, GREEDY), _greedy(models.from_pretrained(tiny_llama_dir))
+        )
 
     def test_text_prompt_logprobs_and_models(self, served):
         backend, srv = served
-        reply = requests.post(f"{srv.url}/v1/completions", json={
-            "model": "tiny", "prompt": ["What is 2 + 2?", "Hello"], "n": 2, "max_tokens": 5,
-            "temperature": 0.8, "seed": 4, "logprobs": 1, "return_token_ids": True,
-        }, timeout=60).json()
+        reply = requests.post(
+            f"{srv.url}/v1/completions",
+            json={
+                "model": "tiny",
+                "prompt": ["What is 2 + 2?", "Hello"],
+                "n": 2,
+                "max_tokens": 5,
+                "temperature": 0.8,
+                "seed": 4,
+                "logprobs": 1,
+                "return_token_ids": True,
+            },
+            timeout=60,
+        ).json()
         assert [c["index"] for c in reply["choices"]] == [0, 1, 2, 3]
         c = reply["choices"][2]
         assert c["prompt_token_ids"] == backend.encode("Hello")
@@ -74,8 +87,11 @@ class TestServe:
 
     def test_too_long_request_is_a_400(self, served):
         _, srv = served
-        r = requests.post(f"{srv.url}/v1/completions", json={
-            "model": "tiny", "prompt": [1] * 500, "max_tokens": 100}, timeout=10)
+        r = requests.post(
+            f"{srv.url}/v1/completions",
+            json={"model": "tiny", "prompt": [1] * 500, "max_tokens": 100},
+            timeout=10,
+        )
         assert r.status_code == 400 and "maximum context length" in r.json()["error"]["message"]
 
 
@@ -112,8 +128,9 @@ class TestLoraSync:
 
         hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
         targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-        pm = peft.get_peft_model(hf, peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets,
-                                                     lora_dropout=0.0))
+        pm = peft.get_peft_model(
+            hf, peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0)
+        )
         torch.manual_seed(0)
         with torch.no_grad():
             for name, p in pm.named_parameters():
@@ -125,9 +142,14 @@ class TestLoraSync:
         batch = engine.generate(PROMPTS, base.SamplingParams(max_new_tokens=12, temperature=0.0))
         with torch.no_grad():
             for b, prompt in enumerate(PROMPTS):
-                out = pm.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
-                                  eos_token_id=EOS, pad_token_id=3)
-                assert batch.completion_ids(b, 0) == out[0, len(prompt):].tolist()
+                out = pm.generate(
+                    torch.tensor([prompt]),
+                    max_new_tokens=12,
+                    do_sample=False,
+                    eos_token_id=EOS,
+                    pad_token_id=3,
+                )
+                assert batch.completion_ids(b, 0) == out[0, len(prompt) :].tolist()
         engine.load_adapter_dir(tmp_path / "adapter", version=2)  # New name, old one unloaded.
         assert engine.client.models() == ["tiny", "policy-v2"]
         engine.client.unload_lora_adapter("policy-v2")

@@ -103,10 +103,17 @@ class TestVllmEngineGenerate:
 
     def test_response_shape_is_vllms(self, fake):
         _, srv = fake
-        body = _client(srv.url).completions({
-            "model": "fake", "prompt": "ab", "n": 2, "max_tokens": 3, "logprobs": 0,
-            "return_token_ids": True, "stop_token_ids": [],
-        })
+        body = _client(srv.url).completions(
+            {
+                "model": "fake",
+                "prompt": "ab",
+                "n": 2,
+                "max_tokens": 3,
+                "logprobs": 0,
+                "return_token_ids": True,
+                "stop_token_ids": [],
+            }
+        )
         assert body["object"] == "text_completion" and body["usage"]["completion_tokens"] == 6
         c = body["choices"][1]
         assert c["index"] == 1 and c["prompt_token_ids"] == [47, 48]
@@ -144,8 +151,9 @@ class TestWeightSync:
 
     def test_lora_new_name_per_version_old_unloaded(self, fake, tmp_path):
         backend, srv = fake
-        engine = vllm_engine.VllmEngine(_client(srv.url), model="fake", sync_dir=tmp_path,
-                                        lora=True)
+        engine = vllm_engine.VllmEngine(
+            _client(srv.url), model="fake", sync_dir=tmp_path, lora=True
+        )
         for v in (1, 2):
             (tmp_path / f"lora-v{v}").mkdir()
             engine.load_adapter_dir(tmp_path / f"lora-v{v}", version=v)
@@ -176,8 +184,10 @@ class TestWeightSync:
         class Worker(ext.WeightSyncExtension):
             model_runner = type("Runner", (), {"model": Model()})()
 
-        assert Worker().mmr_reload_weights(str(tmp_path)) == {"path": str(tmp_path),
-                                                              "num_tensors": 2}
+        assert Worker().mmr_reload_weights(str(tmp_path)) == {
+            "path": str(tmp_path),
+            "num_tensors": 2,
+        }
         assert sorted(seen) == ["a.weight", "b.weight"]
 
 
@@ -190,7 +200,7 @@ def _free_port() -> int:
 class _Stub(http.server.BaseHTTPRequestHandler):
     status, body, count = 500, b'{"error": {"message": "boom"}}', 0
 
-    def do_POST(self):  # noqa: N802
+    def do_POST(self):
         type(self).count += 1
         self.rfile.read(int(self.headers.get("Content-Length") or 0))
         self.send_response(self.status)
@@ -230,11 +240,14 @@ class TestFailures:
             _client(url, max_retries=2).completions({"prompt": [1]})
         assert handler.count == 3
 
-    @pytest.mark.parametrize("body,match", [
-        (b"not json", "non-JSON"),
-        (b'{"choices": [{"index": 0, "text": "x", "finish_reason": "stop"}]}', "token_ids"),
-        (b'{"choices": []}', "0 choices"),
-    ])
+    @pytest.mark.parametrize(
+        "body,match",
+        [
+            (b"not json", "non-JSON"),
+            (b'{"choices": [{"index": 0, "text": "x", "finish_reason": "stop"}]}', "token_ids"),
+            (b'{"choices": []}', "0 choices"),
+        ],
+    )
     def test_malformed_reply(self, stub, body, match):
         handler, url = stub
         handler.status, handler.body = 200, body
@@ -248,8 +261,11 @@ class TestLaunchCommand:
     def test_flags_for_full_and_lora(self):
         from mmr_jax.rollout import vllm_launch
 
-        argv, env = vllm_launch.command(vllm_launch.LaunchOptions(
-            model="ckpt/m", port=8123, gpu_memory_utilization=0.4, max_model_len=4096))
+        argv, env = vllm_launch.command(
+            vllm_launch.LaunchOptions(
+                model="ckpt/m", port=8123, gpu_memory_utilization=0.4, max_model_len=4096
+            )
+        )
         joined = " ".join(argv)
         assert argv[:3] == ["vllm", "serve", "ckpt/m"]
         assert "--logprobs-mode processed_logprobs" in joined
@@ -281,9 +297,17 @@ def test_real_vllm_serve_matches_embedded_greedy(tiny_llama_dir, tmp_path):
     from mmr_jax.rollout import sampler, vllm_launch
 
     port = _free_port()
-    argv, env = vllm_launch.command(vllm_launch.LaunchOptions(
-        model=str(tiny_llama_dir), served_model_name="tiny", port=port, max_model_len=512,
-        gpu_memory_utilization=0.3, dtype="float32", extra_args=("--enforce-eager",)))
+    argv, env = vllm_launch.command(
+        vllm_launch.LaunchOptions(
+            model=str(tiny_llama_dir),
+            served_model_name="tiny",
+            port=port,
+            max_model_len=512,
+            gpu_memory_utilization=0.3,
+            dtype="float32",
+            extra_args=("--enforce-eager",),
+        )
+    )
     proc = subprocess.Popen(argv, env=env)
     try:
         client = _client(f"http://127.0.0.1:{port}", timeout_s=120)
@@ -294,8 +318,7 @@ def test_real_vllm_serve_matches_embedded_greedy(tiny_llama_dir, tmp_path):
         for path in (tiny_llama_dir, testing.make_tiny_checkpoint(tmp_path / "o", seed=1)):
             if path != tiny_llama_dir:
                 engine.load_weights_dir(path, version=1)
-            ref = sampler.sample(models.from_pretrained(path), prompts, params,
-                                 stop_token_ids=(2,))
+            ref = sampler.sample(models.from_pretrained(path), prompts, params, stop_token_ids=(2,))
             np.testing.assert_array_equal(engine.generate(prompts, params).tokens, ref.tokens)
     finally:
         proc.terminate()

@@ -14,6 +14,7 @@ V vocab.
 
 from __future__ import annotations
 
+import chex
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -185,6 +186,7 @@ class Decoder(nnx.Module):
         self, tokens_BxT, *, positions_BxT=None, attention_mask_BxT=None, disable_lora=False
     ):
         """Final-normed hidden states [B, T, H] in the compute dtype."""
+        chex.assert_rank(tokens_BxT, 2)
         b, t = tokens_BxT.shape
         if attention_mask_BxT is None:
             attention_mask_BxT = jnp.ones((b, t), jnp.bool_)
@@ -239,6 +241,8 @@ class Decoder(nnx.Module):
         The new keys/values go to slots [write_index, write_index + T); query i attends to slot s
         iff `kv_mask_BxS[b, s] and s <= write_index + i`. `write_index` may be a traced int32.
         """
+        chex.assert_rank([tokens_BxT, positions_BxT, kv_mask_BxS], 2)
+        chex.assert_equal_shape([tokens_BxT, positions_BxT])
         t = tokens_BxT.shape[1]
         s = cache.max_len
         write_index = jnp.asarray(write_index, jnp.int32)

@@ -12,6 +12,7 @@ Legend: B batch, T tokens, H hidden, V vocab, C chunk length.
 
 from __future__ import annotations
 
+import chex
 import jax
 import jax.numpy as jnp
 
@@ -48,7 +49,8 @@ def token_logprobs(
     Returns:
       logps [B, T] (0 at t = 0 and at masked positions), or (logps, entropy).
     """
-    assert tokens_BxT.ndim == 2 and attention_mask_BxT.shape == tokens_BxT.shape
+    chex.assert_rank(tokens_BxT, 2)
+    chex.assert_equal_shape([tokens_BxT, attention_mask_BxT])
     b, t = tokens_BxT.shape
     mask = attention_mask_BxT.astype(jnp.bool_)
     h = model.hidden(tokens_BxT, attention_mask_BxT=mask, disable_lora=disable_lora)[:, :-1]

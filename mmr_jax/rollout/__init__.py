@@ -48,7 +48,12 @@ def make_engine(
             raise ValueError("the vllm engine needs `served_model_name` or `model_path`")
         client = vllm_client.VllmClient(url, timeout_s=timeout_s, max_retries=max_retries)
         return vllm_engine.VllmEngine(
-            client, model=name, sync_dir=sync_dir, lora=lora, pad_id=pad_id, eos_token_ids=eos,
+            client,
+            model=name,
+            sync_dir=sync_dir,
+            lora=lora,
+            pad_id=pad_id,
+            eos_token_ids=eos,
             base_model_name_or_path=str(model_path) if model_path else None,
         )
     raise ValueError(f"unknown rollout engine {kind!r}; expected 'embedded' or 'vllm'")

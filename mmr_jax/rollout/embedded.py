@@ -63,7 +63,7 @@ class EmbeddedEngine:
         stop_token_ids: Sequence[int] = (),
         pad_id: int = 0,
         seed: int = 0,
-        buckets: sampler.Buckets = sampler.Buckets(),
+        buckets: sampler.Buckets = sampler.DEFAULT_BUCKETS,
     ):
         self.model = model
         self.stop_token_ids = tuple(int(t) for t in stop_token_ids)

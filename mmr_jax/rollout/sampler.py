@@ -59,6 +59,9 @@ class Buckets:
     min_stop_ids: int = 4
 
 
+DEFAULT_BUCKETS = Buckets()
+
+
 def filter_top_k_top_p(logits_RxV: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
     """Masks (to -inf) tokens outside the top-k, then outside the top-p nucleus of what is left.
 
@@ -123,7 +126,10 @@ def _generate(
 
     cache = model.init_cache(bp, s)
     _, cache = model.forward_cached(
-        prompts_BxP[:, :-1], positions_BxP[:, :-1], cache, write_index=0,
+        prompts_BxP[:, :-1],
+        positions_BxP[:, :-1],
+        cache,
+        write_index=0,
         kv_mask_BxS=kv_mask_BxS,
     )
     cache = jax.tree.map(lambda a: jnp.repeat(a, n, axis=1), cache)
@@ -186,7 +192,7 @@ def sample(
     stop_token_ids=(),
     seed: int = 0,
     pad_id: int = 0,
-    buckets: Buckets = Buckets(),
+    buckets: Buckets = DEFAULT_BUCKETS,
     max_len: int | None = None,
 ) -> base.RolloutBatch:
     """Samples `params.n` completions for each prompt with a `Decoder`; see the module docstring.
@@ -243,8 +249,16 @@ def sample(
         greedy=greedy,
         use_filter=not greedy and (params.top_k > 0 or params.top_p < 1.0),
     )
-    return _to_batch(np.asarray(toks), np.asarray(logps), np.asarray(stopped), num_prompts, n,
-                     params.max_new_tokens, stops, pad_id)
+    return _to_batch(
+        np.asarray(toks),
+        np.asarray(logps),
+        np.asarray(stopped),
+        num_prompts,
+        n,
+        params.max_new_tokens,
+        stops,
+        pad_id,
+    )
 
 
 def _to_batch(toks, logps, stopped, num_prompts, n, max_new, stops, pad_id) -> base.RolloutBatch:

@@ -44,20 +44,24 @@ def read_peft_adapter(path: str | os.PathLike) -> tuple[dict, dict[str, np.ndarr
 
 
 def _module_name(path: tuple) -> str:
-    """Our state path of a lora_a/lora_b -> the HF module name ('model.layers.0.self_attn.q_proj')."""
+    """Our lora_a/lora_b state path -> the HF module name ('model.layers.0.self_attn.q_proj')."""
     return "model." + ".".join(str(p) for p in path[:-1])
 
 
 def build_lora_model(base_model, config: dict, tensors: dict[str, dict[str, np.ndarray]]):
     """A LoRA decoder sharing `base_model`'s weights, with the adapter's A and B filled in."""
+    import jax
     import jax.numpy as jnp
 
-    from mmr_jax.models import lora as lora_lib
     from mmr_jax.models import loading
+    from mmr_jax.models import lora as lora_lib
 
-    targets = tuple(sorted({n.rsplit(".", 1)[-1] for n in tensors}))
-    lora_cfg = lora_lib.LoraConfig(
-        rank=int(config["r"]), alpha=float(config["lora_alpha"]), dropout=0.0,
+    present = {n.rsplit(".", 1)[-1] for n in tensors}
+    targets = tuple(t for t in lora_lib.ALL_TARGETS if t in present)
+    lora_cfg = lora_lib.LoraConfig(  # As the trainer builds it, so jit caches are shared.
+        rank=int(config["r"]),
+        alpha=float(config["lora_alpha"]),
+        dropout=float(config.get("lora_dropout", 0.0)),
         target_modules=targets,
     )
     abstract = loading.abstract_model(base_model.config, dtype=base_model.dtype, lora=lora_cfg)
@@ -73,8 +77,14 @@ def build_lora_model(base_model, config: dict, tensors: dict[str, dict[str, np.n
             used.add(module)
             value = pair["A"].T if path[-1] == "lora_a" else pair["B"].T
             flat.append((path, var.replace(jnp.asarray(value, var.get_value().dtype))))
-        else:
+        elif path in base_flat:
             flat.append((path, base_flat[path]))
+        elif isinstance(var, nnx.RngKey):  # LoRA dropout stream (unused: eval mode)
+            flat.append((path, var.replace(jax.random.key(0))))
+        else:
+            flat.append(
+                (path, var.replace(jnp.zeros(var.get_value().shape, var.get_value().dtype)))
+            )
     unused = sorted(set(tensors) - used)
     if unused:
         raise ValueError(f"adapter modules not in the model: {unused[:5]}")
@@ -93,8 +103,14 @@ class EmbeddedBackend:
       max_model_len: prompt + completion limit (default: the model's max positions).
     """
 
-    def __init__(self, engine: embedded.EmbeddedEngine, tokenizer, *, model_name: str,
-                 max_model_len: int | None = None):
+    def __init__(
+        self,
+        engine: embedded.EmbeddedEngine,
+        tokenizer,
+        *,
+        model_name: str,
+        max_model_len: int | None = None,
+    ):
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
         self.max_model_len = int(max_model_len or engine.max_len or 2**31 - 1)
         self.eos_token_ids = engine.stop_token_ids
@@ -103,28 +119,49 @@ class EmbeddedBackend:
         self._lock = threading.Lock()
 
     @classmethod
-    def from_pretrained(cls, path: str | os.PathLike, *, model_name: str | None = None,
-                        tokenizer_path: str | os.PathLike | None = None, seed: int = 0,
-                        max_model_len: int | None = None, buckets=sampler.Buckets()):
+    def from_pretrained(
+        cls,
+        path: str | os.PathLike,
+        *,
+        model_name: str | None = None,
+        tokenizer_path: str | os.PathLike | None = None,
+        seed: int = 0,
+        max_model_len: int | None = None,
+        buckets=sampler.DEFAULT_BUCKETS,
+    ):
         import transformers
 
         tokenizer = transformers.AutoTokenizer.from_pretrained(str(tokenizer_path or path))
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        engine = embedded.EmbeddedEngine.from_pretrained(path, seed=seed, pad_id=pad, buckets=buckets)
-        return cls(engine, tokenizer, model_name=model_name or str(path),
-                   max_model_len=max_model_len)
+        engine = embedded.EmbeddedEngine.from_pretrained(
+            path, seed=seed, pad_id=pad, buckets=buckets
+        )
+        return cls(
+            engine, tokenizer, model_name=model_name or str(path), max_model_len=max_model_len
+        )
 
     # ---- generation ------------------------------------------------------------------------------
 
-    def generate(self, prompt_ids: Sequence[Sequence[int]], params: base.SamplingParams, *,
-                 model: str, ignore_eos: bool = False) -> base.RolloutBatch:
+    def generate(
+        self,
+        prompt_ids: Sequence[Sequence[int]],
+        params: base.SamplingParams,
+        *,
+        model: str,
+        ignore_eos: bool = False,
+    ) -> base.RolloutBatch:
         with self._lock:
             decoder = self.engine.model if model == self.model_name else self._adapter_model(model)
             seed = int(self.engine._rng.integers(2**31))
             return sampler.sample(
-                decoder, prompt_ids, params,
-                stop_token_ids=() if ignore_eos else self.eos_token_ids, seed=seed,
-                pad_id=self.engine.pad_id, buckets=self.engine.buckets, max_len=self.max_model_len,
+                decoder,
+                prompt_ids,
+                params,
+                stop_token_ids=() if ignore_eos else self.eos_token_ids,
+                seed=seed,
+                pad_id=self.engine.pad_id,
+                buckets=self.engine.buckets,
+                max_len=self.max_model_len,
             )
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
@@ -149,10 +186,9 @@ class EmbeddedBackend:
 
     def load_adapter(self, name: str, path: str) -> None:
         config, tensors = read_peft_adapter(path)
-        with self._lock:
+        with self._lock:  # Built now, so an adapter that does not fit fails here.
+            self._adapter_models[name] = build_lora_model(self.engine.model, config, tensors)
             self._adapters[name] = (str(path), config, tensors)
-            self._adapter_models.pop(name, None)
-            self._adapter_model(name)  # Fails now, not on the first request, if it does not fit.
 
     def unload_adapter(self, name: str) -> None:
         with self._lock:

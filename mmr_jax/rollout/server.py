@@ -49,7 +49,11 @@ class Backend(Protocol):
     eos_token_ids: tuple[int, ...]
 
     def generate(
-        self, prompt_ids: Sequence[Sequence[int]], params: base.SamplingParams, *, model: str,
+        self,
+        prompt_ids: Sequence[Sequence[int]],
+        params: base.SamplingParams,
+        *,
+        model: str,
         ignore_eos: bool,
     ) -> base.RolloutBatch: ...
 
@@ -83,7 +87,9 @@ def _prompts(body: dict, backend: Backend) -> list[list[int]]:
     if isinstance(prompt, str):
         prompt = [prompt]
     if not isinstance(prompt, list) or not prompt:
-        raise HTTPError(400, "prompt must be a string, a list of strings or token ids", param="prompt")
+        raise HTTPError(
+            400, "prompt must be a string, a list of strings or token ids", param="prompt"
+        )
     if all(isinstance(t, int) for t in prompt):
         prompt = [prompt]
     out = []
@@ -99,7 +105,9 @@ def _prompts(body: dict, backend: Backend) -> list[list[int]]:
     return out
 
 
-def parse_completion_request(body: dict, backend: Backend) -> tuple[list[list[int]], base.SamplingParams]:
+def parse_completion_request(
+    body: dict, backend: Backend
+) -> tuple[list[list[int]], base.SamplingParams]:
     """(prompt ids, SamplingParams) of a /v1/completions body; HTTPError 400 when invalid."""
     for key, what in _UNSUPPORTED.items():
         if body.get(key):
@@ -147,7 +155,11 @@ def _logprobs_obj(backend, ids, logps, as_ids: bool) -> dict:
 
 
 def completion_response(
-    body: dict, backend: Backend, prompts, params: base.SamplingParams, batch: base.RolloutBatch,
+    body: dict,
+    backend: Backend,
+    prompts,
+    params: base.SamplingParams,
+    batch: base.RolloutBatch,
     model: str,
 ) -> dict:
     """The vLLM /v1/completions reply for `batch` (choices prompt-major)."""
@@ -234,19 +246,31 @@ class _Handler(BaseHTTPRequestHandler):
             status, payload, text = handler(body)
         except HTTPError as e:
             status, text = e.status, None
-            payload = {"error": {"message": e.message, "type": HTTPStatus(e.status).phrase,
-                                 "param": e.param, "code": e.status}}
-        except Exception as e:  # noqa: BLE001 - any backend failure is a 500 with its message
+            payload = {
+                "error": {
+                    "message": e.message,
+                    "type": HTTPStatus(e.status).phrase.replace(" ", "") + "Error",
+                    "param": e.param,
+                    "code": e.status,
+                }
+            }
+        except Exception as e:
             log.exception("error serving %s %s", method, route)
             status, text = 500, None
-            payload = {"error": {"message": f"{type(e).__name__}: {e}",
-                                 "type": "Internal Server Error", "param": None, "code": 500}}
+            payload = {
+                "error": {
+                    "message": f"{type(e).__name__}: {e}",
+                    "type": "InternalServerError",
+                    "param": None,
+                    "code": 500,
+                }
+            }
         self._send(status, payload, text)
 
-    def do_GET(self):  # noqa: N802
+    def do_GET(self):
         self._dispatch("GET")
 
-    def do_POST(self):  # noqa: N802
+    def do_POST(self):
         self._dispatch("POST")
 
 
@@ -305,9 +329,16 @@ class OpenAIServer:
         b = self.backend
 
         def card(name, root, parent):
-            return {"id": name, "object": "model", "created": now, "owned_by": "vllm",
-                    "root": root, "parent": parent, "max_model_len": b.max_model_len,
-                    "permission": []}
+            return {
+                "id": name,
+                "object": "model",
+                "created": now,
+                "owned_by": "vllm",
+                "root": root,
+                "parent": parent,
+                "max_model_len": b.max_model_len,
+                "permission": [],
+            }
 
         data = [card(b.model_name, b.model_name, None)]
         data += [card(name, path, b.model_name) for name, path in b.adapters().items()]
@@ -331,7 +362,9 @@ class OpenAIServer:
         method = body.get("method")
         if not method:
             raise HTTPError(400, "Missing 'method' in request body")
-        result = self.backend.collective_rpc(method, body.get("args") or [], body.get("kwargs") or {})
+        result = self.backend.collective_rpc(
+            method, body.get("args") or [], body.get("kwargs") or {}
+        )
         return 200, {"results": [result]}, None
 
     def _load_lora(self, body):

@@ -1,4 +1,4 @@
-"""HTTP client for a vLLM OpenAI-compatible server (or `scripts/serve.py`, which speaks the same routes).
+"""HTTP client for a vLLM OpenAI-compatible server (or `scripts/serve.py`: the same routes).
 
 Routes used (vLLM 0.33): `/health`, `/v1/models`, `/v1/completions`, and for weight sync the dev
 routes `/collective_rpc`, `/reset_prefix_cache` (need `VLLM_SERVER_DEV_MODE=1` on the server) and

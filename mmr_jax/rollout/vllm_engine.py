@@ -68,6 +68,8 @@ class VllmEngine:
       prompts_per_request: prompts per /v1/completions request; requests run concurrently.
       max_concurrency: at most this many requests in flight.
       pad_id: token id written after the end of each completion.
+      export_dtype: dtype of the exported weights/adapters ('bfloat16' halves the full-weight
+        write for a bf16 server; default float32).
       eos_token_ids: always sent as stop ids (the launcher turns off the checkpoint's generation
         config, which is where vLLM would otherwise find extra EOS ids).
       check_model: ask /v1/models once at construction, to fail early on a wrong name.
@@ -86,10 +88,11 @@ class VllmEngine:
         max_concurrency: int = 8,
         pad_id: int = 0,
         eos_token_ids: Sequence[int] = (),
+        export_dtype: str = "float32",
         check_model: bool = True,
     ):
-        self.client = client if isinstance(client, client_lib.VllmClient) else (
-            client_lib.VllmClient(client)
+        self.client = (
+            client if isinstance(client, client_lib.VllmClient) else (client_lib.VllmClient(client))
         )
         self.base_model = model
         self.model = model  # the name requests use: the base, or the current LoRA adapter
@@ -101,6 +104,7 @@ class VllmEngine:
         self.max_concurrency = max_concurrency
         self.pad_id = pad_id
         self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
+        self.export_dtype = export_dtype
         self.version: int | None = None
         self._last_dir: pathlib.Path | None = None
         if check_model:
@@ -174,17 +178,20 @@ class VllmEngine:
 
     def sync_weights(self, model, *, version: int) -> None:
         """Exports `model` (full weights or its LoRA adapter) and makes the server use it."""
+        import jax.numpy as jnp
+
         from mmr_jax.models import export
 
+        dtype = jnp.dtype(self.export_dtype)
         if self.lora:
             path = self._version_dir("lora", version)
             export.save_peft_adapter(
-                model, path, base_model_name_or_path=self.base_model_name_or_path
+                model, path, base_model_name_or_path=self.base_model_name_or_path, dtype=dtype
             )
             self.load_adapter_dir(path, version=version)
         else:
             path = self._version_dir("weights", version)
-            export.save_hf(model, path)
+            export.save_hf(model, path, dtype=dtype)
             self.load_weights_dir(path, version=version)
 
     def load_weights_dir(self, path: str | os.PathLike, *, version: int) -> None:
@@ -212,7 +219,10 @@ class VllmEngine:
 
     def _advance(self, path: pathlib.Path, version: int) -> None:
         old, self._last_dir, self.version = self._last_dir, path, version
-        if old is not None and old != path and self.sync_dir and old.is_relative_to(
-            self.sync_dir.resolve()
+        if (
+            old is not None
+            and old != path
+            and self.sync_dir
+            and old.is_relative_to(self.sync_dir.resolve())
         ):
             shutil.rmtree(old, ignore_errors=True)

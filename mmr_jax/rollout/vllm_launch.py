@@ -7,9 +7,10 @@ Flags and why:
   --generation-config vllm             ignore the checkpoint's generation_config.json defaults
                                        (e.g. a repetition_penalty the trainer would not model);
                                        the client passes the EOS ids as stop_token_ids instead
-  --enable-lora --max-lora-rank R --max-loras 2   LoRA runs: the new adapter loads before the old
-                                       one is unloaded, so two may be resident
-  --gpu-memory-utilization F           fraction of the *whole* GPU vLLM may take (weights + KV cache)
+  --enable-lora --max-lora-rank R --max-loras 2
+                                       LoRA runs: the new adapter loads before the old one is
+                                       unloaded, so two may be resident
+  --gpu-memory-utilization F           share of the whole GPU vLLM takes (weights + KV cache)
 Environment: VLLM_SERVER_DEV_MODE=1 (exposes /collective_rpc and /reset_prefix_cache),
 VLLM_ALLOW_RUNTIME_LORA_UPDATING=True (exposes /v1/load_lora_adapter and /v1/unload_lora_adapter),
 third_party/ prepended to PYTHONPATH (so the worker extension imports). These dev routes have no
@@ -50,26 +51,43 @@ class LaunchOptions:
 def command(opts: LaunchOptions) -> tuple[list[str], dict[str, str]]:
     """(argv, environment) that start `vllm serve` for `opts`."""
     argv = [
-        "vllm", "serve", opts.model,
-        "--host", opts.host,
-        "--port", str(opts.port),
-        "--dtype", opts.dtype,
-        "--seed", str(opts.seed),
-        "--gpu-memory-utilization", str(opts.gpu_memory_utilization),
-        "--tensor-parallel-size", str(opts.tensor_parallel_size),
-        "--logprobs-mode", "processed_logprobs",
-        "--worker-extension-cls", WORKER_EXTENSION,
-        "--generation-config", "vllm",
+        "vllm",
+        "serve",
+        opts.model,
+        "--host",
+        opts.host,
+        "--port",
+        str(opts.port),
+        "--dtype",
+        opts.dtype,
+        "--seed",
+        str(opts.seed),
+        "--gpu-memory-utilization",
+        str(opts.gpu_memory_utilization),
+        "--tensor-parallel-size",
+        str(opts.tensor_parallel_size),
+        "--logprobs-mode",
+        "processed_logprobs",
+        "--worker-extension-cls",
+        WORKER_EXTENSION,
+        "--generation-config",
+        "vllm",
     ]
     if opts.served_model_name:
         argv += ["--served-model-name", opts.served_model_name]
     if opts.max_model_len:
         argv += ["--max-model-len", str(opts.max_model_len)]
-    argv.append("--enable-prefix-caching" if opts.enable_prefix_caching
-                else "--no-enable-prefix-caching")
+    argv.append(
+        "--enable-prefix-caching" if opts.enable_prefix_caching else "--no-enable-prefix-caching"
+    )
     if opts.lora_rank:
-        argv += ["--enable-lora", "--max-lora-rank", str(opts.lora_rank),
-                 "--max-loras", str(opts.max_loras)]
+        argv += [
+            "--enable-lora",
+            "--max-lora-rank",
+            str(opts.lora_rank),
+            "--max-loras",
+            str(opts.max_loras),
+        ]
     argv += list(opts.extra_args)
     env = dict(os.environ)
     env["VLLM_SERVER_DEV_MODE"] = "1"

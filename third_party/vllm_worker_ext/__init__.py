@@ -33,7 +33,7 @@ def iter_safetensors(path: str, device: str = "cpu"):
         raise FileNotFoundError(f"no *.safetensors files in {path}")
     for file in files:
         with safe_open(file, framework="pt", device=device) as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
+            for name in f.keys():
                 yield name, f.get_tensor(name)
 
 

@@ -1,0 +1,58 @@
+"""OpenAI-compatible server (vLLM's routes and shapes) over the embedded JAX sampler.
+
+    python scripts/serve.py --model=checkpoints/smollm2-135m-instruct --port=8000
+    curl localhost:8000/v1/completions -d '{"model": "checkpoints/smollm2-135m-instruct",
+         "prompt": "What is 2 + 3?", "max_tokens": 32, "temperature": 0}'
+
+Serves one checkpoint for evaluation on a CPU or TPU host, and speaks the routes the vLLM rollout
+client uses (/v1/completions, /v1/models, /health, /collective_rpc, /reset_prefix_cache,
+/v1/load_lora_adapter, /v1/unload_lora_adapter), so the trainer's `rollout.engine='vllm'` path runs
+against it unchanged. The weight routes take paths on this host: bind to localhost or a private
+network. See mmr_jax/rollout/server.py for what is and is not supported.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+from absl import app, flags
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from mmr_jax.rollout import sampler, serve_backend, server
+
+_MODEL = flags.DEFINE_string("model", None, "HF checkpoint folder", required=True)
+_NAME = flags.DEFINE_string("served_model_name", None, "model name clients use (default: --model)")
+_TOKENIZER = flags.DEFINE_string("tokenizer", None, "tokenizer folder (default: --model)")
+_HOST = flags.DEFINE_string("host", "127.0.0.1", "bind address")
+_PORT = flags.DEFINE_integer("port", 8000, "port (0 = any free port)")
+_MAX_LEN = flags.DEFINE_integer("max_model_len", None, "prompt + completion limit")
+_SEED = flags.DEFINE_integer("seed", 0, "seeds requests that do not give one")
+_MIN_PROMPTS = flags.DEFINE_integer("min_batch_bucket", 1, "smallest padded prompt count")
+
+
+def main(argv):
+    del argv
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    backend = serve_backend.EmbeddedBackend.from_pretrained(
+        _MODEL.value,
+        model_name=_NAME.value or _MODEL.value,
+        tokenizer_path=_TOKENIZER.value,
+        seed=_SEED.value,
+        max_model_len=_MAX_LEN.value,
+        buckets=sampler.Buckets(min_prompts=_MIN_PROMPTS.value),
+    )
+    srv = server.OpenAIServer(backend, host=_HOST.value, port=_PORT.value)
+    print(f"serving {backend.model_name!r} at {srv.url}", flush=True)
+    try:
+        srv.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        srv.shutdown()
+
+
+if __name__ == "__main__":
+    app.run(main)
