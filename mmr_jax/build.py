@@ -97,7 +97,27 @@ def make_optimizer(cfg: config_types.TrainConfig):
     )
 
 
-def init_state(cfg: config_types.TrainConfig, params, optimizer) -> train_step.TrainState:
+def init_state(
+    cfg: config_types.TrainConfig, params, optimizer, mesh=None
+) -> train_step.TrainState:
+    """The step-0 state. With a mesh, leaves without a sharding (step, counts, RNG) are replicated
+    on it, as the train step's outputs will be, so that the step compiles only once."""
+    state = _init_state(cfg, params, optimizer)
+    if mesh is None:
+        return state
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+    def place(x):
+        return (
+            x
+            if isinstance(x.sharding, jax.sharding.NamedSharding)
+            else jax.device_put(x, replicated)
+        )
+
+    return jax.tree.map(place, state)
+
+
+def _init_state(cfg: config_types.TrainConfig, params, optimizer) -> train_step.TrainState:
     return train_step.TrainState(
         step=jnp.zeros([], jnp.int32),
         params=params,

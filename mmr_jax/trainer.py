@@ -72,9 +72,10 @@ def setup(cfg: config_types.TrainConfig, workdir, *, overwrite: bool = False) ->
     prompts = data.PromptIterator(
         list(zip(prompt_ids, answers, strict=True)), cfg.batch.prompts, cfg.seed
     )
-    policy = build.load_policy(cfg, build.make_mesh(cfg))
+    mesh = build.make_mesh(cfg)
+    policy = build.load_policy(cfg, mesh)
     optimizer, schedule = build.make_optimizer(cfg)
-    state = build.init_state(cfg, policy.params, optimizer)
+    state = build.init_state(cfg, policy.params, optimizer, mesh)
     ref_params = None
     if cfg.loss.beta > 0 and not policy.lora:
         ref_params = jax.tree.map(lambda x: x.copy(), policy.params)  # the donated state moves on
@@ -360,6 +361,7 @@ def train(cfg: config_types.TrainConfig, workdir, *, overwrite: bool = False) ->
                 host = _check_finite(pending[0], pending[1], run.workdir, last_saved)
                 _log(run, pending[0], {**pending[2], **host}, progress)
                 pending = None
+            jax.block_until_ready(run.state.step)  # so that time/train is the update's own time
             t1 = time.perf_counter()
             run.engine.sync_weights(run.policy.model(run.state.params), version=step)
             timings["sync"] = time.perf_counter() - t1

@@ -6,8 +6,9 @@
 Both engines get the same prompts (chat-templated GSM8K problems from ../shared/data, or built-in
 text), the same sampling settings (temperature 0.7, top-p 1, top-k off) and generate exactly
 `new_tokens` tokens per completion (EOS ignored), so tokens/s = prompts * n * new_tokens / seconds.
-The JAX sampler is timed after one warm-up call of the same shape (its compile time is reported
-apart: a training run compiles each bucket once); transformers is timed after a short warm-up.
+The JAX sampler is timed after a warm-up call that compiles the same bucket (compile + one prefill
+is reported apart: a training run compiles each bucket once); transformers is timed after a short
+warm-up, with --torch_threads intra-op threads (on a loaded 2-core machine 1 thread is fastest).
 The SmolLM2 row needs checkpoints/smollm2-135m-instruct (scripts/prepare_smollm2.py); without it
 the row is skipped with a message.
 """
@@ -32,6 +33,7 @@ _N = flags.DEFINE_integer("n", 4, "completions per prompt")
 _NEW = flags.DEFINE_integer("new_tokens", 128, "new tokens per completion")
 _TEMP = flags.DEFINE_float("temperature", 0.7, "sampling temperature (both engines)")
 _MODELS = flags.DEFINE_list("models", ["tiny", "smollm2"], "which models: tiny, smollm2")
+_THREADS = flags.DEFINE_integer("torch_threads", 0, "torch intra-op threads (0 = torch default)")
 _SMOL = flags.DEFINE_string(
     "smollm2_path", str(_REPO / "checkpoints" / "smollm2-135m-instruct"), "SmolLM2 checkpoint"
 )
@@ -68,14 +70,14 @@ def prompt_ids(tokenizer, count: int) -> list[list[int]]:
 def bench_jax(model, prompts, n, new_tokens, temperature):
     from mmr_jax.rollout import base, sampler
 
-    params = base.SamplingParams(new_tokens, temperature=temperature, n=n, seed=0)
+    buckets = sampler.Buckets(min_new_tokens=new_tokens)  # max_new_tokens is traced, not static
+    warm = base.SamplingParams(1, temperature=temperature, n=n, seed=0)
     t0 = time.perf_counter()
-    sampler.sample(model, prompts, params)  # Warm-up: compile this bucket.
+    sampler.sample(model, prompts, warm, buckets=buckets)  # Compiles this bucket (+ a prefill).
     compile_s = time.perf_counter() - t0
+    params = base.SamplingParams(new_tokens, temperature=temperature, n=n, seed=1)
     t0 = time.perf_counter()
-    batch = sampler.sample(
-        model, prompts, base.SamplingParams(new_tokens, temperature=temperature, n=n, seed=1)
-    )
+    batch = sampler.sample(model, prompts, params, buckets=buckets)
     seconds = time.perf_counter() - t0
     assert int(batch.mask.sum()) == len(prompts) * n * new_tokens
     return seconds, compile_s
@@ -165,6 +167,8 @@ def main(argv):
 
     from mmr_jax import testing
 
+    if _THREADS.value:
+        torch.set_num_threads(_THREADS.value)
     print(
         f"jax {jax.__version__} on {jax.devices()[0].platform}, torch {torch.__version__} "
         f"({torch.get_num_threads()} threads), {os.cpu_count()} CPUs"

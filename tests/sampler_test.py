@@ -113,12 +113,12 @@ class TestSample:
         params = base.SamplingParams(max_new_tokens=10, temperature=0.9, n=2)
         sampler.sample(llama, PROMPTS, params)
         before = sampler.trace_count()
-        long = PROMPTS[2]  # 21 tokens: every call below pads to 4 prompts x 32 slots, 16 new.
+        long = PROMPTS[2]  # 21 tokens: every call below pads to 4 prompts x 24 slots, 16 new.
         for prompts, temp, new, seed in [
             ([long, [1, 2, 3], [4], [5, 6]], 0.5, 12, 1),
             ([long[:17], [9] * 11, [4, 5]], 1.3, 16, 2),
             (PROMPTS[::-1], 0.7, 3, 3),
-            ([[8] * 30, [1], [2], [3]], 1.0, 1, None),
+            ([[8] * 24, [1], [2], [3]], 1.0, 1, None),
         ]:
             sampler.sample(
                 llama,
@@ -126,6 +126,13 @@ class TestSample:
                 base.SamplingParams(max_new_tokens=new, temperature=temp, n=2, seed=seed),
             )
         assert sampler.trace_count() == before
+
+
+class TestBuckets:
+    def test_length_buckets(self):
+        got = [sampler.length_bucket(x, 16) for x in (1, 16, 17, 24, 25, 137, 193, 3584)]
+        assert got == [16, 16, 24, 24, 32, 192, 256, 4096]
+        assert [sampler.bucket(x) for x in (1, 3, 4, 5)] == [1, 4, 4, 8]
 
 
 class TestFilter:

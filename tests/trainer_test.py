@@ -114,8 +114,14 @@ def _eval_overrides(tmp_path):
     bench.mkdir()
     rows = [{"id": str(i), "problem": f"What is {i} + 1?", "answer": str(i + 1)} for i in range(2)]
     (bench / "tiny.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return {"eval.every": 2, "eval.data_dir": str(bench), "eval.benchmarks": ("tiny",),
-            "eval.n": 2, "eval.max_new_tokens": 8, "eval.system_prompt": ""}
+    return {
+        "eval.every": 2,
+        "eval.data_dir": str(bench),
+        "eval.benchmarks": ("tiny",),
+        "eval.n": 2,
+        "eval.max_new_tokens": 8,
+        "eval.system_prompt": "",
+    }
 
 
 class TestVariants:
@@ -124,8 +130,9 @@ class TestVariants:
         _check_run(tmp_path, tiny_llama_dir, algo, mmr, lora)
 
     def test_eval_and_export(self, tmp_path, tiny_llama_dir):
-        cfg, out = _check_run(tmp_path, tiny_llama_dir, "dapo_nods", True, True,
-                              **_eval_overrides(tmp_path))
+        cfg, out = _check_run(
+            tmp_path, tiny_llama_dir, "dapo_nods", True, True, **_eval_overrides(tmp_path)
+        )
         assert 0.0 <= out["eval/tiny/pass@1"] <= 1.0 and "eval/average/pass@2" in out
         path = trainer.export_hf(cfg, tmp_path / "run", tmp_path / "hf", step=1)
         assert (pathlib.Path(path) / "config.json").exists()
@@ -319,3 +326,19 @@ class TestBadInput:
         ck = checkpoint.Checkpointer(tmp_path / "run" / checkpoint.CKPT_DIR, keep=None)
         assert ck.all_steps() == [1]
         ck.close()
+
+
+class TestCompilation:
+    def test_train_step_traced_once_per_shape(self, tmp_path, tiny_llama_dir, monkeypatch):
+        traces = []
+        real = trainer.train_step.train_step
+
+        def counted(*args, **kwargs):
+            traces.append(1)  # runs only while jax traces the step
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(trainer.train_step, "train_step", counted)
+        cfg = _config("dapo_nods", tiny_llama_dir, steps=3, **{"checkpoint.every": 0})
+        assert cfg.batch.length_buckets == 1  # one completion-length bucket: one shape
+        trainer.train(cfg, tmp_path / "run")
+        assert len(traces) == 1

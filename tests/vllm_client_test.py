@@ -135,6 +135,24 @@ class TestVllmEngineGenerate:
         assert e.value.status == 400
 
 
+class TestMakeEngine:
+    def test_vllm_engine_from_make_engine(self, fake, tmp_path):
+        from mmr_jax import rollout
+
+        _, srv = fake
+        engine = rollout.make_engine(
+            "vllm", url=srv.url + "/v1", served_model_name="fake", sync_dir=tmp_path, max_retries=0
+        )
+        assert isinstance(engine, vllm_engine.VllmEngine) and engine.client.base_url == srv.url
+        assert engine.generate([[1]], base.SamplingParams(max_new_tokens=3)).tokens.shape == (
+            1,
+            1,
+            3,
+        )
+        with pytest.raises(ValueError, match="unknown rollout engine"):
+            rollout.make_engine("sglang", served_model_name="x")
+
+
 class TestWeightSync:
     def test_full_weights_rpc_then_reset(self, fake, tmp_path):
         backend, srv = fake

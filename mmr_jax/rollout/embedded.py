@@ -82,10 +82,14 @@ class EmbeddedEngine:
         kwargs.setdefault("stop_token_ids", eos_token_ids(path))
         return cls(model, **kwargs)
 
+    def next_seed(self) -> int:
+        """A fresh seed for a call whose `SamplingParams.seed` is None."""
+        return int(self._rng.integers(2**31))
+
     def generate(
         self, prompt_ids: Sequence[Sequence[int]], params: base.SamplingParams
     ) -> base.RolloutBatch:
-        seed = int(self._rng.integers(2**31))
+        seed = self.next_seed()
         return sampler.sample(
             self.model,
             [list(map(int, p)) for p in prompt_ids],

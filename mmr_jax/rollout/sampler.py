@@ -18,8 +18,9 @@ top_k = 0. (vLLM's `processed_logprobs` are renormalised after truncation; equal
 Randomness. Row r of a call with seed s draws from fold_in(fold_in(key(s), r), t) at step t, so a
 completion depends on (seed, prompt index, sample index) and not on the padding buckets.
 
-Compiles. Shapes are bucketed to powers of two (prompt count, prompt length, new tokens, number of
-stop ids) and every sampling value is a traced scalar; the static choices are n, greedy or not,
+Compiles. Shapes are bucketed (prompt count and number of stop ids to powers of two, prompt length
+and new tokens to 2^k or 1.5 * 2^k) and every sampling value, max_new_tokens included, is a traced
+scalar; the static choices are n, greedy or not,
 and whether top-k/top-p filtering is on. `trace_count()` counts traces for tests.
 """
 
@@ -47,6 +48,17 @@ def bucket(x: int, minimum: int = 1) -> int:
     """The smallest power of two >= max(x, minimum)."""
     x = max(int(x), int(minimum), 1)
     return 1 << (x - 1).bit_length()
+
+
+def length_bucket(x: int, minimum: int = 1) -> int:
+    """The smallest of 2^k and 1.5 * 2^k that is >= max(x, minimum) (..., 128, 192, 256, 384, ...).
+
+    Lengths set the cache size S, and a decode step costs about linearly in S, so they get two
+    buckets per octave; the prompt count keeps powers of two.
+    """
+    x = max(int(x), int(minimum), 1)
+    p = bucket(x)
+    return 3 * p // 4 if x <= 3 * p // 4 else p
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,7 +127,7 @@ def _generate(
     greedy: bool,
     use_filter: bool,
 ):
-    """Returns tokens [R, N] int32, logps [R, N] f32, lengths [R] int32, stopped [R] bool."""
+    """Returns tokens [R, N] int32, logps [R, N] f32 and stopped [R] bool (hit a stop id)."""
     _TRACES["generate"] += 1
     model = nnx.merge(graphdef, state)
     bp, p = prompts_BxP.shape
@@ -221,8 +233,8 @@ def sample(
             f"model's {max_len} positions"
         )
     bp = bucket(num_prompts, buckets.min_prompts)
-    p = bucket(longest, max(buckets.min_prompt_len, 2))
-    num_new = bucket(params.max_new_tokens, buckets.min_new_tokens)
+    p = length_bucket(longest, max(buckets.min_prompt_len, 2))
+    num_new = length_bucket(params.max_new_tokens, buckets.min_new_tokens)
     stops = sorted(set(stop_token_ids) | set(params.stop_token_ids))
     stop_arr = np.full((bucket(len(stops), buckets.min_stop_ids),), -1, np.int32)
     stop_arr[: len(stops)] = stops

@@ -152,7 +152,7 @@ class EmbeddedBackend:
     ) -> base.RolloutBatch:
         with self._lock:
             decoder = self.engine.model if model == self.model_name else self._adapter_model(model)
-            seed = int(self.engine._rng.integers(2**31))
+            seed = self.engine.next_seed()
             return sampler.sample(
                 decoder,
                 prompt_ids,
