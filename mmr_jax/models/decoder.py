@@ -38,6 +38,22 @@ def _attend(q_BxTxNxD, k_BxSxKxD, v_BxSxKxD, mask_BxTxS):
     return o.reshape(b, t, n * d)
 
 
+def _attend_bksd(q_BxTxNxD, k_BxKxSxD, v_BxKxSxD, mask_BxTxS):
+    """`_attend` against per-layer [B, K, S, D] keys/values (the split cache of the decode loop).
+
+    Batch dims (b, k) lead in both cache operands, so XLA feeds them to the matmuls as they are
+    instead of materialising a transposed copy of the cache slice every step.
+    """
+    b, t, n, d = q_BxTxNxD.shape
+    kh = k_BxKxSxD.shape[1]
+    q = q_BxTxNxD.reshape(b, t, kh, n // kh, d)
+    s = jnp.einsum("btkgd,bksd->bkgts", q, k_BxKxSxD, preferred_element_type=jnp.float32)
+    s = jnp.where(mask_BxTxS[:, None, None], s * (d**-0.5), _MASK_VALUE)
+    p = jax.nn.softmax(s, axis=-1).astype(v_BxKxSxD.dtype)
+    o = jnp.einsum("bkgts,bksd->btkgd", p, v_BxKxSxD)
+    return o.reshape(b, t, n * d)
+
+
 def _split_key(key, i):
     return None if key is None else jax.random.fold_in(key, i)
 
@@ -250,15 +266,23 @@ class Decoder(nnx.Module):
         limit = write_index + jnp.arange(t, dtype=jnp.int32)
         mask = (slots[None, :] <= limit[:, None])[None] & kv_mask_BxS.astype(jnp.bool_)[:, None, :]
         cos, sin = layers.rope_cos_sin(positions_BxT, self.inv_freq)
-        ck, cv = cache.k, cache.v
+        split = cache.is_split
+        ck, cv = (list(cache.k), list(cache.v)) if split else (cache.k, cache.v)
         x = self.embed_tokens(tokens_BxT)
         for i, block in enumerate(self.layers):
             h = block.input_layernorm(x)
             q, k, v = block.self_attn.qkv(h, cos, sin, disable_lora=disable_lora, key=None)
-            ck = kv_cache.write(ck, i, k, write_index)
-            cv = kv_cache.write(cv, i, v, write_index)
-            o = _attend(q, ck[i].astype(q.dtype), cv[i].astype(q.dtype), mask)
+            if split:  # Whole per-layer buffers: in-place writes, no transposed copies.
+                ck[i] = kv_cache.write_layer(ck[i], k, write_index)
+                cv[i] = kv_cache.write_layer(cv[i], v, write_index)
+                o = _attend_bksd(q, ck[i].astype(q.dtype), cv[i].astype(q.dtype), mask)
+            else:
+                ck = kv_cache.write(ck, i, k, write_index)
+                cv = kv_cache.write(cv, i, v, write_index)
+                o = _attend(q, ck[i].astype(q.dtype), cv[i].astype(q.dtype), mask)
             x = x + block.self_attn.out(o, disable_lora=disable_lora, key=None)
             x = x + block.mlp(block.post_attention_layernorm(x), disable_lora=disable_lora)
         logits = self.logits_from_hidden(self.norm(x))
+        if split:
+            return logits, kv_cache.KVCache(k=tuple(ck), v=tuple(cv))
         return logits, kv_cache.KVCache(k=ck, v=cv)

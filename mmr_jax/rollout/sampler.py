@@ -34,9 +34,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from mmr_jax.models import kv_cache
 from mmr_jax.rollout import base
 
 _TRACES = {"generate": 0}
+_SPLIT_CACHE = True
 
 
 def trace_count() -> int:
@@ -145,6 +147,8 @@ def _generate(
         kv_mask_BxS=kv_mask_BxS,
     )
     cache = jax.tree.map(lambda a: jnp.repeat(a, n, axis=1), cache)
+    if _SPLIT_CACHE:
+        cache = kv_cache.split(cache)
     kv_mask_RxS = jnp.repeat(kv_mask_BxS, n, axis=0)
     lengths_R = jnp.repeat(lengths_B, n)
     row_keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.key(seed), i))(row_ids_R)
