@@ -31,12 +31,12 @@ SHARED_DATA = os.environ.get(
 EVAL_BENCHMARKS = ("math500", "aime24", "amc23", "minerva_math", "olympiadbench")
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
-# Model size -> (HF checkpoint folder, LoRA on). Folders are local HF checkpoints (config.json +
-# safetensors); `--dry_run` reads only config.json.
+# Model size -> (checkpoint, LoRA on). A checkpoint is a local HF folder or a hub repo id, fetched
+# once into the HF cache; `--dry_run` reads only the config.json copies under configs/models/.
 MODELS = {
-    "1.5b": ("checkpoints/DeepSeek-R1-Distill-Qwen-1.5B", False),
-    "7b": ("checkpoints/DeepSeek-R1-Distill-Qwen-7B", True),
-    "8b": ("checkpoints/DeepSeek-R1-Distill-Llama-8B", True),
+    "1.5b": ("deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B", False),
+    "7b": ("deepseek-ai/DeepSeek-R1-Distill-Qwen-7B", True),
+    "8b": ("deepseek-ai/DeepSeek-R1-Distill-Llama-8B", True),
 }
 
 

@@ -176,10 +176,10 @@ def export_model(model, out_dir, *, base_path: str, dtype, lora: bool) -> pathli
     Under LoRA the adapters alone are also written as a PEFT folder, `<out_dir>/adapter`.
     `base_path` is the HF folder the run started from (tokenizer files, PEFT base name).
     """
-    from mmr_jax.models import export
+    from mmr_jax.models import export, hub
 
     out_dir = pathlib.Path(out_dir)
-    export.save_hf(model, out_dir, tokenizer_dir=base_path, dtype=dtype)
+    export.save_hf(model, out_dir, tokenizer_dir=hub.resolve_checkpoint(base_path), dtype=dtype)
     if lora:
         export.save_peft_adapter(model, out_dir / "adapter", base_model_name_or_path=base_path)
     logging.info("exported %s", out_dir)

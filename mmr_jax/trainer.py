@@ -21,6 +21,7 @@ import numpy as np
 from absl import logging
 
 from mmr_jax import build, checkpoint, config_types, data, experience, metrics, rewards, train_step
+from mmr_jax.models import hub
 from mmr_jax.rollout import base as rollout_base
 
 
@@ -67,7 +68,8 @@ def setup(cfg: config_types.TrainConfig, workdir, *, overwrite: bool = False) ->
     from mmr_jax import embeddings
 
     workdir = os.fspath(checkpoint.prepare_workdir(workdir, cfg.to_dict(), overwrite=overwrite))
-    tokenizer = transformers.AutoTokenizer.from_pretrained(cfg.model.path)
+    # A hub id is fetched once (here); the config keeps the id, as vLLM serves it under that name.
+    tokenizer = transformers.AutoTokenizer.from_pretrained(hub.resolve_checkpoint(cfg.model.path))
     prompt_ids, answers = build.load_prompts(cfg, tokenizer)
     prompts = data.PromptIterator(
         list(zip(prompt_ids, answers, strict=True)), cfg.batch.prompts, cfg.seed

@@ -53,7 +53,7 @@ def split(cache: KVCache) -> KVCache:
     """Stacked [L, B, S, K, D] -> tuples of L per-layer [B, K, S, D] arrays (see `KVCache`)."""
     if cache.is_split:
         return cache
-    per_layer = lambda a: tuple(jnp.swapaxes(a[i], 1, 2) for i in range(a.shape[0]))  # noqa: E731
+    per_layer = lambda a: tuple(jnp.swapaxes(a[i], 1, 2) for i in range(a.shape[0]))
     return KVCache(k=per_layer(cache.k), v=per_layer(cache.v))
 
 
@@ -61,7 +61,7 @@ def stack(cache: KVCache) -> KVCache:
     """The inverse of `split`: per-layer [B, K, S, D] tuples -> stacked [L, B, S, K, D]."""
     if not cache.is_split:
         return cache
-    stacked = lambda t: jnp.stack([jnp.swapaxes(a, 1, 2) for a in t])  # noqa: E731
+    stacked = lambda t: jnp.stack([jnp.swapaxes(a, 1, 2) for a in t])
     return KVCache(k=stacked(cache.k), v=stacked(cache.v))
 
 

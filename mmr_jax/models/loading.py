@@ -30,7 +30,7 @@ import numpy as np
 from flax import nnx
 
 from mmr_jax.models import config as config_lib
-from mmr_jax.models import decoder
+from mmr_jax.models import decoder, hub
 from mmr_jax.models import lora as lora_lib
 from mmr_jax.models import sharding as sharding_lib
 
@@ -194,16 +194,17 @@ def from_pretrained(
     rngs: nnx.Rngs | None = None,
     remat: bool = False,
 ) -> decoder.Decoder:
-    """Loads a HF folder (config.json + safetensors) as a `Decoder` in eval mode.
+    """Loads a HF checkpoint (config.json + safetensors) as a `Decoder` in eval mode.
 
     Args:
-      path: the checkpoint folder.
+      path: the checkpoint folder, or a hub repo id ('Qwen/Qwen2.5-1.5B'), fetched once.
       dtype: compute dtype; param_dtype: storage dtype of the weights (fp32 master weights).
       mesh: place each parameter with its partition rule on this mesh (default: one device).
       lora: add adapters (B = 0, so the model starts equal to the base).
       rngs: randomness for lora_a (its `params` stream).
       remat: gradient checkpointing per block.
     """
+    path = hub.resolve_checkpoint(path)
     cfg = config_lib.ModelConfig.from_hf(path, remat=remat)
     abstract = abstract_model(cfg, dtype=dtype, param_dtype=param_dtype, lora=lora)
     return load_weights(abstract, path, mesh=mesh, rngs=rngs)
