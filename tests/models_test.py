@@ -16,7 +16,7 @@ from flax import nnx
 
 from mmr_jax import models, testing
 from mmr_jax.models import config as config_lib
-from mmr_jax.models import logprobs
+from mmr_jax.models import kv_cache, logprobs
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
 torch = pytest.importorskip("torch")
@@ -150,8 +150,10 @@ class TestParity:
 
 
 class TestKVCache:
+    @pytest.mark.parametrize("split", [False, True], ids=["stacked", "split"])
     @pytest.mark.parametrize("name", ["llama3_rope_head_dim", "qwen2_bias_tied"])
-    def test_prefill_then_decode_equals_full_forward(self, checkpoints, name):
+    def test_prefill_then_decode_equals_full_forward(self, checkpoints, name, split):
+        # `split` decodes with the sampler's per-layer [B, K, S, D] cache form after the prefill.
         model = models.from_pretrained(checkpoints[name])
         lengths, prompt_len, new = [9, 5, 2], 9, 6
         tokens, mask, positions = _left_padded([n + new for n in lengths], prompt_len + new, seed=2)
@@ -164,6 +166,8 @@ class TestKVCache:
             lambda m, t, p, c, i: m.forward_cached(t, p, c, write_index=i, kv_mask_BxS=kv_mask)
         )
         logits, cache = step(model, tokens[:, :prompt_len], positions[:, :prompt_len], cache, 0)
+        if split:
+            cache = kv_cache.split(cache)
         got = [np.asarray(logits)]
         for i in range(prompt_len, prompt_len + new):
             logits, cache = step(model, tokens[:, i : i + 1], positions[:, i : i + 1], cache, i)
