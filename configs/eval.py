@@ -21,7 +21,7 @@ BENCHMARKS = ("math500", "aime24", "amc23", "minerva_math", "olympiadbench")
 # do not import the library).
 EVAL_SYSTEM_PROMPT = (
     "Solve the following math problem efficiently and clearly.  The last line of your response "
-    "should be of the following format: 'Therefore, the final answer is: $\\\\boxed{{ANSWER}}$. "
+    "should be of the following format: 'Therefore, the final answer is: $\\boxed{ANSWER}$. "
     "I hope it is correct' (without quotes) where ANSWER is just the final number or expression "
     "that solves the problem. Think step by step before answering.\n"
 )

@@ -26,10 +26,11 @@ TRAIN_SYSTEM_PROMPT = (
     "tags, respectively, i.e., <think> reasoning process here </think> <answer> answer here "
     "</answer>. Note that respond by English, NOT use other languages."
 )
-# As printed in the paper (lighteval's MATH_QUERY_TEMPLATE before `.format`, hence `{{ANSWER}}`).
+# The paper prints lighteval's MATH_QUERY_TEMPLATE source; this is the text the model sees after
+# `.format`: `{{ANSWER}}` becomes `{ANSWER}` and the doubled backslash a single one.
 EVAL_SYSTEM_PROMPT = (
     "Solve the following math problem efficiently and clearly.  The last line of your response "
-    "should be of the following format: 'Therefore, the final answer is: $\\\\boxed{{ANSWER}}$. "
+    "should be of the following format: 'Therefore, the final answer is: $\\boxed{ANSWER}$. "
     "I hope it is correct' (without quotes) where ANSWER is just the final number or expression "
     "that solves the problem. Think step by step before answering.\n"
 )

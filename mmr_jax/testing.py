@@ -136,7 +136,7 @@ def make_tiny_checkpoint(
         config_overrides.setdefault("vocab_size", len(tok))
     config = tiny_hf_config(family, initializer_range=init_std, **config_overrides)
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     # Non-trivial norm weights and biases, so a tensor the loader misses shows up in parity.
     with torch.no_grad():
         for name, p in model.named_parameters():

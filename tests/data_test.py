@@ -140,3 +140,20 @@ class TestArithmeticProblems:
             [f"\\boxed{{{p.answer}}}" for p in problems], [p.answer for p in problems]
         )
         assert all(g.correct for g in grades)
+
+
+class TestSystemPrompts:
+    def test_eval_prompt_is_the_formatted_lighteval_text(self):
+        # The model must see `$\boxed{ANSWER}$`, not the template source's `\\boxed{{ANSWER}}`.
+        assert "the final answer is: $\\boxed{ANSWER}$. I hope" in data.EVAL_SYSTEM_PROMPT
+        assert "{{" not in data.EVAL_SYSTEM_PROMPT and "\\\\" not in data.EVAL_SYSTEM_PROMPT
+
+    def test_configs_carry_the_library_prompts(self):
+        import importlib.util
+        import pathlib
+
+        path = pathlib.Path(__file__).resolve().parents[1] / "configs" / "eval.py"
+        spec = importlib.util.spec_from_file_location("eval_config", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        assert module.get_config().system_prompt == data.EVAL_SYSTEM_PROMPT

@@ -159,3 +159,39 @@ class TestEvaluate:
         grades = grading.Grader(workers=0).grade([""] * len(golds), golds)
         assert [a for a, g in zip(golds, grades, strict=True) if not g.gold_valid] == []
         assert np.mean([g.status == grading.WRONG for g in grades]) == 1.0
+
+
+class TestEndToEnd:
+    def test_script_on_a_tiny_model_and_five_problems(self, tmp_path):
+        """scripts/evaluate.py through the real embedded sampler; records graded again here."""
+        import pathlib
+        import subprocess
+        import sys
+
+        # MATH-500 prompts run to ~800 tokens with the tiny 512-token vocabulary.
+        ckpt = testing.make_tiny_checkpoint(tmp_path / "ckpt", max_position_embeddings=2048)
+        root = pathlib.Path(__file__).resolve().parents[1]
+        out = tmp_path / "eval"
+        cmd = [
+            sys.executable, str(root / "scripts" / "evaluate.py"),
+            f"--config={root / 'configs' / 'eval.py'}",
+            f"--config.checkpoint={ckpt}", f"--config.output_dir={out}",
+            "--config.benchmarks=('math500',)", "--config.max_problems=5", "--config.n=2",
+            "--config.ks=(1,2)", "--config.max_new_tokens=8", "--config.grader_workers=0",
+            "--config.keep_completions=True",
+        ]  # fmt: skip
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        [path] = list(out.glob("*.json"))
+        result = json.loads(path.read_text())
+        records = result["records"]
+        eval_dir = testing.default_shared_data() / "eval"
+        problems = evaluation.load_benchmarks(eval_dir, ["math500"], max_problems=5)["math500"]
+        gold = {p.id: p.answer for p in problems}
+        assert sorted(r["id"] for r in records) == sorted(gold)
+        for r in records:  # every completion graded again, one by one, outside evaluate()
+            assert len(r["completions"]) == 2
+            regraded = [grading.grade_one(c, gold[r["id"]]).correct for c in r["completions"]]
+            assert r["correct"] == regraded
+        expect = np.mean([evaluation.pass_at_k(2, sum(r["correct"]), 1) for r in records])
+        assert result["per_benchmark"]["math500"]["pass@1"] == pytest.approx(expect)
