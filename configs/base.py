@@ -95,6 +95,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # 'tokens': length in tokens, clamped at max_completion_len; 'released': characters, unclamped,
     # max_len 1000 (the released code's form, periodic in the length).
     c.rewards.cosine_form = "tokens"
+    # Accuracy also requires the stated answer to be a plain number (arithmetic prompts, where
+    # restating "3 + 9" would otherwise count as correct).
+    c.rewards.accuracy_number_only = False
 
     c.advantage = ml_collections.ConfigDict()
     c.advantage.estimator = "grpo"  # 'grpo' (r - mean) / (std + eps) | 'dr_grpo' (r - mean)

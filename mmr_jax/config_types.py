@@ -69,6 +69,7 @@ class RolloutConfig:
 class RewardsConfig:
     weights: Mapping[str, float] = dataclasses.field(default_factory=dict)
     cosine_form: str = "tokens"
+    accuracy_number_only: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

@@ -151,11 +151,15 @@ def _sampling(cfg: config_types.TrainConfig, step: int, round_: int) -> rollout_
 
 
 def _reward_params(cfg: config_types.TrainConfig) -> dict:
-    if "cosine" not in cfg.rewards.weights:
-        return {}
-    if cfg.rewards.cosine_form == "released":
-        return {"cosine": dict(rewards.RELEASED_COSINE)}
-    return {"cosine": {"max_len": cfg.batch.max_completion_len}}
+    params = {}
+    if "cosine" in cfg.rewards.weights:
+        released = cfg.rewards.cosine_form == "released"
+        params["cosine"] = (
+            dict(rewards.RELEASED_COSINE) if released else {"max_len": cfg.batch.max_completion_len}
+        )
+    if cfg.rewards.accuracy_number_only and "accuracy" in cfg.rewards.weights:
+        params["accuracy"] = {"number_only": True}
+    return params
 
 
 def collect(run: Run, step: int, timings: dict) -> tuple[experience.Groups, dict]:

@@ -221,3 +221,32 @@ class TestScore:
     def test_params_for_unweighted_reward(self):
         with pytest.raises(ValueError, match="without a weight"):
             rewards.score(["a"], ["1"], [1], {"format": 1.0}, params={"cosine": {}}, grader=GRADER)
+
+
+class TestAccuracyNumberOnly:
+    # math-verify evaluates a restated question ("3 + 9") to the gold (12): correct by default,
+    # not with number_only.
+    TEXTS = [
+        "The answer is 12.",
+        "The answer is 3 + 9, which is the sum.",
+        "The answer is 2 + 7 = 12.",
+        "So \\boxed{12}",
+        "So \\boxed{3+9}",
+        "The answer is 12, since 3 + 9 = 12.",
+        "The answer is 13.",
+    ]
+
+    def test_default_accepts_a_restated_expression(self):
+        got = functions.accuracy(self.TEXTS, ["12"] * 7, grader=GRADER)
+        assert got[1] == 1.0 and got[4] == 1.0  # the shortcut that number_only closes
+
+    def test_number_only_requires_a_plain_number(self):
+        got = functions.accuracy(self.TEXTS, ["12"] * 7, grader=GRADER, number_only=True)
+        np.testing.assert_array_equal(got, [1, 0, 0, 1, 0, 1, 0])
+
+    def test_score_passes_the_parameter(self):
+        s = rewards.score(
+            self.TEXTS[:2], ["12"] * 2, [5, 5], {"accuracy": 1.0},
+            params={"accuracy": {"number_only": True}}, grader=GRADER,
+        )  # fmt: skip
+        np.testing.assert_array_equal(s.total, [1.0, 0.0])

@@ -36,15 +36,38 @@ def accuracy(
     lengths: Sequence[int] | None = None,
     grades: Sequence[grading.Grade] | None = None,
     grader: grading.Grader | None = None,
+    number_only: bool = False,
 ) -> np.ndarray:
     """1.0 where math-verify finds the completion's answer equivalent to the gold, else 0.0.
 
     Rows whose gold answer cannot be parsed get 0.0 here and valid=False from `rewards.score`
     (the released code gave them 1.0); rows that time out get 0.0 and are counted there.
+
+    number_only: also require the stated answer to be a plain number. math-verify evaluates
+      expressions, so on arithmetic prompts ("What is 3 + 9?") restating the question ("The
+      answer is 3 + 9") counts as correct; small models find that shortcut within a few steps.
     """
     del lengths
     grades = _grades(completions, answers, grades, grader)
-    return np.array([g.correct for g in grades], np.float32)
+    correct = np.array([g.correct for g in grades], bool)
+    if number_only:
+        correct &= np.array([_states_a_number(c) for c in completions], bool)
+    return correct.astype(np.float32)
+
+
+# The stated answer: the last \boxed{...}, else what follows the last "answer is" up to a comma,
+# semicolon, line end or sentence end.
+_BOXED_RE = re.compile(r"\\boxed\{([^{}]*)\}")
+_ANCHOR_RE = re.compile(r"answer is:?\s*(.*?)(?:[,;\n]|\.(?:\s|$)|$)", re.IGNORECASE)
+_NUMBER_RE = re.compile(r"\$?\s*-?\d+(?:\.\d+)?\s*\$?\.?")
+
+
+def _states_a_number(completion: str) -> bool:
+    boxed = _BOXED_RE.findall(completion)
+    if boxed:
+        return bool(_NUMBER_RE.fullmatch(boxed[-1].strip()))
+    anchored = _ANCHOR_RE.findall(completion)
+    return bool(anchored) and bool(_NUMBER_RE.fullmatch(anchored[-1].strip()))
 
 
 @registry.register("format")
