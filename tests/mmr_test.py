@@ -225,14 +225,22 @@ class MmrReweightTest(chex.TestCase):
         np.testing.assert_allclose(got, [0.375 - 0.25, 2.0, 0.75 - 0.25], rtol=1e-6)
 
     def test_any_leading_shape(self):
+        # 5 * 9 = 45 groups: more than one CPU Gram chunk (32), and not a multiple of it.
         rng = np.random.default_rng(4)
-        r = jnp.asarray(rng.normal(size=(2, 3, 5)), jnp.float32)
-        e = jnp.asarray(rng.normal(size=(2, 3, 5, 7)), jnp.float32)
+        r = jnp.asarray(rng.normal(size=(5, 9, 5)), jnp.float32)
+        e = jnp.asarray(rng.normal(size=(5, 9, 5, 7)), jnp.float32)
         got = mmr_jit(r, e)
-        chex.assert_shape(got, (2, 3, 5))
-        for i in range(2):
-            for j in range(3):
-                np.testing.assert_array_equal(got[i, j], mmr_jit(r[i, j], e[i, j]))
+        # Positive embeddings for DRA: Gaussian ones can put its denominator near 0.
+        e_pos = jnp.abs(e)
+        got_dra = jax.jit(mmr.dra_reweight)(r, e_pos)
+        chex.assert_shape([got, got_dra], (5, 9, 5))
+        for i in range(5):
+            for j in range(9):
+                # Batched and single Gram matmuls round differently (float32).
+                np.testing.assert_allclose(got[i, j], mmr_jit(r[i, j], e[i, j]), rtol=1e-5)
+                np.testing.assert_allclose(
+                    got_dra[i, j], mmr.dra_reweight(r[i, j], e_pos[i, j]), rtol=1e-5
+                )
 
     def test_gradients_are_finite(self):
         # Group 0 mixes a zero row and identical rows; group 1 has all-equal rewards (std 0).
