@@ -153,7 +153,7 @@ class TestKVCache:
     @pytest.mark.parametrize("split", [False, True], ids=["stacked", "split"])
     @pytest.mark.parametrize("name", ["llama3_rope_head_dim", "qwen2_bias_tied"])
     def test_prefill_then_decode_equals_full_forward(self, checkpoints, name, split):
-        # `split` decodes with the sampler's per-layer [B, K, S, D] cache form after the prefill.
+        # `split` decodes with the sampler's per-layer cache form (k [B, K, D, S], v [B, K, S, D]).
         model = models.from_pretrained(checkpoints[name])
         lengths, prompt_len, new = [9, 5, 2], 9, 6
         tokens, mask, positions = _left_padded([n + new for n in lengths], prompt_len + new, seed=2)
@@ -175,6 +175,36 @@ class TestKVCache:
         got = np.concatenate(got, axis=1)
         m = np.asarray(mask, bool)
         assert np.abs(got[m] - full[m]).max() <= PARITY_TOL
+
+    def test_split_layout_and_round_trip(self):
+        rng = np.random.default_rng(0)
+        k, v = (jnp.asarray(rng.standard_normal((2, 3, 5, 4, 6)), jnp.float32) for _ in range(2))
+        cache = kv_cache.KVCache(k=k, v=v)  # [L, B, S, K, D]
+        split = kv_cache.split(cache)
+        assert split.is_split and split.max_len == 5
+        # Layer 1, row 2, slot 4, kv head 3, dim 5 sits at k[1][2, 3, 5, 4] and v[1][2, 3, 4, 5].
+        assert split.k[1][2, 3, 5, 4] == k[1, 2, 4, 3, 5]
+        assert split.v[1][2, 3, 4, 5] == v[1, 2, 4, 3, 5]
+        back = kv_cache.stack(split)
+        np.testing.assert_array_equal(back.k, k)
+        np.testing.assert_array_equal(back.v, v)
+
+    def test_split_writes_land_where_stacked_writes_do(self):
+        rng = np.random.default_rng(1)
+        cache = kv_cache.init(2, 3, 7, 2, 4, jnp.float32)
+        new_k, new_v = (jnp.asarray(rng.standard_normal((3, 2, 2, 4)), jnp.float32) for _ in "kv")
+        stacked = kv_cache.KVCache(
+            k=kv_cache.write(cache.k, 1, new_k, 4), v=kv_cache.write(cache.v, 1, new_v, 4)
+        )
+        split = kv_cache.split(cache)
+        split = kv_cache.KVCache(
+            k=(split.k[0], kv_cache.write_layer_keys(split.k[1], new_k, 4)),
+            v=(split.v[0], kv_cache.write_layer_values(split.v[1], new_v, 4)),
+        )
+        back = kv_cache.stack(split)
+        np.testing.assert_array_equal(back.k, stacked.k)
+        np.testing.assert_array_equal(back.v, stacked.v)
+        assert np.abs(np.asarray(back.k[1, :, 4:6])).sum() > 0
 
 
 class TestTokenLogprobs:

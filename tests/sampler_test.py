@@ -149,6 +149,43 @@ class TestFilter:
         np.testing.assert_array_equal(out, logits)
 
 
+class TestCategorical:
+    """`sampler.categorical` (inverse-CDF in blocks) draws from softmax(logits)."""
+
+    @staticmethod
+    def _draw(logits_V, n, seed=0):
+        keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.key(seed), i))(jnp.arange(n))
+        logits = jnp.broadcast_to(jnp.asarray(logits_V, jnp.float32), (n, len(logits_V)))
+        return np.asarray(jax.jit(sampler.categorical)(keys, logits))
+
+    def test_frequencies_match_softmax(self):
+        # 300 tokens: three CDF blocks, the last one partial.
+        logits = np.random.default_rng(0).normal(scale=2.0, size=300)
+        p = np.exp(logits - logits.max())
+        p /= p.sum()
+        n = 40_000
+        freq = np.bincount(self._draw(logits, n), minlength=300) / n
+        # Each count is binomial(n, p_i): 5 standard deviations, plus one count for tiny p_i.
+        bound = 5 * np.sqrt(p * (1 - p) / n) + 1 / n
+        assert np.all(np.abs(freq - p) <= bound), np.max(np.abs(freq - p) / bound)
+
+    def test_never_draws_minus_inf(self):
+        # Finite logits at block edges (0, 127, 128, 299) and one that holds nearly all the mass.
+        logits = np.full(300, -np.inf, np.float32)
+        logits[[0, 127, 128, 200, 299]] = [0.0, -30.0, 1.0, 25.0, -0.5]
+        tokens = self._draw(logits, 20_000, seed=1)
+        assert set(np.unique(tokens)) <= {0, 127, 128, 200, 299}
+        assert np.mean(tokens == 200) > 0.999
+        one = np.full(300, -np.inf, np.float32)
+        one[255] = 3.0
+        np.testing.assert_array_equal(self._draw(one, 500, seed=2), 255)
+
+    def test_seeded(self):
+        logits = np.random.default_rng(1).normal(size=1000)
+        np.testing.assert_array_equal(self._draw(logits, 64, 3), self._draw(logits, 64, 3))
+        assert (self._draw(logits, 64, 3) != self._draw(logits, 64, 4)).any()
+
+
 class TestEmbeddedEngine:
     def test_generate_and_sync_weights(self, tiny_llama_dir, tmp_path):
         from mmr_jax import models, testing
