@@ -225,7 +225,6 @@ class MmrReweightTest(chex.TestCase):
         np.testing.assert_allclose(got, [0.375 - 0.25, 2.0, 0.75 - 0.25], rtol=1e-6)
 
     def test_any_leading_shape(self):
-        # 5 * 9 = 45 groups: more than one CPU Gram chunk (32), and not a multiple of it.
         rng = np.random.default_rng(4)
         r = jnp.asarray(rng.normal(size=(5, 9, 5)), jnp.float32)
         e = jnp.asarray(rng.normal(size=(5, 9, 5, 7)), jnp.float32)
