@@ -181,7 +181,6 @@ def _generate(
         write_index=0,
         kv_mask_BxS=kv_mask_BxS,
     )
-    # Rows of the split cache are axis 0 of each per-layer array, of the stacked one axis 1.
     # Rows are axis 0 of each per-layer array of the split cache, axis 1 of the stacked one.
     cache = jax.tree.map(lambda a: jnp.repeat(a, n, axis=0 if _SPLIT_CACHE else 1), cache)
     kv_mask_RxS = jnp.repeat(kv_mask_BxS, n, axis=0)
