@@ -141,8 +141,12 @@ def step_config(cfg: config_types.TrainConfig) -> train_step.StepConfig:
     )
 
 
-def make_engine(cfg: config_types.TrainConfig, policy: Policy, tokenizer, workdir):
-    """The rollout engine of `cfg.rollout.engine`, already holding the policy's weights."""
+def make_engine(cfg: config_types.TrainConfig, policy: Policy, tokenizer, workdir, mesh=None):
+    """The rollout engine of `cfg.rollout.engine`, already holding the policy's weights.
+
+    On a pure data-parallel `mesh` (fsdp and tensor of size 1: the weights are replicated
+    already) the embedded engine samples data-parallel over it; otherwise on the weights' devices.
+    """
     from mmr_jax.rollout import embedded, sampler
 
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -154,8 +158,14 @@ def make_engine(cfg: config_types.TrainConfig, policy: Policy, tokenizer, workdi
             min_prompt_len=cfg.batch.max_prompt_len,
             min_new_tokens=cfg.batch.max_completion_len,
         )
+        data_parallel = mesh is not None and mesh.shape["fsdp"] * mesh.shape["tensor"] == 1
         return embedded.EmbeddedEngine(
-            policy.model(), stop_token_ids=stops, pad_id=pad, seed=cfg.seed, buckets=buckets
+            policy.model(),
+            stop_token_ids=stops,
+            pad_id=pad,
+            seed=cfg.seed,
+            buckets=buckets,
+            mesh=mesh if data_parallel and mesh.size > 1 else None,
         )
     return rollout.make_engine(
         "vllm",

@@ -94,7 +94,7 @@ def setup(cfg: config_types.TrainConfig, workdir, *, overwrite: bool = False) ->
         prompts.restore(meta["data"])
         resume_step = int(meta["step"])
         logging.info("resuming %s from step %d", workdir, resume_step)
-    engine = build.make_engine(cfg, policy, tokenizer, workdir)
+    engine = build.make_engine(cfg, policy, tokenizer, workdir, mesh)
     engine.sync_weights(policy.model(state.params), version=int(state.step))
     encoder = None
     if cfg.reweighting != "none":

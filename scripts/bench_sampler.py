@@ -9,6 +9,9 @@ text), the same sampling settings (temperature 0.7, top-p 1, top-k off) and gene
 The JAX sampler is timed after a warm-up call that compiles the same bucket (compile + one prefill
 is reported apart: a training run compiles each bucket once); transformers is timed after a short
 warm-up, with --torch_threads intra-op threads (on a loaded 2-core machine 1 thread is fastest).
+Our sampler runs data-parallel with one JAX CPU device per core (--cpu_devices, default all
+cores: the prompts split over the devices, the weights replicated), which is how a CPU run uses
+both cores; with --single_device it is also timed on one device in the same run, for comparison.
 The SmolLM2 row needs checkpoints/smollm2-135m-instruct (scripts/prepare_smollm2.py); without it
 the row is skipped with a message.
 """
@@ -34,6 +37,10 @@ _NEW = flags.DEFINE_integer("new_tokens", 128, "new tokens per completion")
 _TEMP = flags.DEFINE_float("temperature", 0.7, "sampling temperature (both engines)")
 _MODELS = flags.DEFINE_list("models", ["tiny", "smollm2"], "which models: tiny, smollm2")
 _THREADS = flags.DEFINE_integer("torch_threads", 0, "torch intra-op threads (0 = torch default)")
+_DEVICES = flags.DEFINE_integer(
+    "cpu_devices", 0, "JAX CPU devices for the data-parallel sampler (0 = one per core)"
+)
+_SINGLE = flags.DEFINE_bool("single_device", True, "also time our sampler on one device")
 _SMOL = flags.DEFINE_string(
     "smollm2_path", str(_REPO / "checkpoints" / "smollm2-135m-instruct"), "SmolLM2 checkpoint"
 )
@@ -67,17 +74,29 @@ def prompt_ids(tokenizer, count: int) -> list[list[int]]:
     return out
 
 
-def bench_jax(model, prompts, n, new_tokens, temperature):
+def replicate(model, mesh):
+    """`model` with its weights replicated on `mesh` (once, outside the timed calls)."""
+    import jax
+    from flax import nnx
+
+    from mmr_jax.models import sharding
+
+    graphdef, state = nnx.split(model)
+    return nnx.merge(graphdef, jax.device_put(state, sharding.replicated(mesh)))
+
+
+def bench_jax(model, prompts, n, new_tokens, temperature, mesh=None):
     from mmr_jax.rollout import base, sampler
 
     buckets = sampler.Buckets(min_new_tokens=new_tokens)  # max_new_tokens is traced, not static
     warm = base.SamplingParams(1, temperature=temperature, n=n, seed=0)
     t0 = time.perf_counter()
-    sampler.sample(model, prompts, warm, buckets=buckets)  # Compiles this bucket (+ a prefill).
+    # Compiles this bucket (+ a prefill).
+    sampler.sample(model, prompts, warm, buckets=buckets, mesh=mesh)
     compile_s = time.perf_counter() - t0
     params = base.SamplingParams(new_tokens, temperature=temperature, n=n, seed=1)
     t0 = time.perf_counter()
-    batch = sampler.sample(model, prompts, params, buckets=buckets)
+    batch = sampler.sample(model, prompts, params, buckets=buckets, mesh=mesh)
     seconds = time.perf_counter() - t0
     assert int(batch.mask.sum()) == len(prompts) * n * new_tokens
     return seconds, compile_s
@@ -119,17 +138,23 @@ def run_model(name: str, path: str) -> list[dict]:
     import transformers
 
     from mmr_jax import models
+    from mmr_jax.models import sharding
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     hf.generation_config.eos_token_id = None
     model = models.from_pretrained(path)
+    mesh = sharding.data_parallel_mesh()
+    model_dp = replicate(model, mesh)
     rows = []
     for count in map(int, _PROMPTS.value):
         prompts = prompt_ids(tokenizer, count)
         tokens = count * _N.value * _NEW.value
         hf_s = bench_hf(hf, tokenizer, prompts, _N.value, _NEW.value, _TEMP.value)
-        jax_s, compile_s = bench_jax(model, prompts, _N.value, _NEW.value, _TEMP.value)
+        jax_s, compile_s = bench_jax(model_dp, prompts, _N.value, _NEW.value, _TEMP.value, mesh)
+        one_s = None
+        if _SINGLE.value:
+            one_s, _ = bench_jax(model, prompts, _N.value, _NEW.value, _TEMP.value)
         row = dict(
             model=name,
             prompts=count,
@@ -139,6 +164,9 @@ def run_model(name: str, path: str) -> list[dict]:
             hf_tok_s=tokens / hf_s,
             jax_tok_s=tokens / jax_s,
             ratio=hf_s / jax_s,
+            jax_devices=mesh.size,
+            jax_1dev_tok_s=None if one_s is None else tokens / one_s,
+            ratio_1dev=None if one_s is None else hf_s / one_s,
             jax_compile_s=compile_s,
         )
         print(_fmt(row), flush=True)
@@ -148,7 +176,7 @@ def run_model(name: str, path: str) -> list[dict]:
 
 HEADER = (
     f"{'model':<10}{'prompts':>8}{'n':>3}{'new':>5}{'plen':>6}{'hf tok/s':>10}"
-    f"{'jax tok/s':>11}{'ratio':>7}{'compile s':>11}"
+    f"{'jax tok/s':>11}{'ratio':>7}{'1-dev tok/s':>13}{'ratio':>7}{'compile s':>11}"
 )
 
 
@@ -156,7 +184,12 @@ def _fmt(r: dict) -> str:
     return (
         f"{r['model']:<10}{r['prompts']:>8}{r['n']:>3}{r['new_tokens']:>5}{r['prompt_len']:>6}"
         f"{r['hf_tok_s']:>10.1f}{r['jax_tok_s']:>11.1f}{r['ratio']:>6.2f}x"
-        f"{r['jax_compile_s']:>11.1f}"
+        + (
+            f"{r['jax_1dev_tok_s']:>13.1f}{r['ratio_1dev']:>6.2f}x"
+            if r["jax_1dev_tok_s"] is not None
+            else f"{'-':>13}{'-':>7}"
+        )
+        + f"{r['jax_compile_s']:>11.1f}"
     )
 
 
@@ -166,12 +199,16 @@ def main(argv):
     import torch
 
     from mmr_jax import testing
+    from mmr_jax.models import sharding
+
+    devices = sharding.use_cpu_cores_as_devices(_DEVICES.value or None)
 
     if _THREADS.value:
         torch.set_num_threads(_THREADS.value)
     print(
-        f"jax {jax.__version__} on {jax.devices()[0].platform}, torch {torch.__version__} "
-        f"({torch.get_num_threads()} threads), {os.cpu_count()} CPUs"
+        f"jax {jax.__version__} on {jax.devices()[0].platform} ({devices} CPU devices, "
+        f"data-parallel), torch {torch.__version__} ({torch.get_num_threads()} threads), "
+        f"{os.cpu_count()} CPUs"
     )
     print(HEADER, flush=True)
     rows = []

@@ -14,6 +14,7 @@ A dimension not divisible by its axis size is replicated instead. Batches shard 
 from __future__ import annotations
 
 import math
+import os
 
 import jax
 import numpy as np
@@ -23,6 +24,30 @@ from jax.sharding import PartitionSpec as P
 AXES = ("data", "fsdp", "tensor")
 _COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "lm_head")
 _ROW = ("o_proj", "down_proj")
+
+
+def use_cpu_cores_as_devices(count: int | None = None) -> int:
+    """Gives JAX one CPU device per core (default: all cores); call before any JAX operation.
+
+    XLA:CPU runs one program on one device largely on one core: small batched ops (the MMR Gram
+    matrices, a decode step's attention and sampling) do not spread over the intra-op threads.
+    With a device per core, a batch sharded over a `data` mesh axis runs on every core. Only the
+    CPU backend is affected: on a GPU host the GPUs stay the default devices. Returns the count.
+    Raises RuntimeError once JAX has initialised its backends.
+    """
+    count = int(count or os.cpu_count() or 1)
+    jax.config.update("jax_num_cpu_devices", count)
+    return count
+
+
+def data_parallel_mesh(devices=None) -> Mesh:
+    """A (data, 1, 1) mesh over `devices` (default: all): batches split, parameters replicated."""
+    return make_mesh(-1, 1, 1, devices=devices)
+
+
+def batch_size(mesh: Mesh | None) -> int:
+    """How many ways `batch_sharding(mesh)` splits a batch (1 without a mesh)."""
+    return 1 if mesh is None else mesh.shape["data"] * mesh.shape["fsdp"]
 
 
 def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, *, devices=None) -> Mesh:
@@ -94,3 +119,8 @@ def shard_model(model, mesh: Mesh) -> None:
 def batch_sharding(mesh: Mesh) -> NamedSharding:
     """Sharding of [B, ...] host batches: B over (data, fsdp)."""
     return NamedSharding(mesh, P(("data", "fsdp")))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    """Every device holds the whole array."""
+    return NamedSharding(mesh, P())

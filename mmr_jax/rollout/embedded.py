@@ -54,6 +54,7 @@ class EmbeddedEngine:
       pad_id: written after the end of each completion.
       seed: seeds calls whose `SamplingParams.seed` is None (a new seed per call).
       buckets: minimum padded sizes (see `sampler.Buckets`).
+      mesh: sample data-parallel over this mesh (see `sampler.sample`); None = one device.
     """
 
     def __init__(
@@ -64,8 +65,10 @@ class EmbeddedEngine:
         pad_id: int = 0,
         seed: int = 0,
         buckets: sampler.Buckets = sampler.DEFAULT_BUCKETS,
+        mesh: jax.sharding.Mesh | None = None,
     ):
         self.model = model
+        self.mesh = mesh
         self.stop_token_ids = tuple(int(t) for t in stop_token_ids)
         self.pad_id = pad_id
         self.buckets = buckets
@@ -99,6 +102,7 @@ class EmbeddedEngine:
             pad_id=self.pad_id,
             buckets=self.buckets,
             max_len=self.max_len,
+            mesh=self.mesh,
         )
 
     def sync_weights(self, model: nnx.Module, *, version: int) -> None:

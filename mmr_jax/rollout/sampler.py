@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from mmr_jax.models import kv_cache
+from mmr_jax.models import kv_cache, sharding
 from mmr_jax.rollout import base
 
 _TRACES = {"generate": 0}
@@ -244,6 +244,7 @@ def sample(
     pad_id: int = 0,
     buckets: Buckets = DEFAULT_BUCKETS,
     max_len: int | None = None,
+    mesh: jax.sharding.Mesh | None = None,
 ) -> base.RolloutBatch:
     """Samples `params.n` completions for each prompt with a `Decoder`; see the module docstring.
 
@@ -256,6 +257,10 @@ def sample(
       pad_id: id written after the end of each completion.
       buckets: minimum padded sizes.
       max_len: positions the model supports; prompt + new tokens beyond it raise ValueError.
+      mesh: data-parallel sampling: prompts (and their rows) split over the mesh's batch axes,
+        the weights replicated on it (a copy per device, made here unless already so). On CPU
+        with a device per core (`sharding.use_cpu_cores_as_devices`) this runs every core.
+        The tokens do not depend on it (same row keys), up to float rounding.
     Returns:
       A `RolloutBatch` with T = the longest completion.
     """
@@ -270,7 +275,8 @@ def sample(
             f"prompt ({longest}) + max_new_tokens ({params.max_new_tokens}) exceeds the "
             f"model's {max_len} positions"
         )
-    bp = bucket(num_prompts, buckets.min_prompts)
+    ways = sharding.batch_size(mesh)
+    bp = -(-bucket(num_prompts, buckets.min_prompts) // ways) * ways  # a multiple of the split
     p = length_bucket(longest, max(buckets.min_prompt_len, 2))
     num_new = length_bucket(params.max_new_tokens, buckets.min_new_tokens)
     stops = sorted(set(stop_token_ids) | set(params.stop_token_ids))
@@ -281,19 +287,25 @@ def sample(
     row_ids = np.arange(bp * n, dtype=np.int32)
     greedy = params.temperature == 0.0
     graphdef, state = nnx.split(model)
+    if mesh is None:
+        rows = scalar = jnp.asarray
+    else:
+        state = jax.device_put(state, sharding.replicated(mesh))
+        rows = functools.partial(jax.device_put, device=sharding.batch_sharding(mesh))
+        scalar = functools.partial(jax.device_put, device=sharding.replicated(mesh))
     toks, logps, stopped = _generate(
         graphdef,
         state,
-        jnp.asarray(tokens),
-        jnp.asarray(mask),
-        jnp.asarray(row_ids),
-        jnp.asarray(row_ids < num_prompts * n),
-        jnp.uint32((params.seed if params.seed is not None else seed) % 2**32),
-        jnp.int32(params.max_new_tokens),
-        jnp.float32(params.temperature if not greedy else 1.0),
-        jnp.int32(params.top_k),
-        jnp.float32(params.top_p),
-        jnp.asarray(stop_arr),
+        rows(tokens),
+        rows(mask),
+        rows(row_ids),
+        rows(row_ids < num_prompts * n),
+        scalar(np.uint32((params.seed if params.seed is not None else seed) % 2**32)),
+        scalar(np.int32(params.max_new_tokens)),
+        scalar(np.float32(params.temperature if not greedy else 1.0)),
+        scalar(np.int32(params.top_k)),
+        scalar(np.float32(params.top_p)),
+        scalar(stop_arr),
         n=n,
         num_new=num_new,
         greedy=greedy,
