@@ -19,6 +19,7 @@ from ml_collections import config_flags
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from mmr_jax import evaluation
+from mmr_jax.models import sharding
 from mmr_jax.rewards import grading
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Evaluation config.", lock_config=True)
@@ -27,14 +28,18 @@ _CONFIG = config_flags.DEFINE_config_file("config", None, "Evaluation config.", 
 def make_engine(config, checkpoint: str):
     """The rollout engine that samples from `checkpoint`.
 
-    'embedded': the JAX sampler on the checkpoint (EOS ids from its generation config). 'vllm': a
-    server at `config.url` that already serves `checkpoint` under that name (one server per
-    checkpoint, so a run sweep with vLLM needs the server restarted between steps).
+    'embedded': the JAX sampler on the checkpoint (EOS ids from its generation config),
+    data-parallel over the default devices when there are several (CPU: `config.cpu_devices`).
+    'vllm': a server at `config.url` that already serves `checkpoint` under that name (one server
+    per checkpoint, so a run sweep with vLLM needs the server restarted between steps).
     """
     if config.engine == "embedded":
         from mmr_jax.rollout import embedded
 
-        return embedded.EmbeddedEngine.from_pretrained(checkpoint, seed=config.seed)
+        mesh = sharding.data_parallel_mesh()
+        return embedded.EmbeddedEngine.from_pretrained(
+            checkpoint, seed=config.seed, mesh=mesh if mesh.size > 1 else None
+        )
     if config.engine == "vllm":
         from mmr_jax.rollout import vllm_engine
 
@@ -66,6 +71,8 @@ def evaluate_checkpoint(config, checkpoint: str, problems, grader) -> evaluation
 def main(argv):
     del argv
     config = _CONFIG.value
+    if config.engine == "embedded":  # Before any JAX operation.
+        sharding.use_cpu_cores_as_devices(config.cpu_devices or None)
     if bool(config.checkpoint) == bool(config.run_dir):
         raise app.UsageError("set exactly one of --config.checkpoint and --config.run_dir")
     problems = evaluation.load_benchmarks(

@@ -78,7 +78,14 @@ _SCRIPT = textwrap.dedent(
     class Tok:
         pad_token_id, eos_token_id = 0, 1
 
-    assert build.make_engine(Cfg, Policy(), Tok, "/tmp", mesh).mesh is mesh
+    engine = build.make_engine(Cfg, Policy(), Tok, "/tmp", mesh)
+    assert engine.mesh is mesh
+    weight = engine.model.embed_tokens.embedding[...]
+    assert weight.sharding.is_fully_replicated and len(weight.sharding.device_set) == 2
+    got = engine.generate(prompts, base.SamplingParams(6, temperature=0.0, n=2))
+    want = sampler.sample(models.from_pretrained(sys.argv[1]), prompts, base.SamplingParams(
+        6, temperature=0.0, n=2), stop_token_ids=engine.stop_token_ids)
+    np.testing.assert_array_equal(got.tokens, want.tokens)
     fsdp = sharding.make_mesh(1, 2, 1)
     assert build.make_engine(Cfg, Policy(), Tok, "/tmp", fsdp).mesh is None
 

@@ -54,7 +54,8 @@ class EmbeddedEngine:
       pad_id: written after the end of each completion.
       seed: seeds calls whose `SamplingParams.seed` is None (a new seed per call).
       buckets: minimum padded sizes (see `sampler.Buckets`).
-      mesh: sample data-parallel over this mesh (see `sampler.sample`); None = one device.
+      mesh: sample data-parallel over this mesh (see `sampler.sample`); the model's weights are
+        replicated on it here, in place. None = on the weights' devices.
     """
 
     def __init__(
@@ -69,6 +70,11 @@ class EmbeddedEngine:
     ):
         self.model = model
         self.mesh = mesh
+        if mesh is not None:  # Once here, not a copy of the weights per call.
+            from mmr_jax.models import sharding
+
+            state = nnx.state(model)
+            nnx.update(model, jax.device_put(state, sharding.replicated(mesh)))
         self.stop_token_ids = tuple(int(t) for t in stop_token_ids)
         self.pad_id = pad_id
         self.buckets = buckets
