@@ -18,6 +18,13 @@ top_k = 0. (vLLM's `processed_logprobs` are renormalised after truncation; equal
 Randomness. Row r of a call with seed s draws from fold_in(fold_in(key(s), r), t) at step t, so a
 completion depends on (seed, prompt index, sample index) and not on the padding buckets.
 
+Data parallelism (`mesh=`). The padded prompts and their rows are split over the mesh's batch
+axes and the weights replicated, so each device decodes its own rows; nothing crosses devices
+but the all-done test of the while loop. On CPU, with one JAX device per core, this is what runs
+the small per-step ops (attention, sampling) on every core: SmolLM2-135M, 32 prompts x 4, gains
+about 30%. At 8 prompts x 4 it gains nothing: each device then streams all the weights for fewer
+rows, and one device already spreads those matmuls over the cores.
+
 Compiles. Shapes are bucketed (prompt count and number of stop ids to powers of two, prompt length
 and new tokens to 2^k or 1.5 * 2^k) and every sampling value, max_new_tokens included, is a traced
 scalar; the static choices are n, greedy or not,
