@@ -147,3 +147,25 @@ def make_tiny_checkpoint(
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(out_dir, safe_serialization=True, **kwargs)
     return out_dir
+
+
+def run_in_fresh_jax(script: str, *args: str, env: dict | None = None, timeout: float = 600):
+    """Runs `python -c script *args` from the repo root with the package importable and JAX on CPU.
+
+    For tests that need JAX configured before it initialises (a fake device count): returns the
+    CompletedProcess (text stdout/stderr); the caller asserts on it.
+    """
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    full_env = dict(os.environ, JAX_PLATFORMS="cpu", **(env or {}))
+    full_env["PYTHONPATH"] = str(root) + os.pathsep + full_env.get("PYTHONPATH", "")
+    return subprocess.run(
+        [sys.executable, "-c", script, *args],
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=root,
+    )

@@ -7,10 +7,9 @@ before jax initialises.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
+
+from mmr_jax import testing
 
 _SCRIPT = textwrap.dedent(
     """
@@ -99,17 +98,7 @@ _SCRIPT = textwrap.dedent(
 
 
 def test_two_cpu_devices_match_one(tiny_llama_dir):
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run(
-        [sys.executable, "-c", _SCRIPT, str(tiny_llama_dir)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=root,
-    )
+    proc = testing.run_in_fresh_jax(_SCRIPT, str(tiny_llama_dir))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "DATA_PARALLEL_OK" in proc.stdout
     assert "LATE_CALL_RAISES" in proc.stdout

@@ -5,14 +5,12 @@ Runs in a subprocess because the fake device count must be set before jax initia
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 from jax.sharding import PartitionSpec as P
 
+from mmr_jax import testing
 from mmr_jax.models import sharding
 
 pytest.importorskip("transformers")
@@ -68,23 +66,11 @@ class TestPartitionSpec:
 
 def test_mesh_2x2x2_logits_equal_single_device(tmp_path):
     # Qwen2: q/k/v biases are sharded too. Written here, so the child process imports no torch.
-    from mmr_jax import testing
-
     path = testing.make_tiny_checkpoint(
         tmp_path / "ckpt", family="qwen2", tokenizer=False, vocab_size=384
     )
-    env = dict(
-        os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu"
-    )
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run(
-        [sys.executable, "-c", _SCRIPT, str(path)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=root,
+    proc = testing.run_in_fresh_jax(
+        _SCRIPT, str(path), env={"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "MAXDIFF" in proc.stdout
