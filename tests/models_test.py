@@ -176,6 +176,61 @@ class TestKVCache:
         m = np.asarray(mask, bool)
         assert np.abs(got[m] - full[m]).max() <= PARITY_TOL
 
+    @pytest.mark.parametrize("name", ["llama_gqa_untied", "qwen2_bias_tied"])
+    def test_shared_prompt_decode_equals_full_forward(self, checkpoints, name):
+        # The sampler's decode: 2 left-padded prompts share one prompt cache, n = 3 rows each with
+        # its own continuation and own cache. Reference: the full forward of each row's sequence.
+        model = models.from_pretrained(checkpoints[name])
+        n, prompt_len, new = 3, 7, 5
+        lengths = [7, 3]
+        p_tokens, p_mask, p_pos = _left_padded(lengths, prompt_len, seed=4)
+        cont = np.asarray(_tokens(2 * n, new, seed=5))
+        rows_tokens = np.concatenate([np.repeat(np.asarray(p_tokens), n, 0), cont], axis=1)
+        rows_mask = np.concatenate(
+            [np.repeat(np.asarray(p_mask), n, 0), np.ones((2 * n, new), np.int32)], axis=1
+        )
+        rows_pos = np.maximum(np.cumsum(rows_mask, axis=1) - 1, 0)
+        full = np.asarray(
+            _forward(
+                model,
+                jnp.asarray(rows_tokens),
+                positions_BxT=jnp.asarray(rows_pos),
+                attention_mask_BxT=jnp.asarray(rows_mask),
+            )
+        )
+
+        prompt_cache = kv_cache.split(model.init_cache(2, prompt_len))
+        prefill = nnx.jit(
+            lambda m, t, p, c: m.forward_cached(t, p, c, write_index=0, kv_mask_BxS=p_mask)
+        )
+        _, prompt_cache = prefill(model, p_tokens[:, :-1], p_pos[:, :-1], prompt_cache)
+        pmask = jnp.asarray(p_mask, bool).at[:, -1].set(False)  # the last token: each row's own
+        cache = kv_cache.split(model.init_cache(2 * n, new + 3))
+        step = nnx.jit(
+            lambda m, t, p, c, i: m.forward_cached_shared_prompt(
+                t, p, prompt_cache, c, write_index=i, prompt_mask_BxP=pmask
+            )
+        )
+        for t in range(new + 1):
+            col = prompt_len - 1 + t
+            tok, pos = rows_tokens[:, col : col + 1], rows_pos[:, col : col + 1]
+            logits, cache = step(model, jnp.asarray(tok), jnp.asarray(pos), cache, t)
+            if t < new:  # the last step's logits have no reference column past the sequence
+                diff = np.abs(np.asarray(logits)[:, 0] - full[:, col]).max()
+                assert diff <= PARITY_TOL, (t, diff)
+
+    def test_shared_prompt_decode_needs_split_caches(self, checkpoints):
+        model = models.from_pretrained(checkpoints["llama_gqa_untied"])
+        with pytest.raises(ValueError, match="split caches"):
+            model.forward_cached_shared_prompt(
+                jnp.zeros((2, 1), jnp.int32),
+                jnp.zeros((2, 1), jnp.int32),
+                model.init_cache(1, 4),
+                kv_cache.split(model.init_cache(2, 4)),
+                write_index=0,
+                prompt_mask_BxP=jnp.ones((1, 4), bool),
+            )
+
     def test_split_layout_and_round_trip(self):
         rng = np.random.default_rng(0)
         k, v = (jnp.asarray(rng.standard_normal((2, 3, 5, 4, 6)), jnp.float32) for _ in range(2))

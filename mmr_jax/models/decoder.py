@@ -65,6 +65,41 @@ def _attend_split(q_BxTxNxD, k_BxKxDxS, v_BxKxSxD, mask_BxTxS):
     return o.reshape(b, t, n * d)
 
 
+def _attend_shared_prompt(q_RxTxNxD, pk_BxKxDxP, pv_BxKxPxD, k_RxKxDxS, v_RxKxSxD, pmask, mask_S):
+    """Decode attention (T = 1) over prompt keys shared by groups of rows plus each row's own keys.
+
+    Rows r = b * n + i (n = R // B) are the samples of prompt b: they attend to prompt b's cache
+    (keys [B, K, D, P], values [B, K, P, D], where `pmask` [B, P] holds) and to their own split
+    cache (keys [R, K, D, S], values [R, K, S, D], where `mask_S` [S] holds), under one softmax.
+    Grouping a prompt's n rows makes the prompt part [n*G, D] x [D, P] products that read the
+    shared keys once per prompt rather than once per row (SmolLM2, 8 prompts x 4 samples, P = 192:
+    the prompt scores take a third of the time they take per row), and the prompt's cache is
+    stored once, not n times. Scores (multiply + reduce over d, as in `_attend_split`), softmax
+    and outputs are fp32. Returns [R, T, N*D].
+    """
+    r, t, nh, d = q_RxTxNxD.shape
+    b, kh, _, p = pk_BxKxDxP.shape
+    n, g = r // b, nh // kh
+    f32 = jnp.float32
+    q = q_RxTxNxD.reshape(b, n, kh, g, d).astype(f32)
+    q_prompt = jnp.transpose(q, (0, 2, 1, 3, 4)).reshape(b, kh, n * g, d)
+    s_prompt = jnp.sum(q_prompt[..., None] * pk_BxKxDxP[:, :, None].astype(f32), axis=3)
+    s_prompt = jnp.where(pmask[:, None, None, :], s_prompt * (d**-0.5), _MASK_VALUE)
+    s_prompt = jnp.transpose(s_prompt.reshape(b, kh, n, g, p), (0, 2, 1, 3, 4)).reshape(r, kh, g, p)
+    q_own = q.reshape(r, kh, g, d)
+    s_own = jnp.sum(q_own[..., None] * k_RxKxDxS[:, :, None].astype(f32), axis=3)
+    s_own = jnp.where(mask_S[None, None, None, :], s_own * (d**-0.5), _MASK_VALUE)
+    probs = jax.nn.softmax(jnp.concatenate([s_prompt, s_own], axis=-1), axis=-1)  # [R, K, G, P+S]
+    p_prompt = jnp.transpose(probs[..., :p].reshape(b, n, kh, g, p), (0, 2, 1, 3, 4))
+    o_prompt = jnp.einsum(
+        "bkms,bksd->bkmd", p_prompt.reshape(b, kh, n * g, p), pv_BxKxPxD.astype(f32)
+    )
+    o_prompt = jnp.transpose(o_prompt.reshape(b, kh, n, g, d), (0, 2, 1, 3, 4))
+    o_own = jnp.einsum("rkgs,rksd->rkgd", probs[..., p:], v_RxKxSxD.astype(f32))
+    o = o_prompt.reshape(r, kh, g, d) + o_own
+    return o.astype(v_RxKxSxD.dtype).reshape(r, t, nh * d)
+
+
 def _split_key(key, i):
     return None if key is None else jax.random.fold_in(key, i)
 
@@ -271,11 +306,63 @@ class Decoder(nnx.Module):
         chex.assert_rank([tokens_BxT, positions_BxT, kv_mask_BxS], 2)
         chex.assert_equal_shape([tokens_BxT, positions_BxT])
         t = tokens_BxT.shape[1]
-        s = cache.max_len
         write_index = jnp.asarray(write_index, jnp.int32)
-        slots = jnp.arange(s, dtype=jnp.int32)
+        slots = jnp.arange(cache.max_len, dtype=jnp.int32)
         limit = write_index + jnp.arange(t, dtype=jnp.int32)
         mask = (slots[None, :] <= limit[:, None])[None] & kv_mask_BxS.astype(jnp.bool_)[:, None, :]
+        if cache.is_split:
+
+            def attend(q, k, v, _):
+                return _attend_split(q, k.astype(q.dtype), v.astype(q.dtype), mask)
+        else:
+
+            def attend(q, k, v, _):
+                return _attend(q, k.astype(q.dtype), v.astype(q.dtype), mask)
+
+        return self._decode_layers(
+            tokens_BxT, positions_BxT, cache, write_index, attend, disable_lora=disable_lora
+        )
+
+    def forward_cached_shared_prompt(
+        self,
+        tokens_Rx1,
+        positions_Rx1,
+        prompt_cache: kv_cache.KVCache,
+        cache: kv_cache.KVCache,
+        *,
+        write_index,
+        prompt_mask_BxP,
+        disable_lora=False,
+    ):
+        """One new token per row, whose rows share their prompts' cache; -> (logits, new cache).
+
+        `prompt_cache` (split, B prompts, P slots) is read only: rows r = b * n + i (n = R // B)
+        attend to prompt b's slots where `prompt_mask_BxP[b]` holds. `cache` (split, R rows, S
+        slots) is the rows' own: the new key/value go to slot `write_index` (may be traced) and
+        row r attends to its slots <= write_index. Equals `forward_cached` on the cache that
+        repeats each prompt's slots n times ahead of the rows' own (see `_attend_shared_prompt`).
+        Returns fp32 logits [R, 1, V] and the updated `cache`.
+        """
+        chex.assert_shape([tokens_Rx1, positions_Rx1], (None, 1))
+        if not (prompt_cache.is_split and cache.is_split):
+            raise ValueError("forward_cached_shared_prompt takes split caches (kv_cache.split)")
+        write_index = jnp.asarray(write_index, jnp.int32)
+        own_mask_S = jnp.arange(cache.max_len, dtype=jnp.int32) <= write_index
+        pmask = prompt_mask_BxP.astype(jnp.bool_)
+
+        def attend(q, k, v, i):
+            pk, pv = prompt_cache.k[i], prompt_cache.v[i]
+            return _attend_shared_prompt(q, pk, pv, k, v, pmask, own_mask_S)
+
+        return self._decode_layers(
+            tokens_Rx1, positions_Rx1, cache, write_index, attend, disable_lora=disable_lora
+        )
+
+    def _decode_layers(
+        self, tokens_BxT, positions_BxT, cache, write_index, attend, *, disable_lora
+    ):
+        """The blocks over new tokens: each layer writes its k/v into `cache` at `write_index`,
+        then `attend(q, layer_k, layer_v, layer_index)` gives the attention output."""
         cos, sin = layers.rope_cos_sin(positions_BxT, self.inv_freq)
         split = cache.is_split
         ck, cv = (list(cache.k), list(cache.v)) if split else (cache.k, cache.v)
@@ -286,11 +373,11 @@ class Decoder(nnx.Module):
             if split:  # Whole per-layer buffers: in-place writes, no transposed copies.
                 ck[i] = kv_cache.write_layer_keys(ck[i], k, write_index)
                 cv[i] = kv_cache.write_layer_values(cv[i], v, write_index)
-                o = _attend_split(q, ck[i].astype(q.dtype), cv[i].astype(q.dtype), mask)
+                o = attend(q, ck[i], cv[i], i)
             else:
                 ck = kv_cache.write(ck, i, k, write_index)
                 cv = kv_cache.write(cv, i, v, write_index)
-                o = _attend(q, ck[i].astype(q.dtype), cv[i].astype(q.dtype), mask)
+                o = attend(q, ck[i], cv[i], i)
             x = x + block.self_attn.out(o, disable_lora=disable_lora, key=None)
             x = x + block.mlp(block.post_attention_layernorm(x), disable_lora=disable_lora)
         logits = self.logits_from_hidden(self.norm(x))

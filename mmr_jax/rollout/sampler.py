@@ -1,13 +1,15 @@
 """Embedded JAX sampler: batched prefill + KV-cache decode of a `Decoder`, all under one jit.
 
 Legend: B prompts (padded to Bp), n samples per prompt, R = Bp * n rows, P prompt slots (padded),
-N new-token slots (padded), S = P + N cache slots, V vocab.
+N new-token slots (padded), V vocab.
 
 Layout. Prompts are left-padded to P, so every prompt ends at slot P - 1. The prefill writes the
-first P - 1 prompt tokens for the Bp prompts (its logits are unused, so XLA drops the vocab
-projection), the cache is repeated n times (row r = b * n + i), and the decode loop starts by
-feeding the last prompt token at slot P - 1; step t feeds token x_t at slot P - 1 + t and samples
-generated token t. A `lax.while_loop` stops when every row has hit a stop id or `max_new_tokens`.
+first P - 1 prompt tokens of the Bp prompts into a prompt cache (its logits are unused, so XLA
+drops the vocab projection). That cache is shared, not repeated: row r = b * n + i reads prompt
+b's slots (`Decoder.forward_cached_shared_prompt`), so a prompt's keys are stored and read once
+for its n samples. Each row has its own cache of N slots: decode step t feeds token x_t (x_0 =
+the last prompt token) into slot t and samples generated token t. A `lax.while_loop` stops when
+every row has hit a stop id or `max_new_tokens`.
 
 Sampling. logits / temperature, then (when asked) top-k and then top-p over the top-k-renormalised
 distribution, as vLLM applies them; temperature 0 is greedy (argmax). The reported log-prob is
@@ -45,7 +47,6 @@ from mmr_jax.models import kv_cache, sharding
 from mmr_jax.rollout import base
 
 _TRACES = {"generate": 0}
-_SPLIT_CACHE = True
 
 
 def trace_count() -> int:
@@ -173,24 +174,22 @@ def _generate(
     _TRACES["generate"] += 1
     model = nnx.merge(graphdef, state)
     bp, p = prompts_BxP.shape
-    r, s = bp * n, p + num_new
+    r = bp * n
     lengths_B = prompt_mask_BxP.sum(-1).astype(jnp.int32)
     positions_BxP = jnp.maximum(jnp.cumsum(prompt_mask_BxP, axis=-1) - 1, 0).astype(jnp.int32)
-    kv_mask_BxS = jnp.concatenate([prompt_mask_BxP, jnp.ones((bp, num_new), bool)], axis=1)
 
-    cache = model.init_cache(bp, s)
-    if _SPLIT_CACHE:  # Split before the prefill: its writes go straight to per-layer buffers.
-        cache = kv_cache.split(cache)
-    _, cache = model.forward_cached(
+    # Split before the prefill: its writes go straight to per-layer buffers.
+    prompt_cache = kv_cache.split(model.init_cache(bp, p))
+    _, prompt_cache = model.forward_cached(
         prompts_BxP[:, :-1],
         positions_BxP[:, :-1],
-        cache,
+        prompt_cache,
         write_index=0,
-        kv_mask_BxS=kv_mask_BxS,
+        kv_mask_BxS=prompt_mask_BxP,
     )
-    # Rows are axis 0 of each per-layer array of the split cache, axis 1 of the stacked one.
-    cache = jax.tree.map(lambda a: jnp.repeat(a, n, axis=0 if _SPLIT_CACHE else 1), cache)
-    kv_mask_RxS = jnp.repeat(kv_mask_BxS, n, axis=0)
+    # Slot P - 1 stays empty there: the last prompt token is each row's first decode input.
+    prompt_mask_BxP = prompt_mask_BxP.at[:, -1].set(False)
+    cache = kv_cache.split(model.init_cache(r, num_new))
     lengths_R = jnp.repeat(lengths_B, n)
     row_keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.key(seed), i))(row_ids_R)
 
@@ -201,8 +200,8 @@ def _generate(
     def body(carry):
         t, cache, cur_R, done, stopped, toks, logps = carry
         pos = (lengths_R - 1 + t)[:, None]
-        logits, cache = model.forward_cached(
-            cur_R[:, None], pos, cache, write_index=p - 1 + t, kv_mask_BxS=kv_mask_RxS
+        logits, cache = model.forward_cached_shared_prompt(
+            cur_R[:, None], pos, prompt_cache, cache, write_index=t, prompt_mask_BxP=prompt_mask_BxP
         )
         keys = jax.vmap(lambda k: jax.random.fold_in(k, t))(row_keys)
         tok, logp = _sample_step(

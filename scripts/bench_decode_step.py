@@ -1,0 +1,267 @@
+"""Where a decode step's time goes: one KV-cache decode step of the sampler's model, taken apart.
+
+    python scripts/bench_decode_step.py                    # SmolLM2-135M, 8 prompts x 4 samples
+    python scripts/bench_decode_step.py --prompts=8,32 --json=out.json
+    python scripts/bench_decode_step.py --model=tiny
+
+`bench_sampler.py` says how fast the sampler is; this says why, one row per part of a step, all
+in one process (ms per decode step, median of --repeats runs of --steps steps):
+
+  step            what each turn of the sampler's while loop runs: one token per row (rows =
+                  prompts x n) through `forward_cached_shared_prompt`, against the prompts'
+                  shared cache (--prompt_slots) and the rows' own (--new_slots), then the
+                  sampler's draw at temperature 0.7. The defaults are bench_sampler.py's SmolLM2
+                  buckets (GSM8K prompts up to 137 tokens pad to 192; 128 new tokens).
+  no attention    the same step with the attention over the cache replaced by passing q through;
+                  projections, MLP, norms, LM head and sampling unchanged. step - this = the
+                  attention and its cache traffic.
+  linear (jax)    only the step's matmuls (q, k, v, o, gate, up, down of every layer, then the LM
+                  head) at M = rows on the model's weights, chained as in the model.
+  linear (torch)  the same matmuls in torch (`F.linear` on [out, in] weights, as transformers runs
+                  them) with --torch_threads threads: the floor under transformers' decode step.
+
+The SmolLM2 row needs checkpoints/smollm2-135m-instruct (scripts/prepare_smollm2.py).
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import sys
+import tempfile
+import time
+from unittest import mock
+
+import numpy as np
+from absl import app, flags
+
+_REPO = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(_REPO))
+
+_MODEL = flags.DEFINE_enum("model", "smollm2", ["smollm2", "tiny"], "which model")
+_SMOL = flags.DEFINE_string(
+    "smollm2_path", str(_REPO / "checkpoints" / "smollm2-135m-instruct"), "SmolLM2 checkpoint"
+)
+_PROMPTS = flags.DEFINE_list("prompts", ["8"], "prompt counts")
+_N = flags.DEFINE_integer("n", 4, "samples per prompt")
+_PROMPT_SLOTS = flags.DEFINE_integer("prompt_slots", 192, "prompt cache slots (padded prompt)")
+_NEW_SLOTS = flags.DEFINE_integer("new_slots", 128, "each row's own cache slots (new tokens)")
+_STEPS = flags.DEFINE_integer("steps", 16, "decode steps per timed run")
+_REPEATS = flags.DEFINE_integer("repeats", 5, "timed runs (the median is reported)")
+_THREADS = flags.DEFINE_integer("torch_threads", 0, "torch intra-op threads (0 = torch default)")
+_JSON = flags.DEFINE_string("json", None, "also write the results to this JSON file")
+
+
+def layer_weights(model) -> tuple[list[list[np.ndarray]], np.ndarray]:
+    """The model's matmul weights as [in, out] arrays: per layer [q, k, v, o, gate, up, down]."""
+    per_layer = []
+    for block in model.layers:
+        a, m = block.self_attn, block.mlp
+        dense = [a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj]
+        per_layer.append([np.asarray(d.kernel[...], np.float32) for d in dense])
+    if model.lm_head is None:
+        head = np.asarray(model.embed_tokens.embedding[...], np.float32).T
+    else:
+        head = np.asarray(model.lm_head.kernel[...], np.float32)
+    return per_layer, head
+
+
+def linear_chain_jax(per_layer, head, x):
+    """The step's matmuls in the model's order; each layer's output feeds the next."""
+    import jax
+    import jax.numpy as jnp
+
+    for wq, wk, wv, wo, wg, wu, wd in per_layer:
+        q, k, v = x @ wq, x @ wk, x @ wv
+        x = x + q @ wo + 1e-3 * (jnp.mean(k, -1, keepdims=True) + jnp.mean(v, -1, keepdims=True))
+        x = x + (jax.nn.silu(x @ wg) * (x @ wu)) @ wd
+        x = x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6)
+    return x @ head
+
+
+def linear_chain_torch(per_layer_t, head_t, x):
+    """`linear_chain_jax` in torch on [out, in] weights (`F.linear`, as transformers calls it)."""
+    import torch
+    import torch.nn.functional as F
+
+    for wq, wk, wv, wo, wg, wu, wd in per_layer_t:
+        q, k, v = F.linear(x, wq), F.linear(x, wk), F.linear(x, wv)
+        x = x + F.linear(q, wo) + 1e-3 * (k.mean(-1, keepdim=True) + v.mean(-1, keepdim=True))
+        x = x + F.linear(F.silu(F.linear(x, wg)) * F.linear(x, wu), wd)
+        x = x * torch.rsqrt((x * x).mean(-1, keepdim=True) + 1e-6)
+    return F.linear(x, head_t)
+
+
+def to_torch(per_layer, head):
+    """[in, out] numpy weights -> contiguous [out, in] torch tensors."""
+    import torch
+
+    def t(w):
+        return torch.from_numpy(np.array(w.T, order="C"))
+
+    return [[t(w) for w in layer] for layer in per_layer], t(head)
+
+
+def _median_ms_per_step(run, steps: int, repeats: int) -> float:
+    run()  # compile / warm up
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times)) * 1e3 / steps
+
+
+def decode_loop(model, prompts: int, n: int, prompt_slots: int, new_slots: int, steps: int):
+    """A jitted run of `steps` decode steps as the sampler runs them (+ a draw at T = 0.7)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from mmr_jax.models import kv_cache
+    from mmr_jax.rollout import sampler
+
+    rows = prompts * n
+    graphdef, state = nnx.split(model)
+    # Non-zero keys, so the softmax is a real one.
+    prompt_cache = jax.tree.map(
+        lambda a: a + 0.01, kv_cache.split(model.init_cache(prompts, prompt_slots))
+    )
+    cache = jax.tree.map(lambda a: a + 0.01, kv_cache.split(model.init_cache(rows, new_slots)))
+    start = new_slots - steps - 1  # the last steps of a generation: the own cache nearly full
+
+    @jax.jit
+    def loop(state, prompt_cache, cache):
+        m = nnx.merge(graphdef, state)
+        prompt_mask = jnp.ones((prompts, prompt_slots), bool)
+        keys = jax.random.split(jax.random.key(0), rows)
+
+        def body(t, carry):
+            cache, tok = carry
+            pos = jnp.full((rows, 1), prompt_slots + start, jnp.int32) + t
+            logits, cache = m.forward_cached_shared_prompt(
+                tok, pos, prompt_cache, cache, write_index=start + t, prompt_mask_BxP=prompt_mask
+            )
+            nxt, _ = sampler._sample_step(
+                logits[:, 0], keys, 0.7, 0, 1.0, greedy=False, use_filter=False
+            )
+            return cache, nxt[:, None]
+
+        init = (cache, jnp.ones((rows, 1), jnp.int32))
+        return jax.lax.fori_loop(0, steps, body, init)[1]
+
+    return lambda: loop(state, prompt_cache, cache).block_until_ready()
+
+
+def _pass_q_through(q_RxTxNxD, *unused):
+    del unused
+    return q_RxTxNxD.reshape(q_RxTxNxD.shape[0], q_RxTxNxD.shape[1], -1)
+
+
+def bench_model(name: str, path: str) -> list[dict]:
+    import jax
+    import jax.numpy as jnp
+    import torch
+
+    from mmr_jax import models
+    from mmr_jax.models import decoder
+
+    model = models.from_pretrained(path)
+    per_layer, head = layer_weights(model)
+    per_layer_t, head_t = to_torch(per_layer, head)
+    weights_j = jax.tree.map(jnp.asarray, (per_layer, head))
+    chain = jax.jit(linear_chain_jax)
+    steps, repeats, n = _STEPS.value, _REPEATS.value, _N.value
+    slots = (_PROMPT_SLOTS.value, _NEW_SLOTS.value)
+    if steps >= slots[1]:
+        raise app.UsageError(f"--steps ({steps}) must be below --new_slots ({slots[1]})")
+    results = []
+    for prompts in map(int, _PROMPTS.value):
+        rows = prompts * n
+        x = np.random.default_rng(0).standard_normal((rows, head.shape[0])).astype(np.float32)
+        xj, xt = jnp.asarray(x), torch.from_numpy(x)
+        step_ms = _median_ms_per_step(decode_loop(model, prompts, n, *slots, steps), steps, repeats)
+        with mock.patch.object(decoder, "_attend_shared_prompt", _pass_q_through):
+            run = decode_loop(model, prompts, n, *slots, steps)
+            no_attn_ms = _median_ms_per_step(run, steps, repeats)
+
+        def run_jax():
+            for _ in range(steps):
+                chain(*weights_j, xj).block_until_ready()
+
+        def run_torch():
+            with torch.no_grad():
+                for _ in range(steps):
+                    linear_chain_torch(per_layer_t, head_t, xt)
+
+        jax_ms = _median_ms_per_step(run_jax, steps, repeats)
+        torch_ms = _median_ms_per_step(run_torch, steps, repeats)
+        row = dict(
+            model=name,
+            prompts=prompts,
+            n=n,
+            prompt_slots=slots[0],
+            new_slots=slots[1],
+            step_ms=step_ms,
+            no_attention_ms=no_attn_ms,
+            attention_ms=step_ms - no_attn_ms,
+            linear_jax_ms=jax_ms,
+            linear_torch_ms=torch_ms,
+            linear_gflops=2
+            * rows
+            * (sum(w.size for ws in per_layer for w in ws) + head.size)
+            / 1e9,
+        )
+        print(_fmt(row), flush=True)
+        results.append(row)
+    return results
+
+
+def _fmt(r: dict) -> str:
+    gf = r["linear_gflops"]
+    return "\n".join(
+        [
+            f"{r['model']}: {r['prompts']} prompts x {r['n']} (prompt cache {r['prompt_slots']} "
+            f"slots, own cache {r['new_slots']})",
+            f"  {'step':<16}{r['step_ms']:>9.1f} ms",
+            f"  {'no attention':<16}{r['no_attention_ms']:>9.1f} ms"
+            f"   (attention + its cache traffic: {r['attention_ms']:.1f} ms, "
+            f"{r['attention_ms'] / r['step_ms']:.0%} of the step)",
+            f"  {'linear (jax)':<16}{r['linear_jax_ms']:>9.1f} ms"
+            f"   ({gf:.2f} GFLOP: {1e3 * gf / r['linear_jax_ms']:.0f} GFLOP/s)",
+            f"  {'linear (torch)':<16}{r['linear_torch_ms']:>9.1f} ms"
+            f"   ({1e3 * gf / r['linear_torch_ms']:.0f} GFLOP/s)",
+        ]
+    )
+
+
+def main(argv):
+    del argv
+    import jax
+    import torch
+
+    from mmr_jax import testing
+
+    if _THREADS.value:
+        torch.set_num_threads(_THREADS.value)
+    print(
+        f"jax {jax.__version__} ({jax.devices()[0].platform}), torch {torch.__version__} "
+        f"({torch.get_num_threads()} threads); ms per decode step, median of "
+        f"{_REPEATS.value} runs of {_STEPS.value} steps",
+        flush=True,
+    )
+    if _MODEL.value == "tiny":
+        with tempfile.TemporaryDirectory() as tmp:
+            results = bench_model("tiny", str(testing.make_tiny_checkpoint(tmp)))
+    else:
+        if not (pathlib.Path(_SMOL.value) / "config.json").exists():
+            raise app.UsageError(
+                f"no checkpoint at {_SMOL.value}: run scripts/prepare_smollm2.py or --model=tiny"
+            )
+        results = bench_model("smollm2", _SMOL.value)
+    if _JSON.value:
+        pathlib.Path(_JSON.value).write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,46 @@
+"""The decode-step benchmark's linear-layer baselines: torch and JAX compute the same matmuls."""
+
+import importlib.util
+import pathlib
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from mmr_jax import models, testing
+
+
+def _load_bench():
+    path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "bench_decode_step.py"
+    spec = importlib.util.spec_from_file_location("bench_decode_step", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+bench = _load_bench()
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_torch_and_jax_linear_chains_agree(tmp_path, tied):
+    path = testing.make_tiny_checkpoint(tmp_path, tokenizer=False, tie_word_embeddings=tied)
+    model = models.from_pretrained(path)
+    per_layer, head = bench.layer_weights(model)
+    cfg = model.config
+    assert len(per_layer) == cfg.num_layers
+    # [in, out] per matmul: q, k, v, o, gate, up, down; the head maps hidden -> vocab.
+    kv = cfg.num_kv_heads * cfg.head_dim
+    assert [w.shape[1] for w in per_layer[0][:3]] == [cfg.num_heads * cfg.head_dim, kv, kv]
+    assert head.shape == (cfg.hidden_size, cfg.vocab_size)
+    if tied:
+        np.testing.assert_array_equal(head.T, np.asarray(model.embed_tokens.embedding[...]))
+
+    x = np.random.default_rng(0).standard_normal((5, cfg.hidden_size)).astype(np.float32)
+    got_jax = np.asarray(bench.linear_chain_jax(per_layer, head, jnp.asarray(x)))
+    per_layer_t, head_t = bench.to_torch(per_layer, head)
+    with torch.no_grad():
+        got_torch = bench.linear_chain_torch(per_layer_t, head_t, torch.from_numpy(x)).numpy()
+    assert got_jax.shape == (5, cfg.vocab_size)
+    np.testing.assert_allclose(got_jax, got_torch, rtol=1e-4, atol=1e-4)
+    assert np.abs(got_jax).max() > 1e-3  # the chain is not degenerate
