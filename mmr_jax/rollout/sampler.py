@@ -24,7 +24,7 @@ Data parallelism (`mesh=`). The padded prompts and their rows are split over the
 axes and the weights replicated, so each device decodes its own rows; nothing crosses devices
 but the all-done test of the while loop. On CPU, with one JAX device per core, this is what runs
 the small per-step ops (attention, sampling) on every core: SmolLM2-135M, 32 prompts x 4, gains
-about 30%. At 8 prompts x 4 it gains nothing: each device then streams all the weights for fewer
+about 28%. At 8 prompts x 4 it gains nothing: each device then streams all the weights for fewer
 rows, and one device already spreads those matmuls over the cores.
 
 Compiles. Shapes are bucketed (prompt count and number of stop ids to powers of two, prompt length
