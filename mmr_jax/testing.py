@@ -7,6 +7,8 @@ shared math data (or built-in text), and checkpoints are random transformers mod
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import json
 import os
 import pathlib
@@ -169,3 +171,13 @@ def run_in_fresh_jax(script: str, *args: str, env: dict | None = None, timeout: 
         timeout=timeout,
         cwd=root,
     )
+
+
+@functools.cache
+def load_script(name: str):
+    """The module of `scripts/<name>.py` (scripts are not a package), loaded once."""
+    path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

