@@ -373,11 +373,10 @@ class Decoder(nnx.Module):
             if split:  # Whole per-layer buffers: in-place writes, no transposed copies.
                 ck[i] = kv_cache.write_layer_keys(ck[i], k, write_index)
                 cv[i] = kv_cache.write_layer_values(cv[i], v, write_index)
-                o = attend(q, ck[i], cv[i], i)
             else:
                 ck = kv_cache.write(ck, i, k, write_index)
                 cv = kv_cache.write(cv, i, v, write_index)
-                o = attend(q, ck[i], cv[i], i)
+            o = attend(q, ck[i], cv[i], i)
             x = x + block.self_attn.out(o, disable_lora=disable_lora, key=None)
             x = x + block.mlp(block.post_attention_layernorm(x), disable_lora=disable_lora)
         logits = self.logits_from_hidden(self.norm(x))
