@@ -147,13 +147,13 @@ def make_engine(cfg: config_types.TrainConfig, policy: Policy, tokenizer, workdi
     On a pure data-parallel `mesh` (fsdp and tensor of size 1: the weights are replicated
     already) the embedded engine samples data-parallel over it; otherwise on the weights' devices.
     """
-    from mmr_jax.rollout import embedded, sampler
+    from mmr_jax.rollout import embedded, layout
 
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     if cfg.rollout.engine == "embedded":
         stops = embedded.eos_token_ids(cfg.model.path) or (tokenizer.eos_token_id,)
         # Training prompts padded to one shape: the sampler compiles once, not per prompt length.
-        buckets = sampler.Buckets(
+        buckets = layout.Buckets(
             min_prompts=cfg.batch.prompts,
             min_prompt_len=cfg.batch.max_prompt_len,
             min_new_tokens=cfg.batch.max_completion_len,

@@ -9,9 +9,13 @@ in one process (ms per decode step, median of --repeats runs of --steps steps):
 
   step            what each turn of the sampler's while loop runs: one token per row (rows =
                   prompts x n) through `forward_cached_shared_prompt`, against the prompts'
-                  shared cache (--prompt_slots) and the rows' own (--new_slots), then the
-                  sampler's draw at temperature 0.7. The defaults are bench_sampler.py's SmolLM2
-                  buckets (GSM8K prompts up to 137 tokens pad to 192; 128 new tokens).
+                  shared cache (--prompt_slots, of which --prompt_fill hold tokens, the rest left
+                  padding) and the rows' own (--new_slots, half written: the average over a
+                  generation), then the sampler's draw at temperature 0.7. The defaults are
+                  bench_sampler.py's SmolLM2 buckets (8 GSM8K prompts of 57..137 tokens, 45% of
+                  192 slots; 128 new tokens). On CPU the attention is the C++ kernel.
+  step (pure JAX) the same with the pure-JAX attention (`decoder._attend_shared_prompt`, what
+                  other platforms run), which reads and masks every slot.
   no attention    the same step with the attention over the cache replaced by passing q through;
                   projections, MLP, norms, LM head and sampling unchanged. step - this = the
                   attention and its cache traffic.
@@ -25,6 +29,7 @@ The SmolLM2 row needs checkpoints/smollm2-135m-instruct (scripts/prepare_smollm2
 
 from __future__ import annotations
 
+import functools
 import json
 import pathlib
 import sys
@@ -45,6 +50,7 @@ _SMOL = flags.DEFINE_string(
 _PROMPTS = flags.DEFINE_list("prompts", ["8"], "prompt counts")
 _N = flags.DEFINE_integer("n", 4, "samples per prompt")
 _PROMPT_SLOTS = flags.DEFINE_integer("prompt_slots", 192, "prompt cache slots (padded prompt)")
+_PROMPT_FILL = flags.DEFINE_float("prompt_fill", 0.45, "fraction of prompt slots holding tokens")
 _NEW_SLOTS = flags.DEFINE_integer("new_slots", 128, "each row's own cache slots (new tokens)")
 _STEPS = flags.DEFINE_integer("steps", 16, "decode steps per timed run")
 _REPEATS = flags.DEFINE_integer("repeats", 5, "timed runs (the median is reported)")
@@ -112,8 +118,14 @@ def _median_ms_per_step(run, steps: int, repeats: int) -> float:
     return float(np.median(times)) * 1e3 / steps
 
 
-def decode_loop(model, prompts: int, n: int, prompt_slots: int, new_slots: int, steps: int):
-    """A jitted run of `steps` decode steps as the sampler runs them (+ a draw at T = 0.7)."""
+def decode_loop(
+    model, prompts: int, n: int, prompt_slots: int, new_slots: int, steps: int, fill: float
+):
+    """A jitted run of `steps` decode steps as the sampler runs them (+ a draw at T = 0.7).
+
+    The own cache is donated and handed back, so no call copies it (the sampler makes it inside
+    its jit); the timed steps write own slots from the middle of the cache on.
+    """
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -128,12 +140,14 @@ def decode_loop(model, prompts: int, n: int, prompt_slots: int, new_slots: int, 
         lambda a: a + 0.01, kv_cache.split(model.init_cache(prompts, prompt_slots))
     )
     cache = jax.tree.map(lambda a: a + 0.01, kv_cache.split(model.init_cache(rows, new_slots)))
-    start = new_slots - steps - 1  # the last steps of a generation: the own cache nearly full
+    start = (new_slots - steps) // 2  # own slots written: about half, on average over the steps
+    filled = max(1, round(fill * prompt_slots))
+    prompt_mask = np.arange(prompt_slots)[None, :] >= prompt_slots - filled
+    prompt_mask = np.repeat(prompt_mask & (np.arange(prompt_slots) < prompt_slots - 1), prompts, 0)
 
-    @jax.jit
+    @functools.partial(jax.jit, donate_argnums=2)
     def loop(state, prompt_cache, cache):
         m = nnx.merge(graphdef, state)
-        prompt_mask = jnp.ones((prompts, prompt_slots), bool)
         keys = jax.random.split(jax.random.key(0), rows)
 
         def body(t, carry):
@@ -148,9 +162,15 @@ def decode_loop(model, prompts: int, n: int, prompt_slots: int, new_slots: int, 
             return cache, nxt[:, None]
 
         init = (cache, jnp.ones((rows, 1), jnp.int32))
-        return jax.lax.fori_loop(0, steps, body, init)[1]
+        return jax.lax.fori_loop(0, steps, body, init)
 
-    return lambda: loop(state, prompt_cache, cache).block_until_ready()
+    carry = [cache]
+
+    def run():
+        carry[0], tok = loop(state, prompt_cache, carry[0])
+        tok.block_until_ready()
+
+    return run
 
 
 def _pass_q_through(q_RxTxNxD, *unused):
@@ -164,6 +184,7 @@ def bench_model(name: str, path: str) -> list[dict]:
     import torch
 
     from mmr_jax import models
+    from mmr_jax.kernels import decode_attention
     from mmr_jax.models import decoder
 
     model = models.from_pretrained(path)
@@ -180,10 +201,12 @@ def bench_model(name: str, path: str) -> list[dict]:
         rows = prompts * n
         x = np.random.default_rng(0).standard_normal((rows, head.shape[0])).astype(np.float32)
         xj, xt = jnp.asarray(x), torch.from_numpy(x)
-        step_ms = _median_ms_per_step(decode_loop(model, prompts, n, *slots, steps), steps, repeats)
-        with mock.patch.object(decoder, "_attend_shared_prompt", _pass_q_through):
-            run = decode_loop(model, prompts, n, *slots, steps)
-            no_attn_ms = _median_ms_per_step(run, steps, repeats)
+        loop_args = (model, prompts, n, *slots, steps, _PROMPT_FILL.value)
+        step_ms = _median_ms_per_step(decode_loop(*loop_args), steps, repeats)
+        with mock.patch.object(decode_attention, "available", lambda: False):
+            step_jax_ms = _median_ms_per_step(decode_loop(*loop_args), steps, repeats)
+            with mock.patch.object(decoder, "_attend_shared_prompt", _pass_q_through):
+                no_attn_ms = _median_ms_per_step(decode_loop(*loop_args), steps, repeats)
 
         def run_jax():
             for _ in range(steps):
@@ -201,8 +224,11 @@ def bench_model(name: str, path: str) -> list[dict]:
             prompts=prompts,
             n=n,
             prompt_slots=slots[0],
+            prompt_fill=_PROMPT_FILL.value,
             new_slots=slots[1],
+            cpu_kernel=decode_attention.available(),
             step_ms=step_ms,
+            step_pure_jax_ms=step_jax_ms,
             no_attention_ms=no_attn_ms,
             attention_ms=step_ms - no_attn_ms,
             linear_jax_ms=jax_ms,
@@ -222,11 +248,13 @@ def _fmt(r: dict) -> str:
     return "\n".join(
         [
             f"{r['model']}: {r['prompts']} prompts x {r['n']} (prompt cache {r['prompt_slots']} "
-            f"slots, own cache {r['new_slots']})",
-            f"  {'step':<16}{r['step_ms']:>9.1f} ms",
+            f"slots, {r['prompt_fill']:.0%} filled; own cache {r['new_slots']}, half written)",
+            f"  {'step':<16}{r['step_ms']:>9.1f} ms"
+            f"   (attention: {'C++ kernel' if r['cpu_kernel'] else 'pure JAX, no kernel'})",
+            f"  {'step (pure JAX)':<16}{r['step_pure_jax_ms']:>9.1f} ms",
             f"  {'no attention':<16}{r['no_attention_ms']:>9.1f} ms"
-            f"   (attention + its cache traffic: {r['attention_ms']:.1f} ms, "
-            f"{r['attention_ms'] / r['step_ms']:.0%} of the step)",
+            f"   (attention + its cache traffic: {r['attention_ms']:.1f} ms in the step, "
+            f"{r['step_pure_jax_ms'] - r['no_attention_ms']:.1f} ms in pure JAX)",
             f"  {'linear (jax)':<16}{r['linear_jax_ms']:>9.1f} ms"
             f"   ({gf:.2f} GFLOP: {1e3 * gf / r['linear_jax_ms']:.0f} GFLOP/s)",
             f"  {'linear (torch)':<16}{r['linear_torch_ms']:>9.1f} ms"

@@ -86,9 +86,9 @@ def replicate(model, mesh):
 
 
 def bench_jax(model, prompts, n, new_tokens, temperature, mesh=None):
-    from mmr_jax.rollout import base, sampler
+    from mmr_jax.rollout import base, layout, sampler
 
-    buckets = sampler.Buckets(min_new_tokens=new_tokens)  # max_new_tokens is traced, not static
+    buckets = layout.Buckets(min_new_tokens=new_tokens)  # max_new_tokens is traced, not static
     warm = base.SamplingParams(1, temperature=temperature, n=n, seed=0)
     t0 = time.perf_counter()
     # Compiles this bucket (+ a prefill).

@@ -21,7 +21,7 @@ from absl import app, flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from mmr_jax.rollout import sampler, serve_backend, server
+from mmr_jax.rollout import layout, serve_backend, server
 
 _MODEL = flags.DEFINE_string("model", None, "HF checkpoint folder", required=True)
 _NAME = flags.DEFINE_string("served_model_name", None, "model name clients use (default: --model)")
@@ -42,7 +42,7 @@ def main(argv):
         tokenizer_path=_TOKENIZER.value,
         seed=_SEED.value,
         max_model_len=_MAX_LEN.value,
-        buckets=sampler.Buckets(min_prompts=_MIN_PROMPTS.value),
+        buckets=layout.Buckets(min_prompts=_MIN_PROMPTS.value),
     )
     srv = server.OpenAIServer(backend, host=_HOST.value, port=_PORT.value)
     print(f"serving {backend.model_name!r} at {srv.url}", flush=True)

@@ -15,6 +15,7 @@ import pytest
 from flax import nnx
 
 from mmr_jax import models, testing
+from mmr_jax.kernels import decode_attention
 from mmr_jax.models import config as config_lib
 from mmr_jax.models import kv_cache, logprobs
 
@@ -177,9 +178,15 @@ class TestKVCache:
         assert np.abs(got[m] - full[m]).max() <= PARITY_TOL
 
     @pytest.mark.parametrize("name", ["llama_gqa_untied", "qwen2_bias_tied"])
-    def test_shared_prompt_decode_equals_full_forward(self, checkpoints, name):
+    @pytest.mark.parametrize("kernel", [True, False], ids=["cpu_kernel", "pure_jax"])
+    def test_shared_prompt_decode_equals_full_forward(self, checkpoints, name, kernel, monkeypatch):
         # The sampler's decode: 2 left-padded prompts share one prompt cache, n = 3 rows each with
         # its own continuation and own cache. Reference: the full forward of each row's sequence.
+        # Both attentions: the C++ kernel (CPU) and the pure-JAX one (every other platform).
+        if kernel:
+            assert decode_attention.available()  # g++ is on every machine this runs on
+        else:
+            monkeypatch.setattr(decode_attention, "available", lambda: False)
         model = models.from_pretrained(checkpoints[name])
         n, prompt_len, new = 3, 7, 5
         lengths = [7, 3]

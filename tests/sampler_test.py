@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mmr_jax.rollout import base, embedded, sampler
+from mmr_jax.rollout import base, embedded, layout, sampler
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
@@ -130,9 +130,9 @@ class TestSample:
 
 class TestBuckets:
     def test_length_buckets(self):
-        got = [sampler.length_bucket(x, 16) for x in (1, 16, 17, 24, 25, 137, 193, 3584)]
+        got = [layout.length_bucket(x, 16) for x in (1, 16, 17, 24, 25, 137, 193, 3584)]
         assert got == [16, 16, 24, 24, 32, 192, 256, 4096]
-        assert [sampler.bucket(x) for x in (1, 3, 4, 5)] == [1, 4, 4, 8]
+        assert [layout.bucket(x) for x in (1, 3, 4, 5)] == [1, 4, 4, 8]
 
 
 class TestFilter:

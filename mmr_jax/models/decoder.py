@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from mmr_jax.kernels import decode_attention
 from mmr_jax.models import config as config_lib
 from mmr_jax.models import kv_cache, layers
 from mmr_jax.models import lora as lora_lib
@@ -98,6 +99,30 @@ def _attend_shared_prompt(q_RxTxNxD, pk_BxKxDxP, pv_BxKxPxD, k_RxKxDxS, v_RxKxSx
     o_own = jnp.einsum("rkgs,rksd->rkgd", probs[..., p:], v_RxKxSxD.astype(f32))
     o = o_prompt.reshape(r, kh, g, d) + o_own
     return o.astype(v_RxKxSxD.dtype).reshape(r, t, nh * d)
+
+
+def _attend_shared_prompt_decode(q, pk, pv, k, v, pmask, write_index):
+    """`_attend_shared_prompt` for a decode step that has written own slots [0, write_index].
+
+    On CPU, with fp32 caches, the C++ kernel (`mmr_jax.kernels.decode_attention`) computes it
+    reading only the unmasked span of each prompt and the written own slots; XLA's static shapes
+    make the pure-JAX version read and mask all P + S slots (SmolLM2, 8 prompts x 4 samples: the
+    decode step's attention about halves). Other platforms and dtypes, or no C++ compiler: the
+    pure-JAX version.
+    """
+    own_mask_S = jnp.arange(k.shape[-1], dtype=jnp.int32) <= write_index
+
+    def pure_jax(*args):
+        return _attend_shared_prompt(*args, own_mask_S)
+
+    args = (q, pk, pv, k, v, pmask)
+    if not all(a.dtype == jnp.float32 for a in args[:5]) or not decode_attention.available():
+        return pure_jax(*args)
+
+    def kernel(*args):
+        return decode_attention.attend_shared_prompt(*args, write_index + 1)
+
+    return jax.lax.platform_dependent(*args, cpu=kernel, default=pure_jax)
 
 
 def _split_key(key, i):
@@ -296,12 +321,16 @@ class Decoder(nnx.Module):
         *,
         write_index,
         kv_mask_BxS,
+        segment_ids_BxS=None,
         disable_lora=False,
     ):
         """Runs T new tokens against the cache; returns (fp32 logits [B, T, V], updated cache).
 
         The new keys/values go to slots [write_index, write_index + T); query i attends to slot s
         iff `kv_mask_BxS[b, s] and s <= write_index + i`. `write_index` may be a traced int32.
+        With `segment_ids_BxS` (int, -1 = none), query i must also share slot s's segment id,
+        that of its own slot write_index + i, and that id must be >= 0: several sequences packed
+        into one row then attend each to itself alone (packed prefill).
         """
         chex.assert_rank([tokens_BxT, positions_BxT, kv_mask_BxS], 2)
         chex.assert_equal_shape([tokens_BxT, positions_BxT])
@@ -310,6 +339,12 @@ class Decoder(nnx.Module):
         slots = jnp.arange(cache.max_len, dtype=jnp.int32)
         limit = write_index + jnp.arange(t, dtype=jnp.int32)
         mask = (slots[None, :] <= limit[:, None])[None] & kv_mask_BxS.astype(jnp.bool_)[:, None, :]
+        if segment_ids_BxS is not None:
+            chex.assert_rank(segment_ids_BxS, 2)
+            seg_BxS = jnp.asarray(segment_ids_BxS, jnp.int32)
+            seg_BxT = jax.lax.dynamic_slice_in_dim(seg_BxS, write_index, t, axis=1)
+            same = seg_BxT[:, :, None] == seg_BxS[:, None, :]
+            mask = mask & same & (seg_BxT >= 0)[:, :, None]
         if cache.is_split:
 
             def attend(q, k, v, _):
@@ -347,12 +382,11 @@ class Decoder(nnx.Module):
         if not (prompt_cache.is_split and cache.is_split):
             raise ValueError("forward_cached_shared_prompt takes split caches (kv_cache.split)")
         write_index = jnp.asarray(write_index, jnp.int32)
-        own_mask_S = jnp.arange(cache.max_len, dtype=jnp.int32) <= write_index
         pmask = prompt_mask_BxP.astype(jnp.bool_)
 
         def attend(q, k, v, i):
             pk, pv = prompt_cache.k[i], prompt_cache.v[i]
-            return _attend_shared_prompt(q, pk, pv, k, v, pmask, own_mask_S)
+            return _attend_shared_prompt_decode(q, pk, pv, k, v, pmask, write_index)
 
         return self._decode_layers(
             tokens_Rx1, positions_Rx1, cache, write_index, attend, disable_lora=disable_lora

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from mmr_jax.rollout import base, sampler
+from mmr_jax.rollout import base, layout, sampler
 
 
 def eos_token_ids(path: str | os.PathLike) -> tuple[int, ...]:
@@ -53,7 +53,7 @@ class EmbeddedEngine:
       stop_token_ids: ids that always end a completion (the model's EOS ids), like vLLM's EOS.
       pad_id: written after the end of each completion.
       seed: seeds calls whose `SamplingParams.seed` is None (a new seed per call).
-      buckets: minimum padded sizes (see `sampler.Buckets`).
+      buckets: minimum padded sizes (see `layout.Buckets`).
       mesh: sample data-parallel over this mesh (see `sampler.sample`); the model's weights are
         replicated on it here, in place. None = on the weights' devices.
     """
@@ -65,7 +65,7 @@ class EmbeddedEngine:
         stop_token_ids: Sequence[int] = (),
         pad_id: int = 0,
         seed: int = 0,
-        buckets: sampler.Buckets = sampler.DEFAULT_BUCKETS,
+        buckets: layout.Buckets = layout.DEFAULT_BUCKETS,
         mesh: jax.sharding.Mesh | None = None,
     ):
         self.model = model

@@ -1,15 +1,20 @@
-"""Embedded JAX sampler: batched prefill + KV-cache decode of a `Decoder`, all under one jit.
+"""Embedded JAX sampler: packed prefill + KV-cache decode of a `Decoder`, each under one jit.
 
 Legend: B prompts (padded to Bp), n samples per prompt, R = Bp * n rows, P prompt slots (padded),
 N new-token slots (padded), V vocab.
 
-Layout. Prompts are left-padded to P, so every prompt ends at slot P - 1. The prefill writes the
-first P - 1 prompt tokens of the Bp prompts into a prompt cache (its logits are unused, so XLA
-drops the vocab projection). That cache is shared, not repeated: row r = b * n + i reads prompt
-b's slots (`Decoder.forward_cached_shared_prompt`), so a prompt's keys are stored and read once
-for its n samples. Each row has its own cache of N slots: decode step t feeds token x_t (x_0 =
-the last prompt token) into slot t and samples generated token t. A `lax.while_loop` stops when
-every row has hit a stop id or `max_new_tokens`.
+Layout. Prompts are left-padded to P, so every prompt ends at slot P - 1: the prompt cache (Bp
+prompts x P slots) holds prompt b's first len_b - 1 tokens at slots [P - len_b, P - 1), and its
+last token is its rows' first decode input. The prefill is packed: those tokens go first-fit-
+decreasing into rows of W = P - 1 (`layout.pack_prefill`; row count bucketed to a power of two), run
+with segment ids so each attends to its own prompt only, and their keys/values are gathered into
+the prompt cache's slots (`_prefill`, its own jit: a new row count does not recompile the decode
+loop; its logits are unused, so XLA drops the vocab projection). Left-padded, more than half the
+prefill tokens of the SmolLM2 benchmark were padding. The prompt cache is shared, not repeated:
+row r = b * n + i reads prompt b's slots (`Decoder.forward_cached_shared_prompt`), so a prompt's
+keys are stored and read once for its n samples. Each row has its own cache of N slots: decode
+step t feeds token x_t (x_0 = the last prompt token) into slot t and samples generated token t. A
+`lax.while_loop` stops when every row has hit a stop id or `max_new_tokens`.
 
 Sampling. logits / temperature, then (when asked) top-k and then top-p over the top-k-renormalised
 distribution, as vLLM applies them; temperature 0 is greedy (argmax). The reported log-prob is
@@ -20,22 +25,23 @@ top_k = 0. (vLLM's `processed_logprobs` are renormalised after truncation; equal
 Randomness. Row r of a call with seed s draws from fold_in(fold_in(key(s), r), t) at step t, so a
 completion depends on (seed, prompt index, sample index) and not on the padding buckets.
 
-Data parallelism (`mesh=`). The padded prompts and their rows are split over the mesh's batch
-axes and the weights replicated, so each device decodes its own rows; nothing crosses devices
-but the all-done test of the while loop. On CPU, with one JAX device per core, this is what runs
-the small per-step ops (attention, sampling) on every core: SmolLM2-135M, 32 prompts x 4, gains
-about 28%. At 8 prompts x 4 it gains nothing: each device then streams all the weights for fewer
-rows, and one device already spreads those matmuls over the cores.
+Data parallelism (`mesh=`). The padded prompts and their rows (and the packed prefill rows) are
+split over the mesh's batch axes and the weights replicated, so each device decodes its own rows
+(`shard_map`: its own while loop); nothing crosses devices but the prefill's gather. On
+CPU, with one JAX device per core, this is what runs the small per-step ops (attention, sampling)
+on every core: SmolLM2-135M, 32 prompts x 4, gains about 28%. At 8 prompts x 4 it gains
+nothing: each device then streams all the weights for fewer rows, and one device already spreads
+those matmuls over the cores.
 
 Compiles. Shapes are bucketed (prompt count and number of stop ids to powers of two, prompt length
 and new tokens to 2^k or 1.5 * 2^k) and every sampling value, max_new_tokens included, is a traced
-scalar; the static choices are n, greedy or not,
-and whether top-k/top-p filtering is on. `trace_count()` counts traces for tests.
+scalar; the static choices are n, greedy or not, and whether top-k/top-p filtering is on. The
+prefill compiles per (Bp, P, packed rows).
+`trace_count()` (decode) and `prefill_trace_count()` count traces for tests.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -44,9 +50,9 @@ import numpy as np
 from flax import nnx
 
 from mmr_jax.models import kv_cache, sharding
-from mmr_jax.rollout import base
+from mmr_jax.rollout import base, layout
 
-_TRACES = {"generate": 0}
+_TRACES = {"generate": 0, "prefill": 0}
 
 
 def trace_count() -> int:
@@ -54,34 +60,9 @@ def trace_count() -> int:
     return _TRACES["generate"]
 
 
-def bucket(x: int, minimum: int = 1) -> int:
-    """The smallest power of two >= max(x, minimum)."""
-    x = max(int(x), int(minimum), 1)
-    return 1 << (x - 1).bit_length()
-
-
-def length_bucket(x: int, minimum: int = 1) -> int:
-    """The smallest of 2^k and 1.5 * 2^k that is >= max(x, minimum) (..., 128, 192, 256, 384, ...).
-
-    Lengths set the cache size S, and a decode step costs about linearly in S, so they get two
-    buckets per octave; the prompt count keeps powers of two.
-    """
-    x = max(int(x), int(minimum), 1)
-    p = bucket(x)
-    return 3 * p // 4 if x <= 3 * p // 4 else p
-
-
-@dataclasses.dataclass(frozen=True)
-class Buckets:
-    """Smallest padded sizes; raise them to compile fewer shapes when inputs vary a lot."""
-
-    min_prompts: int = 1
-    min_prompt_len: int = 16
-    min_new_tokens: int = 16
-    min_stop_ids: int = 4
-
-
-DEFAULT_BUCKETS = Buckets()
+def prefill_trace_count() -> int:
+    """How many times the jitted packed prefill has been traced (= compiled) in this process."""
+    return _TRACES["prefill"]
 
 
 def filter_top_k_top_p(logits_RxV: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
@@ -150,12 +131,117 @@ def _sample_step(logits_RxV, keys_R, temperature, top_k, top_p, *, greedy, use_f
     return tok, logp
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "n", "num_new", "greedy", "use_filter"))
+@functools.partial(jax.jit, static_argnames=("graphdef", "cache_sharding"))
+def _prefill(
+    graphdef, state, tokens_RxW, positions_RxW, segment_ids_RxW, gather_BxP, *, cache_sharding=None
+):
+    """The prompt cache (split: keys [Bp, K, D, P], values [Bp, K, P, D]) from packed rows.
+
+    Runs the packed rows against a temporary split cache of W slots, each token attending to its
+    own segment, then gathers every layer's keys/values into the prompt-cache slots. The slots the
+    gather index leaves at 0 hold copies of packed slot 0 (masked in the decode).
+    `cache_sharding`: where the prompt cache goes (the prompts' batch sharding), or None.
+    """
+    _TRACES["prefill"] += 1
+    model = nnx.merge(graphdef, state)
+    rows, w = tokens_RxW.shape
+    packed = kv_cache.split(model.init_cache(rows, w))
+    _, packed = model.forward_cached(
+        tokens_RxW,
+        positions_RxW,
+        packed,
+        write_index=0,
+        kv_mask_BxS=segment_ids_RxW >= 0,
+        segment_ids_BxS=segment_ids_RxW,
+    )
+
+    def gather_keys(k_RxKxDxW):
+        _, kh, d, _ = k_RxKxDxW.shape
+        flat = jnp.transpose(k_RxKxDxW, (1, 2, 0, 3)).reshape(kh, d, rows * w)
+        out = jnp.take(flat, gather_BxP, axis=2, mode="clip")  # [K, D, Bp, P]
+        return jnp.transpose(out, (2, 0, 1, 3))
+
+    def gather_values(v_RxKxWxD):
+        _, kh, _, d = v_RxKxWxD.shape
+        flat = jnp.transpose(v_RxKxWxD, (1, 0, 2, 3)).reshape(kh, rows * w, d)
+        out = jnp.take(flat, gather_BxP, axis=1, mode="clip")  # [K, Bp, P, D]
+        return jnp.transpose(out, (1, 0, 2, 3))
+
+    cache = kv_cache.KVCache(
+        k=tuple(gather_keys(k) for k in packed.k), v=tuple(gather_values(v) for v in packed.v)
+    )
+    if cache_sharding is not None:
+        cache = jax.lax.with_sharding_constraint(cache, cache_sharding)
+    return cache
+
+
+@functools.partial(
+    jax.jit, static_argnames=("graphdef", "n", "num_new", "greedy", "use_filter", "mesh")
+)
 def _generate(
     graphdef,
     state,
     prompts_BxP,
     prompt_mask_BxP,
+    prompt_cache,
+    row_ids_R,
+    real_rows_R,
+    seed,
+    max_new_tokens,
+    temperature,
+    top_k,
+    top_p,
+    stop_ids,
+    *,
+    n: int,
+    num_new: int,
+    greedy: bool,
+    use_filter: bool,
+    mesh: jax.sharding.Mesh | None = None,
+):
+    """Decodes against `prompt_cache` (from `_prefill`); -> tokens [R, N] int32, logps [R, N]
+    f32 and stopped [R] bool (hit a stop id).
+
+    With a mesh, each device runs `_decode` on its own prompts and rows (`shard_map`): its own
+    while loop, which stops when its rows are done, and no collective at all. (Under plain
+    sharding propagation the CPU attention kernel, an FFI call XLA cannot split, would gather
+    every row onto every device.)
+    """
+    _TRACES["generate"] += 1
+    decode = functools.partial(
+        _decode, graphdef, n=n, num_new=num_new, greedy=greedy, use_filter=use_filter
+    )
+    if mesh is not None:
+        batch, whole = sharding.batch_sharding(mesh).spec, jax.sharding.PartitionSpec()
+        decode = jax.shard_map(
+            decode,
+            mesh=mesh,
+            in_specs=(whole,) + (batch,) * 5 + (whole,) * 6,
+            out_specs=(batch, batch, batch),
+            check_vma=False,
+        )
+    return decode(
+        state,
+        prompts_BxP,
+        prompt_mask_BxP,
+        prompt_cache,
+        row_ids_R,
+        real_rows_R,
+        seed,
+        max_new_tokens,
+        temperature,
+        top_k,
+        top_p,
+        stop_ids,
+    )
+
+
+def _decode(
+    graphdef,
+    state,
+    prompts_BxP,
+    prompt_mask_BxP,
+    prompt_cache,
     row_ids_R,
     real_rows_R,
     seed,
@@ -170,24 +256,12 @@ def _generate(
     greedy: bool,
     use_filter: bool,
 ):
-    """Returns tokens [R, N] int32, logps [R, N] f32 and stopped [R] bool (hit a stop id)."""
-    _TRACES["generate"] += 1
+    """`_generate`'s work on one device's (or all) prompts and rows."""
     model = nnx.merge(graphdef, state)
-    bp, p = prompts_BxP.shape
+    bp, _ = prompts_BxP.shape
     r = bp * n
     lengths_B = prompt_mask_BxP.sum(-1).astype(jnp.int32)
-    positions_BxP = jnp.maximum(jnp.cumsum(prompt_mask_BxP, axis=-1) - 1, 0).astype(jnp.int32)
-
-    # Split before the prefill: its writes go straight to per-layer buffers.
-    prompt_cache = kv_cache.split(model.init_cache(bp, p))
-    _, prompt_cache = model.forward_cached(
-        prompts_BxP[:, :-1],
-        positions_BxP[:, :-1],
-        prompt_cache,
-        write_index=0,
-        kv_mask_BxS=prompt_mask_BxP,
-    )
-    # Slot P - 1 stays empty there: the last prompt token is each row's first decode input.
+    # Slot P - 1 is not in the prompt cache: the last prompt token is each row's first input.
     prompt_mask_BxP = prompt_mask_BxP.at[:, -1].set(False)
     cache = kv_cache.split(model.init_cache(r, num_new))
     lengths_R = jnp.repeat(lengths_B, n)
@@ -229,17 +303,6 @@ def _generate(
     return toks, logps, stopped
 
 
-def left_pad(prompt_ids, num_rows: int, length: int, pad_id: int):
-    """Left-padded int32 tokens [num_rows, length] and bool mask; rows past the prompts are pad."""
-    tokens = np.full((num_rows, length), pad_id, np.int32)
-    mask = np.zeros((num_rows, length), bool)
-    for b, ids in enumerate(prompt_ids):
-        if len(ids):
-            tokens[b, length - len(ids) :] = ids
-            mask[b, length - len(ids) :] = True
-    return tokens, mask
-
-
 def sample(
     model: nnx.Module,
     prompt_ids,
@@ -248,7 +311,7 @@ def sample(
     stop_token_ids=(),
     seed: int = 0,
     pad_id: int = 0,
-    buckets: Buckets = DEFAULT_BUCKETS,
+    buckets: layout.Buckets = layout.DEFAULT_BUCKETS,
     max_len: int | None = None,
     mesh: jax.sharding.Mesh | None = None,
 ) -> base.RolloutBatch:
@@ -282,13 +345,16 @@ def sample(
             f"model's {max_len} positions"
         )
     ways = sharding.batch_size(mesh)
-    bp = -(-bucket(num_prompts, buckets.min_prompts) // ways) * ways  # a multiple of the split
-    p = length_bucket(longest, max(buckets.min_prompt_len, 2))
-    num_new = length_bucket(params.max_new_tokens, buckets.min_new_tokens)
+    bp = (
+        -(-layout.bucket(num_prompts, buckets.min_prompts) // ways) * ways
+    )  # a multiple of the split
+    p = layout.length_bucket(longest, max(buckets.min_prompt_len, 2))
+    num_new = layout.length_bucket(params.max_new_tokens, buckets.min_new_tokens)
     stops = sorted(set(stop_token_ids) | set(params.stop_token_ids))
-    stop_arr = np.full((bucket(len(stops), buckets.min_stop_ids),), -1, np.int32)
+    stop_arr = np.full((layout.bucket(len(stops), buckets.min_stop_ids),), -1, np.int32)
     stop_arr[: len(stops)] = stops
-    tokens, mask = left_pad(prompt_ids, bp, p, pad_id)
+    tokens, mask = layout.left_pad(prompt_ids, bp, p, pad_id)
+    packed = layout.pack_prefill(prompt_ids, bp, p, pad_id, row_multiple=ways)
     n = params.n
     row_ids = np.arange(bp * n, dtype=np.int32)
     greedy = params.temperature == 0.0
@@ -299,11 +365,21 @@ def sample(
         state = jax.device_put(state, sharding.replicated(mesh))
         rows = functools.partial(jax.device_put, device=sharding.batch_sharding(mesh))
         scalar = functools.partial(jax.device_put, device=sharding.replicated(mesh))
+    prompt_cache = _prefill(
+        graphdef,
+        state,
+        rows(packed.tokens),
+        rows(packed.positions),
+        rows(packed.segment_ids),
+        rows(packed.gather),
+        cache_sharding=None if mesh is None else sharding.batch_sharding(mesh),
+    )
     toks, logps, stopped = _generate(
         graphdef,
         state,
         rows(tokens),
         rows(mask),
+        prompt_cache,
         rows(row_ids),
         rows(row_ids < num_prompts * n),
         scalar(np.uint32((params.seed if params.seed is not None else seed) % 2**32)),
@@ -316,6 +392,7 @@ def sample(
         num_new=num_new,
         greedy=greedy,
         use_filter=not greedy and (params.top_k > 0 or params.top_p < 1.0),
+        mesh=mesh,
     )
     return _to_batch(
         np.asarray(toks),

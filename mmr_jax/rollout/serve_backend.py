@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import numpy as np
 from flax import nnx
 
-from mmr_jax.rollout import base, embedded, sampler, vllm_engine
+from mmr_jax.rollout import base, embedded, layout, sampler, vllm_engine
 
 _PEFT_PREFIX = "base_model.model."
 
@@ -127,7 +127,7 @@ class EmbeddedBackend:
         tokenizer_path: str | os.PathLike | None = None,
         seed: int = 0,
         max_model_len: int | None = None,
-        buckets=sampler.DEFAULT_BUCKETS,
+        buckets=layout.DEFAULT_BUCKETS,
     ):
         import transformers
 

@@ -1,0 +1,1 @@
+"""Hand-written CPU kernels behind XLA's FFI, each with a pure-JAX reference it must equal."""
