@@ -84,6 +84,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.rollout.model_name = ""  # vLLM --served-model-name ('' = model.path)
     c.rollout.timeout_s = 600.0  # per-request timeout
     c.rollout.max_retries = 5  # retries of an unreachable server before the run stops
+    c.rollout.ready_timeout_s = 900.0  # at start, wait this long for the vLLM server to load
     c.rollout.temperature = 0.7  # sampling temperature (log-probs use the same)
     c.rollout.top_p = 1.0  # nucleus sampling (1 = off)
     c.rollout.top_k = 0  # top-k sampling (0 = off)

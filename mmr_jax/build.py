@@ -176,6 +176,7 @@ def make_engine(cfg: config_types.TrainConfig, policy: Policy, tokenizer, workdi
         lora=policy.lora,
         timeout_s=cfg.rollout.timeout_s,
         max_retries=cfg.rollout.max_retries,
+        wait_ready_s=cfg.rollout.ready_timeout_s,
         pad_id=pad,
         seed=cfg.seed,
     )

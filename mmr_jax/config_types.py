@@ -59,6 +59,7 @@ class RolloutConfig:
     model_name: str = ""
     timeout_s: float = 600.0
     max_retries: int = 5
+    ready_timeout_s: float = 900.0
     temperature: float = 0.7
     top_p: float = 1.0
     top_k: int = 0

@@ -6,9 +6,12 @@
 Both engines get the same prompts (chat-templated GSM8K problems from ../shared/data, or built-in
 text), the same sampling settings (temperature 0.7, top-p 1, top-k off) and generate exactly
 `new_tokens` tokens per completion (EOS ignored), so tokens/s = prompts * n * new_tokens / seconds.
-The JAX sampler is timed after a warm-up call that compiles the same bucket (compile + one prefill
-is reported apart: a training run compiles each bucket once); transformers is timed after a short
-warm-up, with --torch_threads intra-op threads (on a loaded 2-core machine 1 thread is fastest).
+Each engine is warmed up first (for ours: a call that compiles the same bucket, reported apart as
+`compile s`: a training run compiles each bucket once; for transformers: a short generate). Then
+--repeats rounds each time transformers, ours and ours on one device, one after the other, so a
+slow spell of a shared machine falls on all of them: the table gives median tokens/s, the median
+of the per-round ratios and the lowest per-round ratio `(min)`; --json also keeps every round's
+seconds. transformers runs with --torch_threads intra-op threads (0: torch's default).
 Our sampler runs data-parallel with one JAX CPU device per core (--cpu_devices, default all
 cores: the prompts split over the devices, the weights replicated), which is how a CPU run uses
 both cores; with --single_device it is also timed on one device in the same run, for comparison.
@@ -25,6 +28,7 @@ import sys
 import tempfile
 import time
 
+import numpy as np
 from absl import app, flags
 
 _REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -41,6 +45,7 @@ _DEVICES = flags.DEFINE_integer(
     "cpu_devices", 0, "JAX CPU devices for the data-parallel sampler (0 = one per core)"
 )
 _SINGLE = flags.DEFINE_bool("single_device", True, "also time our sampler on one device")
+_REPEATS = flags.DEFINE_integer("repeats", 3, "timed rounds (each times every engine once)")
 _SMOL = flags.DEFINE_string(
     "smollm2_path", str(_REPO / "checkpoints" / "smollm2-135m-instruct"), "SmolLM2 checkpoint"
 )
@@ -85,33 +90,59 @@ def replicate(model, mesh):
     return nnx.merge(graphdef, jax.device_put(state, sharding.replicated(mesh)))
 
 
-def bench_jax(model, prompts, n, new_tokens, temperature, mesh=None):
-    from mmr_jax.rollout import base, layout, sampler
+def _jax_params(new_tokens, temperature, n, seed):
+    from mmr_jax.rollout import base
+
+    return base.SamplingParams(new_tokens, temperature=temperature, n=n, seed=seed)
+
+
+def warm_jax(model, prompts, n, new_tokens, temperature, mesh=None) -> float:
+    """Compiles the bucket of a timed call (and runs one prefill); returns the seconds taken."""
+    from mmr_jax.rollout import layout, sampler
 
     buckets = layout.Buckets(min_new_tokens=new_tokens)  # max_new_tokens is traced, not static
-    warm = base.SamplingParams(1, temperature=temperature, n=n, seed=0)
     t0 = time.perf_counter()
-    # Compiles this bucket (+ a prefill).
-    sampler.sample(model, prompts, warm, buckets=buckets, mesh=mesh)
-    compile_s = time.perf_counter() - t0
-    params = base.SamplingParams(new_tokens, temperature=temperature, n=n, seed=1)
+    sampler.sample(model, prompts, _jax_params(1, temperature, n, 0), buckets=buckets, mesh=mesh)
+    return time.perf_counter() - t0
+
+
+def bench_jax(model, prompts, n, new_tokens, temperature, mesh=None, seed=1) -> float:
+    """Seconds for one call that generates exactly `new_tokens` per completion (after warm_jax)."""
+    from mmr_jax.rollout import layout, sampler
+
+    buckets = layout.Buckets(min_new_tokens=new_tokens)
+    params = _jax_params(new_tokens, temperature, n, seed)
     t0 = time.perf_counter()
     batch = sampler.sample(model, prompts, params, buckets=buckets, mesh=mesh)
     seconds = time.perf_counter() - t0
     assert int(batch.mask.sum()) == len(prompts) * n * new_tokens
-    return seconds, compile_s
+    return seconds
 
 
-def bench_hf(hf, tokenizer, prompts, n, new_tokens, temperature):
+def _hf_inputs(tokenizer, prompts):
+    """Left-padded ids and attention mask (as generation needs)."""
     import torch
 
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), pad, dtype=torch.long)
     mask = torch.zeros((len(prompts), width), dtype=torch.long)
-    for i, p in enumerate(prompts):  # Left padding, as generation needs.
+    for i, p in enumerate(prompts):
         ids[i, width - len(p) :] = torch.tensor(p)
         mask[i, width - len(p) :] = 1
+    return ids, mask, pad
+
+
+def bench_hf(hf, tokenizer, prompts, n, new_tokens, temperature, seed=0, warm=False) -> float:
+    """Seconds for one `generate` call of exactly `new_tokens` per completion (EOS off).
+
+    `warm=True` runs a 4-token call on one prompt instead (a warm-up; its time is not used).
+    """
+    import torch
+
+    ids, mask, pad = _hf_inputs(tokenizer, prompts)
+    if warm:
+        ids, mask, new_tokens = ids[:1], mask[:1], 4
     kw = dict(
         do_sample=True,
         temperature=temperature,
@@ -122,14 +153,13 @@ def bench_hf(hf, tokenizer, prompts, n, new_tokens, temperature):
         eos_token_id=None,
     )
     with torch.no_grad():
-        hf.generate(ids[:1], attention_mask=mask[:1], max_new_tokens=4, min_new_tokens=4, **kw)
-        torch.manual_seed(0)
+        torch.manual_seed(seed)
         t0 = time.perf_counter()
         out = hf.generate(
             ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kw
         )
         seconds = time.perf_counter() - t0
-    assert out.shape == (len(prompts) * n, width + new_tokens)
+    assert out.shape == (ids.shape[0] * n, ids.shape[1] + new_tokens)
     return seconds
 
 
@@ -150,24 +180,38 @@ def run_model(name: str, path: str) -> list[dict]:
     for count in map(int, _PROMPTS.value):
         prompts = prompt_ids(tokenizer, count)
         tokens = count * _N.value * _NEW.value
-        hf_s = bench_hf(hf, tokenizer, prompts, _N.value, _NEW.value, _TEMP.value)
-        jax_s, compile_s = bench_jax(model_dp, prompts, _N.value, _NEW.value, _TEMP.value, mesh)
-        one_s = None
+        args = (prompts, _N.value, _NEW.value, _TEMP.value)
+        bench_hf(hf, tokenizer, *args, warm=True)
+        compile_s = warm_jax(model_dp, *args, mesh)
         if _SINGLE.value:
-            one_s, _ = bench_jax(model, prompts, _N.value, _NEW.value, _TEMP.value)
+            warm_jax(model, *args)
+        # Rounds interleave the engines, so a slow spell of this shared machine hits all of them;
+        # the ratios are taken within each round and their median is reported.
+        hf_s, jax_s, one_s = [], [], []
+        for i in range(_REPEATS.value):
+            hf_s.append(bench_hf(hf, tokenizer, *args, seed=i))
+            jax_s.append(bench_jax(model_dp, *args, mesh, seed=i + 1))
+            if _SINGLE.value:
+                one_s.append(bench_jax(model, *args, seed=i + 1))
+        hf_s, jax_s, one_s = (np.asarray(x) for x in (hf_s, jax_s, one_s))
         row = dict(
             model=name,
             prompts=count,
             n=_N.value,
             new_tokens=_NEW.value,
             prompt_len=max(len(p) for p in prompts),
-            hf_tok_s=tokens / hf_s,
-            jax_tok_s=tokens / jax_s,
-            ratio=hf_s / jax_s,
+            repeats=_REPEATS.value,
+            hf_tok_s=tokens / float(np.median(hf_s)),
+            jax_tok_s=tokens / float(np.median(jax_s)),
+            ratio=float(np.median(hf_s / jax_s)),
+            ratio_min=float(np.min(hf_s / jax_s)),
             jax_devices=mesh.size,
-            jax_1dev_tok_s=None if one_s is None else tokens / one_s,
-            ratio_1dev=None if one_s is None else hf_s / one_s,
+            jax_1dev_tok_s=tokens / float(np.median(one_s)) if _SINGLE.value else None,
+            ratio_1dev=float(np.median(hf_s / one_s)) if _SINGLE.value else None,
             jax_compile_s=compile_s,
+            hf_seconds=hf_s.tolist(),
+            jax_seconds=jax_s.tolist(),
+            jax_1dev_seconds=one_s.tolist(),
         )
         print(_fmt(row), flush=True)
         rows.append(row)
@@ -176,14 +220,14 @@ def run_model(name: str, path: str) -> list[dict]:
 
 HEADER = (
     f"{'model':<10}{'prompts':>8}{'n':>3}{'new':>5}{'plen':>6}{'hf tok/s':>10}"
-    f"{'jax tok/s':>11}{'ratio':>7}{'1-dev tok/s':>13}{'ratio':>7}{'compile s':>11}"
+    f"{'jax tok/s':>11}{'ratio':>7}{'(min)':>7}{'1-dev tok/s':>13}{'ratio':>7}{'compile s':>11}"
 )
 
 
 def _fmt(r: dict) -> str:
     return (
         f"{r['model']:<10}{r['prompts']:>8}{r['n']:>3}{r['new_tokens']:>5}{r['prompt_len']:>6}"
-        f"{r['hf_tok_s']:>10.1f}{r['jax_tok_s']:>11.1f}{r['ratio']:>6.2f}x"
+        f"{r['hf_tok_s']:>10.1f}{r['jax_tok_s']:>11.1f}{r['ratio']:>6.2f}x{r['ratio_min']:>6.2f}x"
         + (
             f"{r['jax_1dev_tok_s']:>13.1f}{r['ratio_1dev']:>6.2f}x"
             if r["jax_1dev_tok_s"] is not None

@@ -109,6 +109,19 @@ class TestSample:
         assert short.tokens.shape == (3, 2, 5) and short.mask.all()
         assert short.finish_reasons == [["length"] * 2] * 3
 
+    def test_loop_exits_when_every_row_is_done(self, llama):
+        # 32 new-token slots compiled; the loop must stop at max_new_tokens, and at step 1 when
+        # every row's first token is a stop id.
+        buckets = layout.Buckets(min_new_tokens=32)
+        greedy = base.SamplingParams(max_new_tokens=5, temperature=0.0, n=2)
+        free = sampler.sample(llama, PROMPTS, greedy, buckets=buckets)
+        assert sampler.last_decode_steps() == 5
+        firsts = tuple(sorted({int(x) for x in free.tokens[:, :, 0].ravel()}))
+        params = base.SamplingParams(max_new_tokens=20, temperature=0.0, n=2, stop_token_ids=firsts)
+        batch = sampler.sample(llama, PROMPTS, params, buckets=buckets)
+        assert sampler.last_decode_steps() == 1
+        assert batch.tokens.shape == (3, 2, 1) and batch.finish_reasons == [["stop"] * 2] * 3
+
     def test_compiles_once_per_bucket(self, llama):
         params = base.SamplingParams(max_new_tokens=10, temperature=0.9, n=2)
         sampler.sample(llama, PROMPTS, params)

@@ -2,8 +2,6 @@
 (tiny) model. This proves the protocol, the file formats (HF safetensors, PEFT adapters) and the
 sampler behind the server; it does not run vLLM (see the gpu test in vllm_client_test.py)."""
 
-import importlib.util
-
 import jax
 import numpy as np
 import pytest
@@ -15,7 +13,6 @@ from mmr_jax.rollout import base, sampler, serve_backend, server, vllm_client, v
 EOS = 2
 PROMPTS = [[5, 17, 33, 9, 100], [7, 8], list(range(40, 61))]
 GREEDY = base.SamplingParams(max_new_tokens=16, temperature=0.0, n=2)
-HAS_EXPORT = importlib.util.find_spec("mmr_jax.models.export") is not None
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +103,6 @@ class TestFullWeightSync:
         finally:
             engine.load_weights_dir(tiny_llama_dir, version=2)
 
-    @pytest.mark.skipif(not HAS_EXPORT, reason="mmr_jax.models.export not written yet")
     def test_sync_weights_exports_and_reloads(self, engine, tiny_llama_dir, tmp_path):
         from mmr_jax import models, testing
 
@@ -154,7 +150,6 @@ class TestLoraSync:
         assert engine.client.models() == ["tiny", "policy-v2"]
         engine.client.unload_lora_adapter("policy-v2")
 
-    @pytest.mark.skipif(not HAS_EXPORT, reason="mmr_jax.models.export not written yet")
     def test_sync_weights_lora_equals_trainer_model(self, engine, tiny_llama_dir):
         from mmr_jax import models
         from mmr_jax.models import lora

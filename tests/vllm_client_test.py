@@ -30,9 +30,11 @@ class FakeBackend:
 
     def __init__(self):
         self._adapters, self.rpc_calls, self.generate_models = {}, [], []
+        self.requests = []  # (prompt ids, seed) of every generate call
 
     def generate(self, prompt_ids, params, *, model, ignore_eos):
         self.generate_models.append(model)
+        self.requests.append(([list(p) for p in prompt_ids], params.seed))
         stops = set(params.stop_token_ids) | (set() if ignore_eos else set(self.eos_token_ids))
         toks, lps, reasons = [], [], []
         for p in prompt_ids:
@@ -133,6 +135,48 @@ class TestVllmEngineGenerate:
         with pytest.raises(vllm_client.ServerError, match="stop strings are not supported") as e:
             _client(srv.url).completions({"model": "fake", "prompt": [1], "stop": ["x"]})
         assert e.value.status == 400
+
+    @pytest.mark.parametrize(
+        "extra,match",
+        [
+            ({"best_of": 3}, "best_of=3 is not supported"),
+            ({"repetition_penalty": 1.1}, "repetition_penalty=1.1 is not supported"),
+            ({"presence_penalty": 0.5}, "presence_penalty"),
+            ({"min_p": 0.05}, "min_p"),
+            ({"logit_bias": {"5": 2.0}}, "logit_bias"),
+            ({"min_tokens": 4}, "min_tokens"),
+            ({"seed": "7"}, "seed must be an integer"),
+            ({"seed": 1.5}, "seed must be an integer"),
+        ],
+    )
+    def test_ignored_controls_are_refused_not_dropped(self, fake, extra, match):
+        backend, srv = fake
+        body = {"model": "fake", "prompt": [1, 2], "max_tokens": 2, **extra}
+        with pytest.raises(vllm_client.ServerError, match=match) as e:
+            _client(srv.url).completions(body)
+        assert e.value.status == 400 and backend.requests == []  # refused, not retried
+
+    def test_neutral_values_of_those_controls_are_accepted(self, fake):
+        backend, srv = fake
+        neutral = {"best_of": 1, "repetition_penalty": 1.0, "min_p": 0.0, "logit_bias": {}}
+        body = {"model": "fake", "prompt": [1, 2], "max_tokens": 2, "seed": 4, **neutral}
+        reply = _client(srv.url).completions(body)
+        assert len(reply["choices"]) == 1 and backend.requests == [([[1, 2]], 4)]
+
+    def test_seeded_call_sends_each_prompt_its_own_seed(self, fake):
+        # vLLM seeds every prompt of a request alike: a repeated prompt would repeat its samples.
+        backend, srv = fake
+        engine = vllm_engine.VllmEngine(_client(srv.url), model="fake", prompts_per_request=4)
+        prompts = [[1, 2], [1, 2], [3], [4, 5]]
+        engine.generate(prompts, base.SamplingParams(max_new_tokens=2, n=2, seed=11))
+        sent = sorted(backend.requests, key=lambda r: r[1])
+        want = sorted(([p], vllm_engine.prompt_seed(11, b)) for b, p in enumerate(prompts))
+        want = sorted(want, key=lambda r: r[1])
+        assert sent == want and len({s for _, s in sent}) == len(prompts)
+        assert vllm_engine.prompt_seed(12, 0) not in {s for _, s in sent}
+        backend.requests.clear()
+        engine.generate(prompts, base.SamplingParams(max_new_tokens=2, n=2))  # unseeded: batched
+        assert backend.requests == [(prompts, None)]
 
 
 class TestMakeEngine:
@@ -252,6 +296,31 @@ class TestFailures:
         assert time.monotonic() - start < 3.0
         assert not client.health()
 
+    def test_engine_waits_for_a_server_that_is_still_loading(self):
+        # Nothing listens on the port until the timer starts the server (it binds on creation).
+        port, started = _free_port(), []
+        timer = threading.Timer(
+            0.5, lambda: started.append(server.OpenAIServer(FakeBackend(), port=port).start())
+        )
+        timer.start()
+        try:
+            client = _client(f"http://127.0.0.1:{port}", max_retries=0)
+            assert not client.health()
+            engine = vllm_engine.VllmEngine(client, model="fake", wait_ready_s=20.0)
+            batch = engine.generate([[1]], base.SamplingParams(max_new_tokens=2))
+            assert batch.tokens.shape == (1, 1, 2)
+        finally:
+            timer.join()
+            for srv in started:
+                srv.shutdown()
+
+    def test_engine_gives_up_waiting_with_a_clear_error(self):
+        url = f"http://127.0.0.1:{_free_port()}"
+        start = time.monotonic()
+        with pytest.raises(vllm_client.ServerUnavailableError, match="not healthy after 1s"):
+            vllm_engine.VllmEngine(_client(url, max_retries=0), model="fake", wait_ready_s=1.0)
+        assert time.monotonic() - start < 5.0
+
     def test_http_500_is_retried_then_raises(self, stub):
         handler, url = stub
         with pytest.raises(vllm_client.ServerError, match=r"3 attempts.*HTTP 500: boom"):
@@ -338,6 +407,59 @@ def test_real_vllm_serve_matches_embedded_greedy(tiny_llama_dir, tmp_path):
                 engine.load_weights_dir(path, version=1)
             ref = sampler.sample(models.from_pretrained(path), prompts, params, stop_token_ids=(2,))
             np.testing.assert_array_equal(engine.generate(prompts, params).tokens, ref.tokens)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _has_vllm_gpu(), reason="needs CUDA and the vllm CLI")
+def test_real_vllm_serve_lora_sync_matches_trainer_model(tiny_llama_dir, tmp_path):
+    """A real `vllm serve --enable-lora`: after `sync_weights` of a trainer-side LoRA policy, its
+    greedy tokens and their log-probs equal the JAX sampler's on that policy, for two versions
+    (the second under a new adapter name, the first unloaded)."""
+    import subprocess
+
+    import jax
+    from flax import nnx
+
+    from mmr_jax import models
+    from mmr_jax.models import lora
+    from mmr_jax.rollout import sampler, vllm_launch
+
+    port = _free_port()
+    argv, env = vllm_launch.command(
+        vllm_launch.LaunchOptions(
+            model=str(tiny_llama_dir),
+            served_model_name="tiny",
+            port=port,
+            max_model_len=512,
+            gpu_memory_utilization=0.3,
+            dtype="float32",
+            lora_rank=8,
+            extra_args=("--enforce-eager",),
+        )
+    )
+    proc = subprocess.Popen(argv, env=env)
+    try:
+        client = _client(f"http://127.0.0.1:{port}", timeout_s=120)
+        client.wait_until_ready(timeout_s=600)
+        engine = vllm_engine.VllmEngine(client, model="tiny", sync_dir=tmp_path / "sync", lora=True)
+        prompts = [[5, 17, 33, 9, 100], [7, 8], list(range(40, 61))]
+        params = base.SamplingParams(max_new_tokens=16, temperature=0.0)
+        policy = models.from_pretrained(tiny_llama_dir, lora=lora.LoraConfig(rank=4, alpha=8.0))
+        for version in (1, 2):
+            state = nnx.to_flat_state(nnx.state(policy, nnx.LoRAParam))
+            for i, (path, var) in enumerate(state):
+                if path[-1] == "lora_b":
+                    key = jax.random.key(100 * version + i)
+                    var.set_value(0.3 * jax.random.normal(key, var.get_value().shape))
+            engine.sync_weights(policy, version=version)
+            ref = sampler.sample(policy, prompts, params, stop_token_ids=(2,))
+            got = engine.generate(prompts, params)
+            np.testing.assert_array_equal(got.tokens, ref.tokens)
+            np.testing.assert_allclose(got.logprobs, ref.logprobs, atol=1e-3)
+            assert engine.client.models() == ["tiny", f"policy-v{version}"]
     finally:
         proc.terminate()
         proc.wait(timeout=60)

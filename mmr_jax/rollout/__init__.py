@@ -21,6 +21,7 @@ def make_engine(
     lora: bool = False,
     timeout_s: float = 600.0,
     max_retries: int = 3,
+    wait_ready_s: float = 0.0,
     pad_id: int = 0,
     seed: int = 0,
 ) -> RolloutEngine:
@@ -29,7 +30,8 @@ def make_engine(
     'embedded': samples with `model` (a `Decoder`, e.g. the trainer's own), or loads `model_path`;
       EOS ids come from `model_path`'s generation config when given.
     'vllm': a client of the server at `url` serving `served_model_name` (default: `model_path`,
-      what scripts/launch_vllm.py serves); weights sync through `sync_dir`, as LoRA when `lora`.
+      what scripts/launch_vllm.py serves); weights sync through `sync_dir`, as LoRA when `lora`;
+      waits up to `wait_ready_s` for the server to come up (0 = not at all).
     """
     from mmr_jax.rollout import embedded
 
@@ -55,5 +57,6 @@ def make_engine(
             pad_id=pad_id,
             eos_token_ids=eos,
             base_model_name_or_path=str(model_path) if model_path else None,
+            wait_ready_s=wait_ready_s,
         )
     raise ValueError(f"unknown rollout engine {kind!r}; expected 'embedded' or 'vllm'")

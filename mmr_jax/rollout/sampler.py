@@ -37,7 +37,8 @@ Compiles. Shapes are bucketed (prompt count and number of stop ids to powers of 
 and new tokens to 2^k or 1.5 * 2^k) and every sampling value, max_new_tokens included, is a traced
 scalar; the static choices are n, greedy or not, and whether top-k/top-p filtering is on. The
 prefill compiles per (Bp, P, packed rows).
-`trace_count()` (decode) and `prefill_trace_count()` count traces for tests.
+`trace_count()` (decode) and `prefill_trace_count()` count traces for tests;
+`last_decode_steps()` tells how many steps the last call's loop ran.
 """
 
 from __future__ import annotations
@@ -53,11 +54,17 @@ from mmr_jax.models import kv_cache, sharding
 from mmr_jax.rollout import base, layout
 
 _TRACES = {"generate": 0, "prefill": 0}
+_LAST = {"decode_steps": 0}
 
 
 def trace_count() -> int:
     """How many times the jitted generate function has been traced (= compiled) in this process."""
     return _TRACES["generate"]
+
+
+def last_decode_steps() -> int:
+    """Decode steps the last `sample` call ran (the most on any device): shows the early exit."""
+    return _LAST["decode_steps"]
 
 
 def prefill_trace_count() -> int:
@@ -200,7 +207,7 @@ def _generate(
     mesh: jax.sharding.Mesh | None = None,
 ):
     """Decodes against `prompt_cache` (from `_prefill`); -> tokens [R, N] int32, logps [R, N]
-    f32 and stopped [R] bool (hit a stop id).
+    f32, stopped [R] bool (hit a stop id) and the decode steps run, [devices] int32.
 
     With a mesh, each device runs `_decode` on its own prompts and rows (`shard_map`): its own
     while loop, which stops when its rows are done, and no collective at all. (Under plain
@@ -217,7 +224,7 @@ def _generate(
             decode,
             mesh=mesh,
             in_specs=(whole,) + (batch,) * 5 + (whole,) * 6,
-            out_specs=(batch, batch, batch),
+            out_specs=(batch,) * 4,
             check_vma=False,
         )
     return decode(
@@ -299,8 +306,7 @@ def _decode(
         jnp.zeros((r, num_new), jnp.float32),
     )
     t, _, _, _, stopped, toks, logps = jax.lax.while_loop(cond, body, carry)
-    del t
-    return toks, logps, stopped
+    return toks, logps, stopped, t[None]
 
 
 def sample(
@@ -374,7 +380,7 @@ def sample(
         rows(packed.gather),
         cache_sharding=None if mesh is None else sharding.batch_sharding(mesh),
     )
-    toks, logps, stopped = _generate(
+    toks, logps, stopped, steps = _generate(
         graphdef,
         state,
         rows(tokens),
@@ -394,6 +400,7 @@ def sample(
         use_filter=not greedy and (params.top_k > 0 or params.top_p < 1.0),
         mesh=mesh,
     )
+    _LAST["decode_steps"] = int(np.max(steps))
     return _to_batch(
         np.asarray(toks),
         np.asarray(logps),

@@ -9,8 +9,11 @@ Routes (those of vLLM 0.33 that the rollout client, weight sync and evaluation u
   POST /reset_prefix_cache        -> {"success": true}
   POST /v1/load_lora_adapter      {"lora_name", "lora_path"}
   POST /v1/unload_lora_adapter    {"lora_name"}
-Not supported (HTTP 400): streaming, echo, stop strings, best_of/beam search. `logprobs=k` returns
-the sampled token's log-prob only (top_logprobs holds that one entry), whatever k.
+Not supported (HTTP 400): streaming, echo, stop strings, best_of > 1, beam search, and any
+sampling control this sampler does not apply when set to a value that would change the output
+(repetition/presence/frequency penalties, min_p, logit_bias, min_tokens): a request is answered
+as asked or refused, never answered as if a parameter were absent. `logprobs=k` returns the
+sampled token's log-prob only (top_logprobs holds that one entry), whatever k.
 
 Stdlib only (`http.server.ThreadingHTTPServer`); the backend serialises generation itself.
 Start in-process with `OpenAIServer(backend, port=0).start()`; `.url` gives the bound address.
@@ -80,6 +83,24 @@ _UNSUPPORTED = {
     "prompt_embeds": "prompt_embeds",
 }
 
+# Sampling controls the embedded sampler does not apply: accepted only at their neutral value.
+_NEUTRAL = {
+    "best_of": (None, 1),
+    "repetition_penalty": (None, 1, 1.0),
+    "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0),
+    "min_p": (None, 0, 0.0),
+    "logit_bias": (None, {}),
+    "min_tokens": (None, 0),
+}
+
+
+def _seed(body: dict) -> int | None:
+    seed = body.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise HTTPError(400, f"seed must be an integer, got {seed!r}", param="seed")
+    return seed
+
 
 def _prompts(body: dict, backend: Backend) -> list[list[int]]:
     prompt = body.get("prompt")
@@ -112,6 +133,9 @@ def parse_completion_request(
     for key, what in _UNSUPPORTED.items():
         if body.get(key):
             raise HTTPError(400, f"{what} is not supported by this server", param=key)
+    for key, neutral in _NEUTRAL.items():
+        if body.get(key) not in neutral:
+            raise HTTPError(400, f"{key}={body[key]!r} is not supported by this server", param=key)
     if body.get("stop"):
         raise HTTPError(400, "stop strings are not supported; use stop_token_ids", param="stop")
     prompts = _prompts(body, backend)
@@ -125,7 +149,7 @@ def parse_completion_request(
             top_k=0 if top_k is None or int(top_k) < 0 else int(top_k),
             n=int(body.get("n") or 1),
             stop_token_ids=tuple(body.get("stop_token_ids") or ()),
-            seed=body.get("seed"),
+            seed=_seed(body),
         )
     except (TypeError, ValueError) as e:
         raise HTTPError(400, f"invalid sampling parameters: {e}") from e

@@ -2,8 +2,12 @@
 
 Generation sends token-id prompts to /v1/completions with `n`, `seed`, `logprobs=0` and
 `return_token_ids`, and builds the `RolloutBatch` from the returned token ids and per-token
-log-probs: nothing is re-tokenised. Start the server with `--logprobs-mode processed_logprobs`
-(scripts/launch_vllm.py does) so the log-probs are those after temperature; see `base`.
+log-probs: nothing is re-tokenised. vLLM gives every prompt of a request the request's seed, so a
+prompt that appears twice would get the same samples twice (and different prompts share one random
+stream); a seeded call therefore sends each prompt in its own request with `prompt_seed(seed, b)`,
+as the embedded sampler gives each prompt its own key. Unseeded calls batch prompts per request.
+Start the server with `--logprobs-mode processed_logprobs` (scripts/launch_vllm.py does) so the
+log-probs are those after temperature; see `base`.
 
 Weight sync, after each optimiser step:
   full weights: `export.save_hf` writes the policy as HF safetensors under `sync_dir/weights-v{N}`,
@@ -24,6 +28,8 @@ import os
 import pathlib
 import shutil
 from collections.abc import Sequence
+
+import numpy as np
 
 from mmr_jax.rollout import base
 from mmr_jax.rollout import vllm_client as client_lib
@@ -56,6 +62,11 @@ def _choice_arrays(choice: dict, where: str) -> tuple[list[int], list[float], st
     return [int(t) for t in ids], [float(x) for x in lp], reason
 
 
+def prompt_seed(seed: int, index: int) -> int:
+    """The seed a seeded call sends for its prompt `index`: distinct per prompt, a pure function."""
+    return int(np.random.SeedSequence([int(seed) % 2**63, int(index)]).generate_state(1)[0])
+
+
 class VllmEngine:
     """Implements `base.RolloutEngine` against an OpenAI-compatible vLLM server.
 
@@ -73,6 +84,8 @@ class VllmEngine:
       eos_token_ids: always sent as stop ids (the launcher turns off the checkpoint's generation
         config, which is where vLLM would otherwise find extra EOS ids).
       check_model: ask /v1/models once at construction, to fail early on a wrong name.
+      wait_ready_s: first wait up to this long for /health (a server still loading its model);
+        0 = do not wait (an unreachable server then fails after the client's retries).
     """
 
     def __init__(
@@ -90,6 +103,7 @@ class VllmEngine:
         eos_token_ids: Sequence[int] = (),
         export_dtype: str = "float32",
         check_model: bool = True,
+        wait_ready_s: float = 0.0,
     ):
         self.client = (
             client if isinstance(client, client_lib.VllmClient) else (client_lib.VllmClient(client))
@@ -107,12 +121,14 @@ class VllmEngine:
         self.export_dtype = export_dtype
         self.version: int | None = None
         self._last_dir: pathlib.Path | None = None
+        if wait_ready_s > 0:
+            self.client.wait_until_ready(timeout_s=wait_ready_s)
         if check_model:
             self.client.check_model(model)
 
     # ---- generation ------------------------------------------------------------------------------
 
-    def _payload(self, prompts: list[list[int]], params: base.SamplingParams) -> dict:
+    def _payload(self, prompts: list[list[int]], params: base.SamplingParams, first: int) -> dict:
         payload = {
             "model": self.model,
             "prompt": prompts,
@@ -128,11 +144,12 @@ class VllmEngine:
             "skip_special_tokens": False,
         }
         if params.seed is not None:
-            payload["seed"] = params.seed
+            assert len(prompts) == 1, "seeded calls send one prompt per request"
+            payload["seed"] = prompt_seed(params.seed, first)
         return payload
 
     def _request(self, prompts: list[list[int]], params: base.SamplingParams, first: int):
-        reply = self.client.completions(self._payload(prompts, params))
+        reply = self.client.completions(self._payload(prompts, params, first))
         choices = sorted(reply["choices"], key=lambda c: c.get("index", 0))
         if len(choices) != len(prompts) * params.n:
             raise client_lib.MalformedResponseError(
@@ -150,9 +167,12 @@ class VllmEngine:
         prompts = [[int(t) for t in p] for p in prompt_ids]
         if not prompts:
             raise ValueError("no prompts")
-        k = self.prompts_per_request
+        # Seeded: one prompt per request (see the module docstring), with as many prompts in
+        # flight as batched requests would have.
+        k = self.prompts_per_request if params.seed is None else 1
+        in_flight = self.max_concurrency * (self.prompts_per_request if k == 1 else 1)
         chunks = [(prompts[i : i + k], i) for i in range(0, len(prompts), k)]
-        workers = min(self.max_concurrency, len(chunks))
+        workers = min(in_flight, len(chunks))
         with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
             results = list(pool.map(lambda c: self._request(c[0], params, c[1]), chunks))
         flat = [x for chunk in results for x in chunk]
