@@ -3,6 +3,7 @@ against stub servers (500s, malformed replies, nothing listening). These prove t
 error handling, not vLLM itself; tests/serve_test.py runs a real model, and the `gpu` test at the
 end runs a real `vllm serve`."""
 
+import contextlib
 import http.server
 import importlib.util
 import os
@@ -373,32 +374,45 @@ def _has_vllm_gpu() -> bool:
     return torch.cuda.is_available() and shutil.which("vllm") is not None
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not _has_vllm_gpu(), reason="needs CUDA and the vllm CLI")
-def test_real_vllm_serve_matches_embedded_greedy(tiny_llama_dir, tmp_path):
-    """Greedy tokens of a real `vllm serve` on the tiny checkpoint equal the JAX sampler's, before
-    and after a full-weight sync through the worker extension."""
+@contextlib.contextmanager
+def _real_vllm(model_dir, **options):
+    """`vllm serve` of `model_dir` as "tiny" (fp32, eager, 30% of the GPU); yields its client."""
     import subprocess
 
-    from mmr_jax import models, testing
-    from mmr_jax.rollout import sampler, vllm_launch
+    from mmr_jax.rollout import vllm_launch
 
     port = _free_port()
     argv, env = vllm_launch.command(
         vllm_launch.LaunchOptions(
-            model=str(tiny_llama_dir),
+            model=str(model_dir),
             served_model_name="tiny",
             port=port,
             max_model_len=512,
             gpu_memory_utilization=0.3,
             dtype="float32",
             extra_args=("--enforce-eager",),
+            **options,
         )
     )
     proc = subprocess.Popen(argv, env=env)
     try:
         client = _client(f"http://127.0.0.1:{port}", timeout_s=120)
         client.wait_until_ready(timeout_s=600)
+        yield client
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _has_vllm_gpu(), reason="needs CUDA and the vllm CLI")
+def test_real_vllm_serve_matches_embedded_greedy(tiny_llama_dir, tmp_path):
+    """Greedy tokens of a real `vllm serve` on the tiny checkpoint equal the JAX sampler's, before
+    and after a full-weight sync through the worker extension."""
+    from mmr_jax import models, testing
+    from mmr_jax.rollout import sampler
+
+    with _real_vllm(tiny_llama_dir) as client:
         engine = vllm_engine.VllmEngine(client, model="tiny", sync_dir=tmp_path / "sync")
         prompts = [[5, 17, 33, 9, 100], [7, 8], list(range(40, 61))]
         params = base.SamplingParams(max_new_tokens=16, temperature=0.0)
@@ -407,9 +421,6 @@ def test_real_vllm_serve_matches_embedded_greedy(tiny_llama_dir, tmp_path):
                 engine.load_weights_dir(path, version=1)
             ref = sampler.sample(models.from_pretrained(path), prompts, params, stop_token_ids=(2,))
             np.testing.assert_array_equal(engine.generate(prompts, params).tokens, ref.tokens)
-    finally:
-        proc.terminate()
-        proc.wait(timeout=60)
 
 
 @pytest.mark.gpu
@@ -418,32 +429,14 @@ def test_real_vllm_serve_lora_sync_matches_trainer_model(tiny_llama_dir, tmp_pat
     """A real `vllm serve --enable-lora`: after `sync_weights` of a trainer-side LoRA policy, its
     greedy tokens and their log-probs equal the JAX sampler's on that policy, for two versions
     (the second under a new adapter name, the first unloaded)."""
-    import subprocess
-
     import jax
     from flax import nnx
 
     from mmr_jax import models
     from mmr_jax.models import lora
-    from mmr_jax.rollout import sampler, vllm_launch
+    from mmr_jax.rollout import sampler
 
-    port = _free_port()
-    argv, env = vllm_launch.command(
-        vllm_launch.LaunchOptions(
-            model=str(tiny_llama_dir),
-            served_model_name="tiny",
-            port=port,
-            max_model_len=512,
-            gpu_memory_utilization=0.3,
-            dtype="float32",
-            lora_rank=8,
-            extra_args=("--enforce-eager",),
-        )
-    )
-    proc = subprocess.Popen(argv, env=env)
-    try:
-        client = _client(f"http://127.0.0.1:{port}", timeout_s=120)
-        client.wait_until_ready(timeout_s=600)
+    with _real_vllm(tiny_llama_dir, lora_rank=8) as client:
         engine = vllm_engine.VllmEngine(client, model="tiny", sync_dir=tmp_path / "sync", lora=True)
         prompts = [[5, 17, 33, 9, 100], [7, 8], list(range(40, 61))]
         params = base.SamplingParams(max_new_tokens=16, temperature=0.0)
@@ -460,6 +453,3 @@ def test_real_vllm_serve_lora_sync_matches_trainer_model(tiny_llama_dir, tmp_pat
             np.testing.assert_array_equal(got.tokens, ref.tokens)
             np.testing.assert_allclose(got.logprobs, ref.logprobs, atol=1e-3)
             assert engine.client.models() == ["tiny", f"policy-v{version}"]
-    finally:
-        proc.terminate()
-        proc.wait(timeout=60)

@@ -28,10 +28,10 @@ completion depends on (seed, prompt index, sample index) and not on the padding 
 Data parallelism (`mesh=`). The padded prompts and their rows (and the packed prefill rows) are
 split over the mesh's batch axes and the weights replicated, so each device decodes its own rows
 (`shard_map`: its own while loop); nothing crosses devices but the prefill's gather. On
-CPU, with one JAX device per core, this is what runs the small per-step ops (attention, sampling)
-on every core: SmolLM2-135M, 32 prompts x 4, gains about 28%. At 8 prompts x 4 it gains
-nothing: each device then streams all the weights for fewer rows, and one device already spreads
-those matmuls over the cores.
+CPU, with one JAX device per core, this runs the small per-step ops (attention, sampling) on
+every core, but each device also streams all the weights for its share of the rows. For
+SmolLM2-135M at 8 and 32 prompts x 4, one device was as fast or faster (README, measured speed);
+larger batches (evaluation's 32 x 16) are where the split can pay.
 
 Compiles. Shapes are bucketed (prompt count and number of stop ids to powers of two, prompt length
 and new tokens to 2^k or 1.5 * 2^k) and every sampling value, max_new_tokens included, is a traced
@@ -185,34 +185,15 @@ def _prefill(
 @functools.partial(
     jax.jit, static_argnames=("graphdef", "n", "num_new", "greedy", "use_filter", "mesh")
 )
-def _generate(
-    graphdef,
-    state,
-    prompts_BxP,
-    prompt_mask_BxP,
-    prompt_cache,
-    row_ids_R,
-    real_rows_R,
-    seed,
-    max_new_tokens,
-    temperature,
-    top_k,
-    top_p,
-    stop_ids,
-    *,
-    n: int,
-    num_new: int,
-    greedy: bool,
-    use_filter: bool,
-    mesh: jax.sharding.Mesh | None = None,
-):
-    """Decodes against `prompt_cache` (from `_prefill`); -> tokens [R, N] int32, logps [R, N]
+def _generate(graphdef, *arrays, n, num_new, greedy, use_filter, mesh=None):
+    """Decodes against the prompt cache (from `_prefill`); -> tokens [R, N] int32, logps [R, N]
     f32, stopped [R] bool (hit a stop id) and the decode steps run, [devices] int32.
 
-    With a mesh, each device runs `_decode` on its own prompts and rows (`shard_map`): its own
-    while loop, which stops when its rows are done, and no collective at all. (Under plain
-    sharding propagation the CPU attention kernel, an FFI call XLA cannot split, would gather
-    every row onto every device.)
+    `arrays` are `_decode`'s, in its order: the state, five per-prompt or per-row arrays (split
+    over the mesh), six scalars and the stop ids (replicated). With a mesh, each device runs
+    `_decode` on its own prompts and rows (`shard_map`): its own while loop, which stops when its
+    rows are done, and no collective at all. (Under plain sharding propagation the CPU attention
+    kernel, an FFI call XLA cannot split, would gather every row onto every device.)
     """
     _TRACES["generate"] += 1
     decode = functools.partial(
@@ -227,20 +208,7 @@ def _generate(
             out_specs=(batch,) * 4,
             check_vma=False,
         )
-    return decode(
-        state,
-        prompts_BxP,
-        prompt_mask_BxP,
-        prompt_cache,
-        row_ids_R,
-        real_rows_R,
-        seed,
-        max_new_tokens,
-        temperature,
-        top_k,
-        top_p,
-        stop_ids,
-    )
+    return decode(*arrays)
 
 
 def _decode(
@@ -263,7 +231,7 @@ def _decode(
     greedy: bool,
     use_filter: bool,
 ):
-    """`_generate`'s work on one device's (or all) prompts and rows."""
+    """`_generate`'s work on one device's (or all) prompts and rows; returns its four outputs."""
     model = nnx.merge(graphdef, state)
     bp, _ = prompts_BxP.shape
     r = bp * n
