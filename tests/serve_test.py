@@ -160,3 +160,36 @@ class TestLoraSync:
         engine.sync_weights(policy, version=1)
         _assert_same(engine.generate(PROMPTS, GREEDY), _greedy(policy))
         engine.client.unload_lora_adapter(engine.model)
+
+
+class TestServeScript:
+    def test_script_serves_then_reloads_weights(self, tiny_llama_dir, tmp_path):
+        """`scripts/serve.py` itself, in its own process: greedy output over HTTP equals the
+        sampler's, before and after a full-weight sync to another checkpoint."""
+        import pathlib
+        import subprocess
+        import sys
+
+        from mmr_jax import models, testing
+
+        script = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "serve.py"
+        argv = [sys.executable, str(script), f"--model={tiny_llama_dir}", "--port=0"]
+        argv.append("--served_model_name=tiny")
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        try:
+            line = proc.stdout.readline()  # "serving 'tiny' at http://127.0.0.1:PORT"
+            assert line.startswith("serving 'tiny' at http://"), line
+            client = vllm_client.VllmClient(line.split()[-1], timeout_s=120, max_retries=1)
+            client.wait_until_ready(timeout_s=60, poll_s=0.2)
+            engine = vllm_engine.VllmEngine(
+                client, model="tiny", sync_dir=tmp_path / "sync", eos_token_ids=(EOS,), pad_id=3
+            )
+            _assert_same(
+                engine.generate(PROMPTS, GREEDY), _greedy(models.from_pretrained(tiny_llama_dir))
+            )
+            other = testing.make_tiny_checkpoint(tmp_path / "other", seed=7)
+            engine.load_weights_dir(other, version=1)
+            _assert_same(engine.generate(PROMPTS, GREEDY), _greedy(models.from_pretrained(other)))
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
