@@ -54,3 +54,19 @@ def tiny_qwen2_dir(tmp_path_factory):
     from mmr_jax import testing
 
     return testing.make_tiny_checkpoint(tmp_path_factory.mktemp("tiny_qwen2"), family="qwen2")
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_llama_dir):
+    """The tiny Llama checkpoint loaded as a `Decoder` (one per test module)."""
+    from mmr_jax import models
+
+    return models.from_pretrained(tiny_llama_dir)
+
+
+@pytest.fixture(scope="module")
+def qwen2(tiny_qwen2_dir):
+    """The tiny Qwen2 checkpoint loaded as a `Decoder` (one per test module)."""
+    from mmr_jax import models
+
+    return models.from_pretrained(tiny_qwen2_dir)

@@ -12,20 +12,6 @@ from mmr_jax.rollout import base, layout, sampler
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
 
-@pytest.fixture(scope="module")
-def llama(tiny_llama_dir):
-    from mmr_jax import models
-
-    return models.from_pretrained(tiny_llama_dir)
-
-
-@pytest.fixture(scope="module")
-def qwen2(tiny_qwen2_dir):
-    from mmr_jax import models
-
-    return models.from_pretrained(tiny_qwen2_dir)
-
-
 class TestSegmentIds:
     @pytest.mark.parametrize("split", [False, True])
     @pytest.mark.parametrize("write_index", [0, 3])

@@ -13,20 +13,6 @@ EOS = 2
 PROMPTS = [[5, 17, 33, 9, 100], [7, 8], list(range(40, 61))]
 
 
-@pytest.fixture(scope="module")
-def llama(tiny_llama_dir):
-    from mmr_jax import models
-
-    return models.from_pretrained(tiny_llama_dir)
-
-
-@pytest.fixture(scope="module")
-def qwen2(tiny_qwen2_dir):
-    from mmr_jax import models
-
-    return models.from_pretrained(tiny_qwen2_dir)
-
-
 def _hf_greedy(path, prompts, max_new, eos=EOS):
     import torch
     import transformers

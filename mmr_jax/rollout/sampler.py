@@ -319,9 +319,8 @@ def sample(
             f"model's {max_len} positions"
         )
     ways = sharding.batch_size(mesh)
-    bp = (
-        -(-layout.bucket(num_prompts, buckets.min_prompts) // ways) * ways
-    )  # a multiple of the split
+    # A multiple of the split, so every device gets whole prompts.
+    bp = -(-layout.bucket(num_prompts, buckets.min_prompts) // ways) * ways
     p = layout.length_bucket(longest, max(buckets.min_prompt_len, 2))
     num_new = layout.length_bucket(params.max_new_tokens, buckets.min_new_tokens)
     stops = sorted(set(stop_token_ids) | set(params.stop_token_ids))

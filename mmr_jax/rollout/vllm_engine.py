@@ -170,7 +170,7 @@ class VllmEngine:
         # Seeded: one prompt per request (see the module docstring), with as many prompts in
         # flight as batched requests would have.
         k = self.prompts_per_request if params.seed is None else 1
-        in_flight = self.max_concurrency * (self.prompts_per_request if k == 1 else 1)
+        in_flight = self.max_concurrency * self.prompts_per_request // k
         chunks = [(prompts[i : i + k], i) for i in range(0, len(prompts), k)]
         workers = min(in_flight, len(chunks))
         with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
