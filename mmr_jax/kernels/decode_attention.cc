@@ -12,9 +12,10 @@
 // own_len own slots only: SmolLM2, 8 prompts x 4 samples, 30 layers, about half the time.
 //
 // Work splits into R * K tasks (one kv head of one row: G query vectors) shared by the calling
-// thread and the XLA intra-op pool. Keys and values are read in address order (the hardware
-// prefetcher streams them); the G score and output rows stay in L1. Vectors are 16 floats (GCC
-// vector extensions: one AVX-512 register, two AVX2 ones).
+// thread and the XLA intra-op pool. Scores and weighted sums are register-blocked: a block of
+// slots (or of value columns) for up to 4 query vectors is summed over the whole head dim (or
+// over all slots) in registers, so each key and value vector is loaded once per block and no
+// partial sum goes through memory.
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -29,76 +30,159 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-typedef float V16 __attribute__((vector_size(64)));
-typedef float V16U __attribute__((vector_size(64), aligned(4)));
+// Vectors of 8 floats (GCC vector extensions: one AVX2 register; half an AVX-512 one, two NEON
+// ones). Loads and stores go through memcpy: unaligned, and compiled to plain vector moves.
+constexpr int kW = 8;
+typedef float V8 __attribute__((vector_size(kW * sizeof(float))));
+typedef int32_t I8 __attribute__((vector_size(kW * sizeof(int32_t))));
 
-inline V16 Load(const float* p) { return *reinterpret_cast<const V16U*>(p); }
-inline void Store(float* p, V16 v) { *reinterpret_cast<V16U*>(p) = v; }
-inline V16 Splat(float x) { return V16{} + x; }
+inline V8 Load(const float* p) {
+  V8 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline void Store(float* p, V8 v) { std::memcpy(p, &v, sizeof(v)); }
+inline V8 Splat(float x) { return V8{} + x; }
 
 constexpr float kMasked = -1e30f;  // as decoder._MASK_VALUE: exp underflows to exactly 0
 constexpr int kMaxBlock = 8;       // query vectors per register block
 
-// exp(x) for x <= 0 (softmax arguments), written so the loop that calls it vectorises (a libm
-// call per element would cost more than the rest of the attention). Cephes' expf polynomial on
-// [-ln2/2, ln2/2], about 1 ulp; x below -87 (masked slots) gives 0.
-inline float ExpNonPositive(float x) {
-  const float xc = std::max(x, -87.0f);
-  const float n = std::nearbyint(xc * 1.44269504088896341f);
-  const float r = xc - n * 0.693359375f + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
+// exp(x) for x <= 0 (softmax arguments), eight at a time (a libm call per element would cost
+// more than the rest of the attention). Cephes' expf polynomial on [-ln2/2, ln2/2], about 1 ulp;
+// x below -87 (masked slots) gives 0. Rounding to the nearest integer adds and subtracts 1.5 *
+// 2^23, exact for |x * log2(e)| < 2^22 (the project builds without -ffast-math).
+inline V8 ExpNonPositive(V8 x) {
+  const V8 lowest = Splat(-87.0f);
+  const V8 xc = x < lowest ? lowest : x;
+  const V8 round = Splat(12582912.0f);
+  const V8 n = (xc * 1.44269504088896341f + round) - round;
+  const V8 r = xc - n * 0.693359375f + n * 2.12194440e-4f;
+  V8 p = Splat(1.9875691500e-4f);
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.0f;
-  int32_t bits;
+  I8 bits;
   std::memcpy(&bits, &p, sizeof(bits));
-  bits += static_cast<int32_t>(n) << 23;
-  float out;
+  bits += __builtin_convertvector(n, I8) << 23;
+  V8 out;
   std::memcpy(&out, &bits, sizeof(out));
-  return x < -87.0f ? 0.0f : out;
+  return x < lowest ? V8{} : out;
 }
 
-// scores[m, x] = sum_d q[m, d] * keys[d, x] for m < MB, x < cols; keys rows are ldk apart.
-// Keys are read row after row (one pass, in address order, so the prefetcher streams them);
-// the MB score rows stay in L1.
+// The register block of Scores: scores[m, j * kW + lane] for m < MB, j < NB, summed over all d
+// in registers (one key load per vector, one broadcast per query value).
+template <int MB, int NB>
+void ScoreBlock(const float* q, int64_t d, const float* keys, int64_t ldk, float* scores,
+                int64_t lds) {
+  V8 acc[MB][NB] = {};
+  for (int64_t dd = 0; dd < d; ++dd) {
+    __builtin_prefetch(keys + dd * ldk + 2 * kW);  // this row's next line: the next block
+    V8 kx[NB];
+    for (int j = 0; j < NB; ++j) kx[j] = Load(keys + dd * ldk + j * kW);
+    for (int m = 0; m < MB; ++m) {
+      const V8 qm = Splat(q[m * d + dd]);
+      for (int j = 0; j < NB; ++j) acc[m][j] += qm * kx[j];
+    }
+  }
+  for (int m = 0; m < MB; ++m)
+    for (int j = 0; j < NB; ++j) Store(scores + m * lds + j * kW, acc[m][j]);
+}
+
+// scores[m, x] = sum_d q[m, d] * keys[d, x] for m < MB, x < cols; key rows are ldk apart.
+// Blocks of 2 vectors of slots (1 when MB > 4: MB * NB sums + NB keys + a broadcast fit in the
+// 16 AVX2 registers). The last cols % kW slots are copied into a zero-filled [d, kW] block
+// first, so nothing past cols is read. `tail` holds d * kW floats.
 template <int MB>
 void Scores(const float* q, int64_t d, const float* keys, int64_t ldk, int64_t cols,
-            float* scores, int64_t lds) {
-  for (int m = 0; m < MB; ++m) std::fill(scores + m * lds, scores + m * lds + cols, 0.0f);
-  for (int64_t dd = 0; dd < d; ++dd) {
-    const float* k = keys + dd * ldk;
-    float qd[MB];
-    for (int m = 0; m < MB; ++m) qd[m] = q[m * d + dd];
-    int64_t x = 0;
-    for (; x + 16 <= cols; x += 16) {
-      const V16 kx = Load(k + x);
-      for (int m = 0; m < MB; ++m) Store(scores + m * lds + x, Load(scores + m * lds + x) + Splat(qd[m]) * kx);
-    }
-    for (; x < cols; ++x)
-      for (int m = 0; m < MB; ++m) scores[m * lds + x] += qd[m] * k[x];
-  }
+            float* scores, int64_t lds, float* tail) {
+  constexpr int NB = MB <= 4 ? 2 : 1;
+  int64_t x = 0;
+  for (; x + NB * kW <= cols; x += NB * kW)
+    ScoreBlock<MB, NB>(q, d, keys + x, ldk, scores + x, lds);
+  for (; x + kW <= cols; x += kW) ScoreBlock<MB, 1>(q, d, keys + x, ldk, scores + x, lds);
+  const int64_t rest = cols - x;
+  if (rest == 0) return;
+  std::fill(tail, tail + d * kW, 0.0f);
+  for (int64_t dd = 0; dd < d; ++dd) std::copy_n(keys + dd * ldk + x, rest, tail + dd * kW);
+  float block[MB * kW];
+  ScoreBlock<MB, 1>(q, d, tail, kW, block, kW);
+  for (int m = 0; m < MB; ++m) std::copy_n(block + m * kW, rest, scores + m * lds + x);
 }
 
-// out[m, :] += sum_x probs[m, x] * values[x, :] for m < MB, x < rows; values are [rows, d],
-// read row after row; the MB output rows stay in L1.
+// out[m, c0 + j * kW + lane] += sum_x probs[m, x] * values[x, c0 + ...] for m < MB, j < NV:
+// the sums stay in registers over all rows x; values are [rows, d], read row after row.
+template <int MB, int NV>
+void WeightedBlock(const float* probs, int64_t ldp, const float* values, int64_t rows, int64_t d,
+                   float* out) {
+  V8 acc[MB][NV] = {};
+  for (int64_t x = 0; x < rows; ++x) {
+    V8 vx[NV];
+    for (int j = 0; j < NV; ++j) vx[j] = Load(values + x * d + j * kW);
+    for (int m = 0; m < MB; ++m) {
+      const V8 pm = Splat(probs[m * ldp + x]);
+      for (int j = 0; j < NV; ++j) acc[m][j] += pm * vx[j];
+    }
+  }
+  for (int m = 0; m < MB; ++m)
+    for (int j = 0; j < NV; ++j) Store(out + m * d + j * kW, Load(out + m * d + j * kW) + acc[m][j]);
+}
+
+// out[m, :] += sum_x probs[m, x] * values[x, :] for m < MB, x < rows; values are [rows, d].
+// Column blocks of up to 4 vectors (MB * NV sums of at most 12 registers); the last d % kW
+// columns one at a time.
 template <int MB>
 void WeightedSum(const float* probs, int64_t ldp, const float* values, int64_t rows, int64_t d,
                  float* out) {
-  for (int64_t x = 0; x < rows; ++x) {
-    const float* v = values + x * d;
-    float px[MB];
-    for (int m = 0; m < MB; ++m) px[m] = probs[m * ldp + x];
-    int64_t j = 0;
-    for (; j + 16 <= d; j += 16) {
-      const V16 vj = Load(v + j);
-      for (int m = 0; m < MB; ++m) Store(out + m * d + j, Load(out + m * d + j) + Splat(px[m]) * vj);
+  constexpr int NV = MB <= 3 ? 4 : (MB <= 6 ? 2 : 1);
+  int64_t c = 0;
+  for (; c + NV * kW <= d; c += NV * kW)
+    WeightedBlock<MB, NV>(probs, ldp, values + c, rows, d, out + c);
+  for (; c + kW <= d; c += kW) WeightedBlock<MB, 1>(probs, ldp, values + c, rows, d, out + c);
+  for (; c < d; ++c)
+    for (int m = 0; m < MB; ++m) {
+      float sum = 0.0f;
+      for (int64_t x = 0; x < rows; ++x) sum += probs[m * ldp + x] * values[x * d + c];
+      out[m * d + c] += sum;
     }
-    for (; j < d; ++j)
-      for (int m = 0; m < MB; ++m) out[m * d + j] += px[m] * v[j];
+}
+
+// row[x] = softmax over x < width, in place (masked entries hold kMasked).
+void Softmax(float* row, int64_t width) {
+  int64_t x = 0;
+  float mx = kMasked;
+  if (width >= kW) {
+    V8 vmax = Load(row);
+    for (x = kW; x + kW <= width; x += kW) {
+      const V8 v = Load(row + x);
+      vmax = v > vmax ? v : vmax;
+    }
+    for (int i = 0; i < kW; ++i) mx = std::max(mx, vmax[i]);
   }
+  for (; x < width; ++x) mx = std::max(mx, row[x]);
+  // The tail is padded into one more vector: ExpNonPositive of kMasked - mx is 0.
+  V8 vsum{};
+  for (x = 0; x + kW <= width; x += kW) {
+    const V8 e = ExpNonPositive(Load(row + x) - mx);
+    Store(row + x, e);
+    vsum += e;
+  }
+  if (x < width) {
+    float t[kW];
+    std::fill(t, t + kW, kMasked);
+    std::copy_n(row + x, width - x, t);
+    const V8 e = ExpNonPositive(Load(t) - mx);
+    Store(t, e);
+    std::copy_n(t, width - x, row + x);
+    vsum += e;
+  }
+  float sum = 0.0f;
+  for (int i = 0; i < kW; ++i) sum += vsum[i];
+  const V8 inv = Splat(1.0f / sum);
+  for (x = 0; x + kW <= width; x += kW) Store(row + x, Load(row + x) * inv);
+  for (; x < width; ++x) row[x] *= inv[0];
 }
 
 struct Dims {
@@ -124,9 +208,10 @@ void AttendBlock(const Dims& dm, const Args& a, int64_t r, int64_t k, int64_t m0
   while (lo < hi && !pm[lo]) ++lo;
   while (hi > lo && !pm[hi - 1]) --hi;
   const int64_t span = hi - lo, width = span + len;
-  buf.resize(MB * width + MB * d);
+  buf.resize(MB * width + MB * d + d * kW);
   float* scores = buf.data();
   float* q = scores + MB * width;
+  float* tail = q + MB * d;
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
   const float* q_src = a.q + (r * heads + k * dm.group + m0) * d;
   for (int64_t i = 0; i < MB * d; ++i) q[i] = q_src[i] * scale;
@@ -134,21 +219,12 @@ void AttendBlock(const Dims& dm, const Args& a, int64_t r, int64_t k, int64_t m0
   const float* pv = a.pv + ((b * dm.kv_heads + k) * p + lo) * d;
   const float* ok = a.ok + (r * dm.kv_heads + k) * d * dm.s;
   const float* ov = a.ov + (r * dm.kv_heads + k) * dm.s * d;
-  Scores<MB>(q, d, pk, p, span, scores, width);
-  Scores<MB>(q, d, ok, dm.s, len, scores + span, width);
+  Scores<MB>(q, d, pk, p, span, scores, width, tail);
+  Scores<MB>(q, d, ok, dm.s, len, scores + span, width, tail);
   for (int m = 0; m < MB; ++m) {
     float* row = scores + m * width;
     for (int64_t x = 0; x < span; ++x) row[x] = pm[lo + x] ? row[x] : kMasked;
-    float mx = kMasked;
-    for (int64_t x = 0; x < width; ++x) mx = std::max(mx, row[x]);
-    float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t x = 0; x < width; ++x) {
-      row[x] = ExpNonPositive(row[x] - mx);
-      sum += row[x];
-    }
-    const float inv = 1.0f / sum;
-    for (int64_t x = 0; x < width; ++x) row[x] *= inv;
+    Softmax(row, width);
   }
   float* out = a.out + (r * heads + k * dm.group + m0) * d;
   std::fill(out, out + MB * d, 0.0f);
