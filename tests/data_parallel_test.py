@@ -43,9 +43,9 @@ _SCRIPT = textwrap.dedent(
     seen = []
     generate = sampler._generate
 
-    def spy(graphdef, state, tokens, *args, **kwargs):
+    def spy(graphdef, state, kernels_t, tokens, *args, **kwargs):
         seen.append(tokens.sharding)
-        return generate(graphdef, state, tokens, *args, **kwargs)
+        return generate(graphdef, state, kernels_t, tokens, *args, **kwargs)
 
     sampler._generate = spy
     for temperature in (0.0, 0.8):

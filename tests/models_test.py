@@ -179,10 +179,14 @@ class TestKVCache:
 
     @pytest.mark.parametrize("name", ["llama_gqa_untied", "qwen2_bias_tied"])
     @pytest.mark.parametrize("kernel", [True, False], ids=["cpu_kernel", "pure_jax"])
-    def test_shared_prompt_decode_equals_full_forward(self, checkpoints, name, kernel, monkeypatch):
+    @pytest.mark.parametrize("weight_major", [True, False], ids=["weight_major", "plain"])
+    def test_shared_prompt_decode_equals_full_forward(
+        self, checkpoints, name, kernel, weight_major, monkeypatch
+    ):
         # The sampler's decode: 2 left-padded prompts share one prompt cache, n = 3 rows each with
         # its own continuation and own cache. Reference: the full forward of each row's sequence.
-        # Both attentions: the C++ kernel (CPU) and the pure-JAX one (every other platform).
+        # Both attentions: the C++ kernel (CPU) and the pure-JAX one (every other platform); both
+        # matmul forms: weight-major (transposed kernels, the sampler's on CPU) and plain x @ W.
         if kernel:
             assert decode_attention.available()  # g++ is on every machine this runs on
         else:
@@ -213,9 +217,12 @@ class TestKVCache:
         _, prompt_cache = prefill(model, p_tokens[:, :-1], p_pos[:, :-1], prompt_cache)
         pmask = jnp.asarray(p_mask, bool).at[:, -1].set(False)  # the last token: each row's own
         cache = kv_cache.split(model.init_cache(2 * n, new + 3))
+        kernels_t = nnx.jit(lambda m: m.weight_major_kernels())(model) if weight_major else None
+        if weight_major:
+            assert ("lm_head" in kernels_t) == (name == "llama_gqa_untied")
         step = nnx.jit(
             lambda m, t, p, c, i: m.forward_cached_shared_prompt(
-                t, p, prompt_cache, c, write_index=i, prompt_mask_BxP=pmask
+                t, p, prompt_cache, c, write_index=i, prompt_mask_BxP=pmask, kernels_t=kernels_t
             )
         )
         for t in range(new + 1):
@@ -321,3 +328,14 @@ class TestTokenLogprobs:
             grads.append(jax.tree.leaves(nnx.jit(nnx.grad(loss))(model)))
         for a, b in zip(*grads, strict=True):
             np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_weight_major_matmul_equals_x_at_w_transposed():
+    # [2, 3, 5] rows against a [7, 5] weight ([out, in]): the reference is NumPy in float64.
+    from mmr_jax.models import layers
+
+    rng = np.random.default_rng(0)
+    x, w = rng.standard_normal((2, 3, 5)), rng.standard_normal((7, 5))
+    got = jax.jit(layers.weight_major_matmul)(x.astype(np.float32), w.astype(np.float32))
+    assert got.shape == (2, 3, 7)
+    np.testing.assert_allclose(np.asarray(got), x @ w.T, rtol=1e-5, atol=1e-5)

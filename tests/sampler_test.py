@@ -63,6 +63,18 @@ class TestSample:
                 batch.logprobs[b], np.asarray(ref)[:, len(prompt) :], atol=2e-5, rtol=1e-5
             )
 
+    def test_weight_major_decode_equals_plain(self, llama, monkeypatch):
+        # On CPU the decode loop runs its matmuls weight-major (a transposed copy of the kernels);
+        # accelerators keep x @ W. Same samples either way, log-probs equal up to rounding.
+        state = jax.tree.leaves(llama)[0]
+        assert sampler.weight_major([state])  # these tests run on CPU
+        params = base.SamplingParams(max_new_tokens=16, temperature=0.8, n=3, seed=4)
+        fast = sampler.sample(llama, PROMPTS, params)
+        monkeypatch.setattr(sampler, "weight_major", lambda state: False)
+        plain = sampler.sample(llama, PROMPTS, params)
+        np.testing.assert_array_equal(fast.tokens, plain.tokens)
+        np.testing.assert_allclose(fast.logprobs, plain.logprobs, atol=1e-5, rtol=1e-5)
+
     def test_seed_reproduces_and_ignores_padding(self, llama):
         params = base.SamplingParams(max_new_tokens=12, temperature=1.0, n=2, seed=7)
         a = sampler.sample(llama, PROMPTS, params)

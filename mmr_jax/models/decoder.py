@@ -153,19 +153,25 @@ class Attention(nnx.Module):
         self.o_proj = _dense("o_proj", cfg.num_heads * d, h, cfg.o_proj_bias, index=3, **kw)
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
 
-    def qkv(self, x_BxTxH, cos, sin, *, disable_lora, key):
-        """Rotated q [B,T,N,D], k [B,T,K,D] and v [B,T,K,D]."""
+    def qkv(self, x_BxTxH, cos, sin, *, disable_lora, key, kernels_t=None):
+        """Rotated q [B,T,N,D], k [B,T,K,D] and v [B,T,K,D]. `kernels_t`: see `Decoder`."""
         b, t, _ = x_BxTxH.shape
+        kt = kernels_t or {}
         kw = dict(disable_lora=disable_lora)
-        q = self.q_proj(x_BxTxH, dropout_key=_split_key(key, 0), **kw)
-        k = self.k_proj(x_BxTxH, dropout_key=_split_key(key, 1), **kw)
-        v = self.v_proj(x_BxTxH, dropout_key=_split_key(key, 2), **kw)
+        q = self.q_proj(x_BxTxH, dropout_key=_split_key(key, 0), kernel_t=kt.get("q_proj"), **kw)
+        k = self.k_proj(x_BxTxH, dropout_key=_split_key(key, 1), kernel_t=kt.get("k_proj"), **kw)
+        v = self.v_proj(x_BxTxH, dropout_key=_split_key(key, 2), kernel_t=kt.get("v_proj"), **kw)
         q = layers.apply_rope(q.reshape(b, t, self.num_heads, self.head_dim), cos, sin)
         k = layers.apply_rope(k.reshape(b, t, self.num_kv_heads, self.head_dim), cos, sin)
         return q, k, v.reshape(b, t, self.num_kv_heads, self.head_dim)
 
-    def out(self, o_BxTxND, *, disable_lora, key):
-        return self.o_proj(o_BxTxND, disable_lora=disable_lora, dropout_key=_split_key(key, 3))
+    def out(self, o_BxTxND, *, disable_lora, key, kernels_t=None):
+        return self.o_proj(
+            o_BxTxND,
+            disable_lora=disable_lora,
+            dropout_key=_split_key(key, 3),
+            kernel_t=(kernels_t or {}).get("o_proj"),
+        )
 
 
 class MLP(nnx.Module):
@@ -176,11 +182,16 @@ class MLP(nnx.Module):
         self.up_proj = _dense("up_proj", h, i, False, index=5, **kw)
         self.down_proj = _dense("down_proj", i, h, False, index=6, **kw)
 
-    def __call__(self, x_BxTxH, *, disable_lora=False, key=None):
+    def __call__(self, x_BxTxH, *, disable_lora=False, key=None, kernels_t=None):
+        kt = kernels_t or {}
         kw = dict(disable_lora=disable_lora)
-        g = self.gate_proj(x_BxTxH, dropout_key=_split_key(key, 4), **kw)
-        u = self.up_proj(x_BxTxH, dropout_key=_split_key(key, 5), **kw)
-        return self.down_proj(jax.nn.silu(g) * u, dropout_key=_split_key(key, 6), **kw)
+        g = self.gate_proj(
+            x_BxTxH, dropout_key=_split_key(key, 4), kernel_t=kt.get("gate_proj"), **kw
+        )
+        u = self.up_proj(x_BxTxH, dropout_key=_split_key(key, 5), kernel_t=kt.get("up_proj"), **kw)
+        return self.down_proj(
+            jax.nn.silu(g) * u, dropout_key=_split_key(key, 6), kernel_t=kt.get("down_proj"), **kw
+        )
 
 
 class Block(nnx.Module):
@@ -299,18 +310,24 @@ class Decoder(nnx.Module):
             "bth,hv->btv", h_BxTxH.astype(self.dtype), w, preferred_element_type=jnp.float32
         )
 
-    def _decode_logits(self, h_BxTxH):
+    def _decode_logits(self, h_BxTxH, head_t=None):
         """`logits_from_hidden` for a decode step (one token per row, few rows).
 
         With tied embeddings the head is h @ E^T with E [V, H] as stored; XLA:CPU's matmul packs
         (transposes) all of E on every call for that, while E @ h^T reads E as it lies (SmolLM2,
         32 rows: 20 -> 14 ms a step, same values). The barrier keeps XLA from folding the
-        transpose of the small [V, rows] result back into the product.
+        transpose of the small [V, rows] result back into the product. An untied head does the
+        same with `head_t` ([V, H], from `weight_major_kernels`), else the plain h @ W.
         """
         b, t, hidden = h_BxTxH.shape
-        if self.lm_head is not None or t > 1:  # several tokens a row (prefill): keep the plain form
+        if t > 1:  # several tokens a row (prefill): keep the plain form
             return self.logits_from_hidden(h_BxTxH)
-        w = self.embed_tokens.embedding[...].astype(self.dtype)
+        if self.lm_head is not None:
+            if head_t is None:
+                return self.logits_from_hidden(h_BxTxH)
+            w = head_t.astype(self.dtype)  # [V, H]: the untied head, weight-major
+        else:
+            w = self.embed_tokens.embedding[...].astype(self.dtype)
         h = h_BxTxH.reshape(b * t, hidden).astype(self.dtype)
         logits_VxR = jnp.einsum("vh,rh->vr", w, h, preferred_element_type=jnp.float32)
         return jax.lax.optimization_barrier(logits_VxR).T.reshape(b, t, -1)
@@ -384,6 +401,7 @@ class Decoder(nnx.Module):
         write_index,
         prompt_mask_BxP,
         disable_lora=False,
+        kernels_t=None,
     ):
         """One new token per row, whose rows share their prompts' cache; -> (logits, new cache).
 
@@ -392,6 +410,8 @@ class Decoder(nnx.Module):
         slots) is the rows' own: the new key/value go to slot `write_index` (may be traced) and
         row r attends to its slots <= write_index. Equals `forward_cached` on the cache that
         repeats each prompt's slots n times ahead of the rows' own (see `_attend_shared_prompt`).
+        `kernels_t` (`weight_major_kernels()`, made outside this jit) runs the linear layers
+        weight-major (`layers.weight_major_matmul`): faster on CPU, same values up to rounding.
         Returns fp32 logits [R, 1, V] and the updated `cache`.
         """
         chex.assert_shape([tokens_Rx1, positions_Rx1], (None, 1))
@@ -405,21 +425,50 @@ class Decoder(nnx.Module):
             return _attend_shared_prompt_decode(q, pk, pv, k, v, pmask, write_index)
 
         return self._decode_layers(
-            tokens_Rx1, positions_Rx1, cache, write_index, attend, disable_lora=disable_lora
+            tokens_Rx1,
+            positions_Rx1,
+            cache,
+            write_index,
+            attend,
+            disable_lora=disable_lora,
+            kernels_t=kernels_t,
         )
 
+    def weight_major_kernels(self) -> dict:
+        """Each matmul's kernel transposed to [out, in], for `forward_cached_shared_prompt`.
+
+        {"layers": (per layer {"q_proj": [N*D, H], ..., "down_proj": [H, I]}, ...), "lm_head":
+        [V, H] (untied heads only)}. Call it outside the jit that decodes and pass the result in:
+        only a jit's outputs are sure to be laid out [out, in] in memory (inside one, XLA may make
+        the transpose a change of layout instead of a copy). It is a copy of the weights.
+        """
+        attn, mlp = ("q_proj", "k_proj", "v_proj", "o_proj"), ("gate_proj", "up_proj", "down_proj")
+        per_layer = []
+        for block in self.layers:
+            dense = {n: getattr(block.self_attn, n) for n in attn}
+            dense.update({n: getattr(block.mlp, n) for n in mlp})
+            per_layer.append({n: d.kernel[...].T for n, d in dense.items()})
+        out = {"layers": tuple(per_layer)}
+        if self.lm_head is not None:
+            out["lm_head"] = self.lm_head.kernel[...].T
+        return out
+
     def _decode_layers(
-        self, tokens_BxT, positions_BxT, cache, write_index, attend, *, disable_lora
+        self, tokens_BxT, positions_BxT, cache, write_index, attend, *, disable_lora, kernels_t=None
     ):
         """The blocks over new tokens: each layer writes its k/v into `cache` at `write_index`,
-        then `attend(q, layer_k, layer_v, layer_index)` gives the attention output."""
+        then `attend(q, layer_k, layer_v, layer_index)` gives the attention output. `kernels_t`:
+        see `forward_cached_shared_prompt`."""
         cos, sin = layers.rope_cos_sin(positions_BxT, self.inv_freq)
         split = cache.is_split
         ck, cv = (list(cache.k), list(cache.v)) if split else (cache.k, cache.v)
         x = self.embed_tokens(tokens_BxT)
         for i, block in enumerate(self.layers):
+            kt = None if kernels_t is None else kernels_t["layers"][i]
             h = block.input_layernorm(x)
-            q, k, v = block.self_attn.qkv(h, cos, sin, disable_lora=disable_lora, key=None)
+            q, k, v = block.self_attn.qkv(
+                h, cos, sin, disable_lora=disable_lora, key=None, kernels_t=kt
+            )
             if split:  # Whole per-layer buffers: in-place writes, no transposed copies.
                 ck[i] = kv_cache.write_layer_keys(ck[i], k, write_index)
                 cv[i] = kv_cache.write_layer_values(cv[i], v, write_index)
@@ -427,9 +476,11 @@ class Decoder(nnx.Module):
                 ck = kv_cache.write(ck, i, k, write_index)
                 cv = kv_cache.write(cv, i, v, write_index)
             o = attend(q, ck[i], cv[i], i)
-            x = x + block.self_attn.out(o, disable_lora=disable_lora, key=None)
-            x = x + block.mlp(block.post_attention_layernorm(x), disable_lora=disable_lora)
-        logits = self._decode_logits(self.norm(x))
+            x = x + block.self_attn.out(o, disable_lora=disable_lora, key=None, kernels_t=kt)
+            h = block.post_attention_layernorm(x)
+            x = x + block.mlp(h, disable_lora=disable_lora, kernels_t=kt)
+        head_t = None if kernels_t is None else kernels_t.get("lm_head")
+        logits = self._decode_logits(self.norm(x), head_t)
         if split:
             return logits, kv_cache.KVCache(k=tuple(ck), v=tuple(cv))
         return logits, kv_cache.KVCache(k=ck, v=cv)
