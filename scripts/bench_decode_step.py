@@ -13,14 +13,17 @@ in one process (ms per decode step, median of --repeats runs of --steps steps):
                   padding) and the rows' own (--new_slots, half written: the average over a
                   generation), then the sampler's draw at temperature 0.7. The defaults are
                   bench_sampler.py's SmolLM2 buckets (8 GSM8K prompts of 57..137 tokens, 45% of
-                  192 slots; 128 new tokens). On CPU the attention is the C++ kernel.
+                  192 slots; 128 new tokens). On CPU the attention is the C++ kernel and the
+                  matmuls weight-major (W @ x^T on kernels transposed once), as in the sampler.
+  step (x @ W)    the same with the plain matmuls (what other platforms run).
   step (pure JAX) the same with the pure-JAX attention (`decoder._attend_shared_prompt`, what
                   other platforms run), which reads and masks every slot.
   no attention    the same step with the attention over the cache replaced by passing q through;
                   projections, MLP, norms, LM head and sampling unchanged. step - this = the
                   attention and its cache traffic.
   linear (jax)    only the step's matmuls (q, k, v, o, gate, up, down of every layer, then the LM
-                  head) at M = rows on the model's weights, chained as in the model.
+                  head) at M = rows on the model's weights, chained as in the model, as x @ W.
+  linear (W @ x^T) the same matmuls weight-major, on [out, in] copies of the weights.
   linear (torch)  the same matmuls in torch (`F.linear` on [out, in] weights, as transformers runs
                   them) with --torch_threads threads: the floor under transformers' decode step.
 
@@ -72,17 +75,35 @@ def layer_weights(model) -> tuple[list[list[np.ndarray]], np.ndarray]:
     return per_layer, head
 
 
-def linear_chain_jax(per_layer, head, x):
-    """The step's matmuls in the model's order; each layer's output feeds the next."""
+def _plain(x, w):
+    return x @ w
+
+
+def linear_chain_jax(per_layer, head, x, matmul=_plain):
+    """The step's matmuls in the model's order; each layer's output feeds the next.
+
+    `matmul(x, w)` is x @ w on [in, out] weights; with `layers.weight_major_matmul` and the
+    weights transposed to [out, in] (`transpose_weights`) it is the sampler's CPU form.
+    """
     import jax
     import jax.numpy as jnp
 
     for wq, wk, wv, wo, wg, wu, wd in per_layer:
-        q, k, v = x @ wq, x @ wk, x @ wv
-        x = x + q @ wo + 1e-3 * (jnp.mean(k, -1, keepdims=True) + jnp.mean(v, -1, keepdims=True))
-        x = x + (jax.nn.silu(x @ wg) * (x @ wu)) @ wd
+        q, k, v = matmul(x, wq), matmul(x, wk), matmul(x, wv)
+        x = (
+            x
+            + matmul(q, wo)
+            + 1e-3 * (jnp.mean(k, -1, keepdims=True) + jnp.mean(v, -1, keepdims=True))
+        )
+        x = x + matmul(jax.nn.silu(matmul(x, wg)) * matmul(x, wu), wd)
         x = x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6)
-    return x @ head
+    return matmul(x, head)
+
+
+def transpose_weights(per_layer, head):
+    """[in, out] numpy weights -> C-contiguous [out, in] copies (the weight-major layout)."""
+    t = lambda w: np.ascontiguousarray(w.T)
+    return [[t(w) for w in layer] for layer in per_layer], t(head)
 
 
 def linear_chain_torch(per_layer_t, head_t, x):
@@ -119,9 +140,19 @@ def _median_ms_per_step(run, steps: int, repeats: int) -> float:
 
 
 def decode_loop(
-    model, prompts: int, n: int, prompt_slots: int, new_slots: int, steps: int, fill: float
+    model,
+    prompts: int,
+    n: int,
+    prompt_slots: int,
+    new_slots: int,
+    steps: int,
+    fill: float,
+    weight_major: bool = True,
 ):
     """A jitted run of `steps` decode steps as the sampler runs them (+ a draw at T = 0.7).
+
+    `weight_major`: the linear layers on kernels transposed outside the jit, as the sampler does
+    on CPU (`sampler.weight_major`); False: plain x @ W.
 
     The own cache is donated and handed back, so no call copies it (the sampler makes it inside
     its jit); the timed steps write own slots from the middle of the cache on.
@@ -145,8 +176,10 @@ def decode_loop(
     prompt_mask = np.arange(prompt_slots)[None, :] >= prompt_slots - filled
     prompt_mask = np.repeat(prompt_mask & (np.arange(prompt_slots) < prompt_slots - 1), prompts, 0)
 
+    kernels_t = sampler._weight_major_kernels(graphdef, state) if weight_major else None
+
     @functools.partial(jax.jit, donate_argnums=2)
-    def loop(state, prompt_cache, cache):
+    def loop(state, prompt_cache, cache, kernels_t):
         m = nnx.merge(graphdef, state)
         keys = jax.random.split(jax.random.key(0), rows)
 
@@ -154,7 +187,13 @@ def decode_loop(
             cache, tok = carry
             pos = jnp.full((rows, 1), prompt_slots + start, jnp.int32) + t
             logits, cache = m.forward_cached_shared_prompt(
-                tok, pos, prompt_cache, cache, write_index=start + t, prompt_mask_BxP=prompt_mask
+                tok,
+                pos,
+                prompt_cache,
+                cache,
+                write_index=start + t,
+                prompt_mask_BxP=prompt_mask,
+                kernels_t=kernels_t,
             )
             nxt, _ = sampler._sample_step(
                 logits[:, 0], keys, 0.7, 0, 1.0, greedy=False, use_filter=False
@@ -167,7 +206,7 @@ def decode_loop(
     carry = [cache]
 
     def run():
-        carry[0], tok = loop(state, prompt_cache, carry[0])
+        carry[0], tok = loop(state, prompt_cache, carry[0], kernels_t)
         tok.block_until_ready()
 
     return run
@@ -190,8 +229,12 @@ def bench_model(name: str, path: str) -> list[dict]:
     model = models.from_pretrained(path)
     per_layer, head = layer_weights(model)
     per_layer_t, head_t = to_torch(per_layer, head)
+    from mmr_jax.models import layers
+
     weights_j = jax.tree.map(jnp.asarray, (per_layer, head))
+    weights_t = jax.tree.map(jnp.asarray, transpose_weights(per_layer, head))
     chain = jax.jit(linear_chain_jax)
+    chain_t = jax.jit(functools.partial(linear_chain_jax, matmul=layers.weight_major_matmul))
     steps, repeats, n = _STEPS.value, _REPEATS.value, _N.value
     slots = (_PROMPT_SLOTS.value, _NEW_SLOTS.value)
     if steps >= slots[1]:
@@ -203,6 +246,7 @@ def bench_model(name: str, path: str) -> list[dict]:
         xj, xt = jnp.asarray(x), torch.from_numpy(x)
         loop_args = (model, prompts, n, *slots, steps, _PROMPT_FILL.value)
         step_ms = _median_ms_per_step(decode_loop(*loop_args), steps, repeats)
+        plain_ms = _median_ms_per_step(decode_loop(*loop_args, weight_major=False), steps, repeats)
         with mock.patch.object(decode_attention, "available", lambda: False):
             step_jax_ms = _median_ms_per_step(decode_loop(*loop_args), steps, repeats)
             with mock.patch.object(decoder, "_attend_shared_prompt", _pass_q_through):
@@ -212,12 +256,17 @@ def bench_model(name: str, path: str) -> list[dict]:
             for _ in range(steps):
                 chain(*weights_j, xj).block_until_ready()
 
+        def run_jax_t():
+            for _ in range(steps):
+                chain_t(*weights_t, xj).block_until_ready()
+
         def run_torch():
             with torch.no_grad():
                 for _ in range(steps):
                     linear_chain_torch(per_layer_t, head_t, xt)
 
         jax_ms = _median_ms_per_step(run_jax, steps, repeats)
+        jax_t_ms = _median_ms_per_step(run_jax_t, steps, repeats)
         torch_ms = _median_ms_per_step(run_torch, steps, repeats)
         row = dict(
             model=name,
@@ -228,10 +277,12 @@ def bench_model(name: str, path: str) -> list[dict]:
             new_slots=slots[1],
             cpu_kernel=decode_attention.available(),
             step_ms=step_ms,
+            step_plain_matmul_ms=plain_ms,
             step_pure_jax_ms=step_jax_ms,
             no_attention_ms=no_attn_ms,
             attention_ms=step_ms - no_attn_ms,
             linear_jax_ms=jax_ms,
+            linear_jax_weight_major_ms=jax_t_ms,
             linear_torch_ms=torch_ms,
             linear_gflops=2
             * rows
@@ -251,12 +302,15 @@ def _fmt(r: dict) -> str:
             f"slots, {r['prompt_fill']:.0%} filled; own cache {r['new_slots']}, half written)",
             f"  {'step':<16}{r['step_ms']:>9.1f} ms"
             f"   (attention: {'C++ kernel' if r['cpu_kernel'] else 'pure JAX, no kernel'})",
+            f"  {'step (x @ W)':<16}{r['step_plain_matmul_ms']:>9.1f} ms",
             f"  {'step (pure JAX)':<16}{r['step_pure_jax_ms']:>9.1f} ms",
             f"  {'no attention':<16}{r['no_attention_ms']:>9.1f} ms"
             f"   (attention + its cache traffic: {r['attention_ms']:.1f} ms in the step, "
             f"{r['step_pure_jax_ms'] - r['no_attention_ms']:.1f} ms in pure JAX)",
             f"  {'linear (jax)':<16}{r['linear_jax_ms']:>9.1f} ms"
             f"   ({gf:.2f} GFLOP: {1e3 * gf / r['linear_jax_ms']:.0f} GFLOP/s)",
+            f"  {'linear (W @ x^T)':<16}{r['linear_jax_weight_major_ms']:>9.1f} ms"
+            f"   ({1e3 * gf / r['linear_jax_weight_major_ms']:.0f} GFLOP/s)",
             f"  {'linear (torch)':<16}{r['linear_torch_ms']:>9.1f} ms"
             f"   ({1e3 * gf / r['linear_torch_ms']:.0f} GFLOP/s)",
         ]

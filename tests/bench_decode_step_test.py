@@ -32,3 +32,13 @@ def test_torch_and_jax_linear_chains_agree(tmp_path, tied):
     assert got_jax.shape == (5, cfg.vocab_size)
     np.testing.assert_allclose(got_jax, got_torch, rtol=1e-4, atol=1e-4)
     assert np.abs(got_jax).max() > 1e-3  # the chain is not degenerate
+
+    # The weight-major chain (the sampler's CPU form) on [out, in] copies computes the same.
+    from mmr_jax.models import layers
+
+    per_layer_oi, head_oi = bench.transpose_weights(per_layer, head)
+    assert per_layer_oi[0][0].shape == per_layer[0][0].shape[::-1]
+    got_t = bench.linear_chain_jax(
+        per_layer_oi, head_oi, jnp.asarray(x), matmul=layers.weight_major_matmul
+    )
+    np.testing.assert_allclose(np.asarray(got_t), got_jax, rtol=1e-5, atol=1e-5)
