@@ -24,7 +24,7 @@ def _lead(v_F, ndim: int):
     return v_F.reshape((1,) * (ndim - 1) + v_F.shape)
 
 
-def weight_major_matmul(x, w_OxI):
+def weight_major_matmul(x, w_OxI, preferred_element_type=None):
     """x @ w_OxI.T for x [..., in] with the weight [out, in] as stored: computed as w @ x^T.
 
     XLA:CPU's matmul packs its right-hand operand; with the weight on the left only the few rows
@@ -33,7 +33,9 @@ def weight_major_matmul(x, w_OxI):
     small [out, rows] result back into the product (which would put the weight on the right).
     """
     lead, din = x.shape[:-1], x.shape[-1]
-    y_OxN = jnp.einsum("oi,ni->on", w_OxI, x.reshape(-1, din))
+    y_OxN = jnp.einsum(
+        "oi,ni->on", w_OxI, x.reshape(-1, din), preferred_element_type=preferred_element_type
+    )
     return jax.lax.optimization_barrier(y_OxN).T.reshape(*lead, w_OxI.shape[0])
 
 
