@@ -169,3 +169,153 @@ class PolicyLossTest(chex.TestCase):
             losses.kl_divergence(LOGPS, OLD, estimator="k4")
         with pytest.raises(AssertionError):
             losses.policy_loss(LOGPS, OLD, ADV[:1], MASK, aggregation="token_mean", **CLIP)
+
+
+# Rollout/trainer mismatch on the same two sequences. d = trainer - engine per token:
+#   seq 0: [0.1, 1.0, (masked: 5.0)], seq 1: [-0.2, 0.0, 0.5]  -> 5 tokens.
+#   |d| mean = (0.1 + 1 + 0.2 + 0 + 0.5) / 5 = 0.36, max 1.0 (the masked 5.0 must not count).
+#   r = exp(d) = [e^0.1, e^1], [e^-0.2, 1, e^0.5]; with cap 2 the TIS weights are
+#   [e^0.1, 2, 0 (masked)], [e^-0.2, 1, e^0.5], and 1 of 5 tokens (e^1 = 2.718) is capped.
+D = jnp.array([[0.1, 1.0, 5.0], [-0.2, 0.0, 0.5]])
+ENGINE = OLD - D
+VALID_D = [0.1, 1.0, -0.2, 0.0, 0.5]
+
+
+class TruncatedImportanceSamplingTest(chex.TestCase):
+    def test_weights_hand_worked(self):
+        w = losses.tis_weights(OLD, ENGINE, MASK, cap=2.0)
+        e = math.exp
+        want = [[e(0.1), 2.0, 0.0], [e(-0.2), 1.0, e(0.5)]]
+        np.testing.assert_allclose(w, want, rtol=1e-6)
+        # A cap above every ratio leaves the plain ratios.
+        w10 = losses.tis_weights(OLD, ENGINE, MASK, cap=10.0)
+        np.testing.assert_allclose(w10, [[e(0.1), e(1.0), 0.0], [e(-0.2), 1.0, e(0.5)]], rtol=1e-6)
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_loss_hand_worked(self):
+        # token_mean per-token losses (module comment): [-1, -1.2, _], [2, 1.6, 2.2].
+        e = math.exp
+        want = (-1 * e(0.1) - 1.2 * 2.0 + 2 * e(-0.2) + 1.6 * 1.0 + 2.2 * e(0.5)) / 5
+        w = losses.tis_weights(OLD, ENGINE, MASK, cap=2.0)
+        fn = self.variant(
+            lambda w: losses.policy_loss(
+                LOGPS, OLD, ADV, MASK, aggregation="token_mean", is_weights_BxT=w, **CLIP
+            )[0]
+        )
+        np.testing.assert_allclose(fn(w), want, rtol=1e-6)
+
+    def test_weights_scale_the_gradient_per_token_not_the_kl(self):
+        w = losses.tis_weights(OLD, ENGINE, MASK, cap=2.0)
+        ref = OLD - 0.3
+
+        def loss(x, w, beta):
+            return losses.policy_loss(
+                x,
+                OLD,
+                ADV,
+                MASK,
+                aggregation="token_mean",
+                is_weights_BxT=w,
+                ref_logps_BxT=ref,
+                beta=beta,
+                **CLIP,
+            )
+
+        g_plain = jax.grad(lambda x: loss(x, None, 0.0)[0])(LOGPS)
+        g_tis = jax.grad(lambda x: loss(x, w, 0.0)[0])(LOGPS)
+        np.testing.assert_allclose(g_tis, w * g_plain, rtol=1e-6, atol=1e-7)
+        # The KL penalty adds the same amount with and without weights (verl: separate term).
+        kl_plain = loss(LOGPS, None, 0.1)[0] - loss(LOGPS, None, 0.0)[0]
+        kl_tis = loss(LOGPS, w, 0.1)[0] - loss(LOGPS, w, 0.0)[0]
+        # Differences of O(1) fp32 losses agree to a few ulp; a weighted KL would give 0.0136.
+        np.testing.assert_allclose(kl_tis, kl_plain, atol=1e-6)
+        assert abs(float(kl_plain)) > 1e-3
+
+    def test_off_is_todays_loss(self):
+        kw = dict(aggregation="seq_mean_token_mean", ref_logps_BxT=OLD - 0.3, beta=0.1, **CLIP)
+        base, base_m = losses.policy_loss(LOGPS, OLD, ADV, MASK, **kw)
+        ones, ones_m = losses.policy_loss(
+            LOGPS, OLD, ADV, MASK, is_weights_BxT=jnp.ones_like(OLD), **kw
+        )
+        assert float(base) == float(ones)
+        assert all(float(base_m[k]) == float(ones_m[k]) for k in base_m)
+
+    def test_bad_cap_raises(self):
+        with pytest.raises(ValueError, match="cap must be > 0"):
+            losses.tis_weights(OLD, ENGINE, MASK, cap=0.0)
+
+
+class MismatchStatsTest(chex.TestCase):
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_hand_worked(self):
+        stats = self.variant(lambda a, b, m: losses.mismatch_stats(a, b, m, tis_cap=2.0))(
+            OLD, ENGINE, MASK
+        )
+        got = losses.mismatch_metrics(stats)
+        r = [math.exp(x) for x in VALID_D]
+        mean = sum(r) / 5
+        std = math.sqrt(sum((x - mean) ** 2 for x in r) / 5)
+        want = {
+            "mismatch/logp_abs_mean": 0.36,
+            "mismatch/logp_abs_max": 1.0,
+            "mismatch/ratio_mean": mean,
+            "mismatch/ratio_std": std,
+            "mismatch/ratio_min": math.exp(-0.2),
+            "mismatch/ratio_max": math.exp(1.0),
+            "tis/clipped_frac": 0.2,
+        }
+        assert set(got) == set(want)
+        for k, v in want.items():
+            np.testing.assert_allclose(got[k], v, rtol=1e-6, err_msg=k)
+        assert "tis/clipped_frac" not in losses.mismatch_metrics(
+            losses.mismatch_stats(OLD, ENGINE, MASK)
+        )
+
+    def test_small_spread_keeps_fp32_precision(self):
+        # fp32 engines differ from the trainer by ~1e-6; the std of r must not drown in 1 + x.
+        rng = np.random.default_rng(0)
+        d = rng.normal(size=(6, 40)) * 1e-6
+        mask = rng.random((6, 40)) < 0.8
+        got = losses.mismatch_metrics(
+            losses.mismatch_stats(
+                jnp.asarray(d, jnp.float32), jnp.zeros((6, 40), jnp.float32), jnp.asarray(mask)
+            )
+        )
+        r = np.exp(d[mask])
+        np.testing.assert_allclose(got["mismatch/ratio_std"], r.std(), rtol=1e-3)
+        np.testing.assert_allclose(got["mismatch/logp_abs_mean"], np.abs(d[mask]).mean(), rtol=1e-5)
+
+    def test_minibatch_accumulation_equals_full_batch(self):
+        rng = np.random.default_rng(3)
+        b, t, m = 8, 6, 4
+        trainer = jnp.asarray(-rng.random((b, t)) * 4, jnp.float32)
+        engine = trainer + jnp.asarray(rng.normal(size=(b, t)) * 0.4, jnp.float32)
+        mask = jnp.asarray(rng.random((b, t)) < np.linspace(0.1, 0.9, b)[:, None])
+        full = losses.mismatch_metrics(losses.mismatch_stats(trainer, engine, mask, tis_cap=1.3))
+        split = lambda x: x.reshape(m, b // m, t)
+        stacked = jax.vmap(lambda a, e, k: losses.mismatch_stats(a, e, k, tis_cap=1.3))(
+            split(trainer), split(engine), split(mask)
+        )
+        acc = losses.mismatch_metrics(losses.combine_mismatch_stats(stacked))
+        assert set(acc) == set(full)
+        for k in full:
+            np.testing.assert_allclose(acc[k], full[k], rtol=1e-6, err_msg=k)
+        # Against numpy on the masked tokens.
+        d = np.asarray(trainer - engine)[np.asarray(mask)]
+        np.testing.assert_allclose(full["mismatch/ratio_std"], np.exp(d).std(), rtol=1e-5)
+        np.testing.assert_allclose(full["mismatch/ratio_max"], np.exp(d).max(), rtol=1e-6)
+        np.testing.assert_allclose(full["tis/clipped_frac"], np.mean(np.exp(d) > 1.3), rtol=1e-6)
+
+    def test_no_tokens_gives_neutral_values(self):
+        got = losses.mismatch_metrics(
+            losses.mismatch_stats(OLD, ENGINE, jnp.zeros_like(MASK), tis_cap=2.0)
+        )
+        assert {k: float(v) for k, v in got.items()} == {
+            "mismatch/logp_abs_mean": 0.0,
+            "mismatch/logp_abs_max": 0.0,
+            "mismatch/ratio_mean": 1.0,
+            "mismatch/ratio_std": 0.0,
+            "mismatch/ratio_min": 1.0,
+            "mismatch/ratio_max": 1.0,
+            "tis/clipped_frac": 0.0,
+        }
