@@ -114,6 +114,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.loss.kl_estimator = "k3"  # 'k1' | 'k2' | 'k3'
     c.loss.iterations = 1  # passes over each batch (mu); >1 needs old log-probs
     c.loss.minibatches = 8  # gradient-accumulation minibatches per pass (48 / 8 = 6 per device)
+    c.loss.tis_cap = 0.0  # truncated IS: weight min(pi_trainer / pi_engine, cap) per token; 0 = off
 
     c.mmr = ml_collections.ConfigDict()
     c.mmr.enabled = False  # MMR reweighting of rewards before advantages (MMR-GRPO)

@@ -138,6 +138,7 @@ def step_config(cfg: config_types.TrainConfig) -> train_step.StepConfig:
         kl_estimator=cfg.loss.kl_estimator,
         max_completion_len=cfg.batch.max_completion_len,
         logprob_chunk=cfg.model.logprob_chunk,
+        tis_cap=cfg.loss.tis_cap,
     )
 
 

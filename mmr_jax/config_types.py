@@ -89,6 +89,7 @@ class LossConfig:
     kl_estimator: str = "k3"
     iterations: int = 1
     minibatches: int = 8
+    tis_cap: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -281,6 +282,8 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         )
     if cfg.batch.max_completion_len % cfg.batch.length_buckets:
         raise ValueError("batch.length_buckets must divide batch.max_completion_len")
+    if cfg.loss.tis_cap < 0:
+        raise ValueError(f"loss.tis_cap={cfg.loss.tis_cap} must be >= 0 (0 = off; verl/TRL use 2)")
     if cfg.loss.iterations < 1 or cfg.total_steps < 1:
         raise ValueError("loss.iterations and total_steps must be >= 1")
     if not any(cfg.rewards.weights.values()):

@@ -44,6 +44,7 @@ class Batch:
     advantages: jax.Array  # float32 [N]
     old_logps: jax.Array | None = None  # float32 [N, T], when iterations > 1
     ref_logps: jax.Array | None = None  # float32 [N, T], when beta > 0
+    sampler_logps: jax.Array | None = None  # float32 [N, T] the engine's; mismatch metrics, TIS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +61,7 @@ class StepConfig:
     kl_estimator: str
     max_completion_len: int
     logprob_chunk: int = 0
+    tis_cap: float = 0.0  # truncated importance sampling cap (0 = off); needs sampler_logps
 
 
 def make_optimizer(
@@ -148,6 +150,11 @@ def _minibatch_loss(params, mb: Batch, key, normaliser, *, graphdef, frozen, res
         entropy=True,
     )
     old = mb.old_logps if mb.old_logps is not None else jax.lax.stop_gradient(logps)
+    tis = None  # rollout/trainer mismatch correction (issue 16): w = min(exp(old - engine), cap)
+    if cfg.tis_cap > 0:
+        if mb.sampler_logps is None:
+            raise ValueError("loss.tis_cap > 0 needs the engine's log-probs (Batch.sampler_logps)")
+        tis = losses.tis_weights(old, mb.sampler_logps, mb.completion_mask, cap=cfg.tis_cap)
     loss, aux = losses.policy_loss(
         logps,
         old,
@@ -161,6 +168,7 @@ def _minibatch_loss(params, mb: Batch, key, normaliser, *, graphdef, frozen, res
         kl_estimator=cfg.kl_estimator,
         max_completion_len=cfg.max_completion_len,
         normaliser=normaliser,
+        is_weights_BxT=tis,
     )
     mask = mb.completion_mask
     tokens = jnp.maximum(mask.sum(), 1)
@@ -174,11 +182,20 @@ def _minibatch_loss(params, mb: Batch, key, normaliser, *, graphdef, frozen, res
         "entropy": jnp.sum(jax.lax.stop_gradient(entropy) * mask) / tokens,
         "tokens": mask.sum().astype(jnp.float32),
     }
+    if mb.sampler_logps is not None:  # trainer (pre-update) vs engine log-probs: sums, see _reduce
+        stats = losses.mismatch_stats(old, mb.sampler_logps, mask, tis_cap=cfg.tis_cap)
+        out.update({MISMATCH_STATS + k: v for k, v in stats.items()})
     return loss, out
+
+
+MISMATCH_STATS = "mismatch_stats/"  # raw sums / extrema, combined exactly, then made metrics
 
 
 def _reduce(name: str, values_M: jax.Array, tokens_M: jax.Array) -> jax.Array:
     """Minibatch metrics -> one value: token-weighted means, or min / max / sum."""
+    if name.startswith(MISMATCH_STATS):
+        key = name.removeprefix(MISMATCH_STATS)
+        return losses.combine_mismatch_stats({key: values_M})[key]
     if name == "ratio/min":
         return values_M.min()
     if name == "ratio/max":
@@ -229,7 +246,12 @@ def train_step(
     (params, opt_state), metrics = jax.lax.scan(
         one_update, (state.params, state.opt_state), jnp.arange(cfg.iterations)
     )
-    metrics = {k: v.mean() for k, v in metrics.items()}  # over iterations
+    # Over iterations; the mismatch is taken against the same pre-update log-probs every pass.
+    metrics = {k: v[0] if k.startswith(MISMATCH_STATS) else v.mean() for k, v in metrics.items()}
+    names = [k for k in metrics if k.startswith(MISMATCH_STATS)]
+    if names:
+        stats = {k.removeprefix(MISMATCH_STATS): metrics.pop(k) for k in names}
+        metrics.update(losses.mismatch_metrics(stats))
     metrics["clip/frac"] = metrics["clip/low_frac"] + metrics["clip/high_frac"]
     metrics["lr"] = schedule(state.step * cfg.iterations)
     new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)

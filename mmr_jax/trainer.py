@@ -29,6 +29,22 @@ class NonFiniteLossError(FloatingPointError):
     """The loss became NaN or inf; the run stops, its last good checkpoint untouched."""
 
 
+class EngineLogprobError(ValueError):
+    """The rollout engine returned a NaN / inf log-prob for a sampled token."""
+
+
+def _check_engine_logps(logps_NxT: np.ndarray, mask_NxT: np.ndarray, engine: str) -> None:
+    bad = mask_NxT & ~np.isfinite(logps_NxT)
+    if bad.any():
+        row, col = (int(i[0]) for i in np.nonzero(bad))
+        raise EngineLogprobError(
+            f"the {engine} engine returned {int(bad.sum())} non-finite log-probs for sampled "
+            f"tokens (first: row {row}, token {col}: {logps_NxT[row, col]}); the mismatch metrics "
+            "and loss.tis_cap need them finite. Check the engine's logprobs mode (vLLM: "
+            "--logprobs-mode processed_logprobs) and its dtype."
+        )
+
+
 @dataclasses.dataclass
 class Run:
     """Everything a running training job holds."""
@@ -249,7 +265,8 @@ def make_batch(run: Run, groups: experience.Groups, timings: dict) -> tuple[trai
         completion_quantum=b.max_completion_len // b.length_buckets,
         max_completion_len=b.max_completion_len,
     )
-    dev = experience.to_device({k: v for k, v in host.items() if k != "sampler_logps"})
+    _check_engine_logps(host["sampler_logps"], host["completion_mask"], cfg.rollout.engine)
+    dev = experience.to_device(host)
     t = host["completion_mask"].shape[1]
     kw = dict(
         graphdef=run.policy.eval_graphdef,
@@ -270,7 +287,9 @@ def make_batch(run: Run, groups: experience.Groups, timings: dict) -> tuple[trai
             disable_lora=run.policy.lora,
             **kw,
         )
-    if cfg.loss.iterations > 1:
+    # With LoRA dropout the step's own log-probs are noisy; TIS needs the clean pre-update ones.
+    tis_dropout = cfg.loss.tis_cap > 0 and run.policy.lora and cfg.lora.dropout > 0
+    if cfg.loss.iterations > 1 or tis_dropout:
         old = run.logp_fn(
             run.state.params,
             run.policy.frozen,
@@ -286,6 +305,7 @@ def make_batch(run: Run, groups: experience.Groups, timings: dict) -> tuple[trai
         dev["advantages"],
         old_logps=old,
         ref_logps=ref,
+        sampler_logps=dev["sampler_logps"],
     )
     info["throughput/tokens"] = float(host["completion_mask"].sum())
     return batch, info

@@ -151,6 +151,96 @@ class TestVariants:
         assert np.isfinite(trainer.train(cfg, tmp_path / "run2")["loss"])
 
 
+MISMATCH_KEYS = {
+    "mismatch/logp_abs_mean",
+    "mismatch/logp_abs_max",
+    "mismatch/ratio_mean",
+    "mismatch/ratio_std",
+    "mismatch/ratio_min",
+    "mismatch/ratio_max",
+}
+
+
+def _capture_batches(monkeypatch):
+    """Records every (engine log-probs, loss mask) the trainer sends to the step, as numpy."""
+    seen, real = [], trainer.make_batch
+
+    def make_batch(run, groups, timings):
+        batch, info = real(run, groups, timings)
+        seen.append((np.asarray(batch.sampler_logps), np.asarray(batch.completion_mask)))
+        return batch, info
+
+    monkeypatch.setattr(trainer, "make_batch", make_batch)
+    return seen
+
+
+def _plant_engine_offset(monkeypatch, offset):
+    """The embedded engine reports log-prob + `offset` for every generated token."""
+    from mmr_jax.rollout import embedded
+
+    real = embedded.EmbeddedEngine.generate
+
+    def generate(self, prompt_ids, params):
+        out = real(self, prompt_ids, params)
+        out.logprobs = np.where(out.mask, out.logprobs + offset, 0.0).astype(np.float32)
+        return out
+
+    monkeypatch.setattr(embedded.EmbeddedEngine, "generate", generate)
+
+
+class TestMismatch:
+    def test_embedded_fp32_engine_matches_trainer(self, tmp_path, tiny_llama_dir, monkeypatch):
+        seen = _capture_batches(monkeypatch)
+        cfg = _config("dapo_nods", tiny_llama_dir, steps=2, **{"checkpoint.every": 0})
+        assert cfg.model.dtype == "float32" and not cfg.lora.enabled
+        trainer.train(cfg, tmp_path / "run")
+        rows = metrics.read_jsonl(tmp_path / "run" / metrics.METRICS_FILE)
+        assert len(rows) == 2 and len(seen) == 2
+        for row, (logps, mask) in zip(rows, seen, strict=True):
+            assert MISMATCH_KEYS <= set(row) and "tis/clipped_frac" not in row
+            # The sampler test's fp32 tolerance per token (sampler_test: 2e-5 + 1e-5 |logp|).
+            bound = 2e-5 + 1e-5 * float(np.abs(logps[mask]).max())
+            assert 0.0 <= row["mismatch/logp_abs_mean"] <= row["mismatch/logp_abs_max"] <= bound
+            assert 1 - 1.01 * bound <= row["mismatch/ratio_min"] <= row["mismatch/ratio_mean"]
+            assert row["mismatch/ratio_mean"] <= row["mismatch/ratio_max"] <= 1 + 1.01 * bound
+            assert row["mismatch/ratio_std"] <= bound
+
+    def test_planted_offset_shows_exactly_and_tis_scales_the_gradient(
+        self, tmp_path, tiny_llama_dir, monkeypatch
+    ):
+        # The engine claims log-prob + 0.1: trainer - engine = -0.1 (+ the fp32 noise bounded
+        # above), so |diff| = 0.1, r = exp(-0.1) = 0.905 on every token. With cap 2 the TIS
+        # weight is r everywhere: the whole gradient is scaled by exp(-0.1) against no TIS; with
+        # cap 0.9 every token is capped.
+        _plant_engine_offset(monkeypatch, 0.1)
+        out = {}
+        for cap in (0.0, 2.0, 0.9):
+            cfg = _config(
+                "dapo_nods", tiny_llama_dir, steps=1, **{"checkpoint.every": 0, "loss.tis_cap": cap}
+            )
+            trainer.train(cfg, tmp_path / f"run{cap}")
+            (out[cap],) = metrics.read_jsonl(tmp_path / f"run{cap}" / metrics.METRICS_FILE)
+        for row in out.values():
+            np.testing.assert_allclose(row["mismatch/logp_abs_mean"], 0.1, atol=1e-5)
+            np.testing.assert_allclose(row["mismatch/logp_abs_max"], 0.1, atol=1e-5)
+            for k in ("ratio_mean", "ratio_min", "ratio_max"):
+                np.testing.assert_allclose(row[f"mismatch/{k}"], np.exp(-0.1), atol=1e-5)
+        assert "tis/clipped_frac" not in out[0.0]
+        assert out[2.0]["tis/clipped_frac"] == 0.0 and out[0.9]["tis/clipped_frac"] == 1.0
+        np.testing.assert_allclose(
+            out[2.0]["grad_norm"] / out[0.0]["grad_norm"], np.exp(-0.1), rtol=1e-4
+        )
+        np.testing.assert_allclose(out[0.9]["grad_norm"] / out[0.0]["grad_norm"], 0.9, rtol=1e-4)
+
+    def test_non_finite_engine_logprob_is_a_named_error(
+        self, tmp_path, tiny_llama_dir, monkeypatch
+    ):
+        _plant_engine_offset(monkeypatch, np.nan)
+        cfg = _config("dapo_nods", tiny_llama_dir, steps=1, **{"checkpoint.every": 0})
+        with pytest.raises(trainer.EngineLogprobError, match="embedded engine returned .* non-fin"):
+            trainer.train(cfg, tmp_path / "run")
+
+
 class TestLearning:
     def test_target_token_reward_rises(self, tmp_path, tiny_llama_dir):
         # Fixed in advance: mean reward of the last 4 steps beats the first 4 by at least 0.05
