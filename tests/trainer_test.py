@@ -205,6 +205,34 @@ class TestMismatch:
             assert row["mismatch/ratio_mean"] <= row["mismatch/ratio_max"] <= 1 + 1.01 * bound
             assert row["mismatch/ratio_std"] <= bound
 
+    def test_vllm_engine_over_http(self, tmp_path, tiny_llama_dir, monkeypatch):
+        # The project's OpenAI-compatible server stands in for vLLM: the engine's log-probs come
+        # back over HTTP. Step 2 samples after a weight sync, so a small mismatch there also
+        # shows the server generated with the updated weights (lr 1e-3 moves them far more).
+        from mmr_jax.rollout import serve_backend, server
+
+        seen = _capture_batches(monkeypatch)
+        backend = serve_backend.EmbeddedBackend.from_pretrained(tiny_llama_dir, model_name="tiny")
+        with server.OpenAIServer(backend) as srv:
+            cfg = _config(
+                "dapo_nods",
+                tiny_llama_dir,
+                steps=2,
+                **{
+                    "checkpoint.every": 0,
+                    "rollout.engine": "vllm",
+                    "rollout.url": srv.url,
+                    "rollout.model_name": "tiny",
+                },
+            )
+            trainer.train(cfg, tmp_path / "run")
+        rows = metrics.read_jsonl(tmp_path / "run" / metrics.METRICS_FILE)
+        assert len(rows) == 2 and len(seen) == 2
+        for row, (logps, mask) in zip(rows, seen, strict=True):
+            assert MISMATCH_KEYS <= set(row)
+            bound = 2e-5 + 1e-5 * float(np.abs(logps[mask]).max())
+            assert row["mismatch/logp_abs_max"] <= bound
+
     def test_planted_offset_shows_exactly_and_tis_scales_the_gradient(
         self, tmp_path, tiny_llama_dir, monkeypatch
     ):
