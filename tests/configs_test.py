@@ -103,6 +103,7 @@ class TestBadInput:
             (("mmr", "scope", "global"), "mmr.scope"),
             (("mmr", "lam", 1.5), "mmr.lam"),
             (("loss", "minibatches", 5), "minibatches"),
+            (("loss", "tis_cap", -1.0), "loss.tis_cap"),
         ],
     )
     def test_invalid_values(self, override, match):
