@@ -288,8 +288,16 @@ def make_batch(run: Run, groups: experience.Groups, timings: dict) -> tuple[trai
             **kw,
         )
     # With LoRA dropout the step's own log-probs are noisy; TIS needs the clean pre-update ones.
-    tis_dropout = cfg.loss.tis_cap > 0 and run.policy.lora and cfg.lora.dropout > 0
-    if cfg.loss.iterations > 1 or tis_dropout:
+    dropout = run.policy.lora and cfg.lora.dropout > 0
+    if dropout and cfg.loss.iterations == 1 and cfg.loss.tis_cap == 0:
+        logging.log_first_n(
+            logging.WARNING,
+            "mismatch/* metrics include LoRA dropout noise (lora.dropout=%s, loss.iterations=1): "
+            "set loss.tis_cap > 0 or lora.dropout=0 to measure the engine mismatch alone",
+            1,
+            cfg.lora.dropout,
+        )
+    if cfg.loss.iterations > 1 or (dropout and cfg.loss.tis_cap > 0):
         old = run.logp_fn(
             run.state.params,
             run.policy.frozen,
