@@ -174,15 +174,20 @@ def _capture_batches(monkeypatch):
     return seen
 
 
-def _plant_engine_offset(monkeypatch, offset):
-    """The embedded engine reports log-prob + `offset` for every generated token."""
+def _plant_engine_offset(monkeypatch, offset, cut_first=None):
+    """The embedded engine reports log-prob + `offset` (a scalar, or [B] per prompt) per token;
+    `cut_first` cuts prompt 0's completions to that many tokens (another token count)."""
     from mmr_jax.rollout import embedded
 
     real = embedded.EmbeddedEngine.generate
 
     def generate(self, prompt_ids, params):
         out = real(self, prompt_ids, params)
-        out.logprobs = np.where(out.mask, out.logprobs + offset, 0.0).astype(np.float32)
+        if cut_first is not None:
+            out.mask[0, :, cut_first:] = False
+            out.tokens[0, :, cut_first:] = self.pad_id
+        off = np.broadcast_to(np.asarray(offset, np.float32), (len(prompt_ids),))[:, None, None]
+        out.logprobs = np.where(out.mask, out.logprobs + off, 0.0).astype(np.float32)
         return out
 
     monkeypatch.setattr(embedded.EmbeddedEngine, "generate", generate)
@@ -259,6 +264,33 @@ class TestMismatch:
             out[2.0]["grad_norm"] / out[0.0]["grad_norm"], np.exp(-0.1), rtol=1e-4
         )
         np.testing.assert_allclose(out[0.9]["grad_norm"] / out[0.0]["grad_norm"], 0.9, rtol=1e-4)
+
+    def test_reduced_exactly_over_minibatches(self, tmp_path, tiny_llama_dir, monkeypatch):
+        # Prompt 0's completions get +0.1 and are cut to 5 tokens, prompt 1's get +0.3; with
+        # 2 prompts x 4 and 2 minibatches each minibatch holds one prompt's rows. The batch
+        # metrics must be the token statistics of the whole batch, computed here with numpy.
+        seen = _capture_batches(monkeypatch)
+        _plant_engine_offset(monkeypatch, [0.1, 0.3], cut_first=5)
+        cfg = _config("dapo_nods", tiny_llama_dir, steps=1, **{"checkpoint.every": 0})
+        assert (cfg.batch.prompts, cfg.batch.generations, cfg.loss.minibatches) == (2, 4, 2)
+        trainer.train(cfg, tmp_path / "run")
+        (row,) = metrics.read_jsonl(tmp_path / "run" / metrics.METRICS_FILE)
+        ((logps, mask),) = seen
+        off = np.repeat([0.1, 0.3], 4)[:, None] * np.ones_like(logps)
+        counts = mask.sum(1)
+        assert counts[:4].sum() != counts[4:].sum()  # unequal minibatches: a plain mean differs
+        d, r = off[mask], np.exp(-off[mask])
+        atol = 2e-5 + 1e-5 * float(np.abs(logps[mask]).max())  # the fp32 noise, test above
+        want = {
+            "logp_abs_mean": d.mean(),
+            "logp_abs_max": 0.3,
+            "ratio_mean": r.mean(),
+            "ratio_std": r.std(),
+            "ratio_min": np.exp(-0.3),
+            "ratio_max": np.exp(-0.1),
+        }
+        for k, v in want.items():
+            np.testing.assert_allclose(row[f"mismatch/{k}"], v, atol=atol, err_msg=k)
 
     def test_non_finite_engine_logprob_is_a_named_error(
         self, tmp_path, tiny_llama_dir, monkeypatch
