@@ -331,8 +331,9 @@ def trl_worker(args) -> None:
     result = {
         "step_s": [t1 - t0 for t0, t1 in zip(marks[:-1], marks[1:], strict=True)],
         "phases": [{k: p[k] for k in TRL_PHASES if k in p} for p in phases[: args.steps]],
-        "completion_len": [x["completions/mean_length"] for x in step_logs],
-        "reward_mean": [x.get("reward") for x in step_logs],
+        "completion_len": [float(x["completions/mean_length"]) for x in step_logs],
+        "reward_mean": [float(x["reward"]) for x in step_logs],
+        "trl_step_time": [float(x["step_time"]) for x in step_logs if "step_time" in x],
         "versions": {"trl": trl.__version__, "torch": torch.__version__},
         "torch_threads": torch.get_num_threads(),
         "generation_kwargs": {k: str(v) for k, v in trainer_.generation_kwargs.items()},
@@ -370,17 +371,23 @@ def main(argv=None) -> None:
             workdir = os.path.join(root, f"{side}_{round_}")
             os.makedirs(workdir, exist_ok=True)
             print(f"round {round_} {side}: log {workdir}/log.txt", flush=True)
+            load_before = os.getloadavg()[0]
             with open(os.path.join(workdir, "log.txt"), "w") as log:
                 if side == "trl":
                     r = run_trl(args, workdir, log)
                 else:
                     over = overrides(args.steps, mmr=side == "ours")
                     r = run_ours(args.config, over, workdir, log)
+            r["load_1min"] = (load_before, os.getloadavg()[0])  # the machine may be shared
             # Warm-up steps are dropped per run, then the rounds' timed steps are pooled.
             results[side]["rounds"].append(r)
             for k in ("step_s", "phases", "completion_len"):
                 results[side][k] += r[k][args.warmup :]
-            print(f"  {side}: " + " ".join(f"{t:.1f}" for t in r["step_s"]), flush=True)
+            steps_s = " ".join(f"{t:.1f}" for t in r["step_s"])
+            print(f"  {side}: s/step {steps_s}; load {r['load_1min']}", flush=True)
+            if args.json:  # after every run, so that an interrupted benchmark keeps what it has
+                with open(args.json, "w", encoding="utf-8") as f:
+                    json.dump({"args": vars(args), "results": results}, f, indent=1)
     text, summary = table(results, warmup=0)
     print(
         f"\n{args.config}, {args.steps} steps x {args.rounds} rounds, first {args.warmup} "
