@@ -58,9 +58,10 @@ OUR_PHASES = ("rollout", "rewards", "embeddings", "reweighting", "train", "sync"
 TRL_PHASES = ("transformers.generate", "_calculate_rewards", "_prepare_inputs", "compute_loss")
 
 
-def overrides(steps: int, mmr: bool) -> dict:
+def overrides(steps: int, mmr: bool, model_path: str | None = None) -> dict:
     """Config keys both sides change from the config file: length, no checkpoints, MMR on/off."""
-    return {
+    model = {"model.path": model_path} if model_path else {}
+    return model | {
         "total_steps": steps,
         "checkpoint.every": 0,
         "logging.every": 1,
@@ -227,6 +228,7 @@ def run_trl(args, workdir: str, log) -> dict:
     out = os.path.join(workdir, "trl.json")
     cmd = [sys.executable, __file__, "--worker=trl", f"--worker_out={out}"]
     cmd += [f"--config={args.config}", f"--steps={args.steps}", f"--threads={args.threads}"]
+    cmd += [f"--model_path={args.model_path}"] if args.model_path else []
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     subprocess.run(cmd, check=True, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
     with open(out, encoding="utf-8") as f:
@@ -287,7 +289,7 @@ def trl_worker(args) -> None:
     from trl.extras import profiling
 
     torch.set_num_threads(args.threads)
-    cfg = load_config(args.config, overrides(args.steps, mmr=False))
+    cfg = load_config(args.config, overrides(args.steps, mmr=False, model_path=args.model_path))
     b, g = cfg.batch.prompts, cfg.batch.generations
     tokenizer = transformers.AutoTokenizer.from_pretrained(cfg.model.path)
     batches = step_batches(cfg, tokenizer, args.steps)
@@ -300,7 +302,8 @@ def trl_worker(args) -> None:
     log_metrics = profiling.ProfilingContext._log_metrics
 
     def record(self, duration):
-        phases[-1][self.name] = phases[-1].get(self.name, 0.0) + duration
+        name = self.name.split(".", 1)[-1]  # "GRPOTrainer.transformers.generate" -> phase
+        phases[-1][name] = phases[-1].get(name, 0.0) + duration
         log_metrics(self, duration)
 
     profiling.ProfilingContext._log_metrics = record
@@ -350,6 +353,7 @@ def main(argv=None) -> None:
     p.add_argument("--warmup", type=int, default=2, help="first steps of each run left untimed")
     p.add_argument("--rounds", type=int, default=1, help="runs of every side, interleaved")
     p.add_argument("--threads", type=int, default=2, help="torch threads (TRL)")
+    p.add_argument("--model_path", default=None, help="instead of the config's model.path")
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--workdir", default=None, help="keep the runs here (default: a temp dir)")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -376,7 +380,7 @@ def main(argv=None) -> None:
                 if side == "trl":
                     r = run_trl(args, workdir, log)
                 else:
-                    over = overrides(args.steps, mmr=side == "ours")
+                    over = overrides(args.steps, mmr=side == "ours", model_path=args.model_path)
                     r = run_ours(args.config, over, workdir, log)
             r["load_1min"] = (load_before, os.getloadavg()[0])  # the machine may be shared
             # Warm-up steps are dropped per run, then the rounds' timed steps are pooled.

@@ -2,6 +2,8 @@
 
 import importlib.util
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -128,3 +130,24 @@ def test_trl_config_generates_once_per_update_of_b_times_g(cfg, tmp_path):
     assert (c.num_generations, c.max_completion_length, c.temperature) == (g, 32, 0.7)
     assert (c.beta, c.learning_rate, c.loss_type, c.bf16) == (0.0, 2e-5, "grpo", False)
     assert not c.activation_checkpointing and not c.gradient_checkpointing
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="trl not installed (.[bench])")
+def test_trl_worker_runs_the_job_and_reports_its_phases(tmp_path):
+    # The whole TRL side on a tiny random checkpoint: the worker itself raises unless every step
+    # made exactly one reward call of B x G completions.
+    model = testing.make_tiny_checkpoint(tmp_path / "tiny")
+    out = tmp_path / "trl.json"
+    argv = [sys.executable, bench.__file__]
+    argv += ["--worker=trl", f"--worker_out={out}", f"--model_path={model}", "--steps=2"]
+    subprocess.run(argv, check=True, cwd=bench.ROOT, capture_output=True)
+    r = json.loads(out.read_text())
+    assert len(r["step_s"]) == len(r["phases"]) == len(r["completion_len"]) == 2
+    for step_s, phases, trl_s in zip(r["step_s"], r["phases"], r["trl_step_time"], strict=True):
+        # TRL's generation is timed inside its input preparation, which is inside the step.
+        assert 0 < phases["transformers.generate"] < phases["_prepare_inputs"] < step_s
+        assert 0 < phases["compute_loss"] < step_s
+        assert trl_s <= step_s
+    assert all(1 <= n <= 32 for n in r["completion_len"])
+    assert r["generation_kwargs"]["cache_implementation"] == "None"
