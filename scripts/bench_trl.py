@@ -376,12 +376,17 @@ def main(argv=None) -> None:
             os.makedirs(workdir, exist_ok=True)
             print(f"round {round_} {side}: log {workdir}/log.txt", flush=True)
             load_before = os.getloadavg()[0]
-            with open(os.path.join(workdir, "log.txt"), "w") as log:
-                if side == "trl":
-                    r = run_trl(args, workdir, log)
-                else:
-                    over = overrides(args.steps, mmr=side == "ours", model_path=args.model_path)
-                    r = run_ours(args.config, over, workdir, log)
+            try:
+                with open(os.path.join(workdir, "log.txt"), "w") as log:
+                    if side == "trl":
+                        r = run_trl(args, workdir, log)
+                    else:
+                        over = overrides(args.steps, mmr=side == "ours", model_path=args.model_path)
+                        r = run_ours(args.config, over, workdir, log)
+            except subprocess.CalledProcessError as e:  # e.g. killed for memory: go on, say so
+                print(f"  {side} FAILED ({e}); see {workdir}/log.txt", flush=True)
+                results[side].setdefault("failed", []).append(str(e))
+                continue
             r["load_1min"] = (load_before, os.getloadavg()[0])  # the machine may be shared
             # Warm-up steps are dropped per run, then the rounds' timed steps are pooled.
             results[side]["rounds"].append(r)
@@ -392,7 +397,10 @@ def main(argv=None) -> None:
             if args.json:  # after every run, so that an interrupted benchmark keeps what it has
                 with open(args.json, "w", encoding="utf-8") as f:
                     json.dump({"args": vars(args), "results": results}, f, indent=1)
-    text, summary = table(results, warmup=0)
+    done = {side: r for side, r in results.items() if r["step_s"]}
+    if not done:
+        sys.exit("no side completed a run")
+    text, summary = table(done, warmup=0)
     print(
         f"\n{args.config}, {args.steps} steps x {args.rounds} rounds, first {args.warmup} "
         f"of each untimed; load {os.getloadavg()}\n{text}"
