@@ -93,6 +93,7 @@ class Checkpointer:
         args = ocp.args.Composite(
             state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(dict(meta))
         )
+        self.wait()  # a failed previous write is reported as that step's, not this one's
         self._saving = int(step)
         with self._writing():
             saved = self._manager.save(int(step), args=args, force=True)
