@@ -19,6 +19,7 @@ import errno
 import json
 import os
 import pathlib
+import re
 import shutil
 from collections.abc import Mapping
 from typing import Any
@@ -45,6 +46,9 @@ class RunMismatchError(ValueError):
 class WorkdirWriteError(OSError):
     """A file of the run could not be written (full disk, read-only or missing folder)."""
 
+    def __str__(self) -> str:
+        return str(self.strerror)
+
 
 class CheckpointRestoreError(RuntimeError):
     """No checkpoint of the run could be restored."""
@@ -56,12 +60,17 @@ UNREADABLE_SUFFIX = ".unreadable"
 
 
 def write_error(err: BaseException, path, what: str, *, kept: str = "") -> WorkdirWriteError:
-    """A `WorkdirWriteError` that names `path` and says what was kept."""
-    reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
-    where = getattr(err, "filename", None) or path
+    """A `WorkdirWriteError` that names `path` (or the file the error names) and what was kept."""
+    code, where = getattr(err, "errno", None), getattr(err, "filename", None)
+    if not isinstance(err, OSError):  # tensorstore: '... "<file>": ... [os_error_code='28']'
+        m = re.search(r"os_error_code='(\d+)'", str(err))
+        code = int(m.group(1)) if m else None
+        m = re.search(r'Failed writing: "([^"]+)"', str(err))
+        where = m.group(1) if m else None
+    reason = os.strerror(code) if code else str(err)
     return WorkdirWriteError(
-        getattr(err, "errno", None) or errno.EIO,
-        f"cannot write {what} to {where}: {reason}. {kept}"
+        code or errno.EIO,
+        f"cannot write {what} to {where or path}: {reason}. {kept}"
         "Free space or make the folder writable, then re-run the same command to resume.",
     )
 
