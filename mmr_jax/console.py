@@ -14,6 +14,7 @@ Without `setup` (the library used from Python) `info` lines are ordinary log rec
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import pathlib
@@ -34,6 +35,23 @@ class _NotConsole(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         return record.name != NAME
+
+
+class _Brief(logging.Formatter):
+    """One line per record on the console; tracebacks and long messages stay in the log file."""
+
+    def __init__(self, inner: logging.Formatter | None, log_file: pathlib.Path):
+        super().__init__()
+        self.inner, self.log_file = inner or logging.Formatter(), log_file
+
+    def format(self, record: logging.LogRecord) -> str:
+        brief = copy.copy(record)  # the file handler formats the original
+        text = record.getMessage()
+        first = text.splitlines()[0] if text else ""
+        cut = record.exc_info is not None or len(first) > 400 or first != text
+        brief.msg = first[:400] + (f" ... (full text in {self.log_file})" if cut else "")
+        brief.args, brief.exc_info, brief.exc_text, brief.stack_info = None, None, None, None
+        return self.inner.format(brief)
 
 
 def _verbosity_given() -> bool:
@@ -71,6 +89,9 @@ def setup(log_file, *, verbose: bool | None = None) -> pathlib.Path:
         root.addHandler(absl_handler)
     absl_handler.addFilter(_NotConsole())
     absl_handler.setLevel(logging.NOTSET if verbose else logging.WARNING)
+    current = absl_handler.python_handler.formatter  # absl's "I1125 12:00:00.0 file.py:1]" lines
+    inner = current.inner if isinstance(current, _Brief) else current
+    absl_handler.setFormatter(inner if verbose else _Brief(inner, path))
     if not verbose:  # the file gets INFO whatever absl's flag default set
         root.setLevel(logging.INFO)
 
