@@ -7,13 +7,19 @@ Layout of a workdir:
     <workdir>/checkpoints/<step>/meta    JSON: step, data-iterator position, anything host-side
 
 Orbax writes each step into a temporary folder and renames it when complete, so a process killed
-mid-save leaves the previous checkpoints intact; only the last `keep` are kept.
+mid-save leaves the previous checkpoints intact; only the last `keep` are kept. A step folder that
+fails to restore (truncated or missing files) is moved aside to `<step>.unreadable` and the one
+before it is restored. A write that fails (full disk, read-only folder) raises `WorkdirWriteError`
+naming the path; what was already saved is left as it was.
 """
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import pathlib
+import re
 import shutil
 from collections.abc import Mapping
 from typing import Any
@@ -21,6 +27,8 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 from absl import logging
+
+from mmr_jax import faults
 
 RUN_FILE = "run.json"
 CKPT_DIR = "checkpoints"
@@ -33,6 +41,38 @@ RESUMABLE_KEYS = frozenset({
 
 class RunMismatchError(ValueError):
     """The workdir holds a run of another config."""
+
+
+class WorkdirWriteError(OSError):
+    """A file of the run could not be written (full disk, read-only or missing folder)."""
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+
+class CheckpointRestoreError(RuntimeError):
+    """No checkpoint of the run could be restored."""
+
+
+# errno values that mean "this path cannot take the write", as opposed to a bug.
+WRITE_ERRNOS = frozenset({errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.EDQUOT})
+UNREADABLE_SUFFIX = ".unreadable"
+
+
+def write_error(err: BaseException, path, what: str, *, kept: str = "") -> WorkdirWriteError:
+    """A `WorkdirWriteError` that names `path` (or the file the error names) and what was kept."""
+    code, where = getattr(err, "errno", None), getattr(err, "filename", None)
+    if not isinstance(err, OSError):  # tensorstore: '... "<file>": ... [os_error_code='28']'
+        m = re.search(r"os_error_code='(\d+)'", str(err))
+        code = int(m.group(1)) if m else None
+        m = re.search(r'Failed writing: "([^"]+)"', str(err))
+        where = m.group(1) if m else None
+    reason = os.strerror(code) if code else str(err)
+    return WorkdirWriteError(
+        code or errno.EIO,
+        f"cannot write {what} to {where or path}: {reason}. {kept}"
+        "Free space or make the folder writable, then re-run the same command to resume.",
+    )
 
 
 class Checkpointer:
@@ -53,17 +93,26 @@ class Checkpointer:
             create=True,
             enable_async_checkpointing=async_save,
         )
-        self._manager = ocp.CheckpointManager(self.directory, options=options)
+        self._saving = None  # step of the write in flight, for error messages
+        with self._writing():
+            self._manager = ocp.CheckpointManager(self.directory, options=options)
 
     def save(self, step: int, state: Any, meta: Mapping[str, Any]) -> bool:
         """Saves `state` (a pytree of arrays) and `meta` (JSON-able) at `step`."""
         args = ocp.args.Composite(
             state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(dict(meta))
         )
-        saved = self._manager.save(int(step), args=args, force=True)
+        self.wait()  # a failed previous write is reported as that step's, not this one's
+        self._saving = int(step)
+        with self._writing():
+            saved = self._manager.save(int(step), args=args, force=True)
         if saved:
             logging.info("checkpoint: saving step %d to %s", step, self.directory)
         return saved
+
+    def _writing(self):
+        """Turns a failed (possibly asynchronous) write into a `WorkdirWriteError`."""
+        return _WriteGuard(self)
 
     def restore(self, abstract_state: Any, step: int | None = None) -> tuple[Any, dict] | None:
         """(state, meta) at `step` (default: latest), or None when there is no checkpoint.
@@ -71,15 +120,47 @@ class Checkpointer:
         `abstract_state` is a pytree of `jax.ShapeDtypeStruct` (with shardings) or arrays
         that fixes the structure, dtypes and placement of the result.
         """
-        step = self.latest_step() if step is None else step
-        if step is None:
-            return None
         abstract = jax.tree.map(_abstract, abstract_state)
         args = ocp.args.Composite(
             state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()
         )
-        out = self._manager.restore(int(step), args=args)
-        return out["state"], dict(out["meta"])
+        if step is not None:
+            out = self._manager.restore(int(step), args=args)
+            return out["state"], dict(out["meta"])
+        unreadable = []  # newest first: (step, error)
+        for candidate in reversed(self.all_steps()):
+            try:
+                out = self._manager.restore(candidate, args=args)
+            except Exception as e:  # any failure to read: try the one before
+                unreadable.append((candidate, e))
+                continue
+            for bad, err in unreadable:  # a later step read fine, so these are broken, not us
+                self._move_aside(bad, err)
+            return out["state"], dict(out["meta"])
+        if unreadable:  # nothing restores: a config or code problem, not a torn write
+            bad, err = unreadable[0]
+            raise CheckpointRestoreError(
+                f"no checkpoint in {self.directory} could be restored (tried steps "
+                f"{[s for s, _ in unreadable]}); step {bad}: {err}"
+            ) from err
+        return None
+
+    def _move_aside(self, step: int, err: BaseException) -> None:
+        src = self.directory / str(step)
+        dst = src.with_name(f"{step}{UNREADABLE_SUFFIX}")
+        if dst.exists():
+            shutil.rmtree(dst)
+        src.rename(dst)  # kept, not deleted: a person may want to look at it
+        logging.warning(
+            "checkpoint step %d in %s is unreadable (%s: %s); moved to %s, resuming from the "
+            "previous one",
+            step,
+            self.directory,
+            type(err).__name__,
+            str(err)[:300],
+            dst,
+        )
+        self._manager.reload()
 
     def restore_meta(self, step: int | None = None) -> dict | None:
         """Only the JSON part of a checkpoint."""
@@ -96,11 +177,47 @@ class Checkpointer:
         return sorted(self._manager.all_steps())
 
     def wait(self) -> None:
-        self._manager.wait_until_finished()
+        with self._writing():
+            self._manager.wait_until_finished()
 
     def close(self) -> None:
-        self._manager.wait_until_finished()
-        self._manager.close()
+        try:
+            self.wait()
+        finally:
+            self._manager.close()
+
+
+class _WriteGuard:
+    """Context of `Checkpointer._writing`."""
+
+    def __init__(self, ckpt: Checkpointer):
+        self.ckpt = ckpt
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, err, tb):
+        if err is None or not _is_write_failure(err):
+            return False
+        saving = self.ckpt._saving
+        manager = getattr(self.ckpt, "_manager", None)
+        kept = [s for s in manager.all_steps() if s != saving] if manager is not None else []
+        raise write_error(
+            err,
+            self.ckpt.directory,
+            "checkpoints" if saving is None else f"checkpoint step {saving}",
+            kept=f"Complete checkpoints {kept} in {self.ckpt.directory} are intact. ",
+        ) from err
+
+
+def _is_write_failure(err: BaseException) -> bool:
+    # Orbax's tensorstore writes report the OS error in the message of a ValueError.
+    if isinstance(err, OSError):
+        return err.errno in WRITE_ERRNOS
+    text = str(err)
+    return any(f"os_error_code='{code}'" in text for code in WRITE_ERRNOS) or any(
+        os.strerror(code) in text for code in WRITE_ERRNOS
+    )
 
 
 def _abstract(x):
@@ -158,10 +275,15 @@ def prepare_workdir(workdir, config: Mapping[str, Any], *, overwrite: bool = Fal
                     shutil.rmtree(path)
                 elif path.exists():
                     path.unlink()
-    workdir.mkdir(parents=True, exist_ok=True)
     tmp = run_file.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"config": config}, indent=2, sort_keys=True))
-    tmp.replace(run_file)  # atomic on POSIX
+    try:
+        workdir.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps({"config": config}, indent=2, sort_keys=True))
+        tmp.replace(run_file)  # atomic on POSIX
+    except OSError as e:
+        if e.errno not in WRITE_ERRNOS:
+            raise
+        raise write_error(e, workdir, "the run metadata", kept="Nothing in it was changed. ") from e
     return workdir
 
 
@@ -170,17 +292,33 @@ def read_run_config(workdir) -> dict:
     return json.loads((pathlib.Path(workdir) / RUN_FILE).read_text())["config"]
 
 
-def export_model(model, out_dir, *, base_path: str, dtype, lora: bool) -> pathlib.Path:
+def export_model(
+    model, out_dir, *, base_path: str, dtype, lora: bool, step: int | None = None
+) -> pathlib.Path:
     """Writes `model` as a HF folder (LoRA merged) that transformers and vLLM load.
 
     Under LoRA the adapters alone are also written as a PEFT folder, `<out_dir>/adapter`.
     `base_path` is the HF folder the run started from (tokenizer files, PEFT base name).
+    The folder is written as `<out_dir>.partial` and renamed when complete, so a killed export
+    never leaves a `step_N` folder that evaluate.py would take for a finished one.
     """
     from mmr_jax.models import export, hub
 
     out_dir = pathlib.Path(out_dir)
-    export.save_hf(model, out_dir, tokenizer_dir=hub.resolve_checkpoint(base_path), dtype=dtype)
-    if lora:
-        export.save_peft_adapter(model, out_dir / "adapter", base_model_name_or_path=base_path)
+    partial = out_dir.with_name(out_dir.name + ".partial")
+    try:
+        if partial.exists():  # left by a killed export
+            shutil.rmtree(partial)
+        export.save_hf(model, partial, tokenizer_dir=hub.resolve_checkpoint(base_path), dtype=dtype)
+        if lora:
+            export.save_peft_adapter(model, partial / "adapter", base_model_name_or_path=base_path)
+        faults.point("export", step)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        partial.rename(out_dir)
+    except OSError as e:
+        if e.errno not in WRITE_ERRNOS:
+            raise
+        raise write_error(e, partial, "the HF export") from e
     logging.info("exported %s", out_dir)
     return out_dir

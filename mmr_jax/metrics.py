@@ -13,7 +13,6 @@ import time
 from collections.abc import Mapping
 
 import numpy as np
-from absl import logging
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -116,16 +115,26 @@ def format_duration(seconds: float) -> str:
     return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s" if m else f"{s}s"
 
 
+# (label, metric) pairs of the progress line, shown when the step has them.
+PROGRESS_KEYS = (
+    ("reward", "reward/mean"),
+    ("acc", "reward/accuracy/mean"),
+    ("lambda", "mmr/lambda_mean"),
+    ("loss", "loss"),
+    ("kl", "kl"),
+)
+
+
 class Progress:
-    """Console progress line with ETA, measured from the steps done in this process.
+    """The console's line per step, with the step's time and an ETA from this process's steps.
 
     Args:
       total: last step of the run.
       start_step: step the process started at (a resumed run counts only its own steps).
-      keys: metric names shown on the line, when present.
+      keys: (label, metric name) pairs shown on the line, when present.
     """
 
-    def __init__(self, total: int, start_step: int = 0, keys=("reward/mean", "loss", "kl")):
+    def __init__(self, total: int, start_step: int = 0, keys=PROGRESS_KEYS):
         self.total, self.start_step, self.keys = total, start_step, tuple(keys)
         self._t0 = time.monotonic()
 
@@ -134,11 +143,8 @@ class Progress:
         elapsed = time.monotonic() - self._t0
         eta = elapsed / done * (self.total - step) if done > 0 else float("nan")
         parts = [f"step {step}/{self.total}"]
-        parts += [f"{k}={metrics[k]:.4g}" for k in self.keys if k in metrics]
-        per_step = elapsed / done if done > 0 else float("nan")
+        parts += [f"{label} {metrics[k]:.4g}" for label, k in self.keys if k in metrics]
+        per_step = metrics.get("time/step", elapsed / done if done > 0 else float("nan"))
         eta_text = format_duration(eta) if math.isfinite(eta) else "?"
         parts += [f"{per_step:.1f}s/step" if math.isfinite(per_step) else "", f"ETA {eta_text}"]
         return " | ".join(p for p in parts if p)
-
-    def log(self, step: int, metrics: Mapping[str, float]) -> None:
-        logging.info("%s", self.line(step, metrics))

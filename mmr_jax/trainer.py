@@ -20,7 +20,18 @@ import jax
 import numpy as np
 from absl import logging
 
-from mmr_jax import build, checkpoint, config_types, data, experience, metrics, rewards, train_step
+from mmr_jax import (
+    build,
+    checkpoint,
+    config_types,
+    console,
+    data,
+    experience,
+    faults,
+    metrics,
+    rewards,
+    train_step,
+)
 from mmr_jax.models import hub
 from mmr_jax.rollout import base as rollout_base
 
@@ -109,7 +120,9 @@ def setup(cfg: config_types.TrainConfig, workdir, *, overwrite: bool = False) ->
         state = train_step.TrainState(**tree)
         prompts.restore(meta["data"])
         resume_step = int(meta["step"])
-        logging.info("resuming %s from step %d", workdir, resume_step)
+    _header(cfg, workdir, resume_step)
+    if resume_step is not None and cfg.checkpoint.export_hf:
+        _export_if_missing(cfg, policy, state, workdir, resume_step)
     engine = build.make_engine(cfg, policy, tokenizer, workdir, mesh)
     engine.sync_weights(policy.model(state.params), version=int(state.step))
     encoder = None
@@ -151,6 +164,27 @@ def setup(cfg: config_types.TrainConfig, workdir, *, overwrite: bool = False) ->
         ckpt,
         writer,
     )
+
+
+def _header(cfg: config_types.TrainConfig, workdir: str, resume_step: int | None) -> None:
+    devices = jax.devices()
+    console.info(
+        "%s | model %s | %d %s device(s) | workdir %s | %s",
+        cfg.name,
+        cfg.model.path,
+        len(devices),
+        devices[0].platform,
+        workdir,
+        f"resuming from step {resume_step}" if resume_step is not None else "new run",
+    )
+
+
+def _export_if_missing(cfg, policy, state, workdir: str, step: int) -> None:
+    # A run killed between its last checkpoint and that step's export resumes after the step.
+    out = os.path.join(workdir, f"step_{step}")
+    if not os.path.exists(out):
+        console.info("exporting step %d, not finished before the restart", step)
+        _export(cfg, policy.model(state.params), out, step)
 
 
 def _sampling(cfg: config_types.TrainConfig, step: int, round_: int) -> rollout_base.SamplingParams:
@@ -197,6 +231,8 @@ def collect(run: Run, step: int, timings: dict) -> tuple[experience.Groups, dict
             encoder=run.encoder,
             timings=timings,
         )
+        if rounds == 0:
+            faults.point("rollout", step)
         rounds += 1
         seen += groups.num_groups
         last = groups
@@ -333,22 +369,24 @@ def _check_finite(step: int, device_metrics: dict, workdir: str, last_saved) -> 
 def _log(run: Run, step: int, host: dict, progress: metrics.Progress) -> None:
     if metrics.Periodic(run.cfg.logging.every, last=run.cfg.total_steps)(step):
         run.writer.write(step, host)
-        progress.log(step, host)
+        console.info("%s", progress.line(step, host))
 
 
 def save(run: Run, step: int) -> None:
     run.checkpointer.save(step, _ckpt_tree(run.state), {"step": step, "data": run.prompts.state()})
+    faults.point("checkpoint", step)
+    console.info("checkpoint step %d -> %s", step, run.checkpointer.directory / str(step))
     if run.cfg.checkpoint.export_hf:
         run.checkpointer.wait()
-        _export(
-            run.cfg, run.policy.model(run.state.params), os.path.join(run.workdir, f"step_{step}")
-        )
+        out = os.path.join(run.workdir, f"step_{step}")
+        _export(run.cfg, run.policy.model(run.state.params), out, step)
+        console.info("exported step %d -> %s", step, out)
 
 
-def _export(cfg: config_types.TrainConfig, model, out_dir) -> None:
+def _export(cfg: config_types.TrainConfig, model, out_dir, step: int | None = None) -> None:
     dtype = build.DTYPES[cfg.model.dtype]
     checkpoint.export_model(
-        model, out_dir, base_path=cfg.model.path, dtype=dtype, lora=cfg.lora.enabled
+        model, out_dir, base_path=cfg.model.path, dtype=dtype, lora=cfg.lora.enabled, step=step
     )
 
 
@@ -391,6 +429,7 @@ def train(cfg: config_types.TrainConfig, workdir, *, overwrite: bool = False) ->
             run.state, device_metrics = run.step_fn(
                 run.state, batch, run.policy.frozen, run.policy.rest
             )
+            faults.point("train", step)
             if pending is not None:  # the previous step's metrics, fetched while this one runs
                 host = _check_finite(pending[0], pending[1], run.workdir, last_saved)
                 _log(run, pending[0], {**pending[2], **host}, progress)
@@ -408,20 +447,52 @@ def train(cfg: config_types.TrainConfig, workdir, *, overwrite: bool = False) ->
                 host = _check_finite(step, device_metrics, run.workdir, last_saved)
             if eval_now(step):
                 info.update(evaluate(run, step))
+                _log_eval(step, info)
             info.update({f"time/{k}": v for k, v in timings.items()})
             info["time/step"] = time.perf_counter() - t_step
             info["throughput/tokens_per_s"] = info["throughput/tokens"] / info["time/step"]
             if save_now(step):
+                # This step's metrics go out before its checkpoint: a resume from this checkpoint
+                # truncates metrics.jsonl to it, so a line still pending here would be lost.
+                host = {**info, **host}
+                _log(run, step, host, progress)
+                pending = None
                 save(run, step)
                 last_saved = step
         if pending is not None:
             host = _check_finite(pending[0], pending[1], run.workdir, last_saved)
             _log(run, pending[0], {**pending[2], **host}, progress)
             host = {**pending[2], **host}
+    except OSError as e:
+        if isinstance(e, checkpoint.WorkdirWriteError) or e.errno not in checkpoint.WRITE_ERRNOS:
+            raise
+        kept = f"The last complete checkpoint (step {last_saved}) is intact. " if last_saved else ""
+        raise checkpoint.write_error(e, run.workdir, "the run's files", kept=kept) from e
     finally:
-        run.checkpointer.close()
-        run.writer.close()
+        _close(run)
     return host
+
+
+def _log_eval(step: int, info: dict) -> None:
+    scores = " ".join(
+        f"{k[len('eval/') :]}={v:.3f}" for k, v in info.items() if k.startswith("eval/")
+    )
+    console.info("eval step %d: %s", step, scores)
+
+
+def _close(run: Run) -> None:
+    """Joins the checkpoint write in flight; when an error is already on its way, keeps that one."""
+    import sys
+
+    failing = sys.exc_info()[1] is not None
+    try:
+        run.checkpointer.close()
+    except Exception as e:  # a failed write: reported, the first error kept
+        if not failing:
+            raise
+        logging.warning("closing the checkpointer after an error: %s", e)
+    finally:
+        run.writer.close()
 
 
 def export_hf(cfg: config_types.TrainConfig, workdir, out_dir, *, step: int | None = None) -> str:

@@ -5,6 +5,7 @@
 
 Prints a table (per benchmark and average); writes `eval.json` with per-problem records. With
 `run_dir`: one JSON per step, `eval_summary.json` with the peak step, and `pass1_vs_step.png`.
+Library logs go to `<output dir>/evaluate.log` (`--verbosity=0` shows them on the console too).
 """
 
 from __future__ import annotations
@@ -14,11 +15,11 @@ import os
 import pathlib
 import sys
 
-from absl import app, flags, logging
+from absl import app, flags
 from ml_collections import config_flags
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from mmr_jax import evaluation
+from mmr_jax import console, evaluation
 from mmr_jax.models import sharding
 from mmr_jax.rewards import grading
 
@@ -75,6 +76,16 @@ def main(argv):
         sharding.use_cpu_cores_as_devices(config.cpu_devices or None)
     if bool(config.checkpoint) == bool(config.run_dir):
         raise app.UsageError("set exactly one of --config.checkpoint and --config.run_dir")
+    out_dir = config.output_dir or os.path.join(config.checkpoint or config.run_dir, "eval")
+    log_file = console.setup(os.path.join(out_dir, "evaluate.log"))
+    console.info(
+        "evaluate %s | %s | n=%d | engine %s | log %s",
+        config.checkpoint or config.run_dir,
+        ",".join(config.benchmarks),
+        config.n,
+        config.engine,
+        log_file,
+    )
     problems = evaluation.load_benchmarks(
         config.data_dir, tuple(config.benchmarks), max_problems=config.max_problems
     )
@@ -82,13 +93,11 @@ def main(argv):
     meta = dict(config=config.to_dict())
     try:
         if config.checkpoint:
-            out_dir = config.output_dir or os.path.join(config.checkpoint, "eval")
             result = evaluate_checkpoint(config, config.checkpoint, problems, grader)
             print(evaluation.format_table(result))
             evaluation.write_json(result, os.path.join(out_dir, "eval.json"), **meta)
-            logging.info("wrote %s", os.path.join(out_dir, "eval.json"))
+            console.info("wrote %s", os.path.join(out_dir, "eval.json"))
             return
-        out_dir = config.output_dir or os.path.join(config.run_dir, "eval")
 
         def one(path):
             result = evaluate_checkpoint(config, path, problems, grader)

@@ -8,19 +8,21 @@ Serves one checkpoint for evaluation on a CPU or TPU host, and speaks the routes
 client uses (/v1/completions, /v1/models, /health, /collective_rpc, /reset_prefix_cache,
 /v1/load_lora_adapter, /v1/unload_lora_adapter), so the trainer's `rollout.engine='vllm'` path runs
 against it unchanged. The weight routes take paths on this host: bind to localhost or a private
-network. See mmr_jax/rollout/server.py for what is and is not supported.
+network. See mmr_jax/rollout/server.py for what is and is not supported. Request and library
+logs go to --log_file; the console shows the address and warnings (`--verbosity=0`: everything).
 """
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
+import tempfile
 
 from absl import app, flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from mmr_jax import console
 from mmr_jax.rollout import layout, serve_backend, server
 
 _MODEL = flags.DEFINE_string("model", None, "HF checkpoint folder", required=True)
@@ -31,11 +33,17 @@ _PORT = flags.DEFINE_integer("port", 8000, "port (0 = any free port)")
 _MAX_LEN = flags.DEFINE_integer("max_model_len", None, "prompt + completion limit")
 _SEED = flags.DEFINE_integer("seed", 0, "seeds requests that do not give one")
 _MIN_PROMPTS = flags.DEFINE_integer("min_batch_bucket", 1, "smallest padded prompt count")
+_LOG_FILE = flags.DEFINE_string(
+    "log_file", None, "request and library logs (default: mmr_jax_serve_<pid>.log in the temp dir)"
+)
 
 
 def main(argv):
     del argv
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    log_file = _LOG_FILE.value or os.path.join(
+        tempfile.gettempdir(), f"mmr_jax_serve_{os.getpid()}.log"
+    )
+    log_file = console.setup(log_file)
     backend = serve_backend.EmbeddedBackend.from_pretrained(
         _MODEL.value,
         model_name=_NAME.value or _MODEL.value,
@@ -45,7 +53,8 @@ def main(argv):
         buckets=layout.Buckets(min_prompts=_MIN_PROMPTS.value),
     )
     srv = server.OpenAIServer(backend, host=_HOST.value, port=_PORT.value)
-    print(f"serving {backend.model_name!r} at {srv.url}", flush=True)
+    print(f"serving {backend.model_name!r} at {srv.url}", flush=True)  # clients parse this line
+    print(f"logs: {log_file}", flush=True)
     try:
         srv.serve_forever()
     except KeyboardInterrupt:

@@ -6,9 +6,12 @@
     python scripts/train.py --config=configs/dapo.py:8b --dry_run
     python scripts/train.py --config=configs/grpo.py:1.5b --workdir=runs/x --export_hf=runs/x/hf
 
-Re-running the same command resumes from the workdir's latest checkpoint.
+Re-running the same command resumes from the workdir's latest checkpoint. The console shows a
+header, a line per step, checkpoints, evaluations and warnings; every log (Orbax, JAX, ...) goes to
+<workdir>/train.log, and `--verbosity=0` shows them on the console too.
 """
 
+import os
 import pathlib
 import sys
 
@@ -16,7 +19,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from mmr_jax import build, config_types, trainer
+from mmr_jax import build, checkpoint, config_types, console, trainer
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Config file (configs/*.py[:arg]).", lock_config=True
@@ -49,8 +52,17 @@ def main(argv):
     if _EXPORT_HF.value:
         trainer.export_hf(cfg, _WORKDIR.value, _EXPORT_HF.value, step=_EXPORT_STEP.value)
         return
-    logging.info("config %s -> %s", cfg.name, _WORKDIR.value)
-    trainer.train(cfg, _WORKDIR.value, overwrite=_OVERWRITE.value)
+    log_file = os.path.join(_WORKDIR.value, "train.log")
+    try:
+        console.setup(log_file)
+        logging.info("config %s -> %s", cfg.name, _WORKDIR.value)
+        trainer.train(cfg, _WORKDIR.value, overwrite=_OVERWRITE.value)
+    except OSError as e:
+        if isinstance(e, checkpoint.WorkdirWriteError):
+            sys.exit(f"ERROR: {e}")
+        if e.errno in checkpoint.WRITE_ERRNOS:
+            sys.exit(f"ERROR: {checkpoint.write_error(e, log_file, 'the log file')}")
+        raise
 
 
 if __name__ == "__main__":

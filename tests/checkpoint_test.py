@@ -60,6 +60,52 @@ class TestCheckpointer:
         ck.close()
 
 
+def _truncate(path, size=None):
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2 if size is None else size])
+
+
+CORRUPTIONS = {  # what a crash or a bad disk can leave in a step folder orbax already renamed
+    "data_truncated": lambda d: [_truncate(f) for f in (d / "state").rglob("d/*") if f.is_file()],
+    "state_metadata_truncated": lambda d: _truncate(d / "state" / "_METADATA", 10),
+    "meta_missing": lambda d: (d / "meta" / "metadata").unlink(),
+    "state_missing": lambda d: __import__("shutil").rmtree(d / "state"),
+}
+
+
+class TestUnreadableCheckpoint:
+    @pytest.mark.parametrize("corruption", sorted(CORRUPTIONS))
+    def test_previous_one_restored(self, tmp_path, corruption):
+        ck = checkpoint.Checkpointer(tmp_path / "ck", keep=None)
+        for step in (1, 2, 3):
+            ck.save(step, _state(step), {"step": step})
+        ck.close()
+        CORRUPTIONS[corruption](tmp_path / "ck" / "3")
+        ck = checkpoint.Checkpointer(tmp_path / "ck", keep=None)
+        out, meta = ck.restore(_abstract(_state()))
+        assert meta == {"step": 2}
+        np.testing.assert_array_equal(out["params"]["w"], 2 * np.ones((3, 4)))
+        # Kept for a person to look at, out of the way of the run's next save of step 3.
+        assert (tmp_path / "ck" / f"3{checkpoint.UNREADABLE_SUFFIX}").is_dir()
+        assert ck.all_steps() == [1, 2]
+        ck.save(3, _state(30), {"step": 3})
+        ck.wait()
+        out, meta = ck.restore(_abstract(_state()))
+        assert meta == {"step": 3} and float(out["params"]["w"][0, 0]) == 30.0
+        ck.close()
+
+    def test_none_readable_is_an_error(self, tmp_path):
+        ck = checkpoint.Checkpointer(tmp_path / "ck", keep=None)
+        ck.save(1, _state(), {"step": 1})
+        ck.close()
+        ck = checkpoint.Checkpointer(tmp_path / "ck", keep=None)
+        wrong = _abstract({**_state(), "params": {"w": jnp.ones((5, 5))}})  # another model
+        with pytest.raises(checkpoint.CheckpointRestoreError, match=r"tried steps \[1\]"):
+            ck.restore(wrong)
+        assert ck.all_steps() == [1]  # not moved aside: the checkpoint is fine, the caller is not
+        ck.close()
+
+
 class TestWorkdir:
     def test_same_config_resumes(self, tmp_path):
         checkpoint.prepare_workdir(tmp_path, {"a": 1, "total_steps": 5})

@@ -376,7 +376,7 @@ class TestResume:
             _train_cmd(run, tiny_llama_dir, steps), env=env, capture_output=True, text=True
         )
         assert res.returncode == 0, res.stderr[-3000:]
-        assert f"resuming {run} from step {killed_at}" in res.stderr
+        assert f"workdir {run} | resuming from step {killed_at}" in res.stdout
         cfg = config_types.from_config_dict(
             json.loads((run / checkpoint.RUN_FILE).read_text())["config"]
         )

@@ -1,0 +1,75 @@
+"""What scripts/train.py shows a person (console.py): the run's lines on stdout, library INFO logs
+only in <workdir>/train.log, all of them back on the console with --verbosity=0."""
+
+import json
+import os
+import re
+import subprocess
+
+import jax
+import pytest
+
+from mmr_jax import crash_harness
+
+_XLA_CACHE = os.environ.setdefault(
+    "JAX_COMPILATION_CACHE_DIR", f"/tmp/mmr_jax_test_xla_cache_{os.getuid()}"
+)
+jax.config.update("jax_compilation_cache_dir", _XLA_CACHE)
+
+ABSL_INFO = re.compile(r"^I\d{4} ")  # absl's INFO line prefix, e.g. "I1125 01:23:59.53 ..."
+
+
+def _bench(tmp_path):
+    bench = tmp_path / "bench"
+    bench.mkdir()
+    rows = [{"id": str(i), "problem": f"What is {i} + 1?", "answer": str(i + 1)} for i in range(2)]
+    (bench / "tiny.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return {
+        "eval.every": 2,
+        "eval.data_dir": bench,
+        "eval.benchmarks": "('tiny',)",
+        "eval.n": 2,
+        "eval.max_new_tokens": 8,
+        "eval.system_prompt": "",
+    }
+
+
+@pytest.mark.slow
+class TestTrainConsole:
+    def test_quiet_by_default_and_verbose_on_request(self, tmp_path, tiny_llama_dir):
+        run = tmp_path / "run"
+        overrides = {"model.path": tiny_llama_dir, "mmr.enabled": True, **_bench(tmp_path)}
+        env = crash_harness.subprocess_env()
+
+        def train(steps, *flags):
+            cmd = crash_harness.train_command(run, "grpo", {**overrides, "total_steps": steps})
+            res = subprocess.run([*cmd, *flags], env=env, capture_output=True, text=True)
+            assert res.returncode == 0, res.stderr[-3000:]
+            return res.stdout.splitlines(), res.stderr.splitlines()
+
+        out, err = train(2)
+        # One header, one line per step, one per checkpoint and evaluation: nothing else.
+        assert len(out) == 6, out
+        header = out[0]
+        for part in ("grpo:smoke", f"model {tiny_llama_dir}", "1 cpu device(s)", f"workdir {run}"):
+            assert part in header, header
+        assert header.endswith("new run")
+        steps = [line for line in out if re.search(r" step \d/2 \| reward [-\d.e]+ \|", line)]
+        assert len(steps) == 2 and all(
+            "lambda" in s and "s/step" in s and "ETA" in s for s in steps
+        )
+        assert sum(
+            f"checkpoint step {s} -> {run}/checkpoints/{s}" in x for x in out for s in (1, 2)
+        )
+        assert [x for x in out if "eval step 2: tiny/pass@1=" in x], out
+        assert [x for x in err if ABSL_INFO.match(x) or "orbax" in x.lower()] == [], err[:20]
+
+        log = (run / "train.log").read_text()
+        assert "checkpoint_manager.py" in log and "Finished saving checkpoint" in log  # Orbax
+        assert all(line.split(" ", 1)[1] in log for line in out)  # the console lines too
+
+        out, err = train(3, "--verbosity=0")
+        # Header, step 3, its evaluation (the last step's) and checkpoint.
+        assert out[0].endswith("resuming from step 2") and len(out) == 4, out
+        assert any(ABSL_INFO.match(x) and "checkpoint_manager.py" in x for x in err), err[:20]
+        assert not any("step 3/3 |" in x for x in err)  # not twice on the console
