@@ -393,6 +393,8 @@ def train(cfg: config_types.TrainConfig, workdir, *, overwrite: bool = False) ->
     finally:
         run.checkpointer.close()
         run.writer.close()
+        if hasattr(run.engine, "close"):  # a vLLM server the run launched stops with it
+            run.engine.close()
     return host
 
 

@@ -6,8 +6,10 @@ end runs a real `vllm serve`."""
 import contextlib
 import dataclasses
 import http.server
+import os
 import pathlib
 import socket
+import sys
 import threading
 import time
 
@@ -398,6 +400,52 @@ class TestLaunchCommand:
         with srv, pytest.raises(vllm_launch.ServerStartError, match=match):
             srv.wait_ready(timeout_s=60)
         assert time.monotonic() - start < 20
+
+    @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux")
+    def test_server_dies_with_a_killed_launcher(self, tmp_path):
+        # The "server" is `sleep` behind the real launch path (prelude, exec); the launcher is a
+        # separate Python process that we SIGKILL: no atexit, no finally. The server must go too.
+        import subprocess
+
+        fake = tmp_path / "py"
+        fake.write_text(f'#!/bin/sh\n[ "$1" = -c ] && exec {sys.executable} "$@"\nexec sleep 300\n')
+        fake.chmod(0o755)
+        code = (
+            "import sys, time\n"
+            "from mmr_jax.rollout import vllm_launch as v\n"
+            f"o = v.LaunchOptions(model='m', port=1, python={str(fake)!r})\n"
+            f"s = v.ServerProcess(o, {str(tmp_path / 'log')!r}).start()\n"
+            "print(s.proc.pid, flush=True)\n"
+            "time.sleep(300)\n"
+        )
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        launcher = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, env=env)
+        server_pid = int(launcher.stdout.readline())
+        deadline = time.monotonic() + 20
+        while _proc_cmd(server_pid) != "sleep" and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _proc_cmd(server_pid) == "sleep"  # the server runs
+        launcher.kill()
+        launcher.wait()
+        while _alive(server_pid) and time.monotonic() < deadline + 10:
+            time.sleep(0.1)
+        assert not _alive(server_pid), "the server outlived its killed launcher"
+
+
+def _proc_cmd(pid: int) -> str | None:
+    try:
+        return pathlib.Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return None
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie waiting for a reaper counts as dead)."""
+    try:
+        status = pathlib.Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    return "State:\tZ" not in status
 
 
 def _has_vllm_gpu() -> bool:

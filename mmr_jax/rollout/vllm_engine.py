@@ -113,6 +113,7 @@ class VllmEngine:
       check_model: ask /v1/models once at construction, to fail early on a wrong name.
       wait_ready_s: first wait up to this long for /health (a server still loading its model);
         0 = do not wait (an unreachable server then fails after the client's retries).
+      ignore_eos: generate exactly max_new_tokens (benchmarks); training leaves it off.
     """
 
     def __init__(
@@ -131,6 +132,7 @@ class VllmEngine:
         export_dtype: str = "float32",
         check_model: bool = True,
         wait_ready_s: float = 0.0,
+        ignore_eos: bool = False,
     ):
         self.client = (
             client if isinstance(client, client_lib.VllmClient) else (client_lib.VllmClient(client))
@@ -146,12 +148,20 @@ class VllmEngine:
         self.pad_id = pad_id
         self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
         self.export_dtype = export_dtype
+        self.ignore_eos = ignore_eos
         self.version: int | None = None
         self._last_dir: pathlib.Path | None = None
+        self.server = None  # a `vllm_launch.ServerProcess` this engine owns (stopped by close)
         if wait_ready_s > 0:
             self.client.wait_until_ready(timeout_s=wait_ready_s)
         if check_model:
             self.client.check_model(model)
+
+    def close(self) -> None:
+        """Closes the HTTP session and stops the server this engine launched, if any."""
+        self.client.close()
+        if self.server is not None:
+            self.server.stop()
 
     # ---- generation ------------------------------------------------------------------------------
 
@@ -170,6 +180,8 @@ class VllmEngine:
             "return_token_ids": True,
             "skip_special_tokens": False,
         }
+        if self.ignore_eos:
+            payload["ignore_eos"] = True
         if params.seed is not None:
             assert len(prompts) == 1, "seeded calls send one prompt per request"
             payload["seed"] = prompt_seed(params.seed, first)

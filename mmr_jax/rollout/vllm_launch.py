@@ -16,7 +16,7 @@ console script looks up the distribution "vllm" and fails). Flags and why:
                                        prefill ("CPU Generator does not use offset")
   CPU only: VLLM_CPU_KVCACHE_SPACE (GiB of KV cache; vLLM's default of 4 GiB is a lot on a shared
             2-core host) and VLLM_CPU_OMP_THREADS_BIND=nobind (no pinning to cores that other
-            processes share)
+            processes share), with OMP_NUM_THREADS = all cores (else vLLM drops to one thread)
   GPU only: --gpu-memory-utilization F share of the whole GPU vLLM takes (weights + KV cache)
 Environment: VLLM_SERVER_DEV_MODE=1 (exposes /collective_rpc, used for vLLM's own
 `reload_weights`, and /reset_prefix_cache), VLLM_ALLOW_RUNTIME_LORA_UPDATING=True (exposes
@@ -26,6 +26,7 @@ to localhost or a private network.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import os
 import pathlib
@@ -43,6 +44,17 @@ REPO = pathlib.Path(__file__).resolve().parents[2]
 # The server's venv: $MMR_VLLM_VENV, else <repo>/.venv-vllm (what scripts/setup_vllm_env.sh makes).
 DEFAULT_VENV = os.environ.get("MMR_VLLM_VENV") or str(REPO / ".venv-vllm")
 API_MODULE = "vllm.entrypoints.openai.api_server"
+
+
+# Run by the server's interpreter before vLLM: SIGTERM on the launcher's death
+# (prctl PR_SET_PDEATHSIG = 1, kept across exec), then exec the real command. Not a preexec_fn:
+# Python code between fork and exec in a multithreaded (JAX) process can deadlock.
+_DIE_WITH_PARENT = (
+    "import ctypes, os, signal, sys\n"
+    "ctypes.CDLL(None).prctl(1, signal.SIGTERM)\n"
+    "if os.getppid() != int(sys.argv[1]): sys.exit('launcher exited before the server started')\n"
+    "os.execv(sys.argv[2], sys.argv[2:])\n"
+)
 
 
 class ServerStartError(vllm_client.VllmError):
@@ -130,6 +142,8 @@ def command(opts: LaunchOptions) -> tuple[list[str], dict[str, str]]:
     if opts.backend == "cpu":
         env["VLLM_CPU_KVCACHE_SPACE"] = f"{opts.cpu_kv_cache_gib:g}"
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        # Unpinned, vLLM drops torch to 1 thread; rollout and training alternate, so use all.
+        env.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
     # The trainer's PYTHONPATH (its repo) and JAX/XLA settings mean nothing to the server's venv.
     for key in ("PYTHONPATH", "XLA_FLAGS"):
         env.pop(key, None)
@@ -182,11 +196,18 @@ class ServerProcess:
 
     def start(self) -> ServerProcess:
         argv, env = command(self.opts)
+        if sys.platform.startswith("linux"):  # the server dies with us, even if we are SIGKILLed
+            argv = [argv[0], "-c", _DIE_WITH_PARENT, str(os.getpid()), *argv]
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
-                argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                argv,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
             )
+        atexit.register(self.stop)  # an exception anywhere in the caller: no orphan server
         return self
 
     def log_tail(self, lines: int = 25) -> str:
