@@ -532,3 +532,61 @@ def test_real_vllm_serve_lora_sync_matches_trainer_model(tiny_llama_dir, tmp_pat
             np.testing.assert_array_equal(got.tokens, ref.tokens)
             np.testing.assert_allclose(got.logprobs, ref.logprobs, atol=1e-3)
             assert engine.client.models() == ["tiny", f"policy-v{version}"]
+
+
+_FAKE_VLLM_PYTHON = """#!{python}
+# A stand-in server venv interpreter: `-c` runs the launcher's prelude as python would; the vLLM
+# module invocation starts scripts/serve.py (our own OpenAI server) with the same model and port.
+import os, sys
+args = sys.argv[1:]
+if args[0] == "-c":
+    sys.argv = ["-c"] + args[2:]
+    exec(args[1])
+flag = lambda name: args[args.index(name) + 1]
+os.environ["PYTHONPATH"] = {repo!r}
+os.execv({python!r}, [{python!r}, {serve!r}, "--model=" + flag("--model"),
+    "--host=" + flag("--host"), "--port=" + flag("--port"), "--max_model_len=512"])
+"""
+
+
+@pytest.mark.slow
+def test_trainer_engine_launches_its_server_and_close_stops_it(tiny_llama_dir, tmp_path):
+    """rollout.url='' : build.make_engine starts the server from the server venv, waits for it,
+    generates through it; engine.close() stops the whole process group (port free again)."""
+    import types
+
+    from mmr_jax import build, config_types
+    from mmr_jax.rollout import vllm_launch
+
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    fake = venv / "bin" / "python"
+    fake.write_text(
+        _FAKE_VLLM_PYTHON.format(
+            python=sys.executable, repo=str(REPO), serve=str(REPO / "scripts" / "serve.py")
+        )
+    )
+    fake.chmod(0o755)
+    sys.path.insert(0, str(REPO / "configs"))
+    try:
+        import base as config_base
+    finally:
+        sys.path.remove(str(REPO / "configs"))
+    c = config_base.get_config()
+    c.model.path = str(tiny_llama_dir)
+    c.rollout.engine, c.rollout.url, c.rollout.server_venv = "vllm", "", str(venv)
+    c.rollout.ready_timeout_s = 120.0
+    c.batch.max_prompt_len, c.batch.max_completion_len = 32, 16
+    cfg = config_types.from_config_dict(c)
+    policy = types.SimpleNamespace(lora=False)
+    tokenizer = types.SimpleNamespace(pad_token_id=3)
+    engine = build.make_engine(cfg, policy, tokenizer, tmp_path / "run")
+    try:
+        assert isinstance(engine.server, vllm_launch.ServerProcess) and engine.server.alive()
+        batch = engine.generate([[5, 6, 7]], base.SamplingParams(max_new_tokens=4, temperature=0))
+        assert batch.tokens.shape == (1, 1, 4) and engine.client.health()
+        server, url, pid = engine.server, engine.server.url, engine.server.proc.pid
+    finally:
+        engine.close()
+    assert not server.alive() and not _alive(pid)
+    assert not vllm_client.VllmClient(url, max_retries=0).health()
