@@ -80,9 +80,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
     c.rollout = ml_collections.ConfigDict()
     c.rollout.engine = "embedded"  # 'embedded' (JAX sampler in-process) | 'vllm' (HTTP server)
-    c.rollout.url = (
-        ""  # vLLM server URL; '' = the trainer launches one (engine 'vllm') and stops it
-    )
+    c.rollout.url = ""  # vLLM server URL ('' = the trainer launches one, stops it at the end)
     c.rollout.server_venv = ""  # venv of a launched server ('' = $MMR_VLLM_VENV or .venv-vllm)
     c.rollout.model_name = ""  # vLLM --served-model-name ('' = model.path)
     c.rollout.timeout_s = 600.0  # per-request timeout

