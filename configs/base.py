@@ -80,7 +80,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
     c.rollout = ml_collections.ConfigDict()
     c.rollout.engine = "embedded"  # 'embedded' (JAX sampler in-process) | 'vllm' (HTTP server)
-    c.rollout.url = "http://localhost:8000"  # vLLM server (engine 'vllm')
+    c.rollout.url = ""  # vLLM server URL ('' = the trainer launches one, stops it at the end)
+    c.rollout.server_venv = ""  # venv of a launched server ('' = $MMR_VLLM_VENV or .venv-vllm)
     c.rollout.model_name = ""  # vLLM --served-model-name ('' = model.path)
     c.rollout.timeout_s = 600.0  # per-request timeout
     c.rollout.max_retries = 5  # retries of an unreachable server before the run stops

@@ -168,19 +168,43 @@ def make_engine(cfg: config_types.TrainConfig, policy: Policy, tokenizer, workdi
             buckets=buckets,
             mesh=mesh if data_parallel and mesh.size > 1 else None,
         )
-    return rollout.make_engine(
-        "vllm",
-        model_path=cfg.model.path,
-        url=cfg.rollout.url,
-        served_model_name=cfg.rollout.model_name or None,
-        sync_dir=cfg.rollout.sync_dir or os.path.join(os.fspath(workdir), "sync"),
-        lora=policy.lora,
-        timeout_s=cfg.rollout.timeout_s,
-        max_retries=cfg.rollout.max_retries,
-        wait_ready_s=cfg.rollout.ready_timeout_s,
-        pad_id=pad,
-        seed=cfg.seed,
-    )
+    url, server = cfg.rollout.url, None
+    if not url:  # launch our own server, stopped by engine.close() (or at exit)
+        from mmr_jax.rollout import vllm_launch
+
+        opts = vllm_launch.options_from_config(cfg, port=vllm_launch.free_port())
+        server = vllm_launch.ServerProcess(
+            opts, os.path.join(os.fspath(workdir), "vllm_server.log")
+        )
+        logging.info("starting a vLLM server (%s) for %s", opts.backend, opts.model)
+        server.start()
+        try:
+            waited = server.wait_ready(cfg.rollout.ready_timeout_s)
+        except BaseException:
+            server.stop()
+            raise
+        logging.info("vLLM server ready at %s after %.0fs", server.url, waited)
+        url = server.url
+    try:
+        engine = rollout.make_engine(
+            "vllm",
+            model_path=cfg.model.path,
+            url=url,
+            served_model_name=cfg.rollout.model_name or None,
+            sync_dir=cfg.rollout.sync_dir or os.path.join(os.fspath(workdir), "sync"),
+            lora=policy.lora,
+            timeout_s=cfg.rollout.timeout_s,
+            max_retries=cfg.rollout.max_retries,
+            wait_ready_s=cfg.rollout.ready_timeout_s,
+            pad_id=pad,
+            seed=cfg.seed,
+        )
+    except BaseException:
+        if server is not None:
+            server.stop()
+        raise
+    engine.server = server
+    return engine
 
 
 def load_prompts(cfg: config_types.TrainConfig, tokenizer) -> tuple[list[list[int]], list[str]]:

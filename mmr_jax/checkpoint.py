@@ -35,7 +35,7 @@ CKPT_DIR = "checkpoints"
 # Keys that may change when a run resumes (they do not change what is trained).
 RESUMABLE_KEYS = frozenset({
     "total_steps", "logging", "eval", "checkpoint", "rollout.url", "rollout.timeout_s",
-    "rollout.max_retries", "rollout.sync_dir", "rollout.model_name",
+    "rollout.max_retries", "rollout.sync_dir", "rollout.model_name", "rollout.server_venv",
 })  # fmt: skip
 
 

@@ -55,7 +55,8 @@ class BatchConfig:
 @dataclasses.dataclass(frozen=True)
 class RolloutConfig:
     engine: str = "embedded"
-    url: str = "http://localhost:8000"
+    url: str = ""
+    server_venv: str = ""
     model_name: str = ""
     timeout_s: float = 600.0
     max_retries: int = 5

@@ -493,6 +493,8 @@ def _close(run: Run) -> None:
         logging.warning("closing the checkpointer after an error: %s", e)
     finally:
         run.writer.close()
+        if hasattr(run.engine, "close"):  # a vLLM server the run launched stops with it
+            run.engine.close()
 
 
 def export_hf(cfg: config_types.TrainConfig, workdir, out_dir, *, step: int | None = None) -> str:

