@@ -126,7 +126,7 @@ def _tiny_study(ckpt, folder, **train):
     t.batch.max_prompt_len, t.batch.max_completion_len = 32, 16
     t.rewards.weights = {"accuracy": 0.0, "format": 0.0, "cosine": 1.0}
     t.optim.lr = 1e-3
-    t.total_steps, t.eval.every, t.checkpoint.every = 2, 1, 1
+    t.total_steps, t.eval.every, t.checkpoint.every = 3, 1, 1
     t.eval.arithmetic_problems, t.eval.n, t.eval.max_new_tokens = 4, 2, 8
     t.logging.samples = 0
     for key, value in train.items():
@@ -283,7 +283,7 @@ class TestResume:
         assert f"resuming {run / 'mmr_grpo_s1'} from step" in res.stderr
         a = json.loads((ref / "study.json").read_text())
         b = json.loads((run / "study.json").read_text())
-        assert [r["curve"]["steps"] for r in b["runs"]] == [[0, 1, 2]] * 2
+        assert [r["curve"]["steps"] for r in b["runs"]] == [[0, 1, 2, 3]] * 2
         assert _strip_wall_clock(a) == _strip_wall_clock(b)
         assert (run / "report.md").exists() and (run / "curves.png").stat().st_size > 1000
         # the same command again: nothing to train; a changed config: refused, key named
