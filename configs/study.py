@@ -59,8 +59,9 @@ def get_config(arg=None):
 
     if arg == "pilot":  # the whole pipeline, small: 1 seed, 2 steps, 16 held-out problems x 2
         c.name, c.folder, c.seeds = "cpu_arith_pilot", "runs/study_cpu_pilot", (1,)
-        t.total_steps, t.eval.every, t.checkpoint.every = 2, 1, 1
+        t.total_steps, t.eval.every, t.checkpoint.every = 2, 2, 1
         t.eval.arithmetic_problems, t.eval.n = 16, 2
+        t.loss.minibatches = 4  # less activation memory on a shared machine; same gradient
     elif arg:
         raise ValueError(f"unknown config argument {arg!r}; expected 'pilot'")
     return c
