@@ -152,6 +152,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.eval.top_p = 0.95  # evaluation nucleus sampling
     c.eval.max_new_tokens = 3584  # evaluation completion length
     c.eval.system_prompt = data.EVAL_SYSTEM_PROMPT  # evaluation system prompt (paper, Appendix)
+    c.eval.source = "benchmarks"  # 'benchmarks' (<data_dir>/<name>.jsonl) | 'arithmetic' (held out)
+    c.eval.arithmetic_problems = 64  # source 'arithmetic': held-out set size (data.arithmetic_*)
+    c.eval.arithmetic_seed = 777_777  # source 'arithmetic': its seed; its problems leave training
+    c.eval.number_only = False  # correct also needs a plain-number answer (as accuracy_number_only)
+    c.eval.at_start = False  # also evaluate the initial weights, logged as step 0 (fresh runs)
 
     c.checkpoint = ml_collections.ConfigDict()
     c.checkpoint.every = 50  # save every N steps (and at the end)

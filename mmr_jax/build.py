@@ -218,6 +218,9 @@ def load_prompts(cfg: config_types.TrainConfig, tokenizer) -> tuple[list[list[in
         problems = data.load_problems(
             d.source, split=d.split, problem_field=d.problem_field, answer_field=d.answer_field
         )
+    if cfg.eval.source == ARITHMETIC:  # the held-out set is never trained on
+        problems, removed = data.without(problems, eval_problems(cfg)["heldout"])
+        logging.info("data: %d training problems removed (in the held-out set)", removed)
     prompts, kept, dropped = data.build_prompts(
         tokenizer, problems, d.system_prompt, max_prompt_length=cfg.batch.max_prompt_len
     )
@@ -238,6 +241,22 @@ def load_prompts(cfg: config_types.TrainConfig, tokenizer) -> tuple[list[list[in
             f"tokens (with the system prompt; shortest of the first 100: {shortest})"
         )
     return prompts, [p.answer for p in kept]
+
+
+def eval_problems(cfg: config_types.TrainConfig) -> dict[str, list[data.Problem]]:
+    """Benchmark name -> problems of `cfg.eval`: benchmark files, or the held-out arithmetic set."""
+    from mmr_jax import evaluation
+
+    e = cfg.eval
+    if e.source == ARITHMETIC:
+        heldout = data.heldout_arithmetic(
+            e.arithmetic_problems,
+            e.arithmetic_seed,
+            max_operand=cfg.data.arithmetic_max_operand,
+            ops=cfg.data.arithmetic_ops,
+        )
+        return {"heldout": heldout}
+    return evaluation.load_benchmarks(e.data_dir, e.benchmarks, max_problems=e.max_problems)
 
 
 # ----- dry run ------------------------------------------------------------------------------------

@@ -137,6 +137,11 @@ class EvalConfig:
     top_p: float = 0.95
     max_new_tokens: int = 3584
     system_prompt: str = ""
+    source: str = "benchmarks"
+    arithmetic_problems: int = 64
+    arithmetic_seed: int = 777_777
+    number_only: bool = False
+    at_start: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,6 +208,7 @@ _CHOICES = {
     ("loss", "kl_estimator"): ("k1", "k2", "k3"),
     ("mmr", "scope"): ("group", "batch"),
     ("rewards", "cosine_form"): ("tokens", "released"),
+    ("eval", "source"): ("benchmarks", "arithmetic"),
 }
 
 

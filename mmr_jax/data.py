@@ -205,3 +205,38 @@ def arithmetic_problems(
         value = eval(expr, {"__builtins__": {}})  # our own string of integers and + - *
         problems.append(Problem(f"arith_{seed}_{i}", f"What is {expr}?", str(value)))
     return problems
+
+
+def heldout_arithmetic(
+    n: int, seed: int, *, max_operand: int = 50, ops: Sequence[str] = ("+", "-", "*")
+) -> list[Problem]:
+    """`n` distinct arithmetic problems of seed `seed`: the fixed held-out set of a study.
+
+    Drawn as `arithmetic_problems` draws (same operand range and operators) until `n` distinct
+    questions are found; `without` removes them from a training set. Raises ValueError when the
+    range holds fewer than `n` distinct questions.
+    """
+    if n < 1:
+        raise ValueError(f"held-out set size must be >= 1, got {n}")
+    seen, out, tries = set(), [], 0
+    while len(out) < n:
+        tries += 1
+        if tries > 100:
+            raise ValueError(
+                f"found only {len(out)} distinct problems of max_operand={max_operand}, "
+                f"ops={tuple(ops)}; asked for {n}"
+            )
+        for p in arithmetic_problems(
+            4 * n, seed + 7919 * (tries - 1), max_operand=max_operand, ops=ops
+        ):
+            if p.problem not in seen and len(out) < n:
+                seen.add(p.problem)
+                out.append(Problem(f"heldout_{seed}_{len(out)}", p.problem, p.answer))
+    return out
+
+
+def without(problems: Sequence[Problem], excluded: Sequence[Problem]) -> tuple[list[Problem], int]:
+    """(`problems` whose question text is not among `excluded`'s, the number removed)."""
+    banned = {p.problem for p in excluded}
+    kept = [p for p in problems if p.problem not in banned]
+    return kept, len(problems) - len(kept)

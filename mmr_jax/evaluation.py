@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 import numpy as np
 
 from mmr_jax import data
-from mmr_jax.rewards import grading
+from mmr_jax.rewards import functions, grading
 from mmr_jax.rollout import base
 
 BENCHMARKS = ("math500", "aime24", "amc23", "minerva_math", "olympiadbench")
@@ -75,6 +75,7 @@ def evaluate(
     prompt_batch_size: int = 32,
     grader: grading.Grader | None = None,
     keep_completions: bool = False,
+    number_only: bool = False,
 ) -> EvalResult:
     """Samples n completions per problem, grades them, and reports pass@k per benchmark.
 
@@ -86,6 +87,8 @@ def evaluate(
       ks: the k of pass@k; those above n are left out.
       seed: the sampling seed of the first prompt batch (batch j uses seed + j).
       keep_completions: store the completion texts in the records (large for long generations).
+      number_only: a correct sample must also state a plain number (as the training reward's
+        `number_only`: on arithmetic, restating "3 + 9" is not an answer).
     """
     grader = grader or grading.default_grader()
     ks = [k for k in ks if k <= n]
@@ -102,7 +105,9 @@ def evaluate(
             chunk = list(problems[start : start + prompt_batch_size])
             prompts = [data.build_prompt(tokenizer, p, system_prompt) for p in chunk]
             batch = engine.generate(prompts, params)
-            bench_records += _grade_batch(tokenizer, batch, chunk, grader, ks, keep_completions)
+            bench_records += _grade_batch(
+                tokenizer, batch, chunk, grader, ks, keep_completions, number_only
+            )
         for r in bench_records:
             r["benchmark"] = name
         per_benchmark[name] = _summarise(bench_records, ks)
@@ -113,17 +118,23 @@ def evaluate(
     return EvalResult(per_benchmark=per_benchmark, average=average, records=records)
 
 
-def _grade_batch(tokenizer, batch, problems, grader, ks, keep_completions) -> list[dict]:
+def _grade_batch(
+    tokenizer, batch, problems, grader, ks, keep_completions, number_only=False
+) -> list[dict]:
     """One record per problem of a generated batch [B, n, T]."""
     n = batch.tokens.shape[1]
     texts = _decode(tokenizer, batch)
     flat = [t for ts in texts for t in ts]
     grades = grader.grade(flat, [p.answer for p in problems for _ in range(n)])
+    correct = [g.correct for g in grades]
+    if number_only:
+        correct = [c and functions.states_a_number(t) for c, t in zip(correct, flat, strict=True)]
     out = []
     for b, p in enumerate(problems):
         g = grades[b * n : (b + 1) * n]
         rec = dict(
-            id=p.id, answer=p.answer, correct=[x.correct for x in g], gold_valid=g[0].gold_valid,
+            id=p.id, answer=p.answer, correct=correct[b * n : (b + 1) * n],
+            gold_valid=g[0].gold_valid,
             timeouts=grading.timeouts(g), lengths=batch.lengths[b].tolist(),
             finish_reasons=list(batch.finish_reasons[b]),
         )  # fmt: skip

@@ -394,7 +394,8 @@ def evaluate(run: Run, step: int) -> dict[str, float]:
     from mmr_jax import evaluation
 
     e = run.cfg.eval
-    problems = evaluation.load_benchmarks(e.data_dir, e.benchmarks, max_problems=e.max_problems)
+    t0 = time.perf_counter()
+    problems = build.eval_problems(run.cfg)
     result = evaluation.evaluate(
         run.engine,
         run.tokenizer,
@@ -405,9 +406,11 @@ def evaluate(run: Run, step: int) -> dict[str, float]:
         max_new_tokens=e.max_new_tokens,
         system_prompt=e.system_prompt,
         seed=run.cfg.seed + step,
+        number_only=e.number_only,
     )
     out = {f"eval/{b}/{k}": v for b, m in result.per_benchmark.items() for k, v in m.items()}
     out.update({f"eval/average/{k}": v for k, v in result.average.items()})
+    out["time/eval"] = time.perf_counter() - t0  # part of time/step; a study subtracts it
     return out
 
 
@@ -420,6 +423,8 @@ def train(cfg: config_types.TrainConfig, workdir, *, overwrite: bool = False) ->
     progress = metrics.Progress(cfg.total_steps, start)
     pending, last_saved, host = None, start or None, {}
     try:
+        if start == 0 and cfg.eval.at_start and cfg.eval.every > 0:  # the base model's accuracy
+            run.writer.write(0, evaluate(run, 0))
         for step in range(start + 1, cfg.total_steps + 1):
             t_step, timings = time.perf_counter(), {}
             groups, info = collect(run, step, timings)

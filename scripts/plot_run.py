@@ -3,8 +3,12 @@
     python scripts/plot_run.py runs/cpu_smollm2 --out=runs/cpu_smollm2/curves.png
     python scripts/plot_run.py runs/grpo_7b runs/mmr_grpo_7b --labels=GRPO,MMR-GRPO --out=cmp.png
     python scripts/plot_run.py runs/x --metrics=reward/mean,kl --smooth=0.6 --out=x.png
+    python scripts/plot_run.py s/grpo_s1 s/grpo_s2 s/mmr_grpo_s1 s/mmr_grpo_s2 --bands \\
+        --labels=GRPO,GRPO,MMR-GRPO,MMR-GRPO --metrics=eval/average/pass@1 --out=study.png
 
 Each argument is a workdir (or a metrics.jsonl file). One panel per metric; each run one colour.
+With --bands, runs sharing a label (seeds of one variant) become one mean curve over the steps
+they all logged, with a min-max band; the legend gives the number of runs.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ _OUT = flags.DEFINE_string("out", "curves.png", "PNG file to write.")
 _METRICS = flags.DEFINE_list("metrics", [], "Metrics to draw (default: the standard set present).")
 _LABELS = flags.DEFINE_list("labels", [], "One legend label per run (default: folder names).")
 _SMOOTH = flags.DEFINE_float("smooth", 0.0, "EMA smoothing in [0, 1) drawn over the raw curve.")
+_BANDS = flags.DEFINE_bool("bands", False, "Mean curve + min-max band per label (seeds).")
 
 DEFAULT_METRICS = (
     "reward/mean",
@@ -124,12 +129,62 @@ def plot(run_paths, out, *, metrics=(), labels=(), smooth: float = 0.0) -> list[
     return names
 
 
+def mean_band(runs: list[list[dict]], name: str) -> tuple[list[int], list[float], list, list]:
+    """(steps logged by every run, mean, min, max over the runs) of metric `name`."""
+    series = [
+        {r["step"]: float(r[name]) for r in rows if isinstance(r.get(name), int | float)}
+        for rows in runs
+    ]
+    steps = sorted(set.intersection(*(set(s) for s in series))) if series else []
+    cols = [[s[step] for s in series] for step in steps]
+    return steps, [sum(c) / len(c) for c in cols], [min(c) for c in cols], [max(c) for c in cols]
+
+
+def plot_bands(run_paths, labels, out, *, metrics=("eval/average/pass@1",)) -> list[str]:
+    """One mean curve with a min-max band per distinct label (runs of a label: its seeds)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if len(labels) != len(run_paths):
+        raise ValueError(f"{len(labels)} labels for {len(run_paths)} runs")
+    groups: dict[str, list] = {}
+    for path, label in zip(run_paths, labels, strict=True):
+        groups.setdefault(label, []).append(load_run(path))
+    names = select_metrics([r for g in groups.values() for r in g], metrics)
+    if not names:
+        raise ValueError(f"none of the metrics {list(metrics)} is in the runs")
+    fig, axes = plt.subplots(1, len(names), figsize=(6 * len(names), 4), squeeze=False)
+    for ax, name in zip(axes.flat, names, strict=True):
+        for i, (label, runs) in enumerate(groups.items()):
+            steps, mean, lo, hi = mean_band(runs, name)
+            if not steps:
+                continue
+            ax.plot(steps, mean, color=f"C{i}", marker=".", label=f"{label} (n={len(runs)})")
+            ax.fill_between(steps, lo, hi, color=f"C{i}", alpha=0.2, linewidth=0)
+        ax.set_title(f"{name}: mean, band min-max", fontsize=10)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    pathlib.Path(out).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return names
+
+
 def main(argv):
     if len(argv) < 2:
         raise app.UsageError("give one or more run folders (or metrics.jsonl files)")
-    names = plot(
-        argv[1:], _OUT.value, metrics=_METRICS.value, labels=_LABELS.value, smooth=_SMOOTH.value
-    )
+    if _BANDS.value:
+        names = plot_bands(
+            argv[1:], _LABELS.value, _OUT.value, metrics=_METRICS.value or ("eval/average/pass@1",)
+        )
+    else:
+        names = plot(
+            argv[1:], _OUT.value, metrics=_METRICS.value, labels=_LABELS.value, smooth=_SMOOTH.value
+        )
     print(f"wrote {_OUT.value}: {', '.join(names)}")
 
 

@@ -142,6 +142,20 @@ class TestEvaluate:
         saved = json.loads((tmp_path / "out" / "eval.json").read_text())
         assert saved["metadata"] == {"step": 10} and saved["records"][0]["pass@1"] == 0.25
 
+    def test_number_only(self, tokenizer):
+        # math-verify evaluates "3+9" to 12, so restating the question passes without number_only
+        script = {"What is 3+9?": ["The answer is 3+9.", "The answer is 12.", "\\boxed{12}",
+                                   "\\boxed{3+9}"]}  # fmt: skip
+        problems = {"b": [data.Problem("p", "What is 3+9?", "12")]}
+        kw = dict(n=4, max_new_tokens=8, grader=grading.Grader(workers=0))
+        loose = evaluation.evaluate(FakeEngine(tokenizer, script), tokenizer, problems, **kw)
+        strict = evaluation.evaluate(
+            FakeEngine(tokenizer, script), tokenizer, problems, number_only=True, **kw
+        )
+        assert loose.records[0]["correct"] == [True] * 4
+        assert strict.records[0]["correct"] == [False, True, True, False]
+        assert strict.average["pass@1"] == 0.5
+
     def test_load_benchmarks(self):
         problems = evaluation.load_benchmarks(
             testing.default_shared_data() / "eval", ("aime24", "amc23"), max_problems=3

@@ -62,3 +62,25 @@ class TestPlotRun:
         )
         assert res.returncode == 0, res.stderr
         assert out.exists() and "reward/mean" in res.stdout
+
+    def test_mean_band_by_hand(self):
+        mod = _module()
+        runs = [
+            [{"step": 0, "m": 0.1}, {"step": 5, "m": 0.5}, {"step": 10, "m": 0.6}],
+            [{"step": 0, "m": 0.3}, {"step": 5, "m": 0.2}],  # stopped early: step 10 left out
+            [{"step": 0, "m": 0.2}, {"step": 5, "m": 0.8}, {"step": 10, "m": "nan"}],
+        ]
+        steps, mean, lo, hi = mod.mean_band(runs, "m")
+        assert steps == [0, 5]
+        assert mean == pytest.approx([0.2, 0.5]) and lo == [0.1, 0.2] and hi == [0.3, 0.8]
+
+    def test_bands_cli(self, tmp_path):
+        runs = [_run(tmp_path / f"r{i}", offset=0.1 * i) for i in range(4)]
+        out = tmp_path / "bands.png"
+        res = subprocess.run(
+            [sys.executable, str(SCRIPT), *map(str, runs), f"--out={out}", "--bands",
+             "--labels=A,A,B,B", "--metrics=reward/mean,kl"],
+            capture_output=True, text=True, check=False,
+        )  # fmt: skip
+        assert res.returncode == 0, res.stderr
+        assert out.stat().st_size > 1000 and "reward/mean, kl" in res.stdout

@@ -51,7 +51,7 @@ def accuracy(
     grades = _grades(completions, answers, grades, grader)
     correct = np.array([g.correct for g in grades], bool)
     if number_only:
-        correct &= np.array([_states_a_number(c) for c in completions], bool)
+        correct &= np.array([states_a_number(c) for c in completions], bool)
     return correct.astype(np.float32)
 
 
@@ -62,7 +62,8 @@ _ANCHOR_RE = re.compile(r"answer is:?\s*(.*?)(?:[,;\n]|\.(?:\s|$)|$)", re.IGNORE
 _NUMBER_RE = re.compile(r"\$?\s*-?\d+(?:\.\d+)?\s*\$?\.?")
 
 
-def _states_a_number(completion: str) -> bool:
+def states_a_number(completion: str) -> bool:
+    """The stated answer (last \\boxed{}, else after the last "answer is") is a plain number."""
     boxed = _BOXED_RE.findall(completion)
     if boxed:
         return bool(_NUMBER_RE.fullmatch(boxed[-1].strip()))

@@ -1,0 +1,76 @@
+"""Runs a study (variants x seeds, each a normal training run) and writes its report.
+
+    python scripts/study.py --config=configs/study.py
+    python scripts/study.py --config=configs/study.py --config.seeds=1,2,3,4 \\
+        --config.folder=runs/study_4seeds
+    python scripts/study.py --config=configs/study.py --report_only   # from what exists so far
+    python scripts/study.py --config=configs/study.py --base_accuracy # untrained model, held out
+
+Re-running the same command resumes: finished runs are skipped, an interrupted run resumes from
+its latest checkpoint, a study folder of another config is refused with the differences named.
+Writes `<folder>/study.json` (every curve and the summary), `report.md` and `curves.png`.
+"""
+
+import json
+import pathlib
+import sys
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+_ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(_ROOT))
+sys.path.insert(0, str(_ROOT / "scripts"))
+import plot_run  # noqa: E402
+
+from mmr_jax import evaluation, study, study_report  # noqa: E402
+
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", None, "Study config (configs/study.py[:pilot]).", lock_config=True
+)
+_REPORT_ONLY = flags.DEFINE_bool("report_only", False, "Write the report from the runs so far.")
+_BASE = flags.DEFINE_bool(
+    "base_accuracy", False, "Evaluate the untrained checkpoint on the held-out set and exit."
+)
+
+
+def write_report(config, specs) -> dict:
+    """study.json, report.md and curves.png in the study folder; returns study.json's content."""
+    folder = pathlib.Path(config.folder)
+    result = study.collect(config, specs)
+    (folder / "study.json").write_text(json.dumps(result, indent=1))
+    with_curve = [s for s, r in zip(specs, result["runs"], strict=True) if r["curve"]["steps"]]
+    plot = ""
+    if with_curve:
+        plot_run.plot_bands(
+            [folder / s.name for s in with_curve],
+            [s.variant for s in with_curve],
+            folder / "curves.png",
+            metrics=(study.EVAL_METRIC, "reward/mean"),
+        )
+        plot = "curves.png"
+    report = study_report.markdown(result["summary"], result["runs"], result["study"], plot=plot)
+    (folder / "report.md").write_text(report)
+    logging.info("wrote %s, report.md, curves.png", folder / "study.json")
+    print(report, flush=True)
+    return result
+
+
+def main(argv):
+    del argv
+    config = _CONFIG.value
+    specs = study.plan(config)
+    if _BASE.value:
+        result = study.base_accuracy(specs[0].cfg)
+        print(evaluation.format_table(result), flush=True)
+        return
+    if not _REPORT_ONLY.value:
+        study.run_study(config)
+    else:
+        study.check_folder(config.folder, study.resolved(config, specs))
+    write_report(config, specs)
+
+
+if __name__ == "__main__":
+    flags.mark_flag_as_required("config")
+    app.run(main)
