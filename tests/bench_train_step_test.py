@@ -11,7 +11,7 @@ bench = testing.load_script("bench_train_step")
 
 def test_both_paths_same_first_step_and_report(tmp_path):
     path = testing.make_tiny_checkpoint(tmp_path / "ckpt", tokenizer=False, vocab_size=300)
-    out = bench.run_shape(str(path), bench.SHAPES["tiny"], rounds=1)
+    out = bench.run_shape(str(path), bench.SHAPES["tiny"], rounds=1, same_state=True)
     full, shared = out["first_step"]["full rows"], out["first_step"]["shared prompt"]
     assert abs(full["loss"]) > 1e-5 and full["grad_norm"] > 1e-3
     for k in ("loss", "grad_norm", "entropy", "tokens", "ratio/mean"):

@@ -148,7 +148,8 @@ class TestLayout:
 
 
 def _load(path, *, lora=False, remat=False):
-    cfg = lora_lib.LoraConfig(rank=4, alpha=8) if lora else None
+    # Dropout 0: exactness (with dropout > 0 the shared path draws one mask per prompt, not row).
+    cfg = lora_lib.LoraConfig(rank=4, alpha=8, dropout=0.0) if lora else None
     model = loading.from_pretrained(path, lora=cfg, remat=remat, rngs=nnx.Rngs(0))
     if lora:  # fresh adapters have B = 0 (no gradient reaches A): give them values
         for i, (_, var) in enumerate(nnx.to_flat_state(nnx.state(model, nnx.LoRAParam))):
