@@ -25,11 +25,11 @@ The step config (loss, minibatches, optimiser) is configs/cpu_smollm2.py's for e
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import pathlib
 import sys
 import time
+import typing
 
 import numpy as np
 from absl import app, flags
@@ -47,8 +47,7 @@ _LONG_ROW = flags.DEFINE_bool("long_row", False, "cpu_default: one completion tr
 _JSON = flags.DEFINE_string("json", None, "also write the results to this JSON file")
 
 
-@dataclasses.dataclass(frozen=True)
-class Shape:
+class Shape(typing.NamedTuple):  # not a dataclass: tests load this script outside sys.modules
     prompts: int
     generations: int
     max_prompt_len: int
