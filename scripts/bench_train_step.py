@@ -164,12 +164,14 @@ def run_shape(
             state, metrics = step(state, batch, policy.frozen, policy.rest)
         first[name] = {k: float(v) for k, v in metrics.items()}
         res[name]["compile_s"] = time.perf_counter() - t0
+        print(f"  {name}: first step (compile) {res[name]['compile_s']:.1f} s", flush=True)
     for _ in range(rounds):  # interleaved: one state runs through both paths in turn
         for name, batch in bs.items():
             t0 = time.perf_counter()
             state, metrics = step(state, batch, policy.frozen, policy.rest)
             jax.block_until_ready(metrics)
             res[name]["ms"].append(1e3 * (time.perf_counter() - t0))
+            print(f"  {name}: {res[name]['ms'][-1]:.0f} ms", flush=True)
     out = {"completion_tokens": tokens, "shapes": {}, "first_step": first}
     for name, batch in bs.items():
         ms = float(np.median(res[name]["ms"]))
