@@ -76,7 +76,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.batch.generations = 6  # completions per prompt (G); B * G = 48 per step
     c.batch.max_prompt_len = 512  # prompts are left-truncated to this many tokens
     c.batch.max_completion_len = 3584  # new tokens per completion (T)
-    c.batch.length_buckets = 8  # pad completions to multiples of T / length_buckets (jit shapes)
+    c.batch.length_buckets = 8  # full rows: pad completions to multiples of T / length_buckets
+    c.batch.shared_prompt = True  # train forward: each prompt once per group (False: full rows)
+    c.batch.min_bucket_len = (
+        16  # shared prompts: length buckets m, 1.5m, 2m, 3m, ... up to the maxima
+    )
 
     c.rollout = ml_collections.ConfigDict()
     c.rollout.engine = "embedded"  # 'embedded' (JAX sampler in-process) | 'vllm' (HTTP server)

@@ -50,6 +50,8 @@ class BatchConfig:
     max_prompt_len: int = 512
     max_completion_len: int = 3584
     length_buckets: int = 8
+    shared_prompt: bool = True
+    min_bucket_len: int = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -287,6 +289,8 @@ def validate(cfg: TrainConfig) -> TrainConfig:
             "batch.prompts * batch.generations "
             f"= {cfg.rows_per_step}"
         )
+    if cfg.batch.min_bucket_len < 1:
+        raise ValueError(f"batch.min_bucket_len={cfg.batch.min_bucket_len} must be >= 1")
     if cfg.batch.max_completion_len % cfg.batch.length_buckets:
         raise ValueError("batch.length_buckets must divide batch.max_completion_len")
     if cfg.loss.tis_cap < 0:

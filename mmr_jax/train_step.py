@@ -1,7 +1,12 @@
 """The jitted policy update: `iterations` passes over minibatches with exact gradient accumulation.
 
 Shape legend: N rows (completions, B prompts x G), P prompt tokens (left-padded), T completion
-tokens (right-padded to a length bucket), L = P + T, M minibatches of N / M rows.
+tokens (right-padded to a length bucket), L = P + T, M minibatches of N / M rows, Q = N / g stored
+prompts (g rows share each; `batch_layout`).
+
+Two batch layouts, one step: full rows (`tokens` [N, L], every prompt repeated in each of its
+rows) or shared prompts (`prompt_tokens` [Q, P] set, `tokens` [N, T] the completions alone), where
+each prompt is computed once for its g rows (`models.shared_prompt`); same loss and gradients.
 
 The model is functional here: `nnx.split` gives a graphdef, the trainable state (all `nnx.Param`,
 or only the `nnx.LoRAParam` adapters), the frozen parameters and the rest (RNG streams). The step
@@ -38,13 +43,16 @@ class TrainState:
 class Batch:
     """One step's rows, on device."""
 
-    tokens: jax.Array  # int32 [N, L] prompt (left-padded) then completion (right-padded)
-    attention_mask: jax.Array  # bool [N, L]
+    tokens: jax.Array  # int32 [N, L] prompt (left-padded) then completion (right-padded);
+    # with prompt_tokens set: [N, T], the completions alone
+    attention_mask: jax.Array  # bool, as tokens
     completion_mask: jax.Array  # bool [N, T] tokens that enter the loss (False for invalid rows)
     advantages: jax.Array  # float32 [N]
     old_logps: jax.Array | None = None  # float32 [N, T], when iterations > 1
     ref_logps: jax.Array | None = None  # float32 [N, T], when beta > 0
     sampler_logps: jax.Array | None = None  # float32 [N, T] the engine's; mismatch metrics, TIS
+    prompt_tokens: jax.Array | None = None  # int32 [Q, P] shared-prompt layout (batch_layout)
+    prompt_mask: jax.Array | None = None  # bool [Q, P]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,6 +141,57 @@ def completion_logprobs(
     return out[:, -num_completion:]
 
 
+def batch_logprobs(
+    model,
+    tokens,
+    attention_mask,
+    *,
+    prompt_tokens=None,
+    prompt_mask=None,
+    num_completion: int,
+    temperature: float,
+    chunk: int = 0,
+    entropy: bool = False,
+    disable_lora: bool = False,
+):
+    """`completion_logprobs` of either layout: shared prompts when `prompt_tokens` is given."""
+    if prompt_tokens is None:
+        return completion_logprobs(
+            model,
+            tokens,
+            attention_mask,
+            num_completion=num_completion,
+            temperature=temperature,
+            chunk=chunk,
+            entropy=entropy,
+            disable_lora=disable_lora,
+        )
+    if tokens.shape[1] != num_completion:
+        raise ValueError(f"completions of {tokens.shape[1]} tokens, expected {num_completion}")
+    return logprobs_lib.shared_prompt_logprobs(
+        model,
+        prompt_tokens,
+        prompt_mask,
+        tokens,
+        attention_mask,
+        temperature=temperature,
+        chunk_size=chunk or None,
+        return_entropy=entropy,
+        disable_lora=disable_lora,
+    )
+
+
+def check_minibatches(prompt_tokens, rows: int, minibatches: int) -> None:
+    """Minibatches must hold whole groups: M divides the N rows and the Q stored prompts."""
+    q = None if prompt_tokens is None else prompt_tokens.shape[0]
+    if rows % minibatches or (q is not None and q % minibatches):
+        raise ValueError(
+            f"{minibatches} minibatches do not split {rows} rows"
+            + ("" if q is None else f" sharing {q} prompts")
+            + " into equal whole groups; pack with batch_layout.group_size(G, N, minibatches)"
+        )
+
+
 def _split(x, m):
     return None if x is None else x.reshape(m, x.shape[0] // m, *x.shape[1:])
 
@@ -140,10 +199,12 @@ def _split(x, m):
 def _minibatch_loss(params, mb: Batch, key, normaliser, *, graphdef, frozen, rest, cfg: StepConfig):
     model = nnx.merge(graphdef, params, frozen, _with_dropout_key(rest, key))
     t = mb.completion_mask.shape[1]
-    logps, entropy = completion_logprobs(
+    logps, entropy = batch_logprobs(
         model,
         mb.tokens,
         mb.attention_mask,
+        prompt_tokens=mb.prompt_tokens,
+        prompt_mask=mb.prompt_mask,
         num_completion=t,
         temperature=cfg.temperature,
         chunk=cfg.logprob_chunk,
@@ -210,6 +271,7 @@ def train_step(
 ) -> tuple[TrainState, dict[str, jax.Array]]:
     """`cfg.iterations` optimiser updates, each on the gradient accumulated over all minibatches."""
     m = cfg.minibatches
+    check_minibatches(batch.prompt_tokens, batch.tokens.shape[0], m)
     mbs = jax.tree.map(functools.partial(_split, m=m), batch)
     # Every minibatch loss is divided by the whole batch's normaliser: the sum of the minibatch
     # gradients is the full-batch gradient exactly (losses module docstring).
@@ -271,26 +333,34 @@ def logprobs_fn(
     chunk=0,
     disable_lora=False,
     minibatches=1,
+    prompt_tokens=None,
+    prompt_mask=None,
 ):
-    """Log-probs [N, T] of the completion under the given parameters, in `minibatches` chunks."""
+    """Log-probs [N, T] of the completion under the given parameters, in `minibatches` chunks.
+
+    With `prompt_tokens` [Q, P] / `prompt_mask`, the shared-prompt layout (`tokens_NxL` is then
+    the completions [N, T]); as the train step computes them.
+    """
     model = nnx.merge(graphdef, params, frozen, rest)
+    n = tokens_NxL.shape[0]
+    check_minibatches(prompt_tokens, n, minibatches)
 
     def one(xs):
-        tokens, mask = xs
-        return completion_logprobs(
+        tokens, mask, ptokens, pmask = xs
+        return batch_logprobs(
             model,
             tokens,
             mask,
+            prompt_tokens=ptokens,
+            prompt_mask=pmask,
             num_completion=num_completion,
             temperature=temperature,
             chunk=chunk,
             disable_lora=disable_lora,
         )
 
-    n = tokens_NxL.shape[0]
-    out = jax.lax.map(
-        one, (_split(tokens_NxL, minibatches), _split(attention_mask_NxL, minibatches))
-    )
+    xs = (tokens_NxL, attention_mask_NxL, prompt_tokens, prompt_mask)
+    out = jax.lax.map(one, tuple(_split(x, minibatches) for x in xs))
     return out.reshape(n, num_completion)
 
 

@@ -21,6 +21,7 @@ import numpy as np
 from absl import logging
 
 from mmr_jax import (
+    batch_layout,
     build,
     checkpoint,
     config_types,
@@ -145,7 +146,7 @@ def setup(cfg: config_types.TrainConfig, workdir, *, overwrite: bool = False) ->
             "disable_lora",
             "minibatches",
         ),
-    )
+    )  # prompt_tokens / prompt_mask (shared-prompt layout) are traced keyword arguments
     writer = metrics.MetricWriter(
         workdir, tensorboard=cfg.logging.tensorboard, resume_step=resume_step or 0
     )
@@ -266,6 +267,33 @@ def collect(run: Run, step: int, timings: dict) -> tuple[experience.Groups, dict
     return groups, info if ds.enabled else {}
 
 
+def pack_batch(cfg: config_types.TrainConfig, groups: experience.Groups, adv, pad_id: int) -> dict:
+    """Host arrays of the step's batch: shared prompts (`batch_layout`) or full rows."""
+    b = cfg.batch
+    if b.shared_prompt:
+        return batch_layout.pack(
+            groups.prompt_ids,
+            groups.tokens,
+            groups.mask,
+            groups.valid,
+            adv,
+            groups.sampler_logps,
+            pad_id=pad_id,
+            prompt_buckets=batch_layout.bucket_sizes(b.min_bucket_len, b.max_prompt_len),
+            completion_buckets=batch_layout.bucket_sizes(b.min_bucket_len, b.max_completion_len),
+            group=batch_layout.group_size(b.generations, cfg.rows_per_step, cfg.loss.minibatches),
+        )
+    return experience.pack(
+        groups,
+        adv,
+        pad_id=pad_id,
+        prompt_quantum=max(1, b.max_prompt_len // b.length_buckets),
+        max_prompt_len=b.max_prompt_len,
+        completion_quantum=b.max_completion_len // b.length_buckets,
+        max_completion_len=b.max_completion_len,
+    )
+
+
 def make_batch(run: Run, groups: experience.Groups, timings: dict) -> tuple[train_step.Batch, dict]:
     """Reweighting and advantages, packing, and the ref / old log-probs the loss needs."""
     cfg = run.cfg
@@ -291,16 +319,7 @@ def make_batch(run: Run, groups: experience.Groups, timings: dict) -> tuple[trai
             cfg.dynamic_sampling.filter_reward if cfg.dynamic_sampling.enabled else None
         ),
     )
-    b = cfg.batch
-    host = experience.pack(
-        groups,
-        adv,
-        pad_id=run.engine.pad_id if hasattr(run.engine, "pad_id") else 0,
-        prompt_quantum=max(1, b.max_prompt_len // b.length_buckets),
-        max_prompt_len=b.max_prompt_len,
-        completion_quantum=b.max_completion_len // b.length_buckets,
-        max_completion_len=b.max_completion_len,
-    )
+    host = pack_batch(cfg, groups, adv, run.engine.pad_id if hasattr(run.engine, "pad_id") else 0)
     _check_engine_logps(host["sampler_logps"], host["completion_mask"], cfg.rollout.engine)
     dev = experience.to_device(host)
     t = host["completion_mask"].shape[1]
@@ -310,6 +329,8 @@ def make_batch(run: Run, groups: experience.Groups, timings: dict) -> tuple[trai
         temperature=cfg.rollout.temperature,
         chunk=cfg.model.logprob_chunk,
         minibatches=cfg.loss.minibatches,
+        prompt_tokens=dev.get("prompt_tokens"),
+        prompt_mask=dev.get("prompt_mask"),
     )
     ref = old = None
     if cfg.loss.beta > 0:
@@ -350,6 +371,8 @@ def make_batch(run: Run, groups: experience.Groups, timings: dict) -> tuple[trai
         old_logps=old,
         ref_logps=ref,
         sampler_logps=dev["sampler_logps"],
+        prompt_tokens=dev.get("prompt_tokens"),
+        prompt_mask=dev.get("prompt_mask"),
     )
     info["throughput/tokens"] = float(host["completion_mask"].sum())
     return batch, info

@@ -480,15 +480,27 @@ class TestBadInput:
 
 class TestCompilation:
     def test_train_step_traced_once_per_shape(self, tmp_path, tiny_llama_dir, monkeypatch):
-        traces = []
+        traces, shapes = [], []
         real = trainer.train_step.train_step
+        real_step = trainer.train_step.jit_train_step
 
         def counted(*args, **kwargs):
             traces.append(1)  # runs only while jax traces the step
             return real(*args, **kwargs)
 
+        def recording(**kwargs):
+            fn = real_step(**kwargs)
+
+            def call(state, batch, *rest):
+                shapes.append((batch.prompt_tokens.shape, batch.tokens.shape))
+                return fn(state, batch, *rest)
+
+            return call
+
         monkeypatch.setattr(trainer.train_step, "train_step", counted)
-        cfg = _config("dapo_nods", tiny_llama_dir, steps=3, **{"checkpoint.every": 0})
-        assert cfg.batch.length_buckets == 1  # one completion-length bucket: one shape
+        monkeypatch.setattr(trainer.train_step, "jit_train_step", recording)
+        cfg = _config("dapo_nods", tiny_llama_dir, steps=4, **{"checkpoint.every": 0})
+        assert cfg.batch.shared_prompt  # shapes: the batch's (prompt, completion) length buckets
         trainer.train(cfg, tmp_path / "run")
-        assert len(traces) == 1
+        assert len(shapes) == 4
+        assert len(traces) == len(set(shapes))  # one compilation per bucket pair, no more

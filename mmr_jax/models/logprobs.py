@@ -16,6 +16,8 @@ import chex
 import jax
 import jax.numpy as jnp
 
+from mmr_jax.models import shared_prompt
+
 
 def _scores(logits_BxCxV, targets_BxC, temperature, return_entropy):
     """(log-prob of the targets, entropy) [B, C] of softmax(logits / temperature), in fp32."""
@@ -89,3 +91,66 @@ def _chunked(model, h_BxNxH, targets_BxN, chunk, temperature, return_entropy):
     logp = logp.swapaxes(0, 1).reshape(b, k * chunk)[:, :n]
     ent = ent.swapaxes(0, 1).reshape(b, k * chunk)[:, :n]
     return logp, ent
+
+
+def shared_prompt_logprobs(
+    model,
+    prompt_BxP: jax.Array,
+    prompt_mask_BxP: jax.Array,
+    tokens_RxT: jax.Array,
+    mask_RxT: jax.Array,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+    return_entropy: bool = False,
+    disable_lora: bool = False,
+):
+    """Log-probs [R, T] of each row's completion given its group's shared prompt.
+
+    Equals `token_logprobs` on the rows [prompt, completion] restricted to the completion part,
+    with each prompt computed once for its R / B rows (`shared_prompt.hidden`) and the LM head
+    run only where a completion token is predicted: once per prompt at its last token (the
+    first completion token's distribution, shared by the group) and at completion positions
+    0..T-2. The last completion token is only a target, so it is not fed to the model.
+
+    Args:
+      prompt_BxP: prompt ids, left-padded; `prompt_mask_BxP` True on real tokens.
+      tokens_RxT: completion ids, right-padded, row r = b * (R // B) + i of prompt b;
+        `mask_RxT` True on real tokens (a prefix of the row).
+
+    Returns:
+      logps [R, T] (0 where masked), or (logps, entropy), float32.
+    """
+    chex.assert_equal_shape([tokens_RxT, mask_RxT])
+    r, t = tokens_RxT.shape
+    b = prompt_BxP.shape[0]
+    mask = mask_RxT.astype(jnp.bool_)
+    hp, hc = shared_prompt.hidden(
+        model,
+        prompt_BxP,
+        prompt_mask_BxP,
+        tokens_RxT[:, :-1],
+        mask[:, :-1],
+        disable_lora=disable_lora,
+    )
+    # The first completion token: one distribution per prompt, picked per row.
+    first = jax.nn.log_softmax(model.logits_from_hidden(hp[:, -1:]) / temperature, axis=-1)
+    first = first[:, 0].astype(jnp.float32)  # [B, V]
+    tok0 = tokens_RxT[:, 0].reshape(b, r // b)
+    logp0 = jnp.take_along_axis(first, tok0, axis=-1).reshape(r, 1)
+    ent0 = jnp.repeat(-jnp.sum(jnp.exp(first) * first, axis=-1), r // b)[:, None]
+    if t > 1:
+        targets = tokens_RxT[:, 1:]
+        if chunk_size is None or chunk_size >= t - 1:
+            logits = model.logits_from_hidden(hc)
+            logp, ent = _scores(logits, targets, temperature, return_entropy)
+        else:
+            logp, ent = _chunked(model, hc, targets, chunk_size, temperature, return_entropy)
+        logp = jnp.concatenate([logp0, logp], axis=1)
+        ent = jnp.concatenate([ent0, ent], axis=1)
+    else:
+        logp, ent = logp0, ent0
+    logp = jnp.where(mask, logp, 0.0)
+    if not return_entropy:
+        return logp
+    return logp, jnp.where(mask, ent, 0.0)

@@ -1,0 +1,135 @@
+"""Training-side shared-prompt forward: each prompt once per group, its completions attend to it.
+
+The decode-side twin is `Decoder.forward_cached_shared_prompt` (the sampler's prompt cache). Here
+the whole sequence is computed at once, for log-probs and their gradients:
+
+  prompts [B, P] (left-padded) run causally over themselves, as the full-row forward does;
+  completions [R, T] (right-padded), R = B * n (row r = b * n + i belongs to prompt b), attend
+  under one softmax to their prompt's keys/values (broadcast over its n rows, never repeated in
+  memory) and to their own causal keys/values, at positions continuing from the prompt's length.
+
+So each row sees exactly the keys and values it sees as the full row [prompt, completion], and
+the gradient that reaches the prompt is the sum over its n rows (the einsum contracts them): loss
+and gradients equal those of the n full rows, with the prompt's work done once instead of n times.
+
+LoRA dropout: a prompt's tokens draw one dropout mask for the group (the full-row forward draws
+one per row), so with dropout > 0 the two paths are different (equally valid) samples.
+
+Legend: B prompts, n rows per prompt, R = B * n rows, P prompt tokens, T completion tokens,
+H hidden, N heads, K kv heads, G = N / K query heads per kv head, D head dim.
+"""
+
+from __future__ import annotations
+
+import chex
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from mmr_jax.models import layers
+
+_MASK_VALUE = -1e30  # as decoder._MASK_VALUE: fully masked rows give a uniform softmax, not NaN
+
+
+def _split_key(key, i):
+    return None if key is None else jax.random.fold_in(key, i)
+
+
+def attend_prompt_causal(q_BxPxNxD, k_BxPxKxD, v_BxPxKxD, mask_BxPxP):
+    """Grouped-query attention of the prompts over themselves; fp32 scores. Returns [B, P, N*D]."""
+    b, t, n, d = q_BxPxNxD.shape
+    kh = k_BxPxKxD.shape[2]
+    q = q_BxPxNxD.reshape(b, t, kh, n // kh, d)
+    s = jnp.einsum("btkgd,bskd->bkgts", q, k_BxPxKxD, preferred_element_type=jnp.float32)
+    s = jnp.where(mask_BxPxP[:, None, None], s * (d**-0.5), _MASK_VALUE)
+    p = jax.nn.softmax(s, axis=-1).astype(v_BxPxKxD.dtype)
+    o = jnp.einsum("bkgts,bskd->btkgd", p, v_BxPxKxD)
+    return o.reshape(b, t, n * d)
+
+
+def attend_completions(
+    q_RxTxNxD, pk_BxPxKxD, pv_BxPxKxD, k_RxTxKxD, v_RxTxKxD, pmask_BxP, own_RxTxT
+):
+    """Completion queries over [their prompt's keys, their own keys] under one fp32 softmax.
+
+    Row r = b * n + i attends to prompt b's keys where `pmask_BxP[b]` holds and to its own key s
+    where `own_RxTxT[r, t, s]` holds (causal and not padding). The prompt part is a product per
+    prompt over its n rows' queries at once ([n*T*G, D] x [D, P]), so the prompt keys are read
+    once per group and their gradient is the group's sum. Returns [R, T, N*D].
+    """
+    r, t, nh, d = q_RxTxNxD.shape
+    b, p, kh, _ = pk_BxPxKxD.shape
+    n, g = r // b, nh // kh
+    chex.assert_equal(r, b * n)
+    q = q_RxTxNxD.reshape(b, n, t, kh, g, d)
+    s_prompt = jnp.einsum("bntkgd,bpkd->bnkgtp", q, pk_BxPxKxD, preferred_element_type=jnp.float32)
+    s_prompt = jnp.where(pmask_BxP[:, None, None, None, None, :], s_prompt * (d**-0.5), _MASK_VALUE)
+    s_own = jnp.einsum(
+        "rtkgd,rskd->rkgts",
+        q.reshape(r, t, kh, g, d),
+        k_RxTxKxD,
+        preferred_element_type=jnp.float32,
+    )
+    s_own = jnp.where(own_RxTxT[:, None, None], s_own * (d**-0.5), _MASK_VALUE)
+    scores = jnp.concatenate([s_prompt.reshape(r, kh, g, t, p), s_own], axis=-1)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v_RxTxKxD.dtype)  # [R, K, G, T, P + T]
+    p_prompt = probs[..., :p].reshape(b, n, kh, g, t, p)
+    o_prompt = jnp.einsum("bnkgtp,bpkd->bntkgd", p_prompt, pv_BxPxKxD.astype(v_RxTxKxD.dtype))
+    o_own = jnp.einsum("rkgts,rskd->rtkgd", probs[..., p:], v_RxTxKxD)
+    return (o_prompt.reshape(r, t, kh, g, d) + o_own).reshape(r, t, nh * d)
+
+
+def _block(block, xp, xc, rope_p, rope_c, mask_p, pmask, own, disable_lora, key):
+    """One decoder block over the prompts [B, P, H] and the completions [R, T, H]."""
+    attn = block.self_attn
+    kp, kc = _split_key(key, 0), _split_key(key, 1)  # separate dropout draws for the two parts
+    qp, k_p, v_p = attn.qkv(block.input_layernorm(xp), *rope_p, disable_lora=disable_lora, key=kp)
+    qc, k_c, v_c = attn.qkv(block.input_layernorm(xc), *rope_c, disable_lora=disable_lora, key=kc)
+    op = attend_prompt_causal(qp, k_p, v_p, mask_p)
+    oc = attend_completions(qc, k_p, v_p, k_c, v_c, pmask, own)
+    xp = xp + attn.out(op, disable_lora=disable_lora, key=kp)
+    xc = xc + attn.out(oc, disable_lora=disable_lora, key=kc)
+    mlp, norm = block.mlp, block.post_attention_layernorm
+    xp = xp + mlp(norm(xp), disable_lora=disable_lora, key=kp)
+    xc = xc + mlp(norm(xc), disable_lora=disable_lora, key=kc)
+    return xp, xc
+
+
+_block_remat = nnx.remat(_block, static_argnums=(8,))
+
+
+def hidden(model, prompt_BxP, prompt_mask_BxP, tokens_RxT, mask_RxT, *, disable_lora=False):
+    """Final-normed hidden states of the prompts [B, P, H] and completions [R, T, H].
+
+    Args:
+      model: a `decoder.Decoder` (its blocks, norms and RoPE; `model.config.remat` applies).
+      prompt_BxP: prompt token ids, left-padded; `prompt_mask_BxP` 1/True on real tokens (each
+        prompt has at least one).
+      tokens_RxT: completion tokens fed as inputs, right-padded, rows grouped by prompt
+        (R a multiple of B); `mask_RxT` 1/True on real tokens (a prefix of each row).
+    """
+    chex.assert_rank([prompt_BxP, prompt_mask_BxP, tokens_RxT, mask_RxT], 2)
+    chex.assert_equal_shape([prompt_BxP, prompt_mask_BxP])
+    chex.assert_equal_shape([tokens_RxT, mask_RxT])
+    b, p = prompt_BxP.shape
+    r, t = tokens_RxT.shape
+    if r % b:
+        raise ValueError(f"{r} completion rows do not split into groups of {b} prompts")
+    pmask = prompt_mask_BxP.astype(jnp.bool_)
+    cmask = mask_RxT.astype(jnp.bool_)
+    plen = pmask.sum(-1).astype(jnp.int32)  # [B]
+    pos_p = jnp.maximum(jnp.cumsum(pmask, axis=-1) - 1, 0)
+    pos_c = jnp.repeat(plen, r // b)[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
+    causal_p = jnp.tril(jnp.ones((p, p), jnp.bool_))
+    mask_p = causal_p[None] & pmask[:, None, :]
+    own = jnp.tril(jnp.ones((t, t), jnp.bool_))[None] & cmask[:, None, :]
+    rope_p = layers.rope_cos_sin(pos_p, model.inv_freq)
+    rope_c = layers.rope_cos_sin(pos_c, model.inv_freq)
+    key = model._dropout_key()
+    xp, xc = model.embed_tokens(prompt_BxP), model.embed_tokens(tokens_RxT)
+    call = _block_remat if model.config.remat else _block
+    for i, block in enumerate(model.layers):
+        xp, xc = call(
+            block, xp, xc, rope_p, rope_c, mask_p, pmask, own, disable_lora, _split_key(key, i)
+        )
+    return model.norm(xp), model.norm(xc)

@@ -1,0 +1,230 @@
+"""The jitted train step, full rows against shared prompts, in one process, interleaved rounds.
+
+    python scripts/bench_train_step.py                      # SmolLM2-135M: CPU default + long
+    python scripts/bench_train_step.py --shapes=cpu_default --rounds=5 --json=out.json
+    python scripts/bench_train_step.py --model=tiny
+
+Both paths run `train_step.train_step` on the same ragged groups, packed two ways:
+
+  full rows      `experience.pack` as the CPU default packed before (length_buckets 1: every row
+                 [prompt padded to max_prompt_len, completion padded to max_completion_len]).
+  shared prompt  `batch_layout.pack`: each prompt once per group, prompts and completions trimmed
+                 to the batch's longest rounded up to a bucket (`batch.min_bucket_len`), LM head
+                 only where a completion token is predicted.
+
+Shapes (token lengths drawn with a fixed seed):
+  cpu_default    configs/cpu_smollm2.py: 4 prompts x 8 completions, prompts 38..44 tokens (the
+                 arithmetic prompts with the system prompt), completions mean ~9 tokens, one row
+                 truncated at 32 in the worst case (--long_row), beta 0, minibatches 2.
+  long           2 prompts x 4 completions, prompts ~100 tokens (max 128), completions 300..512
+                 (max 512): little padding and prompts small next to completions, so little gain.
+
+Reported per path: ms per step (median of --rounds), completion tokens per second, and the ratio.
+The step config (loss, minibatches, optimiser) is configs/cpu_smollm2.py's for every shape.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import sys
+import time
+import typing
+
+import numpy as np
+from absl import app, flags
+
+_REPO = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(_REPO))
+
+_MODEL = flags.DEFINE_enum("model", "smollm2", ["smollm2", "tiny"], "which model")
+_SMOL = flags.DEFINE_string(
+    "smollm2_path", str(_REPO / "checkpoints" / "smollm2-135m-instruct"), "SmolLM2 checkpoint"
+)
+_SHAPES = flags.DEFINE_list("shapes", ["cpu_default", "long"], "shapes to run")
+_ROUNDS = flags.DEFINE_integer("rounds", 3, "timed rounds per path (interleaved)")
+_LONG_ROW = flags.DEFINE_bool("long_row", False, "cpu_default: one completion truncated at 32")
+_JSON = flags.DEFINE_string("json", None, "also write the results to this JSON file")
+
+
+class Shape(typing.NamedTuple):  # not a dataclass: tests load this script outside sys.modules
+    prompts: int
+    generations: int
+    max_prompt_len: int
+    max_completion_len: int
+    prompt_lens: tuple[int, int]  # drawn uniformly in [lo, hi]
+    completion_lens: tuple[int, int, int]  # (mean, lo, hi): Poisson(mean) clipped to [lo, hi]
+
+
+SHAPES = {
+    "cpu_default": Shape(4, 8, 64, 32, (38, 44), (9, 4, 20)),
+    "long": Shape(2, 4, 128, 512, (90, 110), (420, 300, 512)),
+    "tiny": Shape(2, 4, 16, 16, (5, 12), (5, 1, 12)),
+}
+
+
+def make_groups(shape: Shape, vocab: int, seed: int = 0, long_row: bool = False):
+    """Ragged groups of the shape: `experience.Groups` with random tokens (rewards unused)."""
+    from mmr_jax import experience
+
+    rng = np.random.default_rng(seed)
+    b, g, t = shape.prompts, shape.generations, shape.max_completion_len
+    prompts = [
+        [int(x) for x in rng.integers(4, vocab, rng.integers(*shape.prompt_lens, endpoint=True))]
+        for _ in range(b)
+    ]
+    mean, lo, hi = shape.completion_lens
+    lengths = np.clip(rng.poisson(mean, (b, g)), lo, hi)
+    if long_row:
+        lengths[0, 0] = t
+    mask = np.arange(t)[None, None] < lengths[..., None]
+    return experience.Groups(
+        prompt_ids=prompts,
+        answers=["0"] * b,
+        tokens=np.where(mask, rng.integers(4, vocab, (b, g, t)), 0).astype(np.int32),
+        mask=mask,
+        sampler_logps=np.zeros((b, g, t), np.float32),
+        truncated=lengths == t,
+        texts=[[""] * g for _ in range(b)],
+        per_fn={},
+        total=np.zeros((b, g), np.float32),
+        valid=np.ones((b, g), bool),
+    ), rng.standard_normal((b, g)).astype(np.float32)
+
+
+def train_config(shape: Shape, model_path: str):
+    """configs/cpu_smollm2.py with the shape's batch sizes and `model_path`."""
+    from mmr_jax import config_types
+
+    sys.path.insert(0, str(_REPO / "configs"))
+    import cpu_smollm2
+
+    c = cpu_smollm2.get_config()
+    c.model.path = model_path
+    c.batch.prompts, c.batch.generations = shape.prompts, shape.generations
+    c.batch.max_prompt_len, c.batch.max_completion_len = (
+        shape.max_prompt_len,
+        shape.max_completion_len,
+    )
+    return config_types.from_config_dict(c)
+
+
+def batches(cfg, groups, adv) -> dict:
+    """{'full rows': Batch, 'shared prompt': Batch} of the same groups, on device."""
+    import dataclasses as dc
+
+    from mmr_jax import experience, train_step, trainer
+
+    out = {}
+    for name, shared in (("full rows", False), ("shared prompt", True)):
+        c = dc.replace(cfg, batch=dc.replace(cfg.batch, shared_prompt=shared))
+        host = trainer.pack_batch(c, groups, adv, pad_id=0)
+        dev = experience.to_device({k: v for k, v in host.items() if k != "sampler_logps"})
+        out[name] = train_step.Batch(
+            dev["tokens"],
+            dev["attention_mask"],
+            dev["completion_mask"],
+            dev["advantages"],
+            prompt_tokens=dev.get("prompt_tokens"),
+            prompt_mask=dev.get("prompt_mask"),
+        )
+    return out
+
+
+def run_shape(
+    model_path: str, shape: Shape, rounds: int, long_row: bool = False, same_state: bool = False
+) -> dict:
+    """Times both paths on one shape; returns per-path ms and tokens/s, first-step metrics.
+
+    `same_state`: both paths' first (compiling) step from a copy of the initial state, so their
+    metrics compare; costs a second copy of the weights and optimiser state (off for SmolLM2).
+    """
+    import jax
+
+    from mmr_jax import build, train_step
+
+    cfg = train_config(shape, model_path)
+    policy = build.load_policy(cfg)
+    optimizer, schedule = build.make_optimizer(cfg)
+    state = build.init_state(cfg, policy.params, optimizer)
+    groups, adv = make_groups(shape, policy.model().config.vocab_size, long_row=long_row)
+    step = train_step.jit_train_step(
+        graphdef=policy.graphdef, optimizer=optimizer, schedule=schedule, cfg=build.step_config(cfg)
+    )
+    bs = batches(cfg, groups, adv)
+    tokens = float(bs["full rows"].completion_mask.sum())
+    res = {name: {"ms": [], "compile_s": 0.0} for name in bs}
+    first = {}
+    for name, batch in bs.items():  # compile, and the first step's metrics
+        t0 = time.perf_counter()
+        if same_state:
+            start = jax.tree.map(lambda x: x.copy(), state)
+            _, metrics = step(start, batch, policy.frozen, policy.rest)
+        else:
+            state, metrics = step(state, batch, policy.frozen, policy.rest)
+        first[name] = {k: float(v) for k, v in metrics.items()}
+        res[name]["compile_s"] = time.perf_counter() - t0
+        print(f"  {name}: first step (compile) {res[name]['compile_s']:.1f} s", flush=True)
+    for _ in range(rounds):  # interleaved: one state runs through both paths in turn
+        for name, batch in bs.items():
+            t0 = time.perf_counter()
+            state, metrics = step(state, batch, policy.frozen, policy.rest)
+            jax.block_until_ready(metrics)
+            res[name]["ms"].append(1e3 * (time.perf_counter() - t0))
+            print(f"  {name}: {res[name]['ms'][-1]:.0f} ms", flush=True)
+    out = {"completion_tokens": tokens, "shapes": {}, "first_step": first}
+    for name, batch in bs.items():
+        ms = float(np.median(res[name]["ms"]))
+        p = 0 if batch.prompt_tokens is None else batch.prompt_tokens.shape[1]
+        out[name] = {
+            "ms_per_step": ms,
+            "ms_rounds": res[name]["ms"],
+            "tokens_per_s": tokens / (ms / 1e3),
+            "compile_s": res[name]["compile_s"],
+        }
+        out["shapes"][name] = {"tokens": list(batch.tokens.shape), "prompt_len": p}
+    out["speedup"] = out["full rows"]["ms_per_step"] / out["shared prompt"]["ms_per_step"]
+    return out
+
+
+def _table(results: dict) -> str:
+    lines = [
+        f"{'shape':<12} {'path':<14} {'tokens [N,L|T]':<15} {'ms/step':>9} {'tok/s':>8} {'x':>6}",
+    ]
+    for shape, r in results.items():
+        for name in ("full rows", "shared prompt"):
+            x = r[name]
+            dims = "x".join(str(d) for d in r["shapes"][name]["tokens"])
+            if r["shapes"][name]["prompt_len"]:
+                dims += f" P{r['shapes'][name]['prompt_len']}"
+            ratio = f"{r['speedup']:.2f}" if name == "shared prompt" else ""
+            lines.append(
+                f"{shape:<12} {name:<14} {dims:<15} {x['ms_per_step']:>9.0f} "
+                f"{x['tokens_per_s']:>8.1f} {ratio:>6}"
+            )
+    return "\n".join(lines)
+
+
+def main(argv):
+    del argv
+    import tempfile
+
+    from mmr_jax import testing
+
+    if _MODEL.value == "tiny":
+        path = testing.make_tiny_checkpoint(tempfile.mkdtemp(), tokenizer=False, vocab_size=300)
+        shapes = {"tiny": SHAPES["tiny"]}
+    else:
+        path = _SMOL.value
+        shapes = {s: SHAPES[s] for s in _SHAPES.value}
+    results = {}
+    for name, shape in shapes.items():
+        results[name] = run_shape(str(path), shape, _ROUNDS.value, long_row=_LONG_ROW.value)
+        print(f"{name}: {results[name]['completion_tokens']:.0f} completion tokens", flush=True)
+    print(_table(results))
+    if _JSON.value:
+        pathlib.Path(_JSON.value).write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,361 @@
+"""The shared-prompt training forward against the full-row forward it replaces.
+
+Both layouts are packed from the same ragged groups (`experience.pack`: every row is [prompt,
+completion]; `batch_layout.pack`: each prompt once per group, completions trimmed to a bucket).
+Log-probs, entropies, gradients and whole train steps must agree to fp32 rounding.
+"""
+
+from __future__ import annotations
+
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from mmr_jax import batch_layout, build, experience, testing, train_step
+from mmr_jax.models import loading
+from mmr_jax.models import lora as lora_lib
+
+VOCAB = 300
+MAX_P, MAX_T = 12, 16
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return testing.make_tiny_checkpoint(
+        tmp_path_factory.mktemp("shared_prompt"), tokenizer=False, vocab_size=VOCAB
+    )
+
+
+@pytest.fixture(scope="module")
+def ckpt_qwen2(tmp_path_factory):
+    return testing.make_tiny_checkpoint(
+        tmp_path_factory.mktemp("shared_prompt_qwen2"),
+        family="qwen2",
+        tokenizer=False,
+        vocab_size=VOCAB,
+        tie_word_embeddings=True,
+    )
+
+
+def _groups(b, g, seed, *, t_in=MAX_T, max_len=11):
+    """B ragged prompts (1..MAX_P tokens) with G ragged completions (1..max_len) each."""
+    rng = np.random.default_rng(seed)
+    prompts = [list(rng.integers(4, VOCAB, rng.integers(1, MAX_P + 1))) for _ in range(b)]
+    lengths = rng.integers(1, max_len + 1, (b, g))
+    lengths[0, 0] = max_len
+    mask = np.arange(t_in)[None, None] < lengths[..., None]
+    tokens = np.where(mask, rng.integers(4, VOCAB, (b, g, t_in)), 0).astype(np.int32)
+    valid = np.ones((b, g), bool)
+    valid[-1] = False  # a group with an unparseable gold answer: its rows carry no loss
+    return experience.Groups(
+        prompt_ids=prompts,
+        answers=["0"] * b,
+        tokens=tokens,
+        mask=mask,
+        sampler_logps=-rng.random((b, g, t_in)).astype(np.float32),
+        truncated=np.zeros((b, g), bool),
+        texts=[[""] * g for _ in range(b)],
+        per_fn={},
+        total=rng.standard_normal((b, g)).astype(np.float32),
+        valid=valid,
+    )
+
+
+def _both(groups, adv, *, group=None):
+    """(full-row arrays, shared-prompt arrays) of the same groups."""
+    full = experience.pack(
+        groups,
+        adv,
+        pad_id=0,
+        prompt_quantum=MAX_P,
+        max_prompt_len=MAX_P,
+        completion_quantum=MAX_T,
+        max_completion_len=MAX_T,
+    )
+    shared = batch_layout.pack(
+        groups.prompt_ids,
+        groups.tokens,
+        groups.mask,
+        groups.valid,
+        adv,
+        groups.sampler_logps,
+        pad_id=0,
+        prompt_buckets=batch_layout.bucket_sizes(4, MAX_P),
+        completion_buckets=batch_layout.bucket_sizes(4, MAX_T),
+        group=group or groups.tokens.shape[1],
+    )
+    return full, shared
+
+
+class TestLayout:
+    def test_bucket_sizes_hand_worked(self):
+        assert batch_layout.bucket_sizes(8, 32) == (8, 12, 16, 24, 32)
+        assert batch_layout.bucket_sizes(8, 64) == (8, 12, 16, 24, 32, 48, 64)
+        assert batch_layout.bucket_sizes(16, 40) == (16, 24, 32, 40)
+        assert batch_layout.bucket_sizes(16, 16) == (16,)
+        assert batch_layout.bucket_for(13, (8, 12, 16), "x") == 16
+        with pytest.raises(ValueError, match="prompt of 17 tokens is longer"):
+            batch_layout.bucket_for(17, (8, 12, 16), "prompt")
+
+    def test_group_size(self):
+        assert batch_layout.group_size(8, 32, 2) == 8  # 4 prompts, 2 per minibatch
+        assert batch_layout.group_size(6, 48, 8) == 6
+        assert batch_layout.group_size(8, 48, 8) == 2  # 6 prompts into 8 minibatches of 6 rows
+        with pytest.raises(ValueError, match="do not divide"):
+            batch_layout.group_size(8, 32, 3)
+
+    @pytest.mark.parametrize("group", [4, 2])
+    def test_rows_hold_the_same_tokens(self, group):
+        groups = _groups(3, 4, seed=0)
+        full, shared = _both(groups, np.zeros((3, 4)), group=group)
+        t = shared["tokens"].shape[1]
+        assert t == 12  # longest completion 11 -> bucket 12 (not the configured 16)
+        assert shared["prompt_tokens"].shape[0] == 12 // group
+        for r in range(12):
+            row = full["tokens"][r][full["attention_mask"][r]]
+            q = r // group
+            pr = shared["prompt_tokens"][q][shared["prompt_mask"][q]]
+            comp = shared["tokens"][r][shared["attention_mask"][r]]
+            np.testing.assert_array_equal(row, np.concatenate([pr, comp]))
+        np.testing.assert_array_equal(shared["completion_mask"], full["completion_mask"][:, :t])
+        assert not full["completion_mask"][:, t:].any()
+        assert not shared["completion_mask"][8:].any()  # the invalid group
+
+    def test_too_long_is_an_error_not_a_truncation(self):
+        groups = _groups(2, 2, seed=1)
+        groups.prompt_ids[1] = list(range(4, 4 + MAX_P + 1))
+        with pytest.raises(ValueError, match="prompt of 13 tokens"):
+            _both(groups, np.zeros((2, 2)))
+        groups = _groups(2, 2, seed=1, t_in=MAX_T + 4, max_len=MAX_T + 2)
+        with pytest.raises(ValueError, match="completion of 18 tokens"):
+            batch_layout.pack(
+                groups.prompt_ids,
+                groups.tokens,
+                groups.mask,
+                groups.valid,
+                np.zeros((2, 2)),
+                groups.sampler_logps,
+                pad_id=0,
+                prompt_buckets=(MAX_P,),
+                completion_buckets=batch_layout.bucket_sizes(4, MAX_T),
+                group=2,
+            )
+
+
+def _load(path, *, lora=False, remat=False):
+    # Dropout 0: exactness (with dropout > 0 the shared path draws one mask per prompt, not row).
+    cfg = lora_lib.LoraConfig(rank=4, alpha=8, dropout=0.0) if lora else None
+    model = loading.from_pretrained(path, lora=cfg, remat=remat, rngs=nnx.Rngs(0))
+    if lora:  # fresh adapters have B = 0 (no gradient reaches A): give them values
+        for i, (_, var) in enumerate(nnx.to_flat_state(nnx.state(model, nnx.LoRAParam))):
+            val = var.get_value()
+            if val.shape[0] == 4:  # lora_b [r, out]
+                var.set_value(0.05 * jax.random.normal(jax.random.key(i), val.shape))
+    return model
+
+
+def _max_rel_diff(a_tree, b_tree):
+    a, b = jax.tree.leaves(a_tree), jax.tree.leaves(b_tree)
+    scale = max(float(jnp.abs(x).max()) for x in a)
+    assert scale > 1e-3  # the gradient is not degenerate
+    return max(float(jnp.abs(x - y).max()) for x, y in zip(a, b, strict=True)) / scale
+
+
+@pytest.mark.parametrize(
+    "family,lora,remat,disable_lora,chunk",
+    [
+        ("llama", False, False, False, 0),
+        ("llama", False, True, False, 0),
+        ("llama", True, False, False, 0),
+        ("llama", True, True, True, 0),  # the reference policy: adapters off
+        ("qwen2", False, False, False, 4),  # biases, tied head, chunked head
+    ],
+)
+def test_logprobs_and_gradients_equal_full_rows(
+    ckpt, ckpt_qwen2, family, lora, remat, disable_lora, chunk
+):
+    model = _load(ckpt if family == "llama" else ckpt_qwen2, lora=lora, remat=remat)
+    groups = _groups(3, 4, seed=2)
+    full, shared = _both(groups, np.zeros((3, 4)))
+    t = shared["tokens"].shape[1]
+    w = jnp.asarray(np.random.default_rng(3).standard_normal((12, t)), jnp.float32)
+    kw = dict(temperature=0.7, chunk=chunk, entropy=True, disable_lora=disable_lora)
+
+    def loss(m, arrays, prompts):
+        lp, ent = train_step.batch_logprobs(
+            m,
+            jnp.asarray(arrays["tokens"]),
+            jnp.asarray(arrays["attention_mask"]),
+            prompt_tokens=jnp.asarray(arrays["prompt_tokens"]) if prompts else None,
+            prompt_mask=jnp.asarray(arrays["prompt_mask"]) if prompts else None,
+            num_completion=arrays["completion_mask"].shape[1],
+            **kw,
+        )
+        lp, ent = lp[:, :t], ent[:, :t]
+        return jnp.sum(lp * w) + 0.3 * jnp.sum(ent), (lp, ent)
+
+    trainable = nnx.LoRAParam if lora and not disable_lora else nnx.Param
+    diff = nnx.DiffState(0, trainable)
+    grad = nnx.jit(nnx.grad(loss, argnums=diff, has_aux=True), static_argnums=(2,))
+    g_full, (lp_full, ent_full) = grad(model, full, False)
+    g_shared, (lp_shared, ent_shared) = grad(model, shared, True)
+    assert np.abs(np.asarray(lp_full)).max() > 1.0
+    np.testing.assert_allclose(lp_shared, lp_full, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(ent_shared, ent_full, rtol=1e-5, atol=1e-5)
+    assert (np.asarray(lp_shared)[~shared["attention_mask"]] == 0).all()
+    assert _max_rel_diff(g_full, g_shared) < 1e-5
+
+
+_VARIANTS = {
+    "grpo": dict(aggregation="seq_mean_token_mean", beta=0.04),
+    "dr_grpo": dict(aggregation="seq_mean_token_sum_norm", beta=0.04),
+    "dapo": dict(aggregation="token_mean", eps_high=0.28),
+    "lora": dict(aggregation="seq_mean_token_mean", beta=0.04, lora=True),
+    "iterations": dict(aggregation="token_mean", iterations=2),
+    "partial_groups": dict(aggregation="token_mean", minibatches=8),  # 4 prompts, 8 minibatches
+}
+
+
+@pytest.mark.parametrize("variant", sorted(_VARIANTS))
+def test_train_step_same_metrics_and_update(ckpt, variant):
+    opts = dict(_VARIANTS[variant])
+    lora = opts.pop("lora", False)
+    cfg = train_step.StepConfig(
+        minibatches=opts.pop("minibatches", 2),
+        iterations=opts.pop("iterations", 1),
+        temperature=0.7,
+        eps_low=0.2,
+        eps_high=opts.pop("eps_high", 0.2),
+        aggregation=opts.pop("aggregation"),
+        beta=opts.pop("beta", 0.0),
+        kl_estimator="k3",
+        max_completion_len=MAX_T,
+    )
+    policy = build.split_model(_load(ckpt, lora=lora))
+    groups = _groups(4, 4, seed=4)
+    adv = np.random.default_rng(5).standard_normal((4, 4)).astype(np.float32)
+    group = batch_layout.group_size(4, 16, cfg.minibatches)
+    full, shared = _both(groups, adv, group=group)
+    optimizer = optax.sgd(0.1)  # the update is -0.1 * gradient: compares gradients
+    step = train_step.jit_train_step(
+        graphdef=policy.graphdef, optimizer=optimizer, schedule=lambda _: 0.1, cfg=cfg
+    )
+    logp = jax.jit(
+        train_step.logprobs_fn,
+        static_argnames=(
+            "graphdef",
+            "num_completion",
+            "temperature",
+            "disable_lora",
+            "minibatches",
+        ),
+    )
+    results = []
+    for arrays in (full, shared):
+        dev = {k: jnp.asarray(v) for k, v in arrays.items() if k != "sampler_logps"}
+        kw = dict(
+            graphdef=policy.eval_graphdef,
+            num_completion=dev["completion_mask"].shape[1],
+            temperature=0.7,
+            minibatches=cfg.minibatches,
+            prompt_tokens=dev.get("prompt_tokens"),
+            prompt_mask=dev.get("prompt_mask"),
+        )
+        args = (policy.frozen, policy.rest, dev["tokens"], dev["attention_mask"])
+        ref = logp(policy.params, *args, disable_lora=lora, **kw) if cfg.beta > 0 else None
+        old = logp(policy.params, *args, **kw) if cfg.iterations > 1 else None
+        batch = train_step.Batch(
+            dev["tokens"],
+            dev["attention_mask"],
+            dev["completion_mask"],
+            dev["advantages"],
+            old_logps=old,
+            ref_logps=ref,
+            prompt_tokens=dev.get("prompt_tokens"),
+            prompt_mask=dev.get("prompt_mask"),
+        )
+        params = jax.tree.map(jnp.copy, policy.params)
+        state = train_step.TrainState(
+            step=jnp.zeros([], jnp.int32),
+            params=params,
+            opt_state=optimizer.init(params),
+            rng=jax.random.key_data(jax.random.key(0)),
+        )
+        new, metrics = step(state, batch, policy.frozen, policy.rest)
+        delta = jax.tree.map(jnp.subtract, new.params, policy.params)
+        results.append(({k: float(v) for k, v in metrics.items()}, delta))
+    (m_full, d_full), (m_shared, d_shared) = results
+    assert m_full.keys() == m_shared.keys()
+    assert abs(m_full["loss"]) > 1e-4 and m_full["tokens"] > 0
+    for k in m_full:
+        np.testing.assert_allclose(m_shared[k], m_full[k], rtol=1e-5, atol=1e-6, err_msg=k)
+    assert _max_rel_diff(d_full, d_shared) < 1e-5
+
+
+def test_minibatches_must_hold_whole_groups(ckpt):
+    groups = _groups(3, 4, seed=6)
+    _, shared = _both(groups, np.zeros((3, 4)))  # 3 prompts of 4 rows
+    with pytest.raises(ValueError, match="2 minibatches do not split 12 rows sharing 3 prompts"):
+        train_step.check_minibatches(shared["prompt_tokens"], 12, 2)
+    train_step.check_minibatches(shared["prompt_tokens"], 12, 3)
+
+
+_SHARDED = textwrap.dedent(
+    """
+    import sys
+    import jax, jax.numpy as jnp, numpy as np
+    from flax import nnx
+    from mmr_jax.models import loading, logprobs, lora, sharding
+
+    assert jax.device_count() == 8, jax.devices()
+    path = sys.argv[1]
+    cfg = lora.LoraConfig(rank=4, alpha=8)
+    mesh = sharding.make_mesh(2, 2, 2)
+    rng = np.random.default_rng(0)
+    b, n, p, t = 4, 2, 6, 5
+    plen, clen = rng.integers(1, p + 1, b), rng.integers(1, t + 1, b * n)
+    pm = np.arange(p)[None] >= (p - plen)[:, None]
+    cm = np.arange(t)[None] < clen[:, None]
+    pr = np.where(pm, rng.integers(4, 300, (b, p)), 0)
+    ct = np.where(cm, rng.integers(4, 300, (b * n, t)), 0)
+    full_t = np.concatenate([np.repeat(pr, n, 0), ct], 1)
+    full_m = np.concatenate([np.repeat(pm, n, 0), cm], 1)
+    w = rng.standard_normal((b * n, t)).astype(np.float32)
+
+    def loss_full(m):
+        return jnp.sum(logprobs.token_logprobs(m, full_t, full_m)[:, -t:] * w)
+
+    def loss_shared(m, pr, pm, ct, cm):
+        return jnp.sum(logprobs.shared_prompt_logprobs(m, pr, pm, ct, cm) * w)
+
+    diff = nnx.DiffState(0, nnx.LoRAParam)
+    single = loading.from_pretrained(path, lora=cfg)
+    sharded = loading.from_pretrained(path, mesh=mesh, lora=cfg)
+    ref = nnx.jit(nnx.value_and_grad(loss_full, argnums=diff))(single)
+    put = lambda x: jax.device_put(jnp.asarray(x), sharding.batch_sharding(mesh))
+    got = nnx.jit(nnx.value_and_grad(loss_shared, argnums=diff))(
+        sharded, put(pr), put(pm), put(ct), put(cm)
+    )
+    assert abs(float(ref[0]) - float(got[0])) <= 1e-5 * abs(float(ref[0])), (ref[0], got[0])
+    a, g = jax.tree.leaves(ref[1]), jax.tree.leaves(got[1])
+    scale = max(float(jnp.abs(x).max()) for x in a)
+    d = max(float(jnp.abs(x - np.asarray(y)).max()) for x, y in zip(a, g)) / scale
+    print("RELDIFF", d, "SCALE", scale)
+    assert scale > 1e-3 and d < 1e-5, d
+    """
+)
+
+
+def test_fsdp_tensor_mesh_equals_single_device_full_rows(ckpt):
+    # LoRA on a 2x2x2 data/fsdp/tensor mesh (8 fake CPU devices): B = 0 adapters still get a
+    # gradient (dL/dB = A^T x^T dL/dy), which is what this compares.
+    out = testing.run_in_fresh_jax(
+        _SHARDED, str(ckpt), env={"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "RELDIFF" in out.stdout
