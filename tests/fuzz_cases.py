@@ -24,15 +24,15 @@ DTYPES = (np.dtype(np.float32), BF16)
 # Budget weights per property (x the profile's max_examples, 100 in 'ci'): the CI suite must
 # generate at least 10,000 cases (asserted in test_ci_budget).
 WEIGHTS = {
-    "mmr_finite_and_masked": 15,
-    "mmr_certificate": 15,
+    "mmr_finite_and_masked": 14,
+    "mmr_certificate": 14,
     "mmr_permutation": 10,
     "mmr_lam_one": 10,
-    "dra_properties": 12,
+    "dra_properties": 11,
     "host_entry": 8,
-    "advantages_properties": 21,
-    "loss_finite_and_grad": 12,
-    "loss_accumulation": 6,
+    "advantages_properties": 19,
+    "loss_finite_and_grad": 11,
+    "loss_accumulation": 5,
 }
 _COUNTS = collections.Counter()
 
