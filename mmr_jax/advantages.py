@@ -37,10 +37,14 @@ def masked_std(rewards: jax.Array, *, mask: jax.Array | None = None, ddof: int =
     """[..., G] -> [..., 1] std over valid entries with divisor max(n - ddof, 1); 0 if n <= ddof."""
     valid = _valid(rewards, mask)
     mean = masked_mean(rewards, mask=valid)
-    sq = jnp.sum(jnp.where(valid, jnp.square(rewards - mean), 0.0), axis=-1, keepdims=True)
+    dev = jnp.where(valid, rewards - mean, 0.0)
+    # Squares of the deviations scaled by the largest one: unscaled, |dev| > ~1e19 overflowed the
+    # float32 square to inf, the std to inf and every GRPO advantage silently to 0.
+    scale = jnp.max(jnp.abs(dev), axis=-1, keepdims=True)
+    sq = jnp.sum(jnp.square(dev / jnp.where(scale > 0, scale, 1.0)), axis=-1, keepdims=True)
     var = sq / jnp.maximum(_count(valid) - ddof, 1.0).astype(rewards.dtype)
     # Safe sqrt: a zero variance must give a finite (zero) gradient, not inf * 0.
-    return jnp.where(var > 0, jnp.sqrt(jnp.where(var > 0, var, 1.0)), 0.0)
+    return scale * jnp.where(var > 0, jnp.sqrt(jnp.where(var > 0, var, 1.0)), 0.0)
 
 
 def has_variance(rewards: jax.Array, *, mask: jax.Array | None = None) -> jax.Array:

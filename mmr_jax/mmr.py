@@ -36,6 +36,11 @@ def _valid_mask(rewards: jax.Array, mask: jax.Array | None) -> jax.Array:
 
 def cosine_similarity(embeddings: jax.Array) -> jax.Array:
     """[..., G, D] -> [..., G, G] cosine similarities; a zero row has similarity 0 to everything."""
+    # Cosine is scale-invariant per row: dividing each row by its largest |entry| first keeps the
+    # Gram matrix in [-D, D]. Without it rows of norm ~1e20 overflowed it (inf * 0 = NaN) and rows
+    # of norm ~1e-20 underflowed to a zero diagonal (treated as zero rows).
+    amax = jnp.max(jnp.abs(embeddings), axis=-1, keepdims=True)
+    embeddings = embeddings / jnp.where(amax > 0, amax, 1.0).astype(embeddings.dtype)
     # Normalising the Gram matrix by its diagonal reads the [G, D] embeddings once (the matmul)
     # instead of three times; it is the same cosine up to rounding.
     gram = jnp.einsum(
@@ -168,7 +173,8 @@ def dra_reweight(
     """DRA-GRPO baseline: r_i / (1 + sum_{j != i, j valid} cos(i, j)) within each group.
 
     Chen et al. 2025 (DRA-GRPO), as stated in DESIGN.md. The denominator can reach 0 or go negative
-    only for strongly anti-aligned embeddings, which sentence encoders do not produce in practice.
+    only for strongly anti-aligned embeddings, which sentence encoders do not produce in practice;
+    it is floored at the dtype's machine epsilon there (see the code), never changed above it.
 
     Args:
       rewards: [..., G] float rewards.
@@ -187,6 +193,9 @@ def dra_reweight(
     off_diag = ~jnp.eye(g, dtype=bool).reshape((1,) * (rewards.ndim - 1) + (g, g))
     pair = valid[..., :, None] & valid[..., None, :] & off_diag
     denom = 1.0 + jnp.sum(jnp.where(pair, sim, 0.0), axis=-1)
+    # Two antipodal embeddings give 1 + (-1) = 0 exactly (inf or 0/0 = NaN), a net-negative sum
+    # flips the reward's sign: the floor keeps the reward finite with its sign.
+    denom = jnp.maximum(denom, jnp.finfo(denom.dtype).eps)
     return jnp.where(valid, rewards / jnp.where(valid, denom, 1.0), rewards)
 
 
@@ -235,13 +244,15 @@ def check_inputs(
 ) -> None:
     """Host-side validation; raises ValueError naming the argument and its shape.
 
-    Checks: rewards rank >= 1 and finite; embeddings rank = rewards rank + 1, the same leading and
-    G axes, finite; mask the shape of rewards; lam in [0, 1]. Not for use inside jit.
+    Checks: rewards rank >= 1, floating (bfloat16 included) and finite; embeddings rank = rewards
+    rank + 1, the same leading and G axes, finite; mask the shape of rewards, bool or 0/1; lam in
+    [0, 1]. Not for use inside jit.
     """
     r = np.asarray(rewards)
     if r.ndim < 1:
         raise ValueError(f"rewards must have rank >= 1 ([..., G]), got shape {r.shape}")
-    if not np.issubdtype(r.dtype, np.floating):
+    # jnp.issubdtype, not np's: NumPy does not count ml_dtypes' bfloat16 as floating.
+    if not jnp.issubdtype(r.dtype, jnp.floating):
         raise ValueError(f"rewards must be floating point, got {r.dtype} with shape {r.shape}")
     if not np.all(np.isfinite(r)):
         raise ValueError(f"rewards of shape {r.shape} contain NaN or inf")
@@ -263,6 +274,11 @@ def check_inputs(
         raise ValueError(
             f"mask of shape {np.shape(mask)} does not match rewards of shape {r.shape}"
         )
+    # A float mask would be cast to bool later, NaN and 0.5 silently becoming True.
+    if mask is not None and np.asarray(mask).dtype != bool:
+        m = np.asarray(mask)
+        if not np.all((m == 0) | (m == 1)):
+            raise ValueError(f"mask of shape {m.shape} must be bool or 0/1, got other values")
     if lam is not None and not 0.0 <= float(lam) <= 1.0:
         raise ValueError(f"lam must lie in [0, 1], got {lam}")
 

@@ -11,6 +11,25 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0")
 
 import pytest
+from hypothesis import HealthCheck, settings
+
+# Property-based tests (tests/*_fuzz_test.py). 'ci', the default, is reproducible: derandomised
+# (the same cases every run) with no example database. 'deep' draws 10x more cases, fresh each run:
+# HYPOTHESIS_PROFILE=deep pytest tests -k fuzz. deadline=None: the first case of a shape compiles.
+settings.register_profile(
+    "ci",
+    max_examples=100,
+    derandomize=True,
+    database=None,
+    deadline=None,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.register_profile("deep", settings.get_profile("ci"), max_examples=1000, derandomize=False)
+# 'quick' (10 per weight) for iterating on a property; the budget test fails under it by design.
+settings.register_profile("quick", settings.get_profile("ci"), max_examples=10)
+HYPOTHESIS_PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "ci")
+settings.load_profile(HYPOTHESIS_PROFILE)
 
 
 def pytest_addoption(parser):
@@ -70,3 +89,18 @@ def qwen2(tiny_qwen2_dir):
     from mmr_jax import models
 
     return models.from_pretrained(tiny_qwen2_dir)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """One line with the number of generated cases the property-based tests checked."""
+    counts = [
+        value
+        for report in terminalreporter.stats.get("passed", [])
+        for key, value in getattr(report, "user_properties", [])
+        if key == "fuzz_examples"
+    ]
+    if counts:
+        terminalreporter.write_line(
+            f"fuzz: {sum(counts)} generated cases in {len(counts)} property tests "
+            f"(hypothesis profile {HYPOTHESIS_PROFILE!r})"
+        )
