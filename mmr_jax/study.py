@@ -24,9 +24,8 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import ml_collections
-from absl import logging
 
-from mmr_jax import config_types, metrics
+from mmr_jax import config_types, console, metrics
 
 STUDY_FILE = "study_config.json"
 RUN_FILE = "study_run.json"
@@ -167,7 +166,7 @@ def run_study(
     study: ml_collections.ConfigDict,
     *,
     train_fn: Callable | None = None,
-    log: Callable[[str], None] = lambda s: logging.info("%s", s),
+    log: Callable[[str], None] = lambda s: console.info("%s", s),
 ) -> list[RunSpec]:
     """Runs (or resumes) every run of the grid in turn; returns the specs."""
     from mmr_jax import trainer

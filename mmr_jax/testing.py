@@ -175,9 +175,18 @@ def run_in_fresh_jax(script: str, *args: str, env: dict | None = None, timeout: 
 
 @functools.cache
 def load_script(name: str):
-    """The module of `scripts/<name>.py` (scripts are not a package), loaded once."""
+    """The module of `scripts/<name>.py` (scripts are not a package), for its functions.
+
+    The absl flags the script defines at import are unregistered again: tests call its functions,
+    not its `main`, and two scripts that define the same flag (`--model`) can then share a process.
+    """
+    from absl import flags
+
     path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
+    before = set(flags.FLAGS)
     spec.loader.exec_module(module)
+    for flag in set(flags.FLAGS) - before:
+        delattr(flags.FLAGS, flag)
     return module

@@ -12,10 +12,11 @@ Writes `<folder>/study.json` (every curve and the summary), `report.md` and `cur
 """
 
 import json
+import os
 import pathlib
 import sys
 
-from absl import app, flags, logging
+from absl import app, flags
 from ml_collections import config_flags
 
 _ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -23,7 +24,7 @@ sys.path.insert(0, str(_ROOT))
 sys.path.insert(0, str(_ROOT / "scripts"))
 import plot_run  # noqa: E402
 
-from mmr_jax import evaluation, study, study_report  # noqa: E402
+from mmr_jax import console, evaluation, study, study_report  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Study config (configs/study.py[:pilot]).", lock_config=True
@@ -51,7 +52,7 @@ def write_report(config, specs) -> dict:
         plot = "curves.png"
     report = study_report.markdown(result["summary"], result["runs"], result["study"], plot=plot)
     (folder / "report.md").write_text(report)
-    logging.info("wrote %s, report.md, curves.png", folder / "study.json")
+    console.info("wrote %s, report.md, curves.png", folder / "study.json")
     print(report, flush=True)
     return result
 
@@ -59,6 +60,8 @@ def write_report(config, specs) -> dict:
 def main(argv):
     del argv
     config = _CONFIG.value
+    # Progress and the runs' step lines on stdout; Orbax, absl and JAX INFO to <study>/study.log.
+    console.setup(os.path.join(config.folder, "study.log"))
     specs = study.plan(config)
     if _BASE.value:
         result = study.base_accuracy(specs[0].cfg)

@@ -279,8 +279,8 @@ class TestResume:
         )
         res = subprocess.run(cmd(run), env=env, capture_output=True, text=True)
         assert res.returncode == 0, res.stderr[-3000:]
-        assert "study: 1/2 runs done | now mmr_grpo_s1" in res.stderr
-        assert f"resuming {run / 'mmr_grpo_s1'} from step" in res.stderr
+        assert "study: 1/2 runs done | now mmr_grpo_s1" in res.stdout
+        assert f"workdir {run / 'mmr_grpo_s1'} | resuming from step" in res.stdout
         a = json.loads((ref / "study.json").read_text())
         b = json.loads((run / "study.json").read_text())
         assert [r["curve"]["steps"] for r in b["runs"]] == [[0, 1, 2, 3]] * 2

@@ -26,25 +26,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from mmr_jax.models import decoder as decoder_lib
 from mmr_jax.models import layers
 
-_MASK_VALUE = -1e30  # as decoder._MASK_VALUE: fully masked rows give a uniform softmax, not NaN
-
-
-def _split_key(key, i):
-    return None if key is None else jax.random.fold_in(key, i)
-
-
-def attend_prompt_causal(q_BxPxNxD, k_BxPxKxD, v_BxPxKxD, mask_BxPxP):
-    """Grouped-query attention of the prompts over themselves; fp32 scores. Returns [B, P, N*D]."""
-    b, t, n, d = q_BxPxNxD.shape
-    kh = k_BxPxKxD.shape[2]
-    q = q_BxPxNxD.reshape(b, t, kh, n // kh, d)
-    s = jnp.einsum("btkgd,bskd->bkgts", q, k_BxPxKxD, preferred_element_type=jnp.float32)
-    s = jnp.where(mask_BxPxP[:, None, None], s * (d**-0.5), _MASK_VALUE)
-    p = jax.nn.softmax(s, axis=-1).astype(v_BxPxKxD.dtype)
-    o = jnp.einsum("bkgts,bskd->btkgd", p, v_BxPxKxD)
-    return o.reshape(b, t, n * d)
+_MASK_VALUE = decoder_lib._MASK_VALUE  # finite: fully masked rows give a uniform softmax, not NaN
 
 
 def attend_completions(
@@ -82,10 +67,11 @@ def attend_completions(
 def _block(block, xp, xc, rope_p, rope_c, mask_p, pmask, own, disable_lora, key):
     """One decoder block over the prompts [B, P, H] and the completions [R, T, H]."""
     attn = block.self_attn
-    kp, kc = _split_key(key, 0), _split_key(key, 1)  # separate dropout draws for the two parts
+    # separate dropout draws for the two parts
+    kp, kc = decoder_lib._split_key(key, 0), decoder_lib._split_key(key, 1)
     qp, k_p, v_p = attn.qkv(block.input_layernorm(xp), *rope_p, disable_lora=disable_lora, key=kp)
     qc, k_c, v_c = attn.qkv(block.input_layernorm(xc), *rope_c, disable_lora=disable_lora, key=kc)
-    op = attend_prompt_causal(qp, k_p, v_p, mask_p)
+    op = decoder_lib._attend(qp, k_p, v_p, mask_p)  # the prompts alone: the full-row attention
     oc = attend_completions(qc, k_p, v_p, k_c, v_c, pmask, own)
     xp = xp + attn.out(op, disable_lora=disable_lora, key=kp)
     xc = xc + attn.out(oc, disable_lora=disable_lora, key=kc)
@@ -130,6 +116,15 @@ def hidden(model, prompt_BxP, prompt_mask_BxP, tokens_RxT, mask_RxT, *, disable_
     call = _block_remat if model.config.remat else _block
     for i, block in enumerate(model.layers):
         xp, xc = call(
-            block, xp, xc, rope_p, rope_c, mask_p, pmask, own, disable_lora, _split_key(key, i)
+            block,
+            xp,
+            xc,
+            rope_p,
+            rope_c,
+            mask_p,
+            pmask,
+            own,
+            disable_lora,
+            decoder_lib._split_key(key, i),
         )
     return model.norm(xp), model.norm(xc)
