@@ -81,6 +81,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.batch.min_bucket_len = (
         16  # shared prompts: length buckets m, 1.5m, 2m, 3m, ... up to the maxima
     )
+    # Shared prompts: pack each group's completions into one row when every group's tokens fit
+    # in this many (0 = never); the forward then skips the padding of short completions. A packed
+    # row attends over all its tokens (memory ~ L^2 per head), hence the cap.
+    c.batch.pack_max_len = 2048
 
     c.rollout = ml_collections.ConfigDict()
     c.rollout.engine = "embedded"  # 'embedded' (JAX sampler in-process) | 'vllm' (HTTP server)

@@ -52,6 +52,7 @@ class BatchConfig:
     length_buckets: int = 8
     shared_prompt: bool = True
     min_bucket_len: int = 16
+    pack_max_len: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -289,6 +290,8 @@ def validate(cfg: TrainConfig) -> TrainConfig:
             "batch.prompts * batch.generations "
             f"= {cfg.rows_per_step}"
         )
+    if cfg.batch.pack_max_len < 0:
+        raise ValueError(f"batch.pack_max_len={cfg.batch.pack_max_len} must be >= 0 (0 = off)")
     if cfg.batch.min_bucket_len < 1:
         raise ValueError(f"batch.min_bucket_len={cfg.batch.min_bucket_len} must be >= 1")
     if cfg.batch.max_completion_len % cfg.batch.length_buckets:

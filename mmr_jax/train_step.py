@@ -4,9 +4,11 @@ Shape legend: N rows (completions, B prompts x G), P prompt tokens (left-padded)
 tokens (right-padded to a length bucket), L = P + T, M minibatches of N / M rows, Q = N / g stored
 prompts (g rows share each; `batch_layout`).
 
-Two batch layouts, one step: full rows (`tokens` [N, L], every prompt repeated in each of its
-rows) or shared prompts (`prompt_tokens` [Q, P] set, `tokens` [N, T] the completions alone), where
-each prompt is computed once for its g rows (`models.shared_prompt`); same loss and gradients.
+Three batch layouts, one step: full rows (`tokens` [N, L], every prompt repeated in each of its
+rows), shared prompts (`prompt_tokens` [Q, P] set, `tokens` [N, T] the completions alone), where
+each prompt is computed once for its g rows (`models.shared_prompt`), and shared prompts with
+each group's completions packed into one row (`packed` set, `batch_layout.PackedCompletions`),
+where the forward runs over real completion tokens only; same loss and gradients.
 
 The model is functional here: `nnx.split` gives a graphdef, the trainable state (all `nnx.Param`,
 or only the `nnx.LoRAParam` adapters), the frozen parameters and the rest (RNG streams). The step
@@ -53,6 +55,7 @@ class Batch:
     sampler_logps: jax.Array | None = None  # float32 [N, T] the engine's; mismatch metrics, TIS
     prompt_tokens: jax.Array | None = None  # int32 [Q, P] shared-prompt layout (batch_layout)
     prompt_mask: jax.Array | None = None  # bool [Q, P]
+    packed: Any = None  # batch_layout.PackedCompletions: the forward's inputs, with prompt_tokens
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,13 +151,15 @@ def batch_logprobs(
     *,
     prompt_tokens=None,
     prompt_mask=None,
+    packed=None,
     num_completion: int,
     temperature: float,
     chunk: int = 0,
     entropy: bool = False,
     disable_lora: bool = False,
 ):
-    """`completion_logprobs` of either layout: shared prompts when `prompt_tokens` is given."""
+    """`completion_logprobs` of any layout: shared prompts when `prompt_tokens` is given, their
+    completions packed when `packed` is too."""
     if prompt_tokens is None:
         return completion_logprobs(
             model,
@@ -168,6 +173,19 @@ def batch_logprobs(
         )
     if tokens.shape[1] != num_completion:
         raise ValueError(f"completions of {tokens.shape[1]} tokens, expected {num_completion}")
+    if packed is not None:
+        return logprobs_lib.packed_logprobs(
+            model,
+            prompt_tokens,
+            prompt_mask,
+            tokens,
+            attention_mask,
+            packed,
+            temperature=temperature,
+            chunk_size=chunk or None,
+            return_entropy=entropy,
+            disable_lora=disable_lora,
+        )
     return logprobs_lib.shared_prompt_logprobs(
         model,
         prompt_tokens,
@@ -205,6 +223,7 @@ def _minibatch_loss(params, mb: Batch, key, normaliser, *, graphdef, frozen, res
         mb.attention_mask,
         prompt_tokens=mb.prompt_tokens,
         prompt_mask=mb.prompt_mask,
+        packed=mb.packed,
         num_completion=t,
         temperature=cfg.temperature,
         chunk=cfg.logprob_chunk,
@@ -335,32 +354,34 @@ def logprobs_fn(
     minibatches=1,
     prompt_tokens=None,
     prompt_mask=None,
+    packed=None,
 ):
     """Log-probs [N, T] of the completion under the given parameters, in `minibatches` chunks.
 
     With `prompt_tokens` [Q, P] / `prompt_mask`, the shared-prompt layout (`tokens_NxL` is then
-    the completions [N, T]); as the train step computes them.
+    the completions [N, T]), packed with `packed`; as the train step computes them.
     """
     model = nnx.merge(graphdef, params, frozen, rest)
     n = tokens_NxL.shape[0]
     check_minibatches(prompt_tokens, n, minibatches)
 
     def one(xs):
-        tokens, mask, ptokens, pmask = xs
+        tokens, mask, ptokens, pmask, pk = xs
         return batch_logprobs(
             model,
             tokens,
             mask,
             prompt_tokens=ptokens,
             prompt_mask=pmask,
+            packed=pk,
             num_completion=num_completion,
             temperature=temperature,
             chunk=chunk,
             disable_lora=disable_lora,
         )
 
-    xs = (tokens_NxL, attention_mask_NxL, prompt_tokens, prompt_mask)
-    out = jax.lax.map(one, tuple(_split(x, minibatches) for x in xs))
+    xs = (tokens_NxL, attention_mask_NxL, prompt_tokens, prompt_mask, packed)
+    out = jax.lax.map(one, jax.tree.map(functools.partial(_split, m=minibatches), xs))
     return out.reshape(n, num_completion)
 
 

@@ -146,7 +146,7 @@ def setup(cfg: config_types.TrainConfig, workdir, *, overwrite: bool = False) ->
             "disable_lora",
             "minibatches",
         ),
-    )  # prompt_tokens / prompt_mask (shared-prompt layout) are traced keyword arguments
+    )  # prompt_tokens / prompt_mask / packed (shared-prompt layouts): traced keyword arguments
     writer = metrics.MetricWriter(
         workdir, tensorboard=cfg.logging.tensorboard, resume_step=resume_step or 0
     )
@@ -282,6 +282,11 @@ def pack_batch(cfg: config_types.TrainConfig, groups: experience.Groups, adv, pa
             prompt_buckets=batch_layout.bucket_sizes(b.min_bucket_len, b.max_prompt_len),
             completion_buckets=batch_layout.bucket_sizes(b.min_bucket_len, b.max_completion_len),
             group=batch_layout.group_size(b.generations, cfg.rows_per_step, cfg.loss.minibatches),
+            packed_buckets=(
+                batch_layout.bucket_sizes(b.min_bucket_len, b.pack_max_len)
+                if b.pack_max_len
+                else None
+            ),
         )
     return experience.pack(
         groups,
@@ -331,6 +336,7 @@ def make_batch(run: Run, groups: experience.Groups, timings: dict) -> tuple[trai
         minibatches=cfg.loss.minibatches,
         prompt_tokens=dev.get("prompt_tokens"),
         prompt_mask=dev.get("prompt_mask"),
+        packed=dev.get("packed"),
     )
     ref = old = None
     if cfg.loss.beta > 0:
@@ -373,7 +379,10 @@ def make_batch(run: Run, groups: experience.Groups, timings: dict) -> tuple[trai
         sampler_logps=dev["sampler_logps"],
         prompt_tokens=dev.get("prompt_tokens"),
         prompt_mask=dev.get("prompt_mask"),
+        packed=dev.get("packed"),
     )
+    if "packed" in host:  # the packed row length L of this step (the compiled shape)
+        info["batch/packed_len"] = float(host["packed"].inputs.shape[1])
     info["throughput/tokens"] = float(host["completion_mask"].sum())
     return batch, info
 

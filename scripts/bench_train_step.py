@@ -1,16 +1,18 @@
-"""The jitted train step, full rows against shared prompts, in one process, interleaved rounds.
+"""The jitted train step, full rows vs shared prompts vs packed, in one process, interleaved.
 
     python scripts/bench_train_step.py                      # SmolLM2-135M: CPU default + long
     python scripts/bench_train_step.py --shapes=cpu_default --rounds=5 --json=out.json
     python scripts/bench_train_step.py --model=tiny
 
-Both paths run `train_step.train_step` on the same ragged groups, packed two ways:
+The paths run `train_step.train_step` on the same ragged groups, laid out three ways:
 
   full rows      `experience.pack` as the CPU default packed before (length_buckets 1: every row
                  [prompt padded to max_prompt_len, completion padded to max_completion_len]).
   shared prompt  `batch_layout.pack`: each prompt once per group, prompts and completions trimmed
                  to the batch's longest rounded up to a bucket (`batch.min_bucket_len`), LM head
-                 only where a completion token is predicted.
+                 only where a completion token is predicted (`batch.pack_max_len=0`).
+  packed         the shared prompts with each group's completions packed into one row
+                 (`batch_layout.pack_completions`, the default): no work on completion padding.
 
 Shapes (token lengths drawn with a fixed seed):
   cpu_default    configs/cpu_smollm2.py: 4 prompts x 8 completions, prompts 38..44 tokens (the
@@ -19,7 +21,8 @@ Shapes (token lengths drawn with a fixed seed):
   long           2 prompts x 4 completions, prompts ~100 tokens (max 128), completions 300..512
                  (max 512): little padding and prompts small next to completions, so little gain.
 
-Reported per path: ms per step (median of --rounds), completion tokens per second, and the ratio.
+Reported per path: ms per step (median of --rounds), completion tokens per second, and the ratio
+to full rows.
 The step config (loss, minibatches, optimiser) is configs/cpu_smollm2.py's for every shape.
 """
 
@@ -45,6 +48,9 @@ _SHAPES = flags.DEFINE_list("shapes", ["cpu_default", "long"], "shapes to run")
 _ROUNDS = flags.DEFINE_integer("rounds", 3, "timed rounds per path (interleaved)")
 _LONG_ROW = flags.DEFINE_bool("long_row", False, "cpu_default: one completion truncated at 32")
 _JSON = flags.DEFINE_string("json", None, "also write the results to this JSON file")
+
+# path name -> (batch.shared_prompt, batch.pack_max_len)
+PATHS = {"full rows": (False, 0), "shared prompt": (True, 0), "packed": (True, 1 << 20)}
 
 
 class Shape(typing.NamedTuple):  # not a dataclass: tests load this script outside sys.modules
@@ -110,15 +116,17 @@ def train_config(shape: Shape, model_path: str):
 
 
 def batches(cfg, groups, adv) -> dict:
-    """{'full rows': Batch, 'shared prompt': Batch} of the same groups, on device."""
+    """{path name: Batch} of the same groups, on device (`PATHS`)."""
     import dataclasses as dc
 
     from mmr_jax import experience, train_step, trainer
 
     out = {}
-    for name, shared in (("full rows", False), ("shared prompt", True)):
-        c = dc.replace(cfg, batch=dc.replace(cfg.batch, shared_prompt=shared))
-        host = trainer.pack_batch(c, groups, adv, pad_id=0)
+    for name, (shared, pack_max_len) in PATHS.items():
+        b = dc.replace(cfg.batch, shared_prompt=shared, pack_max_len=pack_max_len)
+        host = trainer.pack_batch(dc.replace(cfg, batch=b), groups, adv, pad_id=0)
+        if pack_max_len and "packed" not in host:
+            raise ValueError(f"{pack_max_len=} is too short to pack these groups")
         dev = experience.to_device({k: v for k, v in host.items() if k != "sampler_logps"})
         out[name] = train_step.Batch(
             dev["tokens"],
@@ -127,6 +135,7 @@ def batches(cfg, groups, adv) -> dict:
             dev["advantages"],
             prompt_tokens=dev.get("prompt_tokens"),
             prompt_mask=dev.get("prompt_mask"),
+            packed=dev.get("packed"),
         )
     return out
 
@@ -134,9 +143,9 @@ def batches(cfg, groups, adv) -> dict:
 def run_shape(
     model_path: str, shape: Shape, rounds: int, long_row: bool = False, same_state: bool = False
 ) -> dict:
-    """Times both paths on one shape; returns per-path ms and tokens/s, first-step metrics.
+    """Times the paths on one shape; returns per-path ms and tokens/s, first-step metrics.
 
-    `same_state`: both paths' first (compiling) step from a copy of the initial state, so their
+    `same_state`: every path's first (compiling) step from a copy of the initial state, so their
     metrics compare; costs a second copy of the weights and optimiser state (off for SmolLM2).
     """
     import jax
@@ -172,35 +181,46 @@ def run_shape(
             jax.block_until_ready(metrics)
             res[name]["ms"].append(1e3 * (time.perf_counter() - t0))
             print(f"  {name}: {res[name]['ms'][-1]:.0f} ms", flush=True)
-    out = {"completion_tokens": tokens, "shapes": {}, "first_step": first}
+    out = {
+        "completion_tokens": tokens,
+        "completion_lengths": groups.mask.sum(-1).reshape(-1).tolist(),
+        "shapes": {},
+        "first_step": first,
+    }
     for name, batch in bs.items():
         ms = float(np.median(res[name]["ms"]))
         p = 0 if batch.prompt_tokens is None else batch.prompt_tokens.shape[1]
+        packed_len = 0 if batch.packed is None else batch.packed.inputs.shape[1]
         out[name] = {
             "ms_per_step": ms,
             "ms_rounds": res[name]["ms"],
             "tokens_per_s": tokens / (ms / 1e3),
             "compile_s": res[name]["compile_s"],
         }
-        out["shapes"][name] = {"tokens": list(batch.tokens.shape), "prompt_len": p}
-    out["speedup"] = out["full rows"]["ms_per_step"] / out["shared prompt"]["ms_per_step"]
+        out["shapes"][name] = {
+            "tokens": list(batch.tokens.shape),
+            "prompt_len": p,
+            "packed_len": packed_len,
+        }
+        out[name]["speedup"] = out["full rows"]["ms_per_step"] / ms
     return out
 
 
 def _table(results: dict) -> str:
     lines = [
-        f"{'shape':<12} {'path':<14} {'tokens [N,L|T]':<15} {'ms/step':>9} {'tok/s':>8} {'x':>6}",
+        f"{'shape':<12} {'path':<14} {'layout':<22} {'ms/step':>9} {'tok/s':>8} {'x':>6}",
     ]
     for shape, r in results.items():
-        for name in ("full rows", "shared prompt"):
-            x = r[name]
-            dims = "x".join(str(d) for d in r["shapes"][name]["tokens"])
-            if r["shapes"][name]["prompt_len"]:
-                dims += f" P{r['shapes'][name]['prompt_len']}"
-            ratio = f"{r['speedup']:.2f}" if name == "shared prompt" else ""
+        for name in PATHS:
+            x, dims = r[name], r["shapes"][name]
+            layout = "x".join(str(d) for d in dims["tokens"])
+            if dims["prompt_len"]:
+                layout += f" P{dims['prompt_len']}"
+            if dims["packed_len"]:
+                layout = f"{dims['tokens'][0]} in L{dims['packed_len']} P{dims['prompt_len']}"
             lines.append(
-                f"{shape:<12} {name:<14} {dims:<15} {x['ms_per_step']:>9.0f} "
-                f"{x['tokens_per_s']:>8.1f} {ratio:>6}"
+                f"{shape:<12} {name:<14} {layout:<22} {x['ms_per_step']:>9.0f} "
+                f"{x['tokens_per_s']:>8.1f} {x['speedup']:>6.2f}"
             )
     return "\n".join(lines)
 

@@ -66,8 +66,9 @@ def _groups(b, g, seed, *, t_in=MAX_T, max_len=11):
     )
 
 
-def _both(groups, adv, *, group=None):
-    """(full-row arrays, shared-prompt arrays) of the same groups."""
+def _both(groups, adv, *, group=None, packed=False):
+    """(full-row arrays, shared-prompt arrays) of the same groups; `packed`: completions packed
+    one row per group, T the configured maximum (as the trainer packs them)."""
     full = experience.pack(
         groups,
         adv,
@@ -86,8 +87,13 @@ def _both(groups, adv, *, group=None):
         groups.sampler_logps,
         pad_id=0,
         prompt_buckets=batch_layout.bucket_sizes(4, MAX_P),
-        completion_buckets=batch_layout.bucket_sizes(4, MAX_T),
+        completion_buckets=(MAX_T,) if packed else batch_layout.bucket_sizes(4, MAX_T),
         group=group or groups.tokens.shape[1],
+        packed_buckets=(
+            batch_layout.bucket_sizes(4, (group or groups.tokens.shape[1]) * MAX_T)
+            if packed
+            else None
+        ),
     )
     return full, shared
 
@@ -147,6 +153,63 @@ class TestLayout:
             )
 
 
+class TestPackedCompletions:
+    def test_hand_worked_row(self):
+        # Two groups of 2: completions [5 6 7], [8], [9 10], [11 12 13 14] (0 = padding).
+        tokens = np.array([[5, 6, 7, 0], [8, 0, 0, 0], [9, 10, 0, 0], [11, 12, 13, 14]])
+        mask = tokens > 0
+        pk = batch_layout.pack_completions(tokens, mask, 2, pad_id=0, buckets=(2, 3, 4, 6))
+        # Inputs are all tokens but each completion's last; group 0 has 2 + 0, group 1 1 + 3.
+        np.testing.assert_array_equal(pk.inputs, [[5, 6, 0, 0], [9, 11, 12, 13]])
+        np.testing.assert_array_equal(pk.targets, [[6, 7, 0, 0], [10, 12, 13, 14]])
+        np.testing.assert_array_equal(pk.segments, [[0, 0, -1, -1], [0, 1, 1, 1]])
+        np.testing.assert_array_equal(pk.offsets, [[0, 1, 0, 0], [0, 0, 1, 2]])
+        # Token t >= 1 of row r is predicted by packed input index[r, t] of row r // 2.
+        np.testing.assert_array_equal(
+            pk.index, [[0, 0, 1, 0], [0, 0, 0, 0], [0, 0, 0, 0], [0, 1, 2, 3]]
+        )
+
+    def test_every_token_is_predicted_once_from_its_predecessor(self):
+        groups = _groups(3, 4, seed=7)
+        _, arrays = _both(groups, np.zeros((3, 4)), packed=True)
+        pk, tok, mask = arrays["packed"], arrays["tokens"], arrays["attention_mask"]
+        for r in range(12):
+            q, n = r // 4, int(mask[r].sum())
+            for t in range(1, n):
+                j = pk.index[r, t]
+                assert pk.targets[q, j] == tok[r, t] and pk.inputs[q, j] == tok[r, t - 1]
+                assert pk.segments[q, j] == r % 4 and pk.offsets[q, j] == t - 1
+        assert (pk.segments >= 0).sum() == (mask.sum(-1) - 1).sum()  # nothing else packed
+
+    def test_falls_back_to_shared_rows_when_a_group_is_too_long(self):
+        groups = _groups(2, 4, seed=8)
+        inputs = (groups.mask.sum(-1) - 1).sum(-1).max()
+        kw = dict(
+            pad_id=0,
+            prompt_buckets=(MAX_P,),
+            completion_buckets=batch_layout.bucket_sizes(4, MAX_T),
+            group=4,
+        )
+        args = (groups.prompt_ids, groups.tokens, groups.mask, groups.valid, np.zeros((2, 4)))
+        args += (groups.sampler_logps,)
+        fits = batch_layout.pack(*args, packed_buckets=(int(inputs),), **kw)
+        assert fits["packed"].inputs.shape == (2, inputs) and fits["tokens"].shape[1] == MAX_T
+        short = batch_layout.pack(*args, packed_buckets=(int(inputs) - 1,), **kw)
+        assert "packed" not in short and short["tokens"].shape[1] == 12  # the shared layout
+
+    def test_rejects_a_mask_that_is_not_a_prefix(self):
+        tokens = np.array([[5, 6, 7], [8, 9, 0]])
+        with pytest.raises(ValueError, match="prefix"):
+            batch_layout.pack_completions(
+                tokens, np.array([[1, 0, 1], [1, 1, 0]], bool), 2, pad_id=0, buckets=(8,)
+            )
+        # 2 completions of 6 tokens: 2 x 5 inputs in a row of at most 8
+        with pytest.raises(ValueError, match="packed group of 10 tokens is longer"):
+            batch_layout.pack_completions(
+                np.ones((2, 6), int), np.ones((2, 6), bool), 2, pad_id=0, buckets=(4, 8)
+            )
+
+
 def _load(path, *, lora=False, remat=False):
     # Dropout 0: exactness (with dropout > 0 the shared path draws one mask per prompt, not row).
     cfg = lora_lib.LoraConfig(rank=4, alpha=8, dropout=0.0) if lora else None
@@ -166,6 +229,7 @@ def _max_rel_diff(a_tree, b_tree):
     return max(float(jnp.abs(x - y).max()) for x, y in zip(a, b, strict=True)) / scale
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["shared", "packed"])
 @pytest.mark.parametrize(
     "family,lora,remat,disable_lora,chunk",
     [
@@ -177,12 +241,12 @@ def _max_rel_diff(a_tree, b_tree):
     ],
 )
 def test_logprobs_and_gradients_equal_full_rows(
-    ckpt, ckpt_qwen2, family, lora, remat, disable_lora, chunk
+    ckpt, ckpt_qwen2, family, lora, remat, disable_lora, chunk, packed
 ):
     model = _load(ckpt if family == "llama" else ckpt_qwen2, lora=lora, remat=remat)
     groups = _groups(3, 4, seed=2)
-    full, shared = _both(groups, np.zeros((3, 4)))
-    t = shared["tokens"].shape[1]
+    full, shared = _both(groups, np.zeros((3, 4)), packed=packed)
+    t = min(shared["tokens"].shape[1], full["completion_mask"].shape[1])
     w = jnp.asarray(np.random.default_rng(3).standard_normal((12, t)), jnp.float32)
     kw = dict(temperature=0.7, chunk=chunk, entropy=True, disable_lora=disable_lora)
 
@@ -193,6 +257,7 @@ def test_logprobs_and_gradients_equal_full_rows(
             jnp.asarray(arrays["attention_mask"]),
             prompt_tokens=jnp.asarray(arrays["prompt_tokens"]) if prompts else None,
             prompt_mask=jnp.asarray(arrays["prompt_mask"]) if prompts else None,
+            packed=jax.tree.map(jnp.asarray, arrays.get("packed")) if prompts else None,
             num_completion=arrays["completion_mask"].shape[1],
             **kw,
         )
@@ -207,7 +272,7 @@ def test_logprobs_and_gradients_equal_full_rows(
     assert np.abs(np.asarray(lp_full)).max() > 1.0
     np.testing.assert_allclose(lp_shared, lp_full, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(ent_shared, ent_full, rtol=1e-5, atol=1e-5)
-    assert (np.asarray(lp_shared)[~shared["attention_mask"]] == 0).all()
+    assert (np.asarray(lp_shared)[~shared["attention_mask"][:, :t]] == 0).all()
     assert _max_rel_diff(g_full, g_shared) < 1e-5
 
 
@@ -241,9 +306,13 @@ def test_train_step_same_metrics_and_update(ckpt, variant):
     adv = np.random.default_rng(5).standard_normal((4, 4)).astype(np.float32)
     group = batch_layout.group_size(4, 16, cfg.minibatches)
     full, shared = _both(groups, adv, group=group)
-    optimizer = optax.sgd(0.1)  # the update is -0.1 * gradient: compares gradients
+    packed = _both(groups, adv, group=group, packed=True)[1]
+    # The update is -gradient, so new - old params compares gradients. Rate 1, not smaller: the
+    # difference (p - lr * g) - p carries a rounding of eps * |p| (norm weights are ~1), which
+    # at lr = 0.1 is ~1e-5 of the largest update, the tolerance itself.
+    optimizer = optax.sgd(1.0)
     step = train_step.jit_train_step(
-        graphdef=policy.graphdef, optimizer=optimizer, schedule=lambda _: 0.1, cfg=cfg
+        graphdef=policy.graphdef, optimizer=optimizer, schedule=lambda _: 1.0, cfg=cfg
     )
     logp = jax.jit(
         train_step.logprobs_fn,
@@ -256,8 +325,8 @@ def test_train_step_same_metrics_and_update(ckpt, variant):
         ),
     )
     results = []
-    for arrays in (full, shared):
-        dev = {k: jnp.asarray(v) for k, v in arrays.items() if k != "sampler_logps"}
+    for arrays in (full, shared, packed):
+        dev = {k: jax.tree.map(jnp.asarray, v) for k, v in arrays.items() if k != "sampler_logps"}
         kw = dict(
             graphdef=policy.eval_graphdef,
             num_completion=dev["completion_mask"].shape[1],
@@ -265,6 +334,7 @@ def test_train_step_same_metrics_and_update(ckpt, variant):
             minibatches=cfg.minibatches,
             prompt_tokens=dev.get("prompt_tokens"),
             prompt_mask=dev.get("prompt_mask"),
+            packed=dev.get("packed"),
         )
         args = (policy.frozen, policy.rest, dev["tokens"], dev["attention_mask"])
         ref = logp(policy.params, *args, disable_lora=lora, **kw) if cfg.beta > 0 else None
@@ -278,6 +348,7 @@ def test_train_step_same_metrics_and_update(ckpt, variant):
             ref_logps=ref,
             prompt_tokens=dev.get("prompt_tokens"),
             prompt_mask=dev.get("prompt_mask"),
+            packed=dev.get("packed"),
         )
         params = jax.tree.map(jnp.copy, policy.params)
         state = train_step.TrainState(
@@ -289,12 +360,13 @@ def test_train_step_same_metrics_and_update(ckpt, variant):
         new, metrics = step(state, batch, policy.frozen, policy.rest)
         delta = jax.tree.map(jnp.subtract, new.params, policy.params)
         results.append(({k: float(v) for k, v in metrics.items()}, delta))
-    (m_full, d_full), (m_shared, d_shared) = results
-    assert m_full.keys() == m_shared.keys()
+    (m_full, d_full), *others = results
     assert abs(m_full["loss"]) > 1e-4 and m_full["tokens"] > 0
-    for k in m_full:
-        np.testing.assert_allclose(m_shared[k], m_full[k], rtol=1e-5, atol=1e-6, err_msg=k)
-    assert _max_rel_diff(d_full, d_shared) < 1e-5
+    for name, (m, d) in zip(("shared", "packed"), others, strict=True):
+        assert m.keys() == m_full.keys()
+        for k in m_full:
+            np.testing.assert_allclose(m[k], m_full[k], rtol=1e-5, atol=1e-6, err_msg=name + k)
+        assert _max_rel_diff(d_full, d) < 1e-5, name
 
 
 def test_minibatches_must_hold_whole_groups(ckpt):
@@ -310,6 +382,7 @@ _SHARDED = textwrap.dedent(
     import sys
     import jax, jax.numpy as jnp, numpy as np
     from flax import nnx
+    from mmr_jax import batch_layout
     from mmr_jax.models import loading, logprobs, lora, sharding
 
     assert jax.device_count() == 8, jax.devices()
@@ -341,12 +414,21 @@ _SHARDED = textwrap.dedent(
     got = nnx.jit(nnx.value_and_grad(loss_shared, argnums=diff))(
         sharded, put(pr), put(pm), put(ct), put(cm)
     )
-    assert abs(float(ref[0]) - float(got[0])) <= 1e-5 * abs(float(ref[0])), (ref[0], got[0])
-    a, g = jax.tree.leaves(ref[1]), jax.tree.leaves(got[1])
-    scale = max(float(jnp.abs(x).max()) for x in a)
-    d = max(float(jnp.abs(x - np.asarray(y)).max()) for x, y in zip(a, g)) / scale
-    print("RELDIFF", d, "SCALE", scale)
-    assert scale > 1e-3 and d < 1e-5, d
+    pk = batch_layout.pack_completions(ct, cm, n, pad_id=0, buckets=(n * t,))
+
+    def loss_packed(m, pr, pm, ct, cm, pk):
+        return jnp.sum(logprobs.packed_logprobs(m, pr, pm, ct, cm, pk) * w)
+
+    packed = nnx.jit(nnx.value_and_grad(loss_packed, argnums=diff))(
+        sharded, put(pr), put(pm), put(ct), put(cm), jax.tree.map(put, pk)
+    )
+    for name, got in (("shared", got), ("packed", packed)):
+        assert abs(float(ref[0]) - float(got[0])) <= 1e-5 * abs(float(ref[0])), (ref[0], got[0])
+        a, g = jax.tree.leaves(ref[1]), jax.tree.leaves(got[1])
+        scale = max(float(jnp.abs(x).max()) for x in a)
+        d = max(float(jnp.abs(x - np.asarray(y)).max()) for x, y in zip(a, g)) / scale
+        print(name, "RELDIFF", d, "SCALE", scale)
+        assert scale > 1e-3 and d < 1e-5, d
     """
 )
 
@@ -358,4 +440,4 @@ def test_fsdp_tensor_mesh_equals_single_device_full_rows(ckpt):
         _SHARDED, str(ckpt), env={"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "RELDIFF" in out.stdout
+    assert "shared RELDIFF" in out.stdout and "packed RELDIFF" in out.stdout

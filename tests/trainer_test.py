@@ -492,7 +492,8 @@ class TestCompilation:
             fn = real_step(**kwargs)
 
             def call(state, batch, *rest):
-                shapes.append((batch.prompt_tokens.shape, batch.tokens.shape))
+                packed = None if batch.packed is None else batch.packed.inputs.shape
+                shapes.append((batch.prompt_tokens.shape, batch.tokens.shape, packed))
                 return fn(state, batch, *rest)
 
             return call
@@ -500,7 +501,8 @@ class TestCompilation:
         monkeypatch.setattr(trainer.train_step, "train_step", counted)
         monkeypatch.setattr(trainer.train_step, "jit_train_step", recording)
         cfg = _config("dapo_nods", tiny_llama_dir, steps=4, **{"checkpoint.every": 0})
-        assert cfg.batch.shared_prompt  # shapes: the batch's (prompt, completion) length buckets
+        # shapes: the batch's (prompt, completion, packed row) length buckets
+        assert cfg.batch.shared_prompt and cfg.batch.pack_max_len > 0
         trainer.train(cfg, tmp_path / "run")
-        assert len(shapes) == 4
-        assert len(traces) == len(set(shapes))  # one compilation per bucket pair, no more
+        assert len(shapes) == 4 and all(packed for *_, packed in shapes)
+        assert len(traces) == len(set(shapes))  # one compilation per bucket triple, no more

@@ -122,8 +122,7 @@ def shared_prompt_logprobs(
       logps [R, T] (0 where masked), or (logps, entropy), float32.
     """
     chex.assert_equal_shape([tokens_RxT, mask_RxT])
-    r, t = tokens_RxT.shape
-    b = prompt_BxP.shape[0]
+    t = tokens_RxT.shape[1]
     mask = mask_RxT.astype(jnp.bool_)
     hp, hc = shared_prompt.hidden(
         model,
@@ -133,12 +132,7 @@ def shared_prompt_logprobs(
         mask[:, :-1],
         disable_lora=disable_lora,
     )
-    # The first completion token: one distribution per prompt, picked per row.
-    first = jax.nn.log_softmax(model.logits_from_hidden(hp[:, -1:]) / temperature, axis=-1)
-    first = first[:, 0].astype(jnp.float32)  # [B, V]
-    tok0 = tokens_RxT[:, 0].reshape(b, r // b)
-    logp0 = jnp.take_along_axis(first, tok0, axis=-1).reshape(r, 1)
-    ent0 = jnp.repeat(-jnp.sum(jnp.exp(first) * first, axis=-1), r // b)[:, None]
+    logp0, ent0 = _first_token(model, hp, tokens_RxT[:, 0], temperature)
     if t > 1:
         targets = tokens_RxT[:, 1:]
         if chunk_size is None or chunk_size >= t - 1:
@@ -153,4 +147,66 @@ def shared_prompt_logprobs(
     logp = jnp.where(mask, logp, 0.0)
     if not return_entropy:
         return logp
+    return logp, jnp.where(mask, ent, 0.0)
+
+
+def _first_token(model, hidden_prompt_BxPxH, first_R, temperature):
+    """(log-prob, entropy) [R, 1] of each row's first completion token: one distribution per
+    prompt (its last hidden state), picked per row (rows grouped by prompt)."""
+    b, r = hidden_prompt_BxPxH.shape[0], first_R.shape[0]
+    logits = model.logits_from_hidden(hidden_prompt_BxPxH[:, -1:])[:, 0]
+    first = jax.nn.log_softmax(logits.astype(jnp.float32) / temperature, axis=-1)  # [B, V]
+    logp0 = jnp.take_along_axis(first, first_R.reshape(b, r // b), axis=-1).reshape(r, 1)
+    ent0 = jnp.repeat(-jnp.sum(jnp.exp(first) * first, axis=-1), r // b)[:, None]
+    return logp0, ent0
+
+
+def packed_logprobs(
+    model,
+    prompt_BxP: jax.Array,
+    prompt_mask_BxP: jax.Array,
+    tokens_RxT: jax.Array,
+    mask_RxT: jax.Array,
+    packed,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+    return_entropy: bool = False,
+    disable_lora: bool = False,
+):
+    """`shared_prompt_logprobs` with each group's completions packed into one row.
+
+    `packed` (a `batch_layout.PackedCompletions` of device arrays, row b for prompt b) holds the
+    inputs [B, L] (every completion token that predicts a next one), their targets, segments and
+    offsets, and `index` [R, T]: where in row r's packed row the input predicting token t
+    (t >= 1) sits. The body and the LM head run over the B x L packed tokens, not R x T padded
+    ones; log-probs are gathered back to [R, T] (0 where masked), so the loss code is unchanged.
+    """
+    chex.assert_equal_shape([tokens_RxT, mask_RxT])
+    r, t = tokens_RxT.shape
+    b = prompt_BxP.shape[0]
+    mask = mask_RxT.astype(jnp.bool_)
+    hp, hc = shared_prompt.packed_hidden(
+        model,
+        prompt_BxP,
+        prompt_mask_BxP,
+        packed.inputs,
+        packed.segments,
+        packed.offsets,
+        disable_lora=disable_lora,
+    )
+    logp0, ent0 = _first_token(model, hp, tokens_RxT[:, 0], temperature)
+    packed_len = packed.inputs.shape[1]
+    if chunk_size is None or chunk_size >= packed_len:
+        logits = model.logits_from_hidden(hc)
+        logp_p, ent_p = _scores(logits, packed.targets, temperature, return_entropy)
+    else:
+        logp_p, ent_p = _chunked(model, hc, packed.targets, chunk_size, temperature, return_entropy)
+    row = (jnp.arange(r) // (r // b))[:, None]  # the packed row of completion row r
+    first = jnp.arange(t)[None] == 0
+    logp = jnp.where(first, logp0, logp_p[row, packed.index])
+    logp = jnp.where(mask, logp, 0.0)
+    if not return_entropy:
+        return logp
+    ent = jnp.where(first, ent0, ent_p[row, packed.index])
     return logp, jnp.where(mask, ent, 0.0)

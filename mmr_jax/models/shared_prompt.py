@@ -94,21 +94,59 @@ def hidden(model, prompt_BxP, prompt_mask_BxP, tokens_RxT, mask_RxT, *, disable_
       tokens_RxT: completion tokens fed as inputs, right-padded, rows grouped by prompt
         (R a multiple of B); `mask_RxT` 1/True on real tokens (a prefix of each row).
     """
-    chex.assert_rank([prompt_BxP, prompt_mask_BxP, tokens_RxT, mask_RxT], 2)
-    chex.assert_equal_shape([prompt_BxP, prompt_mask_BxP])
+    chex.assert_rank([tokens_RxT, mask_RxT], 2)
     chex.assert_equal_shape([tokens_RxT, mask_RxT])
+    t = tokens_RxT.shape[1]
+    cmask = mask_RxT.astype(jnp.bool_)
+    own = jnp.tril(jnp.ones((t, t), jnp.bool_))[None] & cmask[:, None, :]
+    offsets = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], tokens_RxT.shape)
+    return _hidden(
+        model, prompt_BxP, prompt_mask_BxP, tokens_RxT, offsets, own, disable_lora=disable_lora
+    )
+
+
+def packed_hidden(
+    model, prompt_BxP, prompt_mask_BxP, tokens_BxL, segments_BxL, offsets_BxL, *, disable_lora=False
+):
+    """`hidden` of completions packed one row per prompt: [B, P, H] and [B, L, H].
+
+    Row b holds its prompt's completions one after another (`batch_layout.pack_completions`):
+    `segments_BxL` the completion each token belongs to (-1 on padding), `offsets_BxL` the
+    token's index within its completion. A token attends to its prompt and to the earlier tokens
+    of its own segment, at position prompt length + offset: exactly what it sees in its full row
+    [prompt, completion], with no work on padding beyond the row's bucket.
+    """
+    chex.assert_rank([tokens_BxL, segments_BxL, offsets_BxL], 2)
+    chex.assert_equal_shape([tokens_BxL, segments_BxL, offsets_BxL])
+    length = tokens_BxL.shape[1]
+    seg = segments_BxL.astype(jnp.int32)
+    same = (seg[:, :, None] == seg[:, None, :]) & (seg[:, None, :] >= 0)
+    own = same & jnp.tril(jnp.ones((length, length), jnp.bool_))[None]
+    return _hidden(
+        model, prompt_BxP, prompt_mask_BxP, tokens_BxL, offsets_BxL, own, disable_lora=disable_lora
+    )
+
+
+def _hidden(
+    model, prompt_BxP, prompt_mask_BxP, tokens_RxT, offsets_RxT, own_RxTxT, *, disable_lora
+):
+    """The blocks over prompts [B, P] and completion rows [R, T] (R a multiple of B).
+
+    Completion token (r, t) sits at position len(prompt of r) + `offsets_RxT[r, t]` and attends
+    to its prompt and to its own row's keys s where `own_RxTxT[r, t, s]`.
+    """
+    chex.assert_rank([prompt_BxP, prompt_mask_BxP], 2)
+    chex.assert_equal_shape([prompt_BxP, prompt_mask_BxP])
     b, p = prompt_BxP.shape
-    r, t = tokens_RxT.shape
+    r = tokens_RxT.shape[0]
     if r % b:
         raise ValueError(f"{r} completion rows do not split into groups of {b} prompts")
     pmask = prompt_mask_BxP.astype(jnp.bool_)
-    cmask = mask_RxT.astype(jnp.bool_)
     plen = pmask.sum(-1).astype(jnp.int32)  # [B]
     pos_p = jnp.maximum(jnp.cumsum(pmask, axis=-1) - 1, 0)
-    pos_c = jnp.repeat(plen, r // b)[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
+    pos_c = jnp.repeat(plen, r // b)[:, None] + offsets_RxT.astype(jnp.int32)
     causal_p = jnp.tril(jnp.ones((p, p), jnp.bool_))
     mask_p = causal_p[None] & pmask[:, None, :]
-    own = jnp.tril(jnp.ones((t, t), jnp.bool_))[None] & cmask[:, None, :]
     rope_p = layers.rope_cos_sin(pos_p, model.inv_freq)
     rope_c = layers.rope_cos_sin(pos_c, model.inv_freq)
     key = model._dropout_key()
@@ -123,7 +161,7 @@ def hidden(model, prompt_BxP, prompt_mask_BxP, tokens_RxT, mask_RxT, *, disable_
             rope_c,
             mask_p,
             pmask,
-            own,
+            own_RxTxT,
             disable_lora,
             decoder_lib._split_key(key, i),
         )
