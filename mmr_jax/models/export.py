@@ -43,6 +43,8 @@ TOKENIZER_FILES = (
     "generation_config.json",
 )
 
+EMBEDDING, TIED_HEAD = "model.embed_tokens.weight", "lm_head.weight"
+
 
 def write_safetensors(path: str | os.PathLike, tensors: dict, *, metadata=None) -> None:
     """Writes {name: array or zero-arg callable returning one} as safetensors, one tensor at a time.
@@ -119,8 +121,14 @@ def save_hf(
     tokenizer_dir=None,
     dtype=jnp.float32,
     max_shard_bytes: int = 5 * 2**30,
+    tied_head: bool = False,
 ) -> pathlib.Path:
-    """Writes a HF folder (config.json, safetensors, tokenizer files) that transformers loads."""
+    """Writes a HF folder (config.json, safetensors, tokenizer files) that transformers loads.
+
+    tied_head: for a model with tied embeddings, also write `lm_head.weight` (the embedding again).
+      HF checkpoints of tied models leave it out; a vLLM in-place reload needs it to refresh the
+      head (see `rollout.vllm_engine`). No effect on an untied model, which always writes its head.
+    """
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     np_dtype = _np_dtype(dtype)
@@ -129,7 +137,10 @@ def save_hf(
         np_dtype.name
     ]
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
-    shards = _shard(_hf_tensors(model, np_dtype), max_shard_bytes)
+    tensors = _hf_tensors(model, np_dtype)
+    if tied_head and model.config.tie_word_embeddings:
+        tensors[TIED_HEAD] = tensors[EMBEDDING]
+    shards = _shard(tensors, max_shard_bytes)
     if len(shards) == 1:
         write_safetensors(out / "model.safetensors", shards[0])
     else:

