@@ -154,6 +154,27 @@ class TestFilter:
         assert np.isfinite(np.asarray(out[0])).tolist() == [False, True, False, True, False]
         assert np.isfinite(np.asarray(out[1])).all()  # ties at the top-k threshold are kept
 
+    @pytest.mark.parametrize("vocab", [300, 2000])
+    def test_equals_the_sorted_definition(self, vocab, monkeypatch):
+        # Peaked and flat rows, ties, top-k inside / beyond the candidates, nucleus inside / beyond
+        # them (the flat rows at p = 0.99 need more than the candidates: the sorted fallback).
+        monkeypatch.setattr(sampler, "_FILTER_CANDIDATES", 64)
+        rng = np.random.default_rng(0)
+        peaked = rng.normal(scale=6.0, size=(6, vocab))
+        flat = rng.normal(scale=0.3, size=(6, vocab))
+        ties = np.round(rng.normal(scale=2.0, size=(4, vocab)))  # many equal logits
+        logits = jnp.asarray(np.concatenate([peaked, flat, ties]), jnp.float32)
+        fast = jax.jit(sampler.filter_top_k_top_p)
+        slow = jax.jit(sampler.filter_top_k_top_p_sorted)
+        fell_back = 0
+        for k in (0, 1, 5, 64, 65, 500):
+            for p in (0.3, 0.9, 0.99, 1.0):
+                args = (logits, jnp.int32(k), jnp.float32(p))
+                want = np.isfinite(np.asarray(slow(*args)))
+                np.testing.assert_array_equal(np.isfinite(np.asarray(fast(*args))), want)
+                fell_back += want.sum(-1).max() >= 64
+        assert fell_back > 0  # the fallback branch was exercised, not only the fast one
+
     def test_off_keeps_everything(self):
         logits = jax.random.normal(jax.random.key(0), (2, 50))
         out = sampler.filter_top_k_top_p(logits, jnp.int32(0), jnp.float32(1.0))

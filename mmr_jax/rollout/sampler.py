@@ -77,11 +77,55 @@ def prefill_trace_count() -> int:
     return _TRACES["prefill"]
 
 
+_FILTER_CANDIDATES = 256  # tokens the nucleus is looked for in before a full sort
+
+
 def filter_top_k_top_p(logits_RxV: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
     """Masks (to -inf) tokens outside the top-k, then outside the top-p nucleus of what is left.
 
     `top_k` 0 = off; `top_p` 1 = off. Ties at a threshold are kept. logits [R, V] -> [R, V].
+
+    The same as `filter_top_k_top_p_sorted` (the definition), without sorting the vocabulary on
+    every decode step (at R=128, V=49152 on CPU the sort took ~1.2 s, top_k(256) ~20 ms): the
+    threshold is found among the `_FILTER_CANDIDATES` largest logits, with the normaliser over all
+    V (or the top-k) taken directly, and the batch falls back to the full sort when some row's
+    nucleus or top-k may reach beyond them.
     """
+    v = logits_RxV.shape[-1]
+    c = min(_FILTER_CANDIDATES, v)
+    # XLA:CPU keeps TopK fast only when its result is reduced, not sliced (a slice of it turned
+    # the whole filter into a ~1 s sort here): positions are picked with masks, not indexing.
+    desc = jax.lax.top_k(logits_RxV, c)[0]  # [R, C], the C largest in descending order
+    pos = jnp.arange(c)[None, :]
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, v), v)
+    in_k = pos < k
+    # softmax over the top-k set: when k <= C it is inside desc; when top-k is off, all of V.
+    top = jnp.max(logits_RxV, axis=-1, keepdims=True)
+    norm = jnp.where(
+        k <= c,
+        jnp.sum(jnp.where(in_k, jnp.exp(desc - top), 0.0), axis=-1, keepdims=True),
+        jnp.sum(jnp.exp(logits_RxV - top), axis=-1, keepdims=True),
+    )
+    probs = jnp.where(in_k, jnp.exp(desc - top) / norm, 0.0)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    keep = (in_k & (mass_before < top_p)) | (pos == 0)
+    # Exact when the top-k lies within the candidates, or top-k is off and the nucleus ends
+    # before the last candidate; otherwise the sort decides, for the whole batch (rare).
+    k_inside = (top_k > 0) & (top_k <= c)
+    exact = k_inside | ((top_k == 0) & ~(keep & (pos == c - 1)).any())
+    threshold = jnp.min(jnp.where(keep, desc, jnp.inf), axis=-1, keepdims=True)
+    fast = jnp.where(logits_RxV >= threshold, logits_RxV, -jnp.inf)
+    if c == v:
+        return fast
+    return jax.lax.cond(
+        exact, lambda: fast, lambda: filter_top_k_top_p_sorted(logits_RxV, top_k, top_p)
+    )
+
+
+def filter_top_k_top_p_sorted(
+    logits_RxV: jax.Array, top_k: jax.Array, top_p: jax.Array
+) -> jax.Array:
+    """`filter_top_k_top_p` by a full sort of each row: the definition, and its fallback."""
     v = logits_RxV.shape[-1]
     desc = -jnp.sort(-logits_RxV, axis=-1)
     k = jnp.where(top_k > 0, jnp.minimum(top_k, v), v)
