@@ -91,8 +91,10 @@ def plan(study: ml_collections.ConfigDict) -> list[RunSpec]:
     if not 0 < study.threshold <= 1:
         raise ValueError(f"study.threshold={study.threshold} must lie in (0, 1]")
     specs = []
-    for variant in study.run:
-        for seed in study.seeds:
+    # Seed-major (grpo_s1, mmr_grpo_s1, ..., grpo_s2, ...): a study cut short holds whole seeds of
+    # every variant, so its paired comparisons are usable at any point.
+    for seed in study.seeds:
+        for variant in study.run:
             cfg = config_types.from_config_dict(train_config(study, variant, seed))
             if cfg.eval.every <= 0:
                 raise ValueError("a study needs held-out evaluation: set train.eval.every > 0")

@@ -207,9 +207,9 @@ class TestConfigChecks:
 
         lines = []
         study.run_study(c, train_fn=fake_train, log=lines.append)
-        assert calls == ["grpo_s1", "grpo_s2", "mmr_grpo_s1", "mmr_grpo_s2"]
+        assert calls == ["grpo_s1", "mmr_grpo_s1", "grpo_s2", "mmr_grpo_s2"]  # seed-major
         assert lines[0] == "study: 0/4 runs done | now grpo_s1 | ETA ?"
-        assert lines[1].startswith("study: 1/4 runs done | now grpo_s2 | ETA ")
+        assert lines[1].startswith("study: 1/4 runs done | now mmr_grpo_s1 | ETA ")
         status = study.run_status(c.folder, study.plan(c)[3])
         assert status["status"] == "diverged" and "non-finite" in status["error"]
         calls.clear()
