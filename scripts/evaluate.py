@@ -15,11 +15,11 @@ import os
 import pathlib
 import sys
 
-from absl import app, flags
+from absl import app, flags, logging
 from ml_collections import config_flags
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from mmr_jax import console, evaluation
+from mmr_jax import compile_cache, console, evaluation
 from mmr_jax.models import sharding
 from mmr_jax.rewards import grading
 
@@ -78,6 +78,7 @@ def main(argv):
         raise app.UsageError("set exactly one of --config.checkpoint and --config.run_dir")
     out_dir = config.output_dir or os.path.join(config.checkpoint or config.run_dir, "eval")
     log_file = console.setup(os.path.join(out_dir, "evaluate.log"))
+    logging.info("XLA compilation cache: %s", compile_cache.enable())
     console.info(
         "evaluate %s | %s | n=%d | engine %s | log %s",
         config.checkpoint or config.run_dir,

@@ -16,7 +16,7 @@ import os
 import pathlib
 import sys
 
-from absl import app, flags
+from absl import app, flags, logging
 from ml_collections import config_flags
 
 _ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -24,7 +24,7 @@ sys.path.insert(0, str(_ROOT))
 sys.path.insert(0, str(_ROOT / "scripts"))
 import plot_run  # noqa: E402
 
-from mmr_jax import console, evaluation, study, study_report  # noqa: E402
+from mmr_jax import compile_cache, console, evaluation, study, study_report  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Study config (configs/study.py[:pilot]).", lock_config=True
@@ -62,6 +62,7 @@ def main(argv):
     config = _CONFIG.value
     # Progress and the runs' step lines on stdout; Orbax, absl and JAX INFO to <study>/study.log.
     console.setup(os.path.join(config.folder, "study.log"))
+    logging.info("XLA compilation cache: %s", compile_cache.enable())
     specs = study.plan(config)
     if _BASE.value:
         result = study.base_accuracy(specs[0].cfg)

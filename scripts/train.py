@@ -19,7 +19,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from mmr_jax import build, checkpoint, config_types, console, trainer
+from mmr_jax import build, checkpoint, compile_cache, config_types, console, trainer
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Config file (configs/*.py[:arg]).", lock_config=True
@@ -56,6 +56,7 @@ def main(argv):
     try:
         console.setup(log_file)
         logging.info("config %s -> %s", cfg.name, _WORKDIR.value)
+        logging.info("XLA compilation cache: %s", compile_cache.enable())
         trainer.train(cfg, _WORKDIR.value, overwrite=_OVERWRITE.value)
     except OSError as e:
         if isinstance(e, checkpoint.WorkdirWriteError):

@@ -9,6 +9,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Compiles dominate these tests (tiny models, many shapes): XLA's backend optimisation level 0
 # roughly halves compile time; the tolerances the tests assert hold at either level.
 os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0")
+# The scripts the tests start keep no compilation cache in ~/.cache (compile_cache_test sets one).
+os.environ.setdefault("MMR_JAX_COMPILE_CACHE", "off")
 
 import pytest
 from hypothesis import HealthCheck, settings
