@@ -54,7 +54,7 @@ class _Brief(logging.Formatter):
         return self.inner.format(brief)
 
 
-def _verbosity_given() -> bool:
+def verbosity_given() -> bool:
     from absl import flags
 
     try:
@@ -74,7 +74,7 @@ def setup(log_file, *, verbose: bool | None = None) -> pathlib.Path:
     """
     from absl import logging as absl_logging
 
-    verbose = _verbosity_given() if verbose is None else verbose
+    verbose = verbosity_given() if verbose is None else verbose
     path = pathlib.Path(log_file).absolute()
     path.parent.mkdir(parents=True, exist_ok=True)
     root = logging.getLogger()

@@ -11,6 +11,7 @@ its latest checkpoint, a study folder of another config is refused with the diff
 Writes `<folder>/study.json` (every curve and the summary), `report.md` and `curves.png`.
 """
 
+import functools
 import json
 import os
 import pathlib
@@ -30,6 +31,9 @@ _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Study config (configs/study.py[:pilot]).", lock_config=True
 )
 _REPORT_ONLY = flags.DEFINE_bool("report_only", False, "Write the report from the runs so far.")
+_IN_PROCESS = flags.DEFINE_bool(
+    "in_process", False, "Train every run in this process (debugging); default: one process a run."
+)
 _BASE = flags.DEFINE_bool(
     "base_accuracy", False, "Evaluate the untrained checkpoint on the held-out set and exit."
 )
@@ -61,7 +65,7 @@ def main(argv):
     del argv
     config = _CONFIG.value
     # Progress and the runs' step lines on stdout; Orbax, absl and JAX INFO to <study>/study.log.
-    console.setup(os.path.join(config.folder, "study.log"))
+    log_file = console.setup(os.path.join(config.folder, "study.log"))
     logging.info("XLA compilation cache: %s", compile_cache.enable())
     specs = study.plan(config)
     if _BASE.value:
@@ -69,7 +73,11 @@ def main(argv):
         print(evaluation.format_table(result), flush=True)
         return
     if not _REPORT_ONLY.value:
-        study.run_study(config)
+        # Each run in its own process: nothing one run compiled outlives it (memory stays flat).
+        in_child = functools.partial(
+            study.train_in_child, log_file=log_file, verbose=console.verbosity_given()
+        )
+        study.run_study(config, train_fn=None if _IN_PROCESS.value else in_child)
     else:
         study.check_folder(config.folder, study.resolved(config, specs))
     write_report(config, specs)

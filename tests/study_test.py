@@ -217,6 +217,49 @@ class TestConfigChecks:
         assert calls == [] and lines[-1] == "study: 4/4 runs done"
 
 
+# Run bodies for `train_in_child`: module level, so the spawned child can import them by name.
+def _child_writes_pid(cfg, workdir):
+    pathlib.Path(workdir).mkdir(parents=True, exist_ok=True)
+    (pathlib.Path(workdir) / "pid").write_text(f"{os.getpid()} {os.getppid()} {cfg}")
+
+
+def _child_diverges(cfg, workdir):
+    raise trainer.NonFiniteLossError("step 3: non-finite loss nan")
+
+
+def _child_raises(cfg, workdir):
+    raise ValueError("bad row 17")
+
+
+def _child_dies(cfg, workdir):
+    os._exit(7)
+
+
+class TestRunInChild:
+    def test_outcomes_cross_the_process_boundary(self, tmp_path):
+        study.train_in_child("cfg-x", tmp_path / "ok", train_fn=_child_writes_pid)
+        child_pid, parent_pid, cfg = (tmp_path / "ok" / "pid").read_text().split()
+        assert int(child_pid) != os.getpid() and int(parent_pid) == os.getpid()
+        assert cfg == "cfg-x"
+        with pytest.raises(trainer.NonFiniteLossError, match="step 3: non-finite loss nan"):
+            study.train_in_child(None, tmp_path / "d", train_fn=_child_diverges)
+        with pytest.raises(study.RunProcessError, match=r"(?s)failed in its process.*bad row 17"):
+            study.train_in_child(None, tmp_path / "e", train_fn=_child_raises)
+        with pytest.raises(study.RunProcessError, match=r"died \(exit code 7"):
+            study.train_in_child(None, tmp_path / "x", train_fn=_child_dies)
+
+    def test_a_diverged_child_marks_the_run_diverged(self, tmp_path):
+        c = _tiny_study("ckpt", tmp_path / "s")
+        c.run, c.compare = ("grpo",), ()
+
+        def in_child(cfg, workdir):
+            study.train_in_child(cfg, workdir, train_fn=_child_diverges)
+
+        study.run_study(c, train_fn=in_child, log=lambda s: None)
+        status = study.run_status(c.folder, study.plan(c)[0])
+        assert status["status"] == "diverged" and "step 3" in status["error"]
+
+
 class TestHeldOut:
     def test_heldout_set_fixed_distinct_and_left_out_of_training(self, tmp_path):
         h = data.heldout_arithmetic(200, 5, max_operand=20, ops=("+", "-"))
