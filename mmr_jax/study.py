@@ -21,6 +21,7 @@ import json
 import multiprocessing
 import os
 import pathlib
+import shutil
 import signal
 import sys
 import time
@@ -31,7 +32,7 @@ from typing import Any
 import jax
 import ml_collections
 
-from mmr_jax import config_types, console, metrics
+from mmr_jax import checkpoint, config_types, console, metrics
 
 STUDY_FILE = "study_config.json"
 RUN_FILE = "study_run.json"
@@ -296,6 +297,37 @@ def train_in_child(
         "the kernel's out-of-memory killer) without a result; rerun the study to resume the run "
         "from its latest checkpoint"
     )
+
+
+# What `archive` keeps: the study's own files, and of each ended run what the report reads.
+ARCHIVE_STUDY_FILES = (STUDY_FILE, "study.json", "report.md", "curves.png")
+ARCHIVE_RUN_FILES = (metrics.METRICS_FILE, checkpoint.RUN_FILE, RUN_FILE)
+
+
+def archive(folder, dest) -> list[str]:
+    """Copies a study without its checkpoints into `dest`; returns the names of the runs kept.
+
+    Kept: the study files and, of every ended run (finished or diverged), its metrics, run.json
+    and end marker, a few hundred KB a run where its checkpoints are GBs. Copying the archive into
+    an empty study folder (`cp -r DEST/. FOLDER/`) carries a study to another machine or session:
+    the same command then skips the ended runs and trains the others (an unfinished run starts
+    over, as its checkpoints stay behind).
+    """
+    folder, dest = pathlib.Path(folder), pathlib.Path(dest)
+    if not (folder / STUDY_FILE).exists():
+        raise FileNotFoundError(f"{folder} holds no study ({STUDY_FILE} missing)")
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in ARCHIVE_STUDY_FILES:
+        if (folder / name).exists():
+            shutil.copy2(folder / name, dest / name)
+    kept = []
+    for run in sorted(p for p in folder.iterdir() if (p / RUN_FILE).exists()):
+        (dest / run.name).mkdir(exist_ok=True)
+        for name in ARCHIVE_RUN_FILES:
+            if (run / name).exists():
+                shutil.copy2(run / name, dest / run.name / name)
+        kept.append(run.name)
+    return kept
 
 
 def read_curve(workdir, metric: str = EVAL_METRIC) -> dict:

@@ -5,6 +5,9 @@
         --config.folder=runs/study_4seeds
     python scripts/study.py --config=configs/study.py --report_only   # from what exists so far
     python scripts/study.py --config=configs/study.py --base_accuracy # untrained model, held out
+    python scripts/study.py --config=configs/study.py --report_only --archive=docs/study_cpu
+        # the study without checkpoints; `cp -r docs/study_cpu/. runs/study_cpu/` and the first
+        # command then resumes it elsewhere, skipping the ended runs
 
 Re-running the same command resumes: finished runs are skipped, an interrupted run resumes from
 its latest checkpoint, a study folder of another config is refused with the differences named.
@@ -33,6 +36,12 @@ _CONFIG = config_flags.DEFINE_config_file(
 _REPORT_ONLY = flags.DEFINE_bool("report_only", False, "Write the report from the runs so far.")
 _IN_PROCESS = flags.DEFINE_bool(
     "in_process", False, "Train every run in this process (debugging); default: one process a run."
+)
+_ARCHIVE = flags.DEFINE_string(
+    "archive",
+    None,
+    "After the report, copy the study without checkpoints to this folder "
+    "(study files, ended runs' metrics); copying it back into an empty folder resumes there.",
 )
 _BASE = flags.DEFINE_bool(
     "base_accuracy", False, "Evaluate the untrained checkpoint on the held-out set and exit."
@@ -81,6 +90,9 @@ def main(argv):
     else:
         study.check_folder(config.folder, study.resolved(config, specs))
     write_report(config, specs)
+    if _ARCHIVE.value:
+        kept = study.archive(config.folder, _ARCHIVE.value)
+        console.info("archived %s (ended runs: %s) -> %s", config.folder, kept, _ARCHIVE.value)
 
 
 if __name__ == "__main__":

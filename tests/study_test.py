@@ -4,6 +4,7 @@ import itertools
 import json
 import os
 import pathlib
+import shutil
 import signal
 import subprocess
 import sys
@@ -215,6 +216,47 @@ class TestConfigChecks:
         calls.clear()
         study.run_study(c, train_fn=fake_train, log=lines.append)
         assert calls == [] and lines[-1] == "study: 4/4 runs done"
+
+
+class _Stopped(Exception):
+    """Stands for a study stopped mid-run (Ctrl-C, a lost session)."""
+
+
+class TestArchive:
+    def test_archive_restored_elsewhere_skips_ended_runs_and_keeps_curves(self, tmp_path):
+        c = _tiny_study("ckpt", tmp_path / "s")
+        c.seeds = (1, 2)
+        calls = []
+
+        def fake_train(cfg, workdir):  # a run that logs two evaluations and a checkpoint
+            calls.append(pathlib.Path(workdir).name)
+            workdir = pathlib.Path(workdir)
+            (workdir / checkpoint.CKPT_DIR / "1").mkdir(parents=True)
+            rows = [{"step": s, study.EVAL_METRIC: 0.1 * s + cfg.seed, "time/step": 2.0}
+                    for s in (1, 2)]  # fmt: skip
+            (workdir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+            if workdir.name == "mmr_grpo_s2" and workdir.parent.name == "s":
+                raise _Stopped  # the study stops during its last run
+
+        with pytest.raises(_Stopped):
+            study.run_study(c, train_fn=fake_train, log=lambda s: None)
+        specs = study.plan(c)
+        before = study.collect(c, specs)
+        kept = study.archive(c.folder, tmp_path / "archive")
+        assert kept == ["grpo_s1", "grpo_s2", "mmr_grpo_s1"]  # not the unfinished mmr_grpo_s2
+        assert not list((tmp_path / "archive").glob("*/" + checkpoint.CKPT_DIR))
+        assert not (tmp_path / "archive" / "mmr_grpo_s2").exists()
+
+        c.folder = str(tmp_path / "elsewhere")
+        shutil.copytree(tmp_path / "archive", c.folder)
+        after = study.collect(c, study.plan(c))
+        assert after["runs"][:3] == before["runs"][:3]  # the ended runs, curves and markers
+        assert after["runs"][3]["status"] == "pending"
+        calls.clear()
+        study.run_study(c, train_fn=fake_train, log=lambda s: None)
+        assert calls == ["mmr_grpo_s2"]  # only the run that had not ended
+        with pytest.raises(FileNotFoundError, match="holds no study"):
+            study.archive(tmp_path / "nothing", tmp_path / "a2")
 
 
 # Run bodies for `train_in_child`: module level, so the spawned child can import them by name.
