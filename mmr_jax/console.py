@@ -63,6 +63,13 @@ def verbosity_given() -> bool:
         return False
 
 
+def _is_basic_config_handler(h: logging.Handler) -> bool:
+    """The stderr handler `logging.basicConfig()` adds. absl's `log()` calls basicConfig when it
+    logs before its flags are parsed (Orbax does so while being imported), and that handler would
+    print every INFO record of every library: `setup` routes the console itself."""
+    return type(h) is logging.StreamHandler and h.stream in (sys.stderr, sys.__stderr__)
+
+
 def setup(log_file, *, verbose: bool | None = None) -> pathlib.Path:
     """Routes logs: `info` lines to stdout, warnings to stderr, everything to `log_file`.
 
@@ -79,7 +86,7 @@ def setup(log_file, *, verbose: bool | None = None) -> pathlib.Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     root = logging.getLogger()
     for h in list(root.handlers):  # a second setup (tests) replaces the first
-        if getattr(h, "_mmr_jax_console", False):
+        if getattr(h, "_mmr_jax_console", False) or _is_basic_config_handler(h):
             root.removeHandler(h)
     for h in list(_logger.handlers):
         _logger.removeHandler(h)

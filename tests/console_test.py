@@ -5,6 +5,7 @@ import json
 import os
 import re
 import subprocess
+import sys
 
 import jax
 import pytest
@@ -32,6 +33,28 @@ def _bench(tmp_path):
         "eval.max_new_tokens": 8,
         "eval.system_prompt": "",
     }
+
+
+def test_setup_after_a_basic_config_keeps_library_info_off_the_console(tmp_path):
+    """An import that logs through absl before flags are parsed (Orbax does) leaves a
+    basicConfig stderr handler; setup after it still keeps INFO to the file."""
+    code = (
+        "import logging, sys\n"
+        "from absl import logging as absl_logging\n"
+        "absl_logging.info('before setup')  # absl calls logging.basicConfig() here\n"
+        "assert logging.getLogger().handlers, 'absl no longer adds the handler: drop this test'\n"
+        "from mmr_jax import console\n"
+        f"console.setup({str(tmp_path / 'x.log')!r}, verbose=False)\n"
+        "logging.getLogger('orbax').info('library info')\n"
+        "absl_logging.info('absl info')\n"
+        "console.info('a console line')\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    assert "library info" not in res.stderr and "absl info" not in res.stderr, res.stderr
+    assert "a console line" in res.stdout and "a console line" not in res.stderr
+    log = (tmp_path / "x.log").read_text()
+    assert "library info" in log and "absl info" in log
 
 
 @pytest.mark.slow
