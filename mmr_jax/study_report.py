@@ -309,5 +309,6 @@ def markdown(summary: Mapping, runs: Sequence[Mapping], study: Mapping, *, plot:
             f"| {_fmt(c['train_s'][-1] if c['train_s'] else None, digits=0)} |"
         )
     if plot:
-        lines += ["", f"![held-out pass@1, mean over seeds, band min-max]({plot})"]
+        caption = "held-out pass@1 and training reward, mean over finished seeds, band min-max"
+        lines += ["", f"![{caption}]({plot})"]
     return "\n".join(lines) + "\n"

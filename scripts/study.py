@@ -53,12 +53,17 @@ def write_report(config, specs) -> dict:
     folder = pathlib.Path(config.folder)
     result = study.collect(config, specs)
     (folder / "study.json").write_text(json.dumps(result, indent=1))
-    with_curve = [s for s, r in zip(specs, result["runs"], strict=True) if r["curve"]["steps"]]
+    runs = list(zip(specs, result["runs"], strict=True))
+    with_curve = [s for s, r in runs if r["curve"]["steps"]]
+    # The bands are over the steps every plotted seed has: a run still going (or diverged) would
+    # cut its variant's curve short, so only finished runs are plotted once there are any.
+    finished = [s for s, r in runs if r["curve"]["steps"] and r["status"] == "finished"]
+    plotted = finished or with_curve
     plot = ""
-    if with_curve:
+    if plotted:
         plot_run.plot_bands(
-            [folder / s.name for s in with_curve],
-            [s.variant for s in with_curve],
+            [folder / s.name for s in plotted],
+            [s.variant for s in plotted],
             folder / "curves.png",
             metrics=(study.EVAL_METRIC, "reward/mean"),
         )
