@@ -120,6 +120,38 @@ class TestSample:
         assert sampler.last_decode_steps() == 1
         assert batch.tokens.shape == (3, 2, 1) and batch.finish_reasons == [["stop"] * 2] * 3
 
+    @pytest.mark.parametrize("greedy", [False, True])
+    def test_compaction_gives_the_same_completions(self, llama, greedy):
+        # Stop ids that end rows at different steps, so the loop compacts: rows still decoding
+        # go on alone in a smaller loop and must produce what they would have in the full one.
+        # Greedy rows of one prompt are equal, so that case takes 8 prompts x 4.
+        prompts = [p[i:] + [i] for i in range(3) for p in PROMPTS][:8] if greedy else PROMPTS
+        params = base.SamplingParams(
+            max_new_tokens=24, temperature=0.0 if greedy else 1.0, n=4 if greedy else 8, seed=3
+        )
+        free = sampler.sample(llama, prompts, params, compact=False)
+        if greedy:  # prompt j's (2j + 2)-th token: endings spread over the loop
+            stops = tuple({int(free.tokens[j, 0, 1 + 2 * j]) for j in range(8)})
+        else:  # the commonest tokens
+            ids, counts = np.unique(free.tokens[:, :, 1:].ravel(), return_counts=True)
+            stops = tuple(int(x) for x in ids[np.argsort(-counts)[:16]])
+        ref = sampler.sample(llama, prompts, params, stop_token_ids=stops, compact=False)
+        assert sampler.last_loop_rows() == (32,)  # 4 prompts (3 padded to 4) x 8, or 8 x 4
+        out = sampler.sample(llama, prompts, params, stop_token_ids=stops)
+        loops = sampler.last_loop_rows()
+        assert len(loops) > 1 and loops[0] == 32
+        assert all(b == max(1, a // 4) for a, b in zip(loops, loops[1:]))
+        lengths = ref.lengths
+        assert lengths.min() < lengths.max()  # rows ended at different steps
+        np.testing.assert_array_equal(out.tokens, ref.tokens)
+        np.testing.assert_array_equal(out.mask, ref.mask)
+        assert out.finish_reasons == ref.finish_reasons
+        np.testing.assert_allclose(out.logprobs, ref.logprobs, atol=1e-5, rtol=1e-5)
+        assert sampler.last_decode_steps() == lengths.max()
+        traces = sampler.trace_count()  # each loop shape compiles once
+        sampler.sample(llama, prompts, params, stop_token_ids=stops)
+        assert sampler.trace_count() == traces and sampler.last_loop_rows() == loops
+
     def test_compiles_once_per_bucket(self, llama):
         params = base.SamplingParams(max_new_tokens=10, temperature=0.9, n=2)
         sampler.sample(llama, PROMPTS, params)

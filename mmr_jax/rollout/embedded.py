@@ -56,6 +56,8 @@ class EmbeddedEngine:
       buckets: minimum padded sizes (see `layout.Buckets`).
       mesh: sample data-parallel over this mesh (see `sampler.sample`); the model's weights are
         replicated on it here, in place. None = on the weights' devices.
+      compact: let the decode loop go on with only its live rows once most are done
+        (`sampler.sample`'s `compact`; the same completions, fewer steps on finished rows).
     """
 
     def __init__(
@@ -67,8 +69,10 @@ class EmbeddedEngine:
         seed: int = 0,
         buckets: layout.Buckets = layout.DEFAULT_BUCKETS,
         mesh: jax.sharding.Mesh | None = None,
+        compact: bool = True,
     ):
         self.model = model
+        self.compact = compact
         self.mesh = mesh
         if mesh is not None:  # Once here, not a copy of the weights per call.
             from mmr_jax.models import sharding
@@ -109,6 +113,7 @@ class EmbeddedEngine:
             buckets=self.buckets,
             max_len=self.max_len,
             mesh=self.mesh,
+            compact=self.compact,
         )
 
     def sync_weights(self, model: nnx.Module, *, version: int) -> None:

@@ -27,6 +27,14 @@ log softmax(logits / temperature)[token] *before* the top-k/top-p truncation (te
 greedy): the quantity the trainer recomputes, so on-policy ratios are exactly 1 with top_p = 1 and
 top_k = 0. (vLLM's `processed_logprobs` are renormalised after truncation; equal when it is off.)
 
+Compaction. A loop runs until every row is done, so a few long completions keep every row
+decoding: early in training (completions of ~9 tokens, a few of 32) most of the loop's steps
+were spent on finished rows. The loop therefore also exits once at most a quarter of its rows
+are live; those rows go on alone in a loop a quarter the size (`_compact`: each takes its own
+copy of its prompt's cache, its keys, own cache and outputs so far; `_continue`), and again, so
+a call compiles at most log4(R) extra loops, each once per shape. Rows keep their random keys,
+so the tokens are those of the uncompacted loop (`compact=False`), up to float rounding.
+
 Randomness. Row r of a call with seed s draws from fold_in(fold_in(key(s), r), t) at step t, so a
 completion depends on (seed, prompt index, sample index) and not on the padding buckets.
 
@@ -50,6 +58,7 @@ from __future__ import annotations
 
 import functools
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -59,7 +68,7 @@ from mmr_jax.models import kv_cache, sharding
 from mmr_jax.rollout import base, layout
 
 _TRACES = {"generate": 0, "prefill": 0}
-_LAST = {"decode_steps": 0}
+_LAST = {"decode_steps": 0, "loop_rows": ()}
 
 
 def trace_count() -> int:
@@ -70,6 +79,11 @@ def trace_count() -> int:
 def last_decode_steps() -> int:
     """Decode steps the last `sample` call ran (the most on any device): shows the early exit."""
     return _LAST["decode_steps"]
+
+
+def last_loop_rows() -> tuple[int, ...]:
+    """Rows of each decode loop the last `sample` call ran (more than one: it compacted)."""
+    return _LAST["loop_rows"]
 
 
 def prefill_trace_count() -> int:
@@ -247,16 +261,40 @@ def _weight_major_kernels(graphdef, state):
     return nnx.merge(graphdef, state).weight_major_kernels()
 
 
+@flax.struct.dataclass
+class _Rows:
+    """The decode loop's state: its rows, their prompts' cache and how far they got.
+
+    Rows r = b * n + i read prompt b of `prompt_cache` / `prompt_mask` (n static, passed beside).
+    `cache` is the rows' own (split, N slots); `cur` each row's next input; `t` the next slot.
+    """
+
+    prompt_cache: kv_cache.KVCache
+    prompt_mask: jax.Array  # [B, P] bool, slot P - 1 off (the last prompt token is an input)
+    lengths: jax.Array  # [R] int32 prompt lengths
+    row_keys: jax.Array  # [R] PRNG keys
+    t: jax.Array  # () int32
+    cache: kv_cache.KVCache
+    cur: jax.Array  # [R] int32
+    done: jax.Array  # [R] bool
+    stopped: jax.Array  # [R] bool
+    toks: jax.Array  # [R, N] int32
+    logps: jax.Array  # [R, N] float32
+
+
 @functools.partial(
-    jax.jit, static_argnames=("graphdef", "n", "num_new", "greedy", "use_filter", "mesh")
+    jax.jit,
+    static_argnames=("graphdef", "n", "num_new", "greedy", "use_filter", "mesh", "keep_rows"),
 )
-def _generate(graphdef, *arrays, n, num_new, greedy, use_filter, mesh=None):
+def _generate(graphdef, *arrays, n, num_new, greedy, use_filter, mesh=None, keep_rows=False):
     """Decodes against the prompt cache (from `_prefill`); -> tokens [R, N] int32, logps [R, N]
-    f32, stopped [R] bool (hit a stop id) and the decode steps run, [devices] int32.
+    f32, stopped [R] bool (hit a stop id) and the decode steps run, [devices] int32, and with
+    `keep_rows` the loop's `_Rows` (to compact and continue; single device only).
 
     `arrays` are `_decode`'s, in its order: the state and the weight-major kernels (or None),
-    five per-prompt or per-row arrays (split over the mesh), six scalars and the stop ids
-    (replicated). With a mesh, each device runs
+    five per-prompt or per-row arrays (split over the mesh), seven scalars and the stop ids
+    (replicated). The loop also exits once at most `min_live` rows are still decoding (0: only
+    when all are done). With a mesh, each device runs
     `_decode` on its own prompts and rows (`shard_map`): its own while loop, which stops when its
     rows are done, and no collective at all. (Under plain sharding propagation the CPU attention
     kernel, an FFI call XLA cannot split, would gather every row onto every device.)
@@ -266,15 +304,21 @@ def _generate(graphdef, *arrays, n, num_new, greedy, use_filter, mesh=None):
         _decode, graphdef, n=n, num_new=num_new, greedy=greedy, use_filter=use_filter
     )
     if mesh is not None:
+        if keep_rows:
+            raise ValueError("keep_rows is single-device only")
         batch, whole = sharding.batch_sharding(mesh).spec, jax.sharding.PartitionSpec()
         decode = jax.shard_map(
-            decode,
+            lambda *a: _decode(
+                graphdef, *a, n=n, num_new=num_new, greedy=greedy, use_filter=use_filter
+            )[:4],
             mesh=mesh,
-            in_specs=(whole,) * 2 + (batch,) * 5 + (whole,) * 6,
+            in_specs=(whole,) * 2 + (batch,) * 5 + (whole,) * 7,
             out_specs=(batch,) * 4,
             check_vma=False,
         )
-    return decode(*arrays)
+        return decode(*arrays)
+    out = decode(*arrays)
+    return out if keep_rows else out[:4]
 
 
 def _decode(
@@ -288,6 +332,7 @@ def _decode(
     real_rows_R,
     seed,
     max_new_tokens,
+    min_live,
     temperature,
     top_k,
     top_p,
@@ -298,56 +343,150 @@ def _decode(
     greedy: bool,
     use_filter: bool,
 ):
-    """`_generate`'s work on one device's (or all) prompts and rows; returns its four outputs."""
+    """`_generate`'s work on one device's (or all) prompts and rows; returns its outputs."""
     model = nnx.merge(graphdef, state)
     bp, _ = prompts_BxP.shape
     r = bp * n
     lengths_B = prompt_mask_BxP.sum(-1).astype(jnp.int32)
-    # Slot P - 1 is not in the prompt cache: the last prompt token is each row's first input.
-    prompt_mask_BxP = prompt_mask_BxP.at[:, -1].set(False)
-    cache = kv_cache.split(model.init_cache(r, num_new))
-    lengths_R = jnp.repeat(lengths_B, n)
-    row_keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.key(seed), i))(row_ids_R)
+    rows = _Rows(
+        prompt_cache=prompt_cache,
+        # Slot P - 1 is not in the prompt cache: the last prompt token is each row's first input.
+        prompt_mask=prompt_mask_BxP.at[:, -1].set(False),
+        lengths=jnp.repeat(lengths_B, n),
+        row_keys=jax.vmap(lambda i: jax.random.fold_in(jax.random.key(seed), i))(row_ids_R),
+        t=jnp.int32(0),
+        cache=kv_cache.split(model.init_cache(r, num_new)),
+        cur=jnp.repeat(prompts_BxP[:, -1], n),
+        done=~real_rows_R,
+        stopped=jnp.zeros((r,), bool),
+        toks=jnp.zeros((r, num_new), jnp.int32),
+        logps=jnp.zeros((r, num_new), jnp.float32),
+    )
+    rows = _loop(
+        model,
+        kernels_t,
+        rows,
+        max_new_tokens,
+        min_live,
+        temperature,
+        top_k,
+        top_p,
+        stop_ids,
+        greedy=greedy,
+        use_filter=use_filter,
+    )
+    return rows.toks, rows.logps, rows.stopped, rows.t[None], rows
 
-    def cond(carry):
-        t, _, _, done, *_ = carry
-        return (t < max_new_tokens) & ~jnp.all(done)
 
-    def body(carry):
-        t, cache, cur_R, done, stopped, toks, logps = carry
-        pos = (lengths_R - 1 + t)[:, None]
+def _loop(
+    model,
+    kernels_t,
+    rows,
+    max_new_tokens,
+    min_live,
+    temperature,
+    top_k,
+    top_p,
+    stop_ids,
+    *,
+    greedy,
+    use_filter,
+):
+    """The decode `while_loop` from `rows.t` until every row is done or at most `min_live` are
+    still decoding (`min_live` 0: to the end). Rows are grouped n = R / B per prompt."""
+
+    def cond(rows):
+        live = jnp.sum(~rows.done)
+        return (rows.t < max_new_tokens) & (live > 0) & (live > min_live)
+
+    def body(rows):
+        t = rows.t
         logits, cache = model.forward_cached_shared_prompt(
-            cur_R[:, None],
-            pos,
-            prompt_cache,
-            cache,
+            rows.cur[:, None],
+            (rows.lengths - 1 + t)[:, None],
+            rows.prompt_cache,
+            rows.cache,
             write_index=t,
-            prompt_mask_BxP=prompt_mask_BxP,
+            prompt_mask_BxP=rows.prompt_mask,
             kernels_t=kernels_t,
         )
-        keys = jax.vmap(lambda k: jax.random.fold_in(k, t))(row_keys)
+        keys = jax.vmap(lambda k: jax.random.fold_in(k, t))(rows.row_keys)
         tok, logp = _sample_step(
             logits[:, 0], keys, temperature, top_k, top_p, greedy=greedy, use_filter=use_filter
         )
-        live = ~done
-        toks = toks.at[:, t].set(jnp.where(live, tok, 0))
-        logps = logps.at[:, t].set(jnp.where(live, logp, 0.0))
+        live = ~rows.done
         hit = live & jnp.any(tok[:, None] == stop_ids[None, :], axis=-1)
-        stopped = stopped | hit
-        done = done | hit | (t + 1 >= max_new_tokens)
-        return t + 1, cache, tok, done, stopped, toks, logps
+        return rows.replace(
+            t=t + 1,
+            cache=cache,
+            cur=tok,
+            toks=rows.toks.at[:, t].set(jnp.where(live, tok, 0)),
+            logps=rows.logps.at[:, t].set(jnp.where(live, logp, 0.0)),
+            stopped=rows.stopped | hit,
+            done=rows.done | hit | (t + 1 >= max_new_tokens),
+        )
 
-    carry = (
-        jnp.int32(0),
-        cache,
-        jnp.repeat(prompts_BxP[:, -1], n),
-        ~real_rows_R,
-        jnp.zeros((r,), bool),
-        jnp.zeros((r, num_new), jnp.int32),
-        jnp.zeros((r, num_new), jnp.float32),
+    return jax.lax.while_loop(cond, body, rows)
+
+
+@functools.partial(jax.jit, static_argnames=("n",))
+def _compact(rows: _Rows, keep_S, real_S, *, n: int) -> _Rows:
+    """The rows `keep_S` of `rows` (S of them), each with its own copy of its prompt's cache, so
+    the result has one row per prompt (n = 1); rows where `real_S` is False are padding (done).
+
+    Row r keeps its keys, own cache and outputs so far, so it continues exactly as it would have.
+    """
+    prompt_of = keep_S // n
+    take = functools.partial(jnp.take, indices=keep_S, axis=0)
+    return _Rows(
+        prompt_cache=jax.tree.map(
+            functools.partial(jnp.take, indices=prompt_of, axis=0), rows.prompt_cache
+        ),
+        prompt_mask=jnp.take(rows.prompt_mask, prompt_of, axis=0),
+        lengths=take(rows.lengths),
+        row_keys=rows.row_keys[keep_S],
+        t=rows.t,
+        cache=jax.tree.map(take, rows.cache),
+        cur=take(rows.cur),
+        done=take(rows.done) | ~real_S,
+        stopped=take(rows.stopped) & real_S,
+        toks=take(rows.toks),
+        logps=take(rows.logps),
     )
-    t, _, _, _, stopped, toks, logps = jax.lax.while_loop(cond, body, carry)
-    return toks, logps, stopped, t[None]
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "greedy", "use_filter"))
+def _continue(
+    graphdef,
+    state,
+    kernels_t,
+    rows,
+    max_new_tokens,
+    min_live,
+    temperature,
+    top_k,
+    top_p,
+    stop_ids,
+    *,
+    greedy,
+    use_filter,
+):
+    """The decode loop resumed on compacted `rows` (one row per prompt)."""
+    _TRACES["generate"] += 1
+    model = nnx.merge(graphdef, state)
+    return _loop(
+        model,
+        kernels_t,
+        rows,
+        max_new_tokens,
+        min_live,
+        temperature,
+        top_k,
+        top_p,
+        stop_ids,
+        greedy=greedy,
+        use_filter=use_filter,
+    )
 
 
 def sample(
@@ -361,6 +500,7 @@ def sample(
     buckets: layout.Buckets = layout.DEFAULT_BUCKETS,
     max_len: int | None = None,
     mesh: jax.sharding.Mesh | None = None,
+    compact: bool = True,
 ) -> base.RolloutBatch:
     """Samples `params.n` completions for each prompt with a `Decoder`; see the module docstring.
 
@@ -377,6 +517,8 @@ def sample(
         the weights replicated on it (a copy per device, made here unless already so). On CPU
         with a device per core (`sharding.use_cpu_cores_as_devices`) this runs every core.
         The tokens do not depend on it (same row keys), up to float rounding.
+      compact: once at most a quarter of the rows are still decoding, go on with those alone
+        (module docstring, "Compaction"); single device only. The tokens do not depend on it.
     Returns:
       A `RolloutBatch` with T = the longest completion.
     """
@@ -421,7 +563,17 @@ def sample(
         cache_sharding=None if mesh is None else sharding.batch_sharding(mesh),
     )
     kernels_t = _weight_major_kernels(graphdef, state) if weight_major(state) else None
-    toks, logps, stopped, steps = _generate(
+    sampling = (
+        scalar(np.float32(params.temperature if not greedy else 1.0)),
+        scalar(np.int32(params.top_k)),
+        scalar(np.float32(params.top_p)),
+        scalar(stop_arr),
+    )
+    static = dict(greedy=greedy, use_filter=not greedy and (params.top_k > 0 or params.top_p < 1.0))
+    max_new = scalar(np.int32(params.max_new_tokens))
+    size = bp * n
+    compacting = compact and mesh is None
+    out = _generate(
         graphdef,
         state,
         kernels_t,
@@ -431,28 +583,80 @@ def sample(
         rows(row_ids),
         rows(row_ids < num_prompts * n),
         scalar(np.uint32((params.seed if params.seed is not None else seed) % 2**32)),
-        scalar(np.int32(params.max_new_tokens)),
-        scalar(np.float32(params.temperature if not greedy else 1.0)),
-        scalar(np.int32(params.top_k)),
-        scalar(np.float32(params.top_p)),
-        scalar(stop_arr),
+        max_new,
+        scalar(np.int32(_min_live(size) if compacting else 0)),
+        *sampling,
         n=n,
         num_new=num_new,
-        greedy=greedy,
-        use_filter=not greedy and (params.top_k > 0 or params.top_p < 1.0),
         mesh=mesh,
+        keep_rows=compacting,
+        **static,
     )
-    _LAST["decode_steps"] = int(np.max(steps))
-    return _to_batch(
-        np.asarray(toks),
-        np.asarray(logps),
-        np.asarray(stopped),
-        num_prompts,
-        n,
-        params.max_new_tokens,
-        stops,
-        pad_id,
-    )
+    _LAST["loop_rows"] = (size,)
+    if not compacting:
+        toks, logps, stopped, steps = out
+        _LAST["decode_steps"] = int(np.max(steps))
+        return _to_batch(
+            np.asarray(toks),
+            np.asarray(logps),
+            np.asarray(stopped),
+            num_prompts,
+            n,
+            params.max_new_tokens,
+            stops,
+            pad_id,
+        )
+    state_rows = out[4]
+    toks = np.zeros((size, num_new), np.int32)
+    logps = np.zeros((size, num_new), np.float32)
+    stopped = np.zeros((size,), bool)
+    origin = np.arange(size)  # the original row of each current row (-1: padding)
+    group = n
+    while True:
+        done = np.asarray(state_rows.done)
+        real = origin >= 0
+        toks[origin[real]] = np.asarray(state_rows.toks)[real]
+        logps[origin[real]] = np.asarray(state_rows.logps)[real]
+        stopped[origin[real]] = np.asarray(state_rows.stopped)[real]
+        if done.all() or int(state_rows.t) >= params.max_new_tokens:
+            break
+        # At most _min_live(size) rows are live: go on with them alone, in a quarter as many rows.
+        live = np.flatnonzero(~done)
+        size = _compacted_size(size)
+        keep = np.full((size,), live[0], np.int32)
+        keep[: len(live)] = live
+        state_rows = _compact(
+            state_rows, jnp.asarray(keep), jnp.asarray(np.arange(size) < len(live)), n=group
+        )
+        origin = np.where(np.arange(size) < len(live), origin[keep], -1)
+        group = 1
+        _LAST["loop_rows"] += (size,)
+        state_rows = _continue(
+            graphdef,
+            state,
+            kernels_t,
+            state_rows,
+            max_new,
+            scalar(np.int32(_min_live(size))),
+            *sampling,
+            **static,
+        )
+    _LAST["decode_steps"] = int(state_rows.t)
+    return _to_batch(toks, logps, stopped, num_prompts, n, params.max_new_tokens, stops, pad_id)
+
+
+_COMPACT_FACTOR = 4  # rows shrink 4x at each compaction: few shapes, most of the saving
+
+
+def _compacted_size(rows: int) -> int:
+    return max(1, rows // _COMPACT_FACTOR)
+
+
+def _min_live(rows: int) -> int:
+    """Live rows at or below which a loop of `rows` rows hands over to a compacted one (0: never,
+    when the compacted loop would not be smaller)."""
+    smaller = _compacted_size(rows)
+    return smaller if smaller < rows else 0
 
 
 def _to_batch(toks, logps, stopped, num_prompts, n, max_new, stops, pad_id) -> base.RolloutBatch:
