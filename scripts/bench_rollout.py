@@ -7,7 +7,7 @@ The work is the trainer's rollout for the config (default the CPU default: SmolL
 4 arithmetic prompts x 8 completions, 32 new tokens at most, T = 0.7, EOS on): the config's
 prompts in the trainer's order (`build.load_prompts`, `data.PromptIterator`), --batches batches,
 each sampled by `EmbeddedEngine.generate` as the trainer calls it, with the sampler's
-compaction on (the default: once at most a quarter of the rows are still decoding they go on
+compaction on (the default: once at most half of the rows are still decoding they go on
 alone, `rollout/sampler.py`) and off (every row stays in the loop until the last one ends).
 Both sides draw the same completions (same seeds; a test checks they are equal); this times how
 long they take. Every batch is sampled once by each side before the timing (compiles every loop
