@@ -8,6 +8,12 @@ entry is never used.
 
 `MMR_JAX_COMPILE_CACHE` chooses the folder (default ~/.cache/mmr_jax/xla); set it to "" (or
 "off") to switch the cache off.
+
+On a host without a GPU plugin, `enable` also asks XLA for LLVM optimisation level 1 instead of
+2 (`CPU_FLAG`, added to XLA_FLAGS unless they set a level): the CPU default's train step compiled
+in 23 s instead of 31 s with the same step time (4.8 s), and the sampler's decode step was
+unchanged (79 against 82 ms); the matmuls are library calls either way, only the small fused
+kernels are compiled less hard. It can only apply before JAX's backend starts.
 """
 
 from __future__ import annotations
@@ -29,9 +35,32 @@ def folder(environ=os.environ) -> pathlib.Path | None:
     return pathlib.Path(value).expanduser()
 
 
+CPU_FLAG = "--xla_backend_optimization_level=1"
+_GPU_PLUGINS = ("jax_plugins", "jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm7_plugin")
+
+
+def cpu_compile_flag(environ=os.environ) -> bool:
+    """Adds `CPU_FLAG` to XLA_FLAGS when no GPU plugin is installed, the flags set no optimisation
+    level and the backend has not started; returns whether it did."""
+    import importlib.util
+
+    from jax._src import xla_bridge
+
+    flags = environ.get("XLA_FLAGS", "")
+    if "xla_backend_optimization_level" in flags or xla_bridge.backends_are_initialized():
+        return False
+    if any(importlib.util.find_spec(name) is not None for name in _GPU_PLUGINS):
+        return False
+    environ["XLA_FLAGS"] = f"{flags} {CPU_FLAG}".strip()
+    return True
+
+
 def enable(environ=os.environ, *, min_compile_s: float = 1.0) -> pathlib.Path | None:
-    """Points JAX's persistent cache at `folder()` (programs compiling >= `min_compile_s`)."""
+    """Points JAX's persistent cache at `folder()` (programs compiling >= `min_compile_s`), and
+    applies `cpu_compile_flag`."""
     import jax
+
+    cpu_compile_flag(environ)
 
     path = folder(environ)
     if path is None:

@@ -58,3 +58,28 @@ def test_off_writes_nothing(tmp_path):
     out = testing.run_in_fresh_jax(_COMPILE, env={compile_cache.ENV: "off"}, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "FOLDER None" in out.stdout
+
+
+_FLAG = textwrap.dedent(
+    """
+    import os
+    import jax, jax.numpy as jnp
+    from mmr_jax import compile_cache
+    print("ADDED", compile_cache.cpu_compile_flag())
+    print("FLAGS", os.environ.get("XLA_FLAGS", ""))
+    print("VALUE", float(jax.jit(lambda x: jnp.sin(x).sum())(jnp.ones(8))))  # XLA took the flags
+    print("AFTER", compile_cache.cpu_compile_flag())  # the backend runs: too late to add it
+    """
+)
+
+
+def test_cpu_compile_flag_before_the_backend_starts():
+    out = testing.run_in_fresh_jax(_FLAG, env={"XLA_FLAGS": "--xla_cpu_enable_fast_math=false"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "ADDED True" in out.stdout and "AFTER False" in out.stdout
+    assert f"FLAGS --xla_cpu_enable_fast_math=false {compile_cache.CPU_FLAG}\n" in out.stdout
+    # A level the user chose is kept.
+    mine = "--xla_backend_optimization_level=3"
+    out = testing.run_in_fresh_jax(_FLAG, env={"XLA_FLAGS": mine})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "ADDED False" in out.stdout and f"FLAGS {mine}\n" in out.stdout

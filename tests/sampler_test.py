@@ -140,7 +140,7 @@ class TestSample:
         out = sampler.sample(llama, prompts, params, stop_token_ids=stops)
         loops = sampler.last_loop_rows()
         assert len(loops) > 1 and loops[0] == 32
-        assert all(b == max(1, a // 2) for a, b in zip(loops[:-1], loops[1:], strict=True))
+        assert loops == (32, 16, 8, 4)[: len(loops)]  # halving, none below 4 rows
         lengths = ref.lengths
         assert lengths.min() < lengths.max()  # rows ended at different steps
         np.testing.assert_array_equal(out.tokens, ref.tokens)

@@ -30,12 +30,12 @@ top_k = 0. (vLLM's `processed_logprobs` are renormalised after truncation; equal
 Compaction. A loop runs until every row is done, so a few long completions keep every row
 decoding: early in training (completions of ~9 tokens, a few of 32) most of the loop's steps
 were spent on finished rows. The loop therefore also exits once at most half of its rows are
-live; those rows go on alone in a loop half the size (`_compact`: each takes its own
-copy of its prompt's cache, its keys, own cache and outputs so far; `_continue`), and again, so
-a call compiles at most log2(R) extra loops, each once per shape (SmolLM2 at 32 rows: a step
-121 ms; at 8 rows 60 ms; halving, not quartering, gave 1.18x on the CPU default's rollouts
-against 1.03x, `scripts/bench_rollout.py`). Rows keep their random keys,
-so the tokens are those of the uncompacted loop (`compact=False`), up to float rounding.
+live; those rows go on alone in a loop half the size (`_compact`: each takes its own copy of
+its prompt's cache, its keys, own cache and outputs so far; `_continue`), and again, down to 4
+rows, so a call compiles at most log2(R / 4) extra loops, each once per shape. (SmolLM2 decode
+step at 32 rows 121 ms, at 8 rows 60 ms; halving, not quartering, gave 1.18x on the CPU
+default's rollouts against 1.03x: `scripts/bench_rollout.py`.) Rows keep their random keys, so
+the tokens are those of the uncompacted loop (`compact=False`), up to float rounding.
 
 Randomness. Row r of a call with seed s draws from fold_in(fold_in(key(s), r), t) at step t, so a
 completion depends on (seed, prompt index, sample index) and not on the padding buckets.
@@ -648,10 +648,13 @@ def sample(
 
 
 _COMPACT_FACTOR = 2  # rows halve at each compaction
+# No loop below 4 rows: each shape compiles once (seconds, for SmolLM2 on 2 cores), and below a few
+# rows a decode step costs about the same (reading the weights), so smaller ones do not repay it.
+_MIN_COMPACT_ROWS = 4
 
 
 def _compacted_size(rows: int) -> int:
-    return max(1, rows // _COMPACT_FACTOR)
+    return max(min(rows, _MIN_COMPACT_ROWS), rows // _COMPACT_FACTOR)
 
 
 def _min_live(rows: int) -> int:
