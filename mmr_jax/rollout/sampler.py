@@ -364,38 +364,16 @@ def _decode(
         toks=jnp.zeros((r, num_new), jnp.int32),
         logps=jnp.zeros((r, num_new), jnp.float32),
     )
-    rows = _loop(
-        model,
-        kernels_t,
-        rows,
-        max_new_tokens,
-        min_live,
-        temperature,
-        top_k,
-        top_p,
-        stop_ids,
-        greedy=greedy,
-        use_filter=use_filter,
-    )
+    sampling = (temperature, top_k, top_p, stop_ids)
+    rows = _loop(model, kernels_t, rows, max_new_tokens, min_live, sampling, greedy, use_filter)
     return rows.toks, rows.logps, rows.stopped, rows.t[None], rows
 
 
-def _loop(
-    model,
-    kernels_t,
-    rows,
-    max_new_tokens,
-    min_live,
-    temperature,
-    top_k,
-    top_p,
-    stop_ids,
-    *,
-    greedy,
-    use_filter,
-):
+def _loop(model, kernels_t, rows, max_new_tokens, min_live, sampling, greedy, use_filter):
     """The decode `while_loop` from `rows.t` until every row is done or at most `min_live` are
-    still decoding (`min_live` 0: to the end). Rows are grouped n = R / B per prompt."""
+    still decoding (`min_live` 0: to the end). Rows are grouped n = R / B per prompt; `sampling`
+    is (temperature, top_k, top_p, stop_ids)."""
+    temperature, top_k, top_p, stop_ids = sampling
 
     def cond(rows):
         live = jnp.sum(~rows.done)
@@ -459,36 +437,12 @@ def _compact(rows: _Rows, keep_S, real_S, *, n: int) -> _Rows:
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "greedy", "use_filter"))
 def _continue(
-    graphdef,
-    state,
-    kernels_t,
-    rows,
-    max_new_tokens,
-    min_live,
-    temperature,
-    top_k,
-    top_p,
-    stop_ids,
-    *,
-    greedy,
-    use_filter,
+    graphdef, state, kernels_t, rows, max_new_tokens, min_live, sampling, *, greedy, use_filter
 ):
-    """The decode loop resumed on compacted `rows` (one row per prompt)."""
+    """The decode loop resumed on compacted `rows` (one row per prompt); `sampling` as `_loop`'s."""
     _TRACES["generate"] += 1
     model = nnx.merge(graphdef, state)
-    return _loop(
-        model,
-        kernels_t,
-        rows,
-        max_new_tokens,
-        min_live,
-        temperature,
-        top_k,
-        top_p,
-        stop_ids,
-        greedy=greedy,
-        use_filter=use_filter,
-    )
+    return _loop(model, kernels_t, rows, max_new_tokens, min_live, sampling, greedy, use_filter)
 
 
 def sample(
@@ -633,15 +587,9 @@ def sample(
         origin = np.where(np.arange(size) < len(live), origin[keep], -1)
         group = 1
         _LAST["loop_rows"] += (size,)
+        min_live = scalar(np.int32(_min_live(size)))
         state_rows = _continue(
-            graphdef,
-            state,
-            kernels_t,
-            state_rows,
-            max_new,
-            scalar(np.int32(_min_live(size))),
-            *sampling,
-            **static,
+            graphdef, state, kernels_t, state_rows, max_new, min_live, sampling, **static
         )
     _LAST["decode_steps"] = int(state_rows.t)
     return _to_batch(toks, logps, stopped, num_prompts, n, params.max_new_tokens, stops, pad_id)
