@@ -1,10 +1,12 @@
 """XLA's persistent compilation cache for the scripts: a step compiled once is loaded after that.
 
-A run compiles its train step once per length bucket and its sampler once per shape (15-20 s
+A run compiles its train step once per length bucket and its sampler once per shape (15-30 s
 each for SmolLM2 on 2 CPU cores). With the cache on disk, a resumed run, the next run of a study
 and a rerun of the README job load those executables instead of compiling them again. The key
 is XLA's (the program, its compile options, the jax/jaxlib version and the device), so a stale
-entry is never used.
+entry is never used. On CPU a load is not much cheaper than the compile for the large programs:
+the CPU default's train step took 19 s from the cache against 21 s to compile (2026-11-25), so
+the cache mainly helps the small ones (and costs nothing to keep).
 
 `MMR_JAX_COMPILE_CACHE` chooses the folder (default ~/.cache/mmr_jax/xla); set it to "" (or
 "off") to switch the cache off.
