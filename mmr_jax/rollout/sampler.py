@@ -33,7 +33,7 @@ were spent on finished rows. The loop therefore also exits once at most half of 
 live; those rows go on alone in a loop half the size (`_compact`: each takes its own copy of
 its prompt's cache, its keys, own cache and outputs so far; `_continue`), and again, down to 4
 rows, so a call compiles at most log2(R / 4) extra loops, each once per shape. (SmolLM2 decode
-step at 32 rows 121 ms, at 8 rows 60 ms; halving, not quartering, gave 1.18x on the CPU
+step at 32 rows 121 ms, at 8 rows 60 ms; halving, not quartering, gave 1.22x on the CPU
 default's rollouts against 1.03x: `scripts/bench_rollout.py`.) Rows keep their random keys, so
 the tokens are those of the uncompacted loop (`compact=False`), up to float rounding.
 
