@@ -309,10 +309,9 @@ def _generate(graphdef, *arrays, n, num_new, greedy, use_filter, mesh=None, keep
         if keep_rows:
             raise ValueError("keep_rows is single-device only")
         batch, whole = sharding.batch_sharding(mesh).spec, jax.sharding.PartitionSpec()
+        per_device = decode
         decode = jax.shard_map(
-            lambda *a: _decode(
-                graphdef, *a, n=n, num_new=num_new, greedy=greedy, use_filter=use_filter
-            )[:4],
+            lambda *a: per_device(*a)[:4],
             mesh=mesh,
             in_specs=(whole,) * 2 + (batch,) * 5 + (whole,) * 7,
             out_specs=(batch,) * 4,
@@ -574,7 +573,7 @@ def sample(
         toks[origin[real]] = np.asarray(state_rows.toks)[real]
         logps[origin[real]] = np.asarray(state_rows.logps)[real]
         stopped[origin[real]] = np.asarray(state_rows.stopped)[real]
-        if done.all() or int(state_rows.t) >= params.max_new_tokens:
+        if done.all():  # (a loop that reached max_new_tokens marked every row done)
             break
         # At most _min_live(size) rows are live: go on with them alone, in half as many rows.
         live = np.flatnonzero(~done)
