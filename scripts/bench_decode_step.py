@@ -45,6 +45,7 @@ from absl import app, flags
 
 _REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(_REPO))
+sys.path.insert(0, str(_REPO / "tests"))  # test tooling (`support`): tiny checkpoints, shared data
 
 _MODEL = flags.DEFINE_enum("model", "smollm2", ["smollm2", "tiny"], "which model")
 _SMOL = flags.DEFINE_string(
@@ -322,7 +323,7 @@ def main(argv):
     import jax
     import torch
 
-    from mmr_jax import testing
+    from support import testing
 
     if _THREADS.value:
         torch.set_num_threads(_THREADS.value)

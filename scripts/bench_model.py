@@ -21,6 +21,7 @@ import tempfile
 import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))  # `support`
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SMOLLM2 = ROOT / "checkpoints" / "smollm2-135m-instruct"
@@ -95,7 +96,7 @@ def bench_torch(path, tokens_np, iters, warmup):
 
 
 def _model_paths(names, tmp):
-    from mmr_jax import testing
+    from support import testing
 
     out = {}
     for name in names:

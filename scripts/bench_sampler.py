@@ -42,6 +42,7 @@ from absl import app, flags
 
 _REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(_REPO))
+sys.path.insert(0, str(_REPO / "tests"))  # test tooling (`support`): tiny checkpoints, shared data
 
 _JSON = flags.DEFINE_string("json", None, "also write the results to this JSON file")
 _PROMPTS = flags.DEFINE_list("prompts", ["8", "32"], "prompt counts")
@@ -69,7 +70,7 @@ FALLBACK = [
 
 
 def problems(count: int) -> list[str]:
-    from mmr_jax import testing
+    from support import testing
 
     path = testing.default_shared_data() / "train" / "gsm8k_train.jsonl"
     texts = []
@@ -386,8 +387,9 @@ def main(argv):
     import jax
     import torch
 
-    from mmr_jax import testing
     from mmr_jax.models import sharding
+
+    from support import testing
 
     devices = sharding.use_cpu_cores_as_devices(_DEVICES.value or None)
 

@@ -39,6 +39,7 @@ from absl import app, flags
 
 _REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(_REPO))
+sys.path.insert(0, str(_REPO / "tests"))  # test tooling (`support`): tiny checkpoints, shared data
 
 _MODEL = flags.DEFINE_enum("model", "smollm2", ["smollm2", "tiny"], "which model")
 _SMOL = flags.DEFINE_string(
@@ -229,7 +230,7 @@ def main(argv):
     del argv
     import tempfile
 
-    from mmr_jax import testing
+    from support import testing
 
     if _MODEL.value == "tiny":
         path = testing.make_tiny_checkpoint(tempfile.mkdtemp(), tokenizer=False, vocab_size=300)

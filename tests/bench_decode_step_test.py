@@ -5,7 +5,9 @@ import numpy as np
 import pytest
 import torch
 
-from mmr_jax import models, testing
+from mmr_jax import models
+
+from support import testing
 
 bench = testing.load_script("bench_decode_step")
 

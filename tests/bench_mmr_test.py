@@ -4,7 +4,9 @@ import numpy as np
 import pytest
 import torch
 
-from mmr_jax import mmr, testing
+from mmr_jax import mmr
+
+from support import testing
 
 bench = testing.load_script("bench_mmr")
 

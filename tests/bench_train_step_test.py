@@ -4,7 +4,7 @@ import json
 
 import numpy as np
 
-from mmr_jax import testing
+from support import testing
 
 bench = testing.load_script("bench_train_step")
 

@@ -7,7 +7,9 @@ import sys
 
 import pytest
 
-from mmr_jax import build, config_types, data, testing
+from mmr_jax import build, config_types, data
+
+from support import testing
 
 bench = testing.load_script("bench_trl")
 

@@ -3,7 +3,9 @@
 import pathlib
 import textwrap
 
-from mmr_jax import compile_cache, testing
+from mmr_jax import compile_cache
+
+from support import testing
 
 
 def test_folder_from_the_environment(tmp_path):

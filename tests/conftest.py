@@ -64,7 +64,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory):
     """A random-weight Llama checkpoint with a trained tokenizer, shared by the session."""
-    from mmr_jax import testing
+    from support import testing
 
     return testing.make_tiny_checkpoint(tmp_path_factory.mktemp("tiny_llama"), family="llama")
 
@@ -72,7 +72,7 @@ def tiny_llama_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_qwen2_dir(tmp_path_factory):
     """A random-weight Qwen2 checkpoint (q/k/v bias) with a trained tokenizer."""
-    from mmr_jax import testing
+    from support import testing
 
     return testing.make_tiny_checkpoint(tmp_path_factory.mktemp("tiny_qwen2"), family="qwen2")
 

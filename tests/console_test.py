@@ -10,7 +10,7 @@ import sys
 import jax
 import pytest
 
-from mmr_jax import crash_harness
+from support import crash_harness
 
 _XLA_CACHE = os.environ.setdefault(
     "JAX_COMPILATION_CACHE_DIR", f"/tmp/mmr_jax_test_xla_cache_{os.getuid()}"

@@ -10,7 +10,9 @@ import jax
 import numpy as np
 import pytest
 
-from mmr_jax import build, checkpoint, config_types, crash_harness, faults, metrics, trainer
+from mmr_jax import build, checkpoint, config_types, faults, metrics, trainer
+
+from support import crash_harness
 
 # Compiled programs are shared by the runs of this module and the subprocesses it starts.
 _XLA_CACHE = os.environ.setdefault(

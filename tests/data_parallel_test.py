@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import textwrap
 
-from mmr_jax import testing
+from support import testing
 
 _SCRIPT = textwrap.dedent(
     """

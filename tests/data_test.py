@@ -4,7 +4,9 @@ import json
 
 import pytest
 
-from mmr_jax import data, testing
+from mmr_jax import data
+
+from support import testing
 
 EVAL_DIR = testing.default_shared_data() / "eval"
 

@@ -7,9 +7,11 @@ import math
 import numpy as np
 import pytest
 
-from mmr_jax import data, evaluation, testing
+from mmr_jax import data, evaluation
 from mmr_jax.rewards import grading
 from mmr_jax.rollout import base
+
+from support import testing
 
 
 class TestPassAtK:

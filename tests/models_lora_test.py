@@ -13,9 +13,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from mmr_jax import models, testing
+from mmr_jax import models
 from mmr_jax.models import export, layers
 from mmr_jax.models import lora as lora_lib
+
+from support import testing
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
 torch = pytest.importorskip("torch")

@@ -10,8 +10,9 @@ import textwrap
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from mmr_jax import testing
 from mmr_jax.models import sharding
+
+from support import testing
 
 pytest.importorskip("transformers")
 

@@ -14,7 +14,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from mmr_jax import models, testing
+from mmr_jax import models
+
+from support import testing
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

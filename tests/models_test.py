@@ -14,10 +14,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from mmr_jax import models, testing
+from mmr_jax import models
 from mmr_jax.kernels import decode_attention
 from mmr_jax.models import config as config_lib
 from mmr_jax.models import kv_cache, logprobs
+
+from support import testing
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
 torch = pytest.importorskip("torch")

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from mmr_jax import testing
+from support import testing
 
 SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "plot_run.py"
 

@@ -252,7 +252,9 @@ class TestCategorical:
 
 class TestEmbeddedEngine:
     def test_generate_and_sync_weights(self, tiny_llama_dir, tmp_path):
-        from mmr_jax import models, testing
+        from mmr_jax import models
+
+        from support import testing
 
         engine = embedded.EmbeddedEngine.from_pretrained(tiny_llama_dir)
         assert engine.stop_token_ids == (EOS,)

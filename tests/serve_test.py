@@ -94,7 +94,9 @@ class TestServe:
 
 class TestFullWeightSync:
     def test_reload_from_a_safetensors_folder(self, engine, tiny_llama_dir, tmp_path):
-        from mmr_jax import models, testing
+        from mmr_jax import models
+
+        from support import testing
 
         other = testing.make_tiny_checkpoint(tmp_path / "other", seed=1)
         try:
@@ -104,7 +106,9 @@ class TestFullWeightSync:
             engine.load_weights_dir(tiny_llama_dir, version=2)
 
     def test_sync_weights_exports_and_reloads(self, engine, tiny_llama_dir, tmp_path):
-        from mmr_jax import models, testing
+        from mmr_jax import models
+
+        from support import testing
 
         policy = models.from_pretrained(testing.make_tiny_checkpoint(tmp_path / "p", seed=2))
         try:
@@ -170,7 +174,9 @@ class TestServeScript:
         import subprocess
         import sys
 
-        from mmr_jax import models, testing
+        from mmr_jax import models
+
+        from support import testing
 
         script = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "serve.py"
         argv = [sys.executable, str(script), f"--model={tiny_llama_dir}", "--port=0"]

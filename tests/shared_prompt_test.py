@@ -16,9 +16,11 @@ import optax
 import pytest
 from flax import nnx
 
-from mmr_jax import batch_layout, build, experience, testing, train_step
+from mmr_jax import batch_layout, build, experience, train_step
 from mmr_jax.models import loading
 from mmr_jax.models import lora as lora_lib
+
+from support import testing
 
 VOCAB = 300
 MAX_P, MAX_T = 12, 16

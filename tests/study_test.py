@@ -13,7 +13,9 @@ import time
 import numpy as np
 import pytest
 
-from mmr_jax import build, checkpoint, data, study, study_report, testing, trainer
+from mmr_jax import build, checkpoint, data, study, study_report, trainer
+
+from support import testing
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "configs"))

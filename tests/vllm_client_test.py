@@ -488,8 +488,10 @@ def _real_vllm(model_dir, tmp_path, **options):
 def test_real_vllm_serve_matches_embedded_greedy(tiny_llama_dir, tmp_path):
     """Greedy tokens of a real `vllm serve` on the tiny checkpoint equal the JAX sampler's, before
     and after a full-weight sync through vLLM's reload_weights."""
-    from mmr_jax import models, testing
+    from mmr_jax import models
     from mmr_jax.rollout import sampler
+
+    from support import testing
 
     with _real_vllm(tiny_llama_dir, tmp_path) as client:
         engine = vllm_engine.VllmEngine(client, model="tiny", sync_dir=tmp_path / "sync")

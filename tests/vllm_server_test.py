@@ -29,7 +29,7 @@ EOS = (2,)
 
 
 def _tiny(path, seed, **overrides):
-    from mmr_jax import testing
+    from support import testing
 
     return testing.make_tiny_checkpoint(path, seed=seed, hidden_size=128, head_dim=32, **overrides)
 

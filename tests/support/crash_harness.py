@@ -25,7 +25,7 @@ import time
 
 import numpy as np
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 _PROGRESS = re.compile(r" step (\d+)/(\d+) \|")
 # Metrics that measure the machine, not the run: they differ between any two runs.
 TIMING_PREFIXES = ("time/", "throughput/tokens_per_s")
@@ -86,7 +86,7 @@ def subprocess_env(extra: dict | None = None) -> dict:
     env = dict(os.environ, JAX_PLATFORMS="cpu", **(extra or {}))
     env.pop("MMR_JAX_KILL_AT", None)
     env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "tests"), env.get("PYTHONPATH", "")])
     return env
 
 

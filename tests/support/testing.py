@@ -13,6 +13,8 @@ import json
 import os
 import pathlib
 
+REPO = pathlib.Path(__file__).resolve().parents[2]
+
 _FALLBACK_TEXT = [
     "What is 12 + 35? Let me think step by step. 12 + 35 = 47. The answer is \\boxed{47}.",
     "<think>\nWe add the numbers.\n</think>\n<answer>\\boxed{7}</answer>",
@@ -49,7 +51,7 @@ def default_shared_data() -> pathlib.Path:
     env = os.environ.get("MMR_JAX_SHARED_DATA")
     if env:
         return pathlib.Path(env)
-    return pathlib.Path(__file__).resolve().parents[2] / "shared" / "data"
+    return REPO.parent / "shared" / "data"
 
 
 def make_tiny_tokenizer(out_dir: str | os.PathLike, *, vocab_size: int = 512, shared_data=None):
@@ -160,9 +162,11 @@ def run_in_fresh_jax(script: str, *args: str, env: dict | None = None, timeout: 
     import subprocess
     import sys
 
-    root = pathlib.Path(__file__).resolve().parents[1]
+    root = REPO
     full_env = dict(os.environ, JAX_PLATFORMS="cpu", **(env or {}))
-    full_env["PYTHONPATH"] = str(root) + os.pathsep + full_env.get("PYTHONPATH", "")
+    # The package and this test tooling (`support`) importable.
+    paths = [str(REPO), str(REPO / "tests"), full_env.get("PYTHONPATH", "")]
+    full_env["PYTHONPATH"] = os.pathsep.join(paths)
     return subprocess.run(
         [sys.executable, "-c", script, *args],
         env=full_env,
@@ -182,7 +186,7 @@ def load_script(name: str):
     """
     from absl import flags
 
-    path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
+    path = REPO / "scripts" / f"{name}.py"
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     before = set(flags.FLAGS)

@@ -1,6 +1,6 @@
-"""Config of the crash harness's runs (mmr_jax/crash_harness.py): a variant's smoke config.
+"""Config of the crash harness's runs (tests/support/crash_harness.py): a variant's smoke config.
 
-    python scripts/train.py --config=mmr_jax/crash_harness_config.py:dapo --workdir=/tmp/h \\
+    python scripts/train.py --config=tests/support/crash_harness_config.py:dapo --workdir=/tmp/h \\
         --config.model.path=<tiny checkpoint>
 """
 
@@ -8,9 +8,10 @@ import importlib
 import pathlib
 import sys
 
-_REPO = pathlib.Path(__file__).resolve().parents[1]
+_REPO = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(_REPO))
-from mmr_jax import crash_harness  # noqa: E402
+sys.path.insert(0, str(_REPO / "tests"))
+from support import crash_harness  # noqa: E402
 
 
 def get_config(arg: str = "grpo"):
