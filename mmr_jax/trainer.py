@@ -17,11 +17,9 @@ import time
 from typing import Any
 
 import jax
-import numpy as np
 from absl import logging
 
 from mmr_jax import (
-    batch_layout,
     build,
     checkpoint,
     config_types,
@@ -30,31 +28,14 @@ from mmr_jax import (
     experience,
     faults,
     metrics,
-    rewards,
+    step_batch,
     train_step,
 )
 from mmr_jax.models import hub
-from mmr_jax.rollout import base as rollout_base
 
 
 class NonFiniteLossError(FloatingPointError):
     """The loss became NaN or inf; the run stops, its last good checkpoint untouched."""
-
-
-class EngineLogprobError(ValueError):
-    """The rollout engine returned a NaN / inf log-prob for a sampled token."""
-
-
-def _check_engine_logps(logps_NxT: np.ndarray, mask_NxT: np.ndarray, engine: str) -> None:
-    bad = mask_NxT & ~np.isfinite(logps_NxT)
-    if bad.any():
-        row, col = (int(i[0]) for i in np.nonzero(bad))
-        raise EngineLogprobError(
-            f"the {engine} engine returned {int(bad.sum())} non-finite log-probs for sampled "
-            f"tokens (first: row {row}, token {col}: {logps_NxT[row, col]}); the mismatch metrics "
-            "and loss.tis_cap need them finite. Check the engine's logprobs mode (vLLM: "
-            "--logprobs-mode processed_logprobs) and its dtype."
-        )
 
 
 @dataclasses.dataclass
@@ -188,203 +169,25 @@ def _export_if_missing(cfg, policy, state, workdir: str, step: int) -> None:
         _export(cfg, policy.model(state.params), out, step)
 
 
-def _sampling(cfg: config_types.TrainConfig, step: int, round_: int) -> rollout_base.SamplingParams:
-    # The seed is a function of (seed, step, round), so a resumed run samples what it would have.
-    seed = (cfg.seed * 1_000_003 + step * 1_009 + round_) % 2**31
-    return rollout_base.SamplingParams(
-        max_new_tokens=cfg.batch.max_completion_len,
-        temperature=cfg.rollout.temperature,
-        top_p=cfg.rollout.top_p,
-        top_k=cfg.rollout.top_k,
-        n=cfg.batch.generations,
-        seed=seed,
-    )
-
-
-def _reward_params(cfg: config_types.TrainConfig) -> dict:
-    params = {}
-    if "cosine" in cfg.rewards.weights:
-        released = cfg.rewards.cosine_form == "released"
-        params["cosine"] = (
-            dict(rewards.RELEASED_COSINE) if released else {"max_len": cfg.batch.max_completion_len}
-        )
-    if cfg.rewards.accuracy_number_only and "accuracy" in cfg.rewards.weights:
-        params["accuracy"] = {"number_only": True}
-    return params
-
-
 def collect(run: Run, step: int, timings: dict) -> tuple[experience.Groups, dict]:
-    """B groups for `step`: one generation round, or DAPO's rounds until B groups have variance."""
-    cfg = run.cfg
-    ds = cfg.dynamic_sampling
-    kept, rounds, seen, dropped = [], 0, 0, 0
-    max_rounds = ds.max_generation_batches if ds.enabled else 1
-    while rounds < max_rounds:
-        batch = next(run.prompts)
-        groups = experience.generate_and_score(
-            run.engine,
-            run.tokenizer,
-            [p for p, _ in batch],
-            [a for _, a in batch],
-            _sampling(cfg, step, rounds),
-            cfg.rewards.weights,
-            reward_params=_reward_params(cfg),
-            encoder=run.encoder,
-            timings=timings,
-        )
-        if rounds == 0:
-            faults.point("rollout", step)
-        rounds += 1
-        seen += groups.num_groups
-        last = groups
-        if ds.enabled:
-            keep = np.flatnonzero(experience.has_variance(groups, ds.filter_reward))
-            dropped += groups.num_groups - len(keep)
-            groups = groups.take(keep)
-        kept.append(groups)
-        if sum(g.num_groups for g in kept) >= cfg.batch.prompts:
-            break
-    groups = experience.concat(kept)
-    if groups.num_groups < cfg.batch.prompts:  # DAPO gave up: fill with masked copies (no loss)
-        logging.warning(
-            "step %d: only %d of %d groups with reward variance after %d rounds",
-            step,
-            groups.num_groups,
-            cfg.batch.prompts,
-            rounds,
-        )
-        source = groups if groups.num_groups else last  # no group at all: a step without signal
-        fill = source.take(
-            [i % source.num_groups for i in range(cfg.batch.prompts - groups.num_groups)]
-        )
-        fill.valid = np.zeros_like(fill.valid)
-        groups = experience.concat([groups, fill])
-    groups = groups.take(range(cfg.batch.prompts))
-    info = {
-        "dynamic_sampling/generation_batches": rounds,
-        "dynamic_sampling/dropped_frac": dropped / seen,
-    }
-    return groups, info if ds.enabled else {}
-
-
-def pack_batch(cfg: config_types.TrainConfig, groups: experience.Groups, adv, pad_id: int) -> dict:
-    """Host arrays of the step's batch: shared prompts (`batch_layout`) or full rows."""
-    b = cfg.batch
-    if b.shared_prompt:
-        return batch_layout.pack(
-            groups.prompt_ids,
-            groups.tokens,
-            groups.mask,
-            groups.valid,
-            adv,
-            groups.sampler_logps,
-            pad_id=pad_id,
-            prompt_buckets=batch_layout.bucket_sizes(b.min_bucket_len, b.max_prompt_len),
-            completion_buckets=batch_layout.bucket_sizes(b.min_bucket_len, b.max_completion_len),
-            group=batch_layout.group_size(b.generations, cfg.rows_per_step, cfg.loss.minibatches),
-            packed_buckets=(
-                batch_layout.bucket_sizes(b.min_bucket_len, b.pack_max_len)
-                if b.pack_max_len
-                else None
-            ),
-        )
-    return experience.pack(
-        groups,
-        adv,
-        pad_id=pad_id,
-        prompt_quantum=max(1, b.max_prompt_len // b.length_buckets),
-        max_prompt_len=b.max_prompt_len,
-        completion_quantum=b.max_completion_len // b.length_buckets,
-        max_completion_len=b.max_completion_len,
+    """B groups for `step` (`step_batch.collect`)."""
+    return step_batch.collect(
+        run.cfg, run.prompts, run.engine, run.tokenizer, run.encoder, step, timings
     )
 
 
 def make_batch(run: Run, groups: experience.Groups, timings: dict) -> tuple[train_step.Batch, dict]:
-    """Reweighting and advantages, packing, and the ref / old log-probs the loss needs."""
-    cfg = run.cfg
-    t0 = time.perf_counter()
-    opts = experience.AdvantageOptions(
-        method=cfg.reweighting,
-        lam=cfg.mmr.lam,
-        scope=cfg.mmr.scope,
-        estimator=cfg.advantage.estimator,
-        std_ddof=cfg.advantage.std_ddof,
-        eps=cfg.advantage.eps,
-    )
-    reweighted, adv, lam = experience.compute_advantages(
-        groups.total, groups.embeddings, groups.valid, opts
-    )
-    timings["reweighting"] = time.perf_counter() - t0
-    info = experience.group_metrics(
+    """The step's device batch and its metrics (`step_batch.make_batch`)."""
+    return step_batch.make_batch(
+        run.cfg,
         groups,
-        reweighted,
-        adv,
-        lam,
-        filter_reward=(
-            cfg.dynamic_sampling.filter_reward if cfg.dynamic_sampling.enabled else None
-        ),
+        policy=run.policy,
+        params=run.state.params,
+        ref_params=run.ref_params,
+        logp_fn=run.logp_fn,
+        pad_id=getattr(run.engine, "pad_id", 0),
+        timings=timings,
     )
-    host = pack_batch(cfg, groups, adv, run.engine.pad_id if hasattr(run.engine, "pad_id") else 0)
-    _check_engine_logps(host["sampler_logps"], host["completion_mask"], cfg.rollout.engine)
-    dev = experience.to_device(host)
-    t = host["completion_mask"].shape[1]
-    kw = dict(
-        graphdef=run.policy.eval_graphdef,
-        num_completion=t,
-        temperature=cfg.rollout.temperature,
-        chunk=cfg.model.logprob_chunk,
-        minibatches=cfg.loss.minibatches,
-        prompt_tokens=dev.get("prompt_tokens"),
-        prompt_mask=dev.get("prompt_mask"),
-        packed=dev.get("packed"),
-    )
-    ref = old = None
-    if cfg.loss.beta > 0:
-        params = run.ref_params if run.ref_params is not None else run.state.params
-        ref = run.logp_fn(
-            params,
-            run.policy.frozen,
-            run.policy.rest,
-            dev["tokens"],
-            dev["attention_mask"],
-            disable_lora=run.policy.lora,
-            **kw,
-        )
-    # With LoRA dropout the step's own log-probs are noisy; TIS needs the clean pre-update ones.
-    dropout = run.policy.lora and cfg.lora.dropout > 0
-    if dropout and cfg.loss.iterations == 1 and cfg.loss.tis_cap == 0:
-        logging.log_first_n(
-            logging.WARNING,
-            "mismatch/* metrics include LoRA dropout noise (lora.dropout=%s, loss.iterations=1): "
-            "set loss.tis_cap > 0 or lora.dropout=0 to measure the engine mismatch alone",
-            1,
-            cfg.lora.dropout,
-        )
-    if cfg.loss.iterations > 1 or (dropout and cfg.loss.tis_cap > 0):
-        old = run.logp_fn(
-            run.state.params,
-            run.policy.frozen,
-            run.policy.rest,
-            dev["tokens"],
-            dev["attention_mask"],
-            **kw,
-        )
-    batch = train_step.Batch(
-        dev["tokens"],
-        dev["attention_mask"],
-        dev["completion_mask"],
-        dev["advantages"],
-        old_logps=old,
-        ref_logps=ref,
-        sampler_logps=dev["sampler_logps"],
-        prompt_tokens=dev.get("prompt_tokens"),
-        prompt_mask=dev.get("prompt_mask"),
-        packed=dev.get("packed"),
-    )
-    if "packed" in host:  # the packed row length L of this step (the compiled shape)
-        info["batch/packed_len"] = float(host["packed"].inputs.shape[1])
-    info["throughput/tokens"] = float(host["completion_mask"].sum())
-    return batch, info
 
 
 def _check_finite(step: int, device_metrics: dict, workdir: str, last_saved) -> dict:

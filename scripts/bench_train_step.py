@@ -120,12 +120,12 @@ def batches(cfg, groups, adv) -> dict:
     """{path name: Batch} of the same groups, on device (`PATHS`)."""
     import dataclasses as dc
 
-    from mmr_jax import experience, train_step, trainer
+    from mmr_jax import experience, step_batch, train_step
 
     out = {}
     for name, (shared, pack_max_len) in PATHS.items():
         b = dc.replace(cfg.batch, shared_prompt=shared, pack_max_len=pack_max_len)
-        host = trainer.pack_batch(dc.replace(cfg, batch=b), groups, adv, pad_id=0)
+        host = step_batch.host_arrays(dc.replace(cfg, batch=b), groups, adv, pad_id=0)
         if pack_max_len and "packed" not in host:
             raise ValueError(f"{pack_max_len=} is too short to pack these groups")
         dev = experience.to_device({k: v for k, v in host.items() if k != "sampler_logps"})

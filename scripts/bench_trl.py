@@ -42,7 +42,7 @@ import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from mmr_jax import build, config_types, data, rewards, trainer  # noqa: E402
+from mmr_jax import build, config_types, data, rewards, step_batch  # noqa: E402
 
 SIDES = ("trl", "ours", "ours_nommr")
 # Our loss aggregation -> TRL's loss_type; advantage estimator -> TRL's scale_rewards.
@@ -145,7 +145,7 @@ def step_batches(cfg: config_types.TrainConfig, tokenizer, steps: int) -> list[l
 
 def make_reward_fn(cfg: config_types.TrainConfig, calls: list | None = None):
     """A TRL reward function scoring as our trainer does (rewards.score, the config's weights)."""
-    weights, params = dict(cfg.rewards.weights), trainer._reward_params(cfg)
+    weights, params = dict(cfg.rewards.weights), step_batch.reward_params(cfg)
 
     def accuracy(completions, answer, completion_ids, **kwargs):
         del kwargs

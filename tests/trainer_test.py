@@ -12,7 +12,7 @@ import jax
 import numpy as np
 import pytest
 
-from mmr_jax import build, checkpoint, config_types, metrics, rewards, trainer
+from mmr_jax import build, checkpoint, config_types, metrics, rewards, step_batch, trainer
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "configs"))
@@ -297,7 +297,9 @@ class TestMismatch:
     ):
         _plant_engine_offset(monkeypatch, np.nan)
         cfg = _config("dapo_nods", tiny_llama_dir, steps=1, **{"checkpoint.every": 0})
-        with pytest.raises(trainer.EngineLogprobError, match="embedded engine returned .* non-fin"):
+        with pytest.raises(
+            step_batch.EngineLogprobError, match="embedded engine returned .* non-fin"
+        ):
             trainer.train(cfg, tmp_path / "run")
 
 

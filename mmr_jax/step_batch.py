@@ -1,0 +1,247 @@
+"""One training step's batch, from the prompt iterator to the device arrays the jitted step takes.
+
+    collect:    prompts -> rollout -> rewards -> embeddings (`experience.generate_and_score`),
+                with DAPO's dynamic sampling (rounds until B groups have reward variance)
+    make_batch: reweighting and advantages (`experience.compute_advantages`) -> the step's layout
+                (`batch_layout.pack`) -> ref / old log-probs -> `train_step.Batch`
+
+The trainer calls these two once per step; they take the run's parts (config, engine, policy),
+not the run, so that they can be driven without a trainer. Host-side NumPy and jitted calls; the
+only side effects are the engine's and logging.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+from absl import logging
+
+from mmr_jax import batch_layout, config_types, experience, faults, rewards, train_step
+from mmr_jax.rollout import base as rollout_base
+
+
+class EngineLogprobError(ValueError):
+    """The rollout engine returned a NaN / inf log-prob for a sampled token."""
+
+
+def check_engine_logps(logps_NxT: np.ndarray, mask_NxT: np.ndarray, engine: str) -> None:
+    """Raises `EngineLogprobError` when a sampled token's engine log-prob is not finite."""
+    bad = mask_NxT & ~np.isfinite(logps_NxT)
+    if bad.any():
+        row, col = (int(i[0]) for i in np.nonzero(bad))
+        raise EngineLogprobError(
+            f"the {engine} engine returned {int(bad.sum())} non-finite log-probs for sampled "
+            f"tokens (first: row {row}, token {col}: {logps_NxT[row, col]}); the mismatch metrics "
+            "and loss.tis_cap need them finite. Check the engine's logprobs mode (vLLM: "
+            "--logprobs-mode processed_logprobs) and its dtype."
+        )
+
+
+def sampling_params(
+    cfg: config_types.TrainConfig, step: int, round_: int
+) -> rollout_base.SamplingParams:
+    """The rollout's sampling parameters for generation round `round_` of `step`."""
+    # The seed is a function of (seed, step, round), so a resumed run samples what it would have.
+    seed = (cfg.seed * 1_000_003 + step * 1_009 + round_) % 2**31
+    return rollout_base.SamplingParams(
+        max_new_tokens=cfg.batch.max_completion_len,
+        temperature=cfg.rollout.temperature,
+        top_p=cfg.rollout.top_p,
+        top_k=cfg.rollout.top_k,
+        n=cfg.batch.generations,
+        seed=seed,
+    )
+
+
+def reward_params(cfg: config_types.TrainConfig) -> dict:
+    """Keyword arguments of the reward functions, by name."""
+    params = {}
+    if "cosine" in cfg.rewards.weights:
+        released = cfg.rewards.cosine_form == "released"
+        params["cosine"] = (
+            dict(rewards.RELEASED_COSINE) if released else {"max_len": cfg.batch.max_completion_len}
+        )
+    if cfg.rewards.accuracy_number_only and "accuracy" in cfg.rewards.weights:
+        params["accuracy"] = {"number_only": True}
+    return params
+
+
+def collect(
+    cfg: config_types.TrainConfig, prompts, engine, tokenizer, encoder, step: int, timings: dict
+) -> tuple[experience.Groups, dict]:
+    """B groups for `step`: one generation round, or DAPO's rounds until B groups have variance.
+
+    `prompts` yields batches of B (prompt ids, gold answer) pairs (`data.PromptIterator`).
+    """
+    ds = cfg.dynamic_sampling
+    kept, rounds, seen, dropped = [], 0, 0, 0
+    max_rounds = ds.max_generation_batches if ds.enabled else 1
+    while rounds < max_rounds:
+        batch = next(prompts)
+        groups = experience.generate_and_score(
+            engine,
+            tokenizer,
+            [p for p, _ in batch],
+            [a for _, a in batch],
+            sampling_params(cfg, step, rounds),
+            cfg.rewards.weights,
+            reward_params=reward_params(cfg),
+            encoder=encoder,
+            timings=timings,
+        )
+        if rounds == 0:
+            faults.point("rollout", step)
+        rounds += 1
+        seen += groups.num_groups
+        last = groups
+        if ds.enabled:
+            keep = np.flatnonzero(experience.has_variance(groups, ds.filter_reward))
+            dropped += groups.num_groups - len(keep)
+            groups = groups.take(keep)
+        kept.append(groups)
+        if sum(g.num_groups for g in kept) >= cfg.batch.prompts:
+            break
+    groups = experience.concat(kept)
+    if groups.num_groups < cfg.batch.prompts:  # DAPO gave up: fill with masked copies (no loss)
+        logging.warning(
+            "step %d: only %d of %d groups with reward variance after %d rounds",
+            step,
+            groups.num_groups,
+            cfg.batch.prompts,
+            rounds,
+        )
+        source = groups if groups.num_groups else last  # no group at all: a step without signal
+        fill = source.take(
+            [i % source.num_groups for i in range(cfg.batch.prompts - groups.num_groups)]
+        )
+        fill.valid = np.zeros_like(fill.valid)
+        groups = experience.concat([groups, fill])
+    groups = groups.take(range(cfg.batch.prompts))
+    info = {
+        "dynamic_sampling/generation_batches": rounds,
+        "dynamic_sampling/dropped_frac": dropped / seen,
+    }
+    return groups, info if ds.enabled else {}
+
+
+def host_arrays(cfg: config_types.TrainConfig, groups: experience.Groups, adv, pad_id: int) -> dict:
+    """Host arrays of the step's batch in the configured layout (`batch_layout.pack`)."""
+    b = cfg.batch
+    if b.shared_prompt:
+        return batch_layout.pack(
+            groups.prompt_ids,
+            groups.tokens,
+            groups.mask,
+            groups.valid,
+            adv,
+            groups.sampler_logps,
+            pad_id=pad_id,
+            prompt_buckets=batch_layout.bucket_sizes(b.min_bucket_len, b.max_prompt_len),
+            completion_buckets=batch_layout.bucket_sizes(b.min_bucket_len, b.max_completion_len),
+            group=batch_layout.group_size(b.generations, cfg.rows_per_step, cfg.loss.minibatches),
+            packed_buckets=(
+                batch_layout.bucket_sizes(b.min_bucket_len, b.pack_max_len)
+                if b.pack_max_len
+                else None
+            ),
+        )
+    return experience.pack(
+        groups,
+        adv,
+        pad_id=pad_id,
+        prompt_quantum=max(1, b.max_prompt_len // b.length_buckets),
+        max_prompt_len=b.max_prompt_len,
+        completion_quantum=b.max_completion_len // b.length_buckets,
+        max_completion_len=b.max_completion_len,
+    )
+
+
+def _advantages(cfg: config_types.TrainConfig, groups: experience.Groups):
+    opts = experience.AdvantageOptions(
+        method=cfg.reweighting,
+        lam=cfg.mmr.lam,
+        scope=cfg.mmr.scope,
+        estimator=cfg.advantage.estimator,
+        std_ddof=cfg.advantage.std_ddof,
+        eps=cfg.advantage.eps,
+    )
+    return experience.compute_advantages(groups.total, groups.embeddings, groups.valid, opts)
+
+
+def make_batch(
+    cfg: config_types.TrainConfig,
+    groups: experience.Groups,
+    *,
+    policy,
+    params,
+    ref_params,
+    logp_fn,
+    pad_id: int,
+    timings: dict,
+) -> tuple[train_step.Batch, dict]:
+    """Reweighting and advantages, the layout, and the ref / old log-probs the loss needs.
+
+    `policy` is the run's `build.Policy`, `params` the trainable parameters of this step,
+    `ref_params` the reference policy's (full fine-tune with beta > 0; else None: the base is the
+    adapters switched off), `logp_fn` the jitted `train_step.logprobs_fn`.
+    """
+    t0 = time.perf_counter()
+    reweighted, adv, lam = _advantages(cfg, groups)
+    timings["reweighting"] = time.perf_counter() - t0
+    info = experience.group_metrics(
+        groups,
+        reweighted,
+        adv,
+        lam,
+        filter_reward=(
+            cfg.dynamic_sampling.filter_reward if cfg.dynamic_sampling.enabled else None
+        ),
+    )
+    host = host_arrays(cfg, groups, adv, pad_id)
+    check_engine_logps(host["sampler_logps"], host["completion_mask"], cfg.rollout.engine)
+    dev = experience.to_device(host)
+    t = host["completion_mask"].shape[1]
+    kw = dict(
+        graphdef=policy.eval_graphdef,
+        num_completion=t,
+        temperature=cfg.rollout.temperature,
+        chunk=cfg.model.logprob_chunk,
+        minibatches=cfg.loss.minibatches,
+        prompt_tokens=dev.get("prompt_tokens"),
+        prompt_mask=dev.get("prompt_mask"),
+        packed=dev.get("packed"),
+    )
+    args = (policy.frozen, policy.rest, dev["tokens"], dev["attention_mask"])
+    ref = old = None
+    if cfg.loss.beta > 0:
+        ref_p = ref_params if ref_params is not None else params
+        ref = logp_fn(ref_p, *args, disable_lora=policy.lora, **kw)
+    # With LoRA dropout the step's own log-probs are noisy; TIS needs the clean pre-update ones.
+    dropout = policy.lora and cfg.lora.dropout > 0
+    if dropout and cfg.loss.iterations == 1 and cfg.loss.tis_cap == 0:
+        logging.log_first_n(
+            logging.WARNING,
+            "mismatch/* metrics include LoRA dropout noise (lora.dropout=%s, loss.iterations=1): "
+            "set loss.tis_cap > 0 or lora.dropout=0 to measure the engine mismatch alone",
+            1,
+            cfg.lora.dropout,
+        )
+    if cfg.loss.iterations > 1 or (dropout and cfg.loss.tis_cap > 0):
+        old = logp_fn(params, *args, **kw)
+    batch = train_step.Batch(
+        dev["tokens"],
+        dev["attention_mask"],
+        dev["completion_mask"],
+        dev["advantages"],
+        old_logps=old,
+        ref_logps=ref,
+        sampler_logps=dev["sampler_logps"],
+        prompt_tokens=dev.get("prompt_tokens"),
+        prompt_mask=dev.get("prompt_mask"),
+        packed=dev.get("packed"),
+    )
+    if "packed" in host:  # the packed row length L of this step (the compiled shape)
+        info["batch/packed_len"] = float(host["packed"].inputs.shape[1])
+    info["throughput/tokens"] = float(host["completion_mask"].sum())
+    return batch, info
