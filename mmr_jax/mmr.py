@@ -34,13 +34,8 @@ def _valid_mask(rewards: jax.Array, mask: jax.Array | None) -> jax.Array:
     return jnp.ones(rewards.shape, bool) if mask is None else mask.astype(bool)
 
 
-def cosine_similarity(embeddings: jax.Array) -> jax.Array:
-    """[..., G, D] -> [..., G, G] cosine similarities; a zero row has similarity 0 to everything."""
-    # Cosine is scale-invariant per row: dividing each row by its largest |entry| first keeps the
-    # Gram matrix in [-D, D]. Without it rows of norm ~1e20 overflowed it (inf * 0 = NaN) and rows
-    # of norm ~1e-20 underflowed to a zero diagonal (treated as zero rows).
-    amax = jnp.max(jnp.abs(embeddings), axis=-1, keepdims=True)
-    embeddings = embeddings / jnp.where(amax > 0, amax, 1.0).astype(embeddings.dtype)
+def _gram_cosine(embeddings: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """[..., G, D] -> (cosines [..., G, G], squared row norms [..., G]), no scaling."""
     # Normalising the Gram matrix by its diagonal reads the [G, D] embeddings once (the matmul)
     # instead of three times; it is the same cosine up to rounding.
     gram = jnp.einsum(
@@ -50,7 +45,41 @@ def cosine_similarity(embeddings: jax.Array) -> jax.Array:
     nonzero = sq > 0
     # Double `where`: a zero row gets similarity 0 and a finite (zero) gradient, never NaN.
     inv = jnp.where(nonzero, 1.0 / jnp.sqrt(jnp.where(nonzero, sq, 1.0)), 0.0)
-    return gram * inv[..., :, None] * inv[..., None, :]
+    return gram * inv[..., :, None] * inv[..., None, :], sq
+
+
+def cosine_similarity_scaled(embeddings: jax.Array) -> jax.Array:
+    """`cosine_similarity` with every row first divided by its largest |entry| (always safe)."""
+    # Cosine is scale-invariant per row: the scaled Gram matrix lies in [-D, D]. Unscaled, rows
+    # of norm ~1e20 overflowed it (inf * 0 = NaN) and rows of norm ~1e-20 underflowed to a zero
+    # diagonal (read as zero rows).
+    amax = jnp.max(jnp.abs(embeddings), axis=-1, keepdims=True)
+    embeddings = embeddings / jnp.where(amax > 0, amax, 1.0).astype(embeddings.dtype)
+    return _gram_cosine(embeddings)[0]
+
+
+def cosine_similarity(embeddings: jax.Array, *, mask: jax.Array | None = None) -> jax.Array:
+    """[..., G, D] -> [..., G, G] cosine similarities; a zero row has similarity 0 to everything.
+
+    Overflow-safe at any scale. The unscaled Gram matrix is exact to rounding whenever every
+    squared row norm is finite and well above the smallest normal number; only otherwise (huge,
+    tiny or zero rows) are the cosines recomputed from max-abs scaled rows. Scaling on every call
+    cost a pass over [..., G, D] and ~1.5x the MMR kernel's time (issue 27 item 9; measured by
+    scripts/bench_mmr.py, which times both forms).
+
+    mask: [..., G] bool, True = a real row. Rows masked out take no part in choosing the path,
+    so garbage there changes no real row's cosines; their own rows and columns may then be
+    non-finite, and callers must not read them (MMR and DRA never do).
+    """
+    cos, sq = _gram_cosine(embeddings)
+    info = jnp.finfo(embeddings.dtype)
+    # sq >= tiny / eps: the row's squares and products sum far above the subnormal range, so
+    # underflowed terms move the cosine by less than one rounding. A zero row also takes the
+    # scaled path: a tiny nonzero row underflows to sq == 0 and only the scaling tells them apart.
+    ok = jnp.isfinite(sq) & (sq >= info.tiny / info.eps)
+    if mask is not None:
+        ok = ok | ~mask.astype(bool)
+    return jax.lax.cond(jnp.all(ok), lambda: cos, lambda: cosine_similarity_scaled(embeddings))
 
 
 def adaptive_lambda(rewards: jax.Array, *, mask: jax.Array | None = None) -> jax.Array:
@@ -130,7 +159,7 @@ def mmr_reweight_with_aux(
     lam_ = adaptive_lambda(rewards, mask=valid) if lam is None else jnp.asarray(lam, rewards.dtype)
     lam_ = jnp.broadcast_to(lam_, lead)
     n = int(np.prod(lead))
-    sim = cosine_similarity(embeddings.reshape(n, g, d))
+    sim = cosine_similarity(embeddings.reshape(n, g, d), mask=valid.reshape(n, g))
     out, order = jax.vmap(_mmr_group)(
         rewards.reshape(n, g), sim, lam_.reshape(n), valid.reshape(n, g)
     )
@@ -189,7 +218,7 @@ def dra_reweight(
     valid = _valid_mask(rewards, mask)
     chex.assert_shape(valid, rewards.shape)
     g = rewards.shape[-1]
-    sim = cosine_similarity(embeddings)
+    sim = cosine_similarity(embeddings, mask=valid)
     off_diag = ~jnp.eye(g, dtype=bool).reshape((1,) * (rewards.ndim - 1) + (g, g))
     pair = valid[..., :, None] & valid[..., None, :] & off_diag
     denom = 1.0 + jnp.sum(jnp.where(pair, sim, 0.0), axis=-1)

@@ -4,6 +4,7 @@ released per-micro-batch loop, in one run.
     python scripts/bench_mmr.py                # B x G x D = {32,256,1024} x {6,16,64} x {384,512}
     python scripts/bench_mmr.py --quick        # B x G x D = {32,256} x {6,16} x {512}
     python scripts/bench_mmr.py --json out.json
+    python scripts/bench_mmr.py --forms_only   # the cosine's forms alone (seconds; issue 27 #9)
 
 Baselines, all per group in a Python loop over groups:
   plain  Algorithm 1 as the paper writes it (best_sim recomputed over S each step: O(G^3)).
@@ -20,6 +21,11 @@ The JAX kernel runs with one CPU device per core (--cpu_devices, default all cor
 groups sharded over them (jit partitions the vmapped kernel, every group stays on one device);
 "1-dev" is the same kernel on one device, in the same run. XLA:CPU runs the batched Gram products
 of one program on one core, so the sharding is what puts the second core to work.
+
+Cosine forms (B=256, G=16, D=512 by default, --forms_cell): the same jitted kernel with the cosine
+as it was before the fuzz fixes (unscaled: overflows at row norms ~1e19), as the fuzz fixes made it
+(every row max-abs scaled on every call), and as it is now (unscaled, with the scaled form only
+when a row is huge, tiny or zero), timed interleaved in one process against the plain NumPy loop.
 
 Throughput is groups (prompts) per second from the best of repeated timed calls after a warm-up
 (compilation excluded; JAX timed with block_until_ready, default XLA CPU threads); the JSON also
@@ -203,6 +209,76 @@ def bench_cell(b, g, d, args, mesh):
     }
 
 
+def _unscaled_cosine(embeddings, *, mask=None):
+    """The cosine before the fuzz fixes: no scaling, so extreme rows overflow or underflow."""
+    del mask
+    return mmr._gram_cosine(embeddings)[0]
+
+
+def _always_scaled_cosine(embeddings, *, mask=None):
+    """The fuzz fixes' cosine: every row max-abs scaled on every call."""
+    del mask
+    return mmr.cosine_similarity_scaled(embeddings)
+
+
+def _kernel_with(cosine):
+    """`mmr.mmr_reweight` jitted with `cosine` in place of `mmr.cosine_similarity` (at trace)."""
+
+    def kernel(r, e):
+        saved = mmr.cosine_similarity
+        mmr.cosine_similarity = cosine
+        try:
+            return mmr.mmr_reweight(r, e)
+        finally:
+            mmr.cosine_similarity = saved
+
+    return jax.jit(kernel)
+
+
+def bench_forms(b, g, d, args, rounds=5):
+    """Best ms of each cosine form over interleaved rounds, and each one's speed-up over the
+    plain NumPy loop, in this process; the forms' outputs agree on this data."""
+    r, e = _data(b, g, d)
+    rj, ej = jnp.asarray(r), jnp.asarray(e)
+    forms = {
+        "unscaled (before the fuzz fixes)": _kernel_with(_unscaled_cosine),
+        "always scaled (fuzz fixes)": _kernel_with(_always_scaled_cosine),
+        "guarded (now)": _mmr_jit,
+    }
+    outs = [np.asarray(f(rj, ej)) for f in forms.values()]
+    for out in outs[1:]:
+        np.testing.assert_allclose(out, outs[0], rtol=0, atol=1e-5)
+    best = dict.fromkeys(forms, float("inf"))
+    for _ in range(rounds):  # interleaved: a burst of load on the shared machine hits all forms
+        for name, f in forms.items():
+            t = _time(lambda f=f: jax.block_until_ready(f(rj, ej)), min_total=0.1)[0]
+            best[name] = min(best[name], t)
+    n_plain = min(b, args.max_plain_groups)
+    t_plain = _time(lambda: [numpy_plain_loop(r[i], e[i]) for i in range(n_plain)], min_reps=3)
+    t_plain = t_plain[0] * b / n_plain
+    return {
+        "B": b,
+        "G": g,
+        "D": d,
+        "numpy_plain_ms": 1e3 * t_plain,
+        "forms_ms": {k: 1e3 * v for k, v in best.items()},
+        "forms_speedup_vs_numpy_plain": {k: t_plain / v for k, v in best.items()},
+    }
+
+
+def print_forms(row):
+    print(
+        f"cosine forms, B={row['B']} G={row['G']} D={row['D']} (one device, one process, "
+        f"best of interleaved rounds; plain NumPy loop {row['numpy_plain_ms']:.1f} ms):"
+    )
+    base = row["forms_ms"]["unscaled (before the fuzz fixes)"]
+    for name, ms in row["forms_ms"].items():
+        print(
+            f"  {name:<34} {ms:7.3f} ms  {row['forms_speedup_vs_numpy_plain'][name]:6.1f}x "
+            f"the plain loop  {ms / base:5.2f}x the unscaled time"
+        )
+
+
 def bench_step(args):
     """Per-training-step cost at B=8, G=6, D=512: kernel on device arrays and the host entry."""
     r, e = _data(8, 6, args.step_dim)
@@ -247,7 +323,22 @@ def main():
     parser.add_argument(
         "--cpu_devices", type=int, default=0, help="JAX CPU devices (0 = one per core)"
     )
+    parser.add_argument(
+        "--forms_only", action="store_true", help="time only the cosine's forms, then exit"
+    )
+    parser.add_argument("--forms_cell", default="256,16,512", help="B,G,D of the forms' timing")
     args = parser.parse_args()
+    forms_cell = tuple(int(x) for x in args.forms_cell.split(","))
+    if len(forms_cell) != 3:
+        parser.error(f"--forms_cell must be B,G,D, got {args.forms_cell!r}")
+    if args.forms_only:
+        forms = bench_forms(*forms_cell, args)
+        print(f"jax {jax.__version__}, {jax.devices()[0].platform}")
+        print_forms(forms)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"forms": forms}, f, indent=2)
+        return
     devices = sharding.use_cpu_cores_as_devices(args.cpu_devices or None)
     mesh = sharding.data_parallel_mesh()
     bs, gs, ds = (
@@ -292,6 +383,8 @@ def main():
         "max x vec: vec time / the Gram floor (torch.bmm of the B Gram matrices on every core),\n"
         "the most any implementation could gain over vec on this machine"
     )
+    forms = bench_forms(*forms_cell, args)
+    print_forms(forms)
     step = bench_step(args)
     print(
         f"per training step (B=8, G=6, D={step['D']}): kernel {step['kernel_ms']:.3f} ms, "
@@ -311,6 +404,7 @@ def main():
             json.dump(
                 {
                     "cells": rows,
+                    "forms": forms,
                     "step": step,
                     "torch_prompts_per_call": args.torch_prompts_per_call,
                     "jax_cpu_devices": devices,

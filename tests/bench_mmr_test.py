@@ -35,3 +35,15 @@ def test_torch_port_matches_kernel_when_cosines_are_positive():
         got = bench.torch_released(torch.from_numpy(r), torch.from_numpy(e)).numpy()
         want = np.asarray(mmr.mmr_reweight(r[None], e[None])[0])
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
+
+
+def test_cosine_forms_agree_and_are_timed():
+    # bench_forms checks that the three forms give the same output before timing them.
+    args = type("Args", (), {"max_plain_groups": 2})()
+    row = bench.bench_forms(4, 6, 16, args, rounds=1)
+    assert set(row["forms_ms"]) == {
+        "unscaled (before the fuzz fixes)",
+        "always scaled (fuzz fixes)",
+        "guarded (now)",
+    }
+    assert all(v > 0 for v in row["forms_ms"].values()) and row["numpy_plain_ms"] > 0

@@ -345,3 +345,107 @@ class ReweightEntryTest(chex.TestCase):
             mmr.reweight("mmr", r, e, scope="prompt")
         with pytest.raises(ValueError, match="dra reweighting takes no lam"):
             mmr.reweight("dra", r, e, lam=0.5)
+
+
+def _cos64(e):
+    """float64 cosines of [G, D] rows after max-abs scaling (exact enough at any scale)."""
+    e = np.asarray(e, np.float64)
+    amax = np.abs(e).max(-1, keepdims=True)
+    u = e / np.where(amax > 0, amax, 1.0)
+    n = np.linalg.norm(u, axis=-1, keepdims=True)
+    u = np.divide(u, n, out=np.zeros_like(u), where=n > 0)
+    return u @ u.T
+
+
+class CosineSimilarityTest(chex.TestCase):
+    def test_fast_path_agrees_with_the_scaled_form(self):
+        e = np.random.default_rng(0).normal(size=(5, 6, 32)).astype(np.float32)
+        fast = np.asarray(jax.jit(mmr.cosine_similarity)(e))
+        scaled = np.asarray(jax.jit(mmr.cosine_similarity_scaled)(e))
+        np.testing.assert_allclose(fast, scaled, rtol=0, atol=2e-6)
+        np.testing.assert_allclose(fast[2], _cos64(e[2]), rtol=0, atol=2e-6)
+
+    @parameterized.named_parameters(
+        ("huge_row", 1e30),
+        ("large_row", 1e20),
+        ("tiny_row", 1e-30),
+        ("small_row", 1e-18),
+        ("zero_row", 0.0),
+    )
+    def test_extreme_rows_give_the_true_cosine(self, scale):
+        # Unscaled, a 1e30 row overflows the Gram matrix (NaN) and a 1e-30 row underflows to a
+        # zero diagonal (cosine 0): the guard must send such inputs to the scaled form. (XLA:CPU
+        # flushes subnormals to zero, so rows below ~1e-38 are zero rows in either form.)
+        rng = np.random.default_rng(1)
+        e = rng.normal(size=(4, 16)).astype(np.float32)
+        e[1] = (e[1] * np.float32(scale)).astype(np.float32)
+        got = np.asarray(jax.jit(mmr.cosine_similarity)(e))
+        want = _cos64(e)
+        assert np.all(np.isfinite(got))
+        np.testing.assert_allclose(got, want, rtol=0, atol=2e-5)
+        if scale:
+            assert abs(got[1, 0]) > 1e-3  # the row is read as a real row, not as a zero row
+
+    def test_masked_garbage_row_changes_no_real_cosine(self):
+        e = np.random.default_rng(2).normal(size=(6, 16)).astype(np.float32)
+        bad = e.copy()
+        bad[3] = 1e35  # a padded slot holding garbage: it must not switch the path
+        mask = np.array([1, 1, 1, 0, 1, 1], bool)
+        f = jax.jit(mmr.cosine_similarity)
+        real = np.ix_(mask, mask)
+        np.testing.assert_array_equal(
+            np.asarray(f(bad, mask=mask))[real], np.asarray(f(e, mask=mask))[real]
+        )
+
+
+# --- Batch scope: the released code's rule, written independently from its description ---
+
+
+def released_batch_loop(rewards_bxg, embeddings_bxgxd):
+    """One greedy MMR pass over all B*G completions of a micro-batch, as the released code does:
+    lambda = sigmoid(population std of all B*G rewards); the first pick (argmax, lowest index)
+    keeps its raw reward; each later pick (greedy, lowest index on ties) gets
+    lam * r - (1 - lam) * max cosine to the picks so far. Plain Python over flat lists."""
+    b, g = len(rewards_bxg), len(rewards_bxg[0])
+    r = [float(x) for row in rewards_bxg for x in row]
+    e = [_unit([float(x) for x in v]) for grp in embeddings_bxgxd for v in grp]
+    n = len(r)
+    mean = sum(r) / n
+    lam = 1.0 / (1.0 + math.exp(-math.sqrt(sum((x - mean) ** 2 for x in r) / n)))
+    first = max(range(n), key=lambda i: (r[i], -i))
+    out, picked = list(r), [first]
+    while len(picked) < n:
+        best = None
+        for i in range(n):
+            if i in picked:
+                continue
+            score = lam * r[i] - (1 - lam) * max(_cos(e[i], e[j]) for j in picked)
+            if best is None or score > best[1]:
+                best = (i, score)
+        out[best[0]] = best[1]
+        picked.append(best[0])
+    return [out[k * g : (k + 1) * g] for k in range(b)], lam
+
+
+class BatchScopeTest(chex.TestCase):
+    @parameterized.parameters((2, 4), (3, 6), (4, 8))
+    def test_batch_scope_matches_the_released_rule(self, b, g):
+        rng = np.random.default_rng(b * g)
+        for trial in range(4):
+            # Binary rewards (many ties, some uniform groups) and continuous ones.
+            r = (rng.random((b, g)) < 0.5).astype(np.float32)
+            if trial % 2:
+                r = (r + rng.normal(size=(b, g))).astype(np.float32)
+            e = rng.normal(size=(b, g, 8)).astype(np.float32)
+            want, lam = released_batch_loop(r.tolist(), e.tolist())
+            got = np.asarray(mmr.reweight("mmr", r, e, scope="batch"))
+            np.testing.assert_allclose(got, np.array(want), rtol=0, atol=1e-5)
+            # One lambda for the batch, from the std of all its rewards (not per group).
+            np.testing.assert_allclose(
+                float(mmr.adaptive_lambda(r.reshape(1, -1))[0]), lam, rtol=1e-6
+            )
+            # The single first pick of the batch keeps its raw reward; in group scope every
+            # group's own first pick does, so the two scopes differ.
+            top = np.unravel_index(np.argmax(r), r.shape)
+            assert got[top] == r[top]
+            assert not np.allclose(got, np.asarray(mmr.reweight("mmr", r, e, scope="group")))
