@@ -66,6 +66,27 @@ def has_variance(rewards: jax.Array, *, mask: jax.Array | None = None) -> jax.Ar
     return jnp.any(valid, axis=-1) & (hi > lo)
 
 
+def varying_groups_mask(rewards: jax.Array, *, mask: jax.Array | None = None) -> jax.Array:
+    """Uniform-group guard: the valid entries of groups whose valid rewards are not all equal.
+
+    This project's variant, not MMR-GRPO's (issue 26): pass the raw rewards, and use the result
+    as the mask of the reweighting and of the advantages. A group whose raw rewards are all
+    equal then gets advantage 0, as in plain GRPO, and takes no part in the reweighting (in batch
+    scope it neither sets lambda nor enters the greedy pass); only groups whose rewards differ
+    are reweighted. Without it MMR's redundancy term gives such groups unit-size advantages
+    after normalisation (docs/study_cpu.md, "A mechanism").
+
+    Args:
+      rewards: [..., G] raw rewards (before any reweighting).
+      mask: [..., G] bool, True = a real completion; None = all valid.
+
+    Returns:
+      [..., G] bool.
+    """
+    valid = _valid(rewards, mask)
+    return valid & has_variance(rewards, mask=valid)[..., None]
+
+
 def _finish(adv: jax.Array, rewards: jax.Array, valid: jax.Array) -> jax.Array:
     """Zeroes masked entries and zero-variance groups."""
     varies = has_variance(rewards, mask=valid)[..., None]

@@ -77,6 +77,47 @@ class HasVarianceTest(chex.TestCase):
         np.testing.assert_array_equal(got, [False, True, False, False, False])
 
 
+class UniformGroupGuardTest(chex.TestCase):
+    def test_mask_by_hand(self):
+        r = jnp.array([[1.0, 1.0, 1.0], [0.0, 1.0, 0.0], [1.0, 0.0, 1.0], [0.5, 0.5, 2.0]])
+        mask = jnp.array([[True] * 3, [True] * 3, [True, False, True], [True, True, False]])
+        got = jax.jit(advantages.varying_groups_mask)(r, mask=mask)
+        # Row 2: its valid rewards are equal (the 0 is masked); row 3 likewise (2.0 is masked).
+        want = [[False] * 3, [True] * 3, [False] * 3, [False] * 3]
+        np.testing.assert_array_equal(got, want)
+        np.testing.assert_array_equal(advantages.varying_groups_mask(r[1:2]), [[True] * 3])
+
+    def _case(self):
+        rng = np.random.default_rng(0)
+        r = np.array([[1, 1, 1, 1], [0, 0, 0, 0], [1, 0, 0, 1]], np.float32)
+        return r, rng.normal(size=(3, 4, 8)).astype(np.float32)
+
+    def test_mmr_gives_uniform_groups_advantage_and_the_guard_zeroes_it(self):
+        from mmr_jax import mmr
+
+        r, e = self._case()
+        plain = advantages.grpo_advantages(mmr.reweight("mmr", r, e))
+        # The mechanism of the first study: MMR's redundancy term separates the completions of
+        # a uniform group, and the normalisation scales that up to unit-size advantages.
+        assert np.abs(np.asarray(plain)[:2]).mean() > 0.3
+        keep = advantages.varying_groups_mask(r)
+        guarded = advantages.grpo_advantages(mmr.reweight("mmr", r, e, mask=keep), mask=keep)
+        np.testing.assert_array_equal(np.asarray(guarded)[:2], 0.0)
+        # Where rewards differ the guard changes nothing in group scope.
+        np.testing.assert_allclose(np.asarray(guarded)[2], np.asarray(plain)[2], rtol=1e-6)
+
+    def test_batch_scope_reweights_only_the_varying_groups(self):
+        from mmr_jax import mmr
+
+        r, e = self._case()
+        keep = advantages.varying_groups_mask(r)
+        got = np.asarray(mmr.reweight("mmr", r, e, mask=keep, scope="batch"))
+        # Uniform groups neither set lambda nor enter the pass: the same as a batch of group 2.
+        alone = np.asarray(mmr.reweight("mmr", r[2:], e[2:], scope="batch"))
+        np.testing.assert_allclose(got[2:], alone, rtol=0, atol=1e-6)
+        np.testing.assert_array_equal(got[:2], r[:2])  # unchanged, advantage 0 downstream
+
+
 class RegistryTest(chex.TestCase):
     def test_names_and_duplicates(self):
         assert advantages.ESTIMATORS["grpo"] is advantages.grpo_advantages
