@@ -18,7 +18,7 @@ from flax import nnx
 
 from mmr_jax import config_types, data, rollout, train_step
 from mmr_jax.models import config as model_config
-from mmr_jax.models import loading, sharding
+from mmr_jax.models import hub, loading, sharding
 from mmr_jax.models import lora as lora_lib
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -148,11 +148,13 @@ def make_engine(cfg: config_types.TrainConfig, policy: Policy, tokenizer, workdi
     On a pure data-parallel `mesh` (fsdp and tensor of size 1: the weights are replicated
     already) the embedded engine samples data-parallel over it; otherwise on the weights' devices.
     """
-    from mmr_jax.rollout import embedded, layout
+    from mmr_jax.rollout import embedded, layout, stops
 
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    # Resolved once (a hub id too): both engines stop on the same ids, vLLM serves the same files.
+    local = hub.resolve_checkpoint(cfg.model.path)
+    stop_ids = stops.stop_token_ids(local, tokenizer)
     if cfg.rollout.engine == "embedded":
-        stops = embedded.eos_token_ids(cfg.model.path) or (tokenizer.eos_token_id,)
         # Training prompts padded to one shape: the sampler compiles once, not per prompt length.
         buckets = layout.Buckets(
             min_prompts=cfg.batch.prompts,
@@ -162,7 +164,7 @@ def make_engine(cfg: config_types.TrainConfig, policy: Policy, tokenizer, workdi
         data_parallel = mesh is not None and mesh.shape["fsdp"] * mesh.shape["tensor"] == 1
         return embedded.EmbeddedEngine(
             policy.model(),
-            stop_token_ids=stops,
+            stop_token_ids=stop_ids,
             pad_id=pad,
             seed=cfg.seed,
             buckets=buckets,
@@ -172,7 +174,7 @@ def make_engine(cfg: config_types.TrainConfig, policy: Policy, tokenizer, workdi
     if not url:  # launch our own server, stopped by engine.close() (or at exit)
         from mmr_jax.rollout import vllm_launch
 
-        opts = vllm_launch.options_from_config(cfg, port=vllm_launch.free_port())
+        opts = vllm_launch.options_from_config(cfg, port=vllm_launch.free_port(), model=str(local))
         server = vllm_launch.ServerProcess(
             opts, os.path.join(os.fspath(workdir), "vllm_server.log")
         )
@@ -198,6 +200,7 @@ def make_engine(cfg: config_types.TrainConfig, policy: Policy, tokenizer, workdi
             wait_ready_s=cfg.rollout.ready_timeout_s,
             pad_id=pad,
             seed=cfg.seed,
+            stop_token_ids=stop_ids,
         )
     except BaseException:
         if server is not None:

@@ -6,6 +6,7 @@ end runs a real `vllm serve`."""
 import contextlib
 import dataclasses
 import http.server
+import json
 import os
 import pathlib
 import socket
@@ -31,10 +32,12 @@ class FakeBackend:
     def __init__(self):
         self._adapters, self.rpc_calls, self.generate_models = {}, [], []
         self.requests = []  # (prompt ids, seed) of every generate call
+        self.params = []  # the SamplingParams of every generate call
 
     def generate(self, prompt_ids, params, *, model, ignore_eos):
         self.generate_models.append(model)
         self.requests.append(([list(p) for p in prompt_ids], params.seed))
+        self.params.append(params)
         stops = set(params.stop_token_ids) | (set() if ignore_eos else set(self.eos_token_ids))
         toks, lps, reasons = [], [], []
         for p in prompt_ids:
@@ -214,6 +217,26 @@ class TestMakeEngine:
         with pytest.raises(ValueError, match="unknown rollout engine"):
             rollout.make_engine("sglang", served_model_name="x")
 
+    def test_hub_id_engine_sends_every_eos_as_stop_ids(
+        self, fake, tiny_llama_dir, tmp_path, monkeypatch
+    ):
+        """model_path a hub id whose generation config lists two EOS ids (2, the tokenizer's, and
+        13, which the fake backend's completion of [1] reaches third): both go in the request."""
+        from mmr_jax import rollout
+
+        from support import testing
+
+        testing.offline_hub(monkeypatch, tmp_path / "hub")
+        testing.as_hub_snapshot(tiny_llama_dir, tmp_path / "hub", "org/tiny", eos_token_ids=[2, 13])
+        backend, srv = fake
+        engine = rollout.make_engine(
+            "vllm", model_path="org/tiny", url=srv.url, served_model_name="fake", max_retries=0
+        )
+        batch = engine.generate([[1]], base.SamplingParams(max_new_tokens=6, temperature=0.0))
+        assert backend.params[-1].stop_token_ids == (2, 13)
+        assert batch.tokens[0, 0].tolist() == [11, 12, 13]
+        assert batch.finish_reasons == [[base.FINISH_STOP]]
+
 
 class TestWeightSync:
     def test_full_weights_rpc_then_reset(self, fake, tmp_path):
@@ -353,6 +376,146 @@ class TestFailures:
                 [[1, 2]], base.SamplingParams(max_new_tokens=2, n=2 if "n=2" in match else 1)
             )
         assert handler.count == 1  # Not retried.
+
+
+class _Scripted(http.server.BaseHTTPRequestHandler):
+    """Answers request i with `replies[i]` (the last one from then on): (delay_s, status, body),
+    or (delay_s, None, None) to drop the connection without a reply. Records (method, route)."""
+
+    replies: list = []
+    seen: list = []
+
+    def _serve(self):
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        with _SEEN_LOCK:
+            i = len(self.seen)
+            self.seen.append((self.command, self.path))
+        delay, status, body = self.replies[min(i, len(self.replies) - 1)]
+        time.sleep(delay)
+        if status is None:
+            self.close_connection = True
+            return
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        try:
+            self.send_response(status)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+        except OSError:  # the client gave up on this reply
+            pass
+
+    do_GET = do_POST = _serve
+
+    def log_message(self, *args):
+        pass
+
+
+_SEEN_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _scripted_server(replies, port=0):
+    handler = type("Handler", (_Scripted,), {"replies": replies, "seen": []})
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", port), handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        yield handler, f"http://127.0.0.1:{httpd.server_address[1]}"
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+_MODELS = {"data": [{"id": "base"}, {"id": "policy-v1"}]}
+_COMPLETION = {"choices": []}
+
+
+class TestRetrySafety:
+    """Only what is safe to repeat is sent again, against a real local HTTP server."""
+
+    def test_completion_whose_reply_timed_out_is_not_sent_again(self):
+        with _scripted_server([(1.0, 200, _COMPLETION)]) as (handler, url):
+            client = _client(url, timeout_s=0.3, max_retries=3)
+            with pytest.raises(vllm_client.ServerUnavailableError, match="not sent again"):
+                client.completions({"prompt": [1]})
+            time.sleep(0.5)  # a retry, had there been one, would have arrived by now
+            assert handler.seen == [("POST", "/v1/completions")]
+
+    def test_completion_dropped_after_sending_is_not_sent_again(self):
+        with _scripted_server([(0.0, None, None)]) as (handler, url):
+            with pytest.raises(vllm_client.ServerUnavailableError, match="not sent again"):
+                _client(url, max_retries=3).completions({"prompt": [1]})
+            assert handler.seen == [("POST", "/v1/completions")]
+
+    def test_completion_refused_before_sending_is_retried(self):
+        # Nothing listens until the timer starts the server: the first attempts are refused.
+        port, started = _free_port(), threading.Event()
+
+        def serve():
+            with _scripted_server([(0.0, 200, _COMPLETION)], port=port) as (handler, _):
+                started.set()
+                while len(handler.seen) < 1:
+                    time.sleep(0.01)
+
+        timer = threading.Timer(0.3, serve)
+        timer.start()
+        try:
+            client = _client(f"http://127.0.0.1:{port}", max_retries=5, backoff_s=0.1)
+            assert client.completions({"prompt": [1]}) == _COMPLETION
+            assert started.is_set()
+        finally:
+            timer.join()
+
+    def test_idempotent_get_is_retried_after_a_read_timeout(self):
+        with _scripted_server([(1.0, 200, _MODELS), (0.0, 200, _MODELS)]) as (handler, url):
+            assert _client(url, timeout_s=0.3).models() == ["base", "policy-v1"]
+            assert handler.seen == [("GET", "/v1/models")] * 2
+
+    def test_adapter_load_whose_reply_was_lost_counts_as_loaded(self):
+        replies = [
+            (1.0, 200, b""),  # loads, but the reply comes after the client's timeout
+            (
+                0.0,
+                400,
+                {"error": {"message": "The lora adapter 'policy-v1' has already been loaded."}},
+            ),
+            (0.0, 200, _MODELS),
+        ]
+        with _scripted_server(replies) as (handler, url):
+            _client(url, timeout_s=0.3).load_lora_adapter("policy-v1", "/sync/lora-v1")
+            assert handler.seen == [("POST", "/v1/load_lora_adapter")] * 2 + [("GET", "/v1/models")]
+
+    def test_adapter_load_refused_for_a_name_not_served_raises(self):
+        replies = [(0.0, 400, {"error": {"message": "no adapter at /x"}}), (0.0, 200, _MODELS)]
+        with _scripted_server(replies) as (_, url):
+            with pytest.raises(vllm_client.ServerError, match="no adapter at /x"):
+                _client(url).load_lora_adapter("policy-v2", "/x")
+
+    def test_unloading_an_adapter_no_longer_served_succeeds(self):
+        gone = {"error": {"message": "The lora adapter 'policy-v0' cannot be found."}}
+        with _scripted_server([(0.0, 404, gone), (0.0, 200, _MODELS)]) as (handler, url):
+            _client(url).unload_lora_adapter("policy-v0")
+            assert handler.seen[-1] == ("GET", "/v1/models")
+        with _scripted_server([(0.0, 404, gone), (0.0, 200, _MODELS)]) as (_, url):
+            with pytest.raises(vllm_client.ServerError, match="cannot be found"):
+                _client(url).unload_lora_adapter("policy-v1")  # listed: the 404 is real
+
+    @pytest.mark.parametrize(
+        "reply", [(0.3, 503, {"error": {"message": "busy"}}), (5.0, 200, _MODELS)]
+    )
+    def test_total_time_is_bounded_across_retries(self, reply):
+        with _scripted_server([reply]) as (handler, url):
+            client = _client(
+                url, timeout_s=1.0, total_timeout_s=1.5, max_retries=50, backoff_s=0.05
+            )
+            start = time.monotonic()
+            with pytest.raises(vllm_client.VllmError):
+                client.models()
+            assert time.monotonic() - start < 2.0
+            assert 1 <= len(handler.seen) <= 5
+
+    def test_timeouts_must_be_positive(self):
+        with pytest.raises(ValueError, match="timeouts must be > 0"):
+            vllm_client.VllmClient("http://127.0.0.1:1", total_timeout_s=0)
 
 
 class TestLaunchCommand:
@@ -581,7 +744,7 @@ def test_trainer_engine_launches_its_server_and_close_stops_it(tiny_llama_dir, t
     c.batch.max_prompt_len, c.batch.max_completion_len = 32, 16
     cfg = config_types.from_config_dict(c)
     policy = types.SimpleNamespace(lora=False)
-    tokenizer = types.SimpleNamespace(pad_token_id=3)
+    tokenizer = types.SimpleNamespace(pad_token_id=3, eos_token_id=2)
     engine = build.make_engine(cfg, policy, tokenizer, tmp_path / "run")
     try:
         assert isinstance(engine.server, vllm_launch.ServerProcess) and engine.server.alive()

@@ -230,6 +230,39 @@ def test_sync_folder_that_vanished_is_a_named_error(engine, tmp_path):
     assert engine.version == 0  # unchanged
 
 
+def test_both_engines_stop_on_every_eos_of_a_hub_checkpoint(real_server, tmp_path, monkeypatch):
+    """The served checkpoint as hub id 'org/tiny', its generation config listing a second EOS t
+    that the greedy completion of PROMPTS[0] reaches at position k: the vLLM and the embedded
+    engine, both from `rollout.make_engine(model_path='org/tiny')`, stop there, token for token."""
+    from mmr_jax import models, rollout
+
+    from support import testing
+
+    client, ckpt, _, _ = real_server
+    model = models.from_pretrained(ckpt)
+    ref, params = _jax_greedy(model)
+    toks = ref.tokens[0, 0].tolist()
+    k = next(k for k in range(1, len(toks)) if toks[k] not in toks[:k])
+    assert EOS[0] not in toks[: k + 1], "the random model ends early: pick another prompt"
+    testing.offline_hub(monkeypatch, tmp_path / "hub")
+    testing.as_hub_snapshot(ckpt, tmp_path / "hub", "org/tiny", eos_token_ids=[EOS[0], toks[k]])
+    vllm = rollout.make_engine(
+        "vllm",
+        model_path="org/tiny",
+        url=client.base_url,
+        served_model_name="tiny",
+        sync_dir=tmp_path / "sync",
+        timeout_s=120,
+    )
+    vllm.load_weights_dir(ckpt, version=0)  # earlier tests synced other weights
+    embedded = rollout.make_engine("embedded", model=model, model_path="org/tiny")
+    assert vllm.eos_token_ids == embedded.stop_token_ids == tuple(sorted({EOS[0], toks[k]}))
+    got, want = vllm.generate(PROMPTS, params), embedded.generate(PROMPTS, params)
+    np.testing.assert_array_equal(got.tokens, want.tokens)
+    assert got.finish_reasons == want.finish_reasons
+    assert got.mask[0, 0].sum() == k + 1 and got.finish_reasons[0][0] == base.FINISH_STOP
+
+
 def test_server_killed_mid_run_is_a_named_error_not_a_hang(real_server):
     # Last test of the module: it kills the shared server.
     client, _, server, _ = real_server

@@ -4,6 +4,7 @@ vLLM-server client, plus an OpenAI-compatible server over the embedded sampler."
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 
 from mmr_jax.rollout.base import RolloutBatch, RolloutEngine, SamplingParams
 
@@ -24,23 +25,29 @@ def make_engine(
     wait_ready_s: float = 0.0,
     pad_id: int = 0,
     seed: int = 0,
+    stop_token_ids: Sequence[int] | None = None,
 ) -> RolloutEngine:
     """An engine by name.
 
-    'embedded': samples with `model` (a `Decoder`, e.g. the trainer's own), or loads `model_path`;
-      EOS ids come from `model_path`'s generation config when given.
+    'embedded': samples with `model` (a `Decoder`, e.g. the trainer's own), or loads `model_path`.
     'vllm': a client of the server at `url` serving `served_model_name` (default: `model_path`,
       what scripts/launch_vllm.py serves); weights sync through `sync_dir`, as LoRA when `lora`;
       waits up to `wait_ready_s` for the server to come up (0 = not at all).
+    Both engines end completions on `stop_token_ids`, by default `model_path`'s (a folder or a hub
+    id): the tokenizer's EOS and every EOS of its generation config (`stops.stop_token_ids`).
     """
-    from mmr_jax.rollout import embedded
+    from mmr_jax.rollout import embedded, stops
 
-    eos = embedded.eos_token_ids(model_path) if model_path else ()
+    if stop_token_ids is None:
+        stop_token_ids = stops.stop_token_ids(model_path) if model_path else ()
+    eos = tuple(int(t) for t in stop_token_ids)
     if kind == "embedded":
         if model is None:
             if model_path is None:
                 raise ValueError("the embedded engine needs `model` or `model_path`")
-            return embedded.EmbeddedEngine.from_pretrained(model_path, pad_id=pad_id, seed=seed)
+            return embedded.EmbeddedEngine.from_pretrained(
+                model_path, stop_token_ids=eos, pad_id=pad_id, seed=seed
+            )
         return embedded.EmbeddedEngine(model, stop_token_ids=eos, pad_id=pad_id, seed=seed)
     if kind == "vllm":
         from mmr_jax.rollout import vllm_client, vllm_engine

@@ -3,9 +3,7 @@ without a vLLM server). Generation is `sampler.sample`; weight sync is an `nnx.u
 
 from __future__ import annotations
 
-import json
 import os
-import pathlib
 from collections.abc import Sequence
 
 import jax
@@ -14,18 +12,6 @@ import numpy as np
 from flax import nnx
 
 from mmr_jax.rollout import base, layout, sampler
-
-
-def eos_token_ids(path: str | os.PathLike) -> tuple[int, ...]:
-    """EOS ids of a HF folder: generation_config.json's eos_token_id, else config.json's."""
-    path = pathlib.Path(path)
-    for name in ("generation_config.json", "config.json"):
-        f = path / name
-        if f.exists():
-            eos = json.loads(f.read_text()).get("eos_token_id")
-            if eos is not None:
-                return tuple(int(e) for e in (eos if isinstance(eos, list) else [eos]))
-    return ()
 
 
 def _param_state(model: nnx.Module) -> nnx.State:
@@ -88,11 +74,13 @@ class EmbeddedEngine:
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, *, dtype=jnp.float32, **kwargs):
-        """Loads a HF folder; EOS ids from its generation/model config unless given."""
+        """Loads a HF folder (or hub id); stop ids `stops.stop_token_ids(path)` unless given."""
         from mmr_jax import models
+        from mmr_jax.rollout import stops
 
         model = models.from_pretrained(path, dtype=dtype)
-        kwargs.setdefault("stop_token_ids", eos_token_ids(path))
+        if "stop_token_ids" not in kwargs:
+            kwargs["stop_token_ids"] = stops.stop_token_ids(path)
         return cls(model, **kwargs)
 
     def next_seed(self) -> int:

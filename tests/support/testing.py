@@ -194,3 +194,32 @@ def load_script(name: str):
     for flag in set(flags.FLAGS) - before:
         delattr(flags.FLAGS, flag)
     return module
+
+
+def offline_hub(monkeypatch, cache_dir) -> None:
+    """Points huggingface_hub at `cache_dir` with the hub switched off, for one test."""
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache_dir))
+
+
+def as_hub_snapshot(folder, cache_dir, repo_id: str = "org/tiny", *, eos_token_ids=None):
+    """Copies checkpoint `folder` into `cache_dir` laid out as huggingface_hub caches `repo_id`
+    (refs/main -> snapshots/<commit>), so the hub id resolves offline; returns the snapshot.
+
+    `eos_token_ids`: written as the copy's generation_config.json `eos_token_id` (a list).
+    """
+    import shutil
+
+    commit = "0" * 40
+    repo = pathlib.Path(cache_dir) / ("models--" + repo_id.replace("/", "--"))
+    (repo / "refs").mkdir(parents=True, exist_ok=True)
+    (repo / "refs" / "main").write_text(commit)
+    snap = repo / "snapshots" / commit
+    shutil.copytree(folder, snap)
+    if eos_token_ids is not None:
+        f = snap / "generation_config.json"
+        gen = json.loads(f.read_text()) if f.exists() else {}
+        f.write_text(json.dumps({**gen, "eos_token_id": [int(t) for t in eos_token_ids]}))
+    return snap
