@@ -28,7 +28,7 @@ sys.path.insert(0, str(_ROOT))
 sys.path.insert(0, str(_ROOT / "scripts"))
 import plot_run  # noqa: E402
 
-from mmr_jax import compile_cache, console, evaluation, study, study_report  # noqa: E402
+from mmr_jax import compile_cache, console, evaluation, metrics, study, study_report  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Study config (configs/study.py[:pilot]).", lock_config=True
@@ -68,11 +68,34 @@ def write_report(config, specs) -> dict:
             metrics=(study.EVAL_METRIC, "reward/mean"),
         )
         plot = "curves.png"
-    report = study_report.markdown(result["summary"], result["runs"], result["study"], plot=plot)
+    mechanism = {  # how each run learnt and what it cost, from its metrics
+        s.name: study_report.run_mechanism(metrics.read_jsonl(path))
+        for s in specs
+        if (path := folder / s.name / metrics.METRICS_FILE).exists()
+    }
+    report = study_report.markdown(
+        result["summary"], result["runs"], result["study"], plot=plot, mechanism=mechanism
+    )
     (folder / "report.md").write_text(report)
     console.info("wrote %s, report.md, curves.png", folder / "study.json")
     print(report, flush=True)
     return result
+
+
+def _check_for_report(folder, now: dict) -> None:
+    """A report reads the runs' metrics, not their training configs: training keys the code has
+    changed since the study ran (defaults added or renamed) are logged, not refused; the study's
+    own keys, the run grid, steps and evaluation must still match."""
+    path = pathlib.Path(folder) / study.STUDY_FILE
+    if not path.exists():
+        study.check_folder(folder, now)
+        return
+    diff = study.differences(json.loads(path.read_text()), study._plain(now))
+    report_keys = (".total_steps", ".eval.", ".seed:", ".name:")
+    if any(not d.startswith("runs.") or any(k in d for k in report_keys) for d in diff):
+        study.check_folder(folder, now)  # refuses, naming the differences
+    if diff:
+        console.info("report of the stored study; training keys changed since: %s", diff)
 
 
 def main(argv):
@@ -93,7 +116,7 @@ def main(argv):
         )
         study.run_study(config, train_fn=None if _IN_PROCESS.value else in_child)
     else:
-        study.check_folder(config.folder, study.resolved(config, specs))
+        _check_for_report(config.folder, study.resolved(config, specs))
     write_report(config, specs)
     if _ARCHIVE.value:
         kept = study.archive(config.folder, _ARCHIVE.value)

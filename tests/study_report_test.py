@@ -1,0 +1,117 @@
+"""The study report's statistics: final accuracy, AUC, fixed thresholds, no bootstrap below 5
+pairs, the mechanism of a run; and the archived first study recomputed from its raw records."""
+
+import json
+import pathlib
+
+import numpy as np
+import pytest
+
+from mmr_jax import study_report
+
+ARCHIVE = pathlib.Path(__file__).resolve().parents[1] / "docs" / "study_cpu"
+
+
+def _curve(steps, values):
+    return {"steps": steps, "values": values, "train_s": [float(s) for s in steps],
+            "last_step": steps[-1]}  # fmt: skip
+
+
+class TestRunStatistics:
+    def test_final_is_the_mean_of_the_last_five(self):
+        assert study_report.final_accuracy([0.0, 0.1, 0.2, 0.3, 0.4, 0.5]) == pytest.approx(0.3)
+        assert study_report.final_accuracy([0.5, 0.6, 0.7, 0.8]) is None
+
+    def test_auc_is_the_trapezoid_mean_height(self):
+        # (0 + 1) / 2 * 2 + (1 + 1) / 2 * 2 = 3 over 4 steps.
+        assert study_report.curve_auc([0, 2, 4], [0.0, 1.0, 1.0]) == pytest.approx(0.75)
+        # Unequal spacing weighs by the steps: 0.5 for 1 step, then 1.0 for 3.
+        assert study_report.curve_auc([0, 1, 4], [0.5, 0.5, 1.0]) == pytest.approx(
+            (0.5 + 3 * 0.75) / 4
+        )
+        assert study_report.curve_auc([3], [0.4]) is None
+
+    def test_fixed_thresholds_are_the_same_bar_for_every_run(self):
+        low = _curve([0, 2, 4, 6, 8, 10], [0.1, 0.55, 0.62, 0.63, 0.64, 0.64])
+        high = _curve([0, 2, 4, 6, 8, 10], [0.1, 0.3, 0.5, 0.7, 0.85, 0.9])
+        s_low = study_report.run_summary(low, 0.9, None, (0.6, 0.8))
+        s_high = study_report.run_summary(high, 0.9, None, (0.6, 0.8))
+        # Relative to its own (low) peak the low run looks sooner: 0.576 at step 4 vs 0.81 at 8.
+        assert (s_low["step_to_own"], s_high["step_to_own"]) == (4, 8)
+        # Against fixed bars it is not: 60% at 4 vs 6, and 80% never vs 8.
+        assert (s_low["step_to_60"], s_high["step_to_60"]) == (4, 6)
+        assert (s_low["step_to_80"], s_high["step_to_80"]) == (None, 8)
+        assert s_low["final"] == pytest.approx(np.mean([0.55, 0.62, 0.63, 0.64, 0.64]))
+
+
+class TestNoBootstrapBelowFive:
+    def test_paired_has_no_bootstrap_below_five_pairs(self):
+        three = study_report.paired({1: 1.0, 2: 2.0, 3: 4.0}, {1: 0.0, 2: 0.0, 3: 0.0})
+        assert three["bootstrap"] is None and three["t"] is not None
+        assert three["sign_flip_p"] == 0.25
+        five = study_report.paired(dict.fromkeys(range(5), 1.0), dict.fromkeys(range(5), 0.0))
+        assert five["bootstrap"] == {**five["bootstrap"], "low": 1.0, "high": 1.0}
+
+    def test_report_of_three_seeds_prints_no_bootstrap_interval(self):
+        study = json.loads((ARCHIVE / "study.json").read_text())
+        summary = study_report.summarise(study["runs"], study["study"])
+        text = study_report.markdown(summary, study["runs"], study["study"])
+        rows = [line for line in text.splitlines() if line.startswith("| mmr_grpo - ")]
+        assert len(rows) == 14  # 7 quantities x 2 comparisons
+        assert all(row.rstrip().endswith("| n < 5: none |") for row in rows)
+
+
+class TestMechanism:
+    def test_stall_tail_and_times_by_hand(self):
+        rows = [{"step": 0, "time/eval": 10.0}]
+        for step, g in enumerate([2.0, 1.0, 0.0, 3.0, 0.0, 0.0, 0.0, 0.0], start=1):
+            rows.append({"step": step, "grad_norm": g, "advantage/abs_mean": g / 10,
+                         "groups/zero_variance_frac": 1.0 if g == 0 else 0.5,
+                         "time/train": 100.0 if step == 1 else float(step),
+                         "time/rollout": 1.0})  # fmt: skip
+        rows.append({"step": 8, "time/eval": 30.0})  # same step, another row: merged
+        m = study_report.run_mechanism(rows)
+        assert m["stalled_from"] == 5  # steps 5-8 all zero; step 3's zero is not a stall
+        assert m["tail_from"] == 7 and m["tail_grad_norm"] == 0.0  # last quarter: 7, 8
+        assert m["tail_zero_variance_frac"] == 1.0
+        assert m["train_s_median"] == pytest.approx(5.0)  # steps 2..8, compile step left out
+        assert m["eval_s"] == [10.0, 30.0] and m["eval_total_s"] == 40.0
+        rows.append({"step": 9, "grad_norm": 0.5})
+        assert study_report.run_mechanism(rows)["stalled_from"] is None
+
+
+def _records(run):
+    by_step = {}
+    for line in (ARCHIVE / run / "metrics.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        by_step.setdefault(row["step"], {}).update(row)
+    return by_step
+
+
+class TestFirstStudyFromItsRecords:
+    """The figures docs/study_cpu.md quotes, recomputed from the raw metrics (not study.json)."""
+
+    def test_final_accuracy_differences_and_grpo_stall(self):
+        final = {}
+        for variant in ("grpo", "mmr_grpo", "dra_grpo"):
+            for seed in (1, 2, 3):
+                rows = _records(f"{variant}_s{seed}")
+                evals = [rows[s]["eval/average/pass@1"] for s in sorted(rows)
+                         if "eval/average/pass@1" in rows[s]]  # fmt: skip
+                assert len(evals) == 21
+                final[variant, seed] = 100 * np.mean(evals[-5:])
+        vs_grpo = [final["mmr_grpo", s] - final["grpo", s] for s in (1, 2, 3)]
+        vs_dra = [final["mmr_grpo", s] - final["dra_grpo", s] for s in (1, 2, 3)]
+        np.testing.assert_allclose(vs_grpo, [-13.8, -2.7, -8.7], atol=0.05)
+        np.testing.assert_allclose(vs_dra, [-5.7, -6.2, -13.0], atol=0.05)
+        study = json.loads((ARCHIVE / "study.json").read_text())
+        summary = study_report.summarise(study["runs"], study["study"])
+        for (variant, seed), value in final.items():
+            got = summary["per_run"][f"{variant}_s{seed}"]["final"]
+            assert 100 * got == pytest.approx(value)
+        # GRPO stopped learning in seeds 1 and 2: grad_norm exactly 0 at every step from 27 / 29.
+        for seed, start in ((1, 27), (2, 29)):
+            rows = _records(f"grpo_s{seed}")
+            assert all(rows[s]["grad_norm"] == 0.0 for s in range(start, 41))
+            assert rows[start - 1]["grad_norm"] > 0.0
+            assert study_report.run_mechanism(list(rows.values()))["stalled_from"] == start
