@@ -70,13 +70,15 @@ def _is_basic_config_handler(h: logging.Handler) -> bool:
     return type(h) is logging.StreamHandler and h.stream in (sys.stderr, sys.__stderr__)
 
 
-def setup(log_file, *, verbose: bool | None = None) -> pathlib.Path:
+def setup(log_file, *, verbose: bool | None = None, stdout: bool = True) -> pathlib.Path:
     """Routes logs: `info` lines to stdout, warnings to stderr, everything to `log_file`.
 
     Args:
       log_file: file that receives every record at INFO and above (appended; parents created).
       verbose: also show INFO of every library on stderr; default: whether `--verbosity` / `-v`
         was given on the command line.
+      stdout: show `info` lines on stdout (False: the file only, as on every process of a
+        multi-process run but process 0, which alone prints).
     Returns the log file's path.
     """
     from absl import logging as absl_logging
@@ -108,9 +110,10 @@ def setup(log_file, *, verbose: bool | None = None) -> pathlib.Path:
     file_handler._mmr_jax_console = True
     root.addHandler(file_handler)
 
-    out = logging.StreamHandler(sys.stdout)
-    out.setFormatter(logging.Formatter("%(asctime)s %(message)s", datefmt="%H:%M:%S"))
-    _logger.addHandler(out)
+    if stdout:
+        out = logging.StreamHandler(sys.stdout)
+        out.setFormatter(logging.Formatter("%(asctime)s %(message)s", datefmt="%H:%M:%S"))
+        _logger.addHandler(out)
     _logger.setLevel(logging.INFO)
     _logger.propagate = True  # to the file
     _quiet_libraries()

@@ -92,6 +92,20 @@ def read_jsonl(path) -> list[dict]:
     return rows
 
 
+class NullWriter:
+    """`MetricWriter`'s interface, writing nothing: the writer of every process but process 0."""
+
+    def write(self, step: int, metrics: Mapping[str, object]) -> dict[str, float]:
+        del step
+        return {k: v for k, v in ((k, _scalar(v)) for k, v in metrics.items()) if v is not None}
+
+    def write_text(self, step: int, name: str, text: str) -> None:
+        del step, name, text
+
+    def close(self) -> None:
+        pass
+
+
 class Periodic:
     """`every` steps (and at `last`, when given): `periodic(step)` is True on those steps.
 

@@ -25,13 +25,14 @@ from mmr_jax import (
     config_types,
     console,
     data,
+    distributed,
     experience,
     faults,
     metrics,
     step_batch,
     train_step,
 )
-from mmr_jax.models import hub
+from mmr_jax.models import hub, sharding
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -76,7 +77,10 @@ def setup(cfg: config_types.TrainConfig, workdir, *, overwrite: bool = False) ->
 
     from mmr_jax import embeddings
 
-    workdir = os.fspath(checkpoint.prepare_workdir(workdir, cfg.to_dict(), overwrite=overwrite))
+    distributed.check_same_config(cfg.to_dict())  # before anything is built or written
+    distributed.check_batch_split(cfg.batch.prompts)
+    prepare = lambda: checkpoint.prepare_workdir(workdir, cfg.to_dict(), overwrite=overwrite)
+    workdir = os.fspath(distributed.primary_first(prepare, "to prepare the workdir") or workdir)
     # A hub id is fetched once (here); the config keeps the id, as vLLM serves it under that name.
     tokenizer = transformers.AutoTokenizer.from_pretrained(hub.resolve_checkpoint(cfg.model.path))
     prompt_ids, answers = build.load_prompts(cfg, tokenizer)
@@ -105,7 +109,7 @@ def setup(cfg: config_types.TrainConfig, workdir, *, overwrite: bool = False) ->
     _header(cfg, workdir, resume_step)
     if resume_step is not None and cfg.checkpoint.export_hf:
         _export_if_missing(cfg, policy, state, workdir, resume_step)
-    engine = build.make_engine(cfg, policy, tokenizer, workdir, mesh)
+    engine = _make_engine(cfg, policy, tokenizer, workdir, mesh)
     engine.sync_weights(policy.model(state.params), version=int(state.step))
     encoder = None
     if cfg.reweighting != "none":
@@ -128,8 +132,12 @@ def setup(cfg: config_types.TrainConfig, workdir, *, overwrite: bool = False) ->
             "minibatches",
         ),
     )  # prompt_tokens / prompt_mask / packed (shared-prompt layouts): traced keyword arguments
-    writer = metrics.MetricWriter(
-        workdir, tensorboard=cfg.logging.tensorboard, resume_step=resume_step or 0
+    writer = (
+        metrics.MetricWriter(
+            workdir, tensorboard=cfg.logging.tensorboard, resume_step=resume_step or 0
+        )
+        if distributed.is_primary()
+        else metrics.NullWriter()
     )
     return Run(
         cfg,
@@ -148,12 +156,32 @@ def setup(cfg: config_types.TrainConfig, workdir, *, overwrite: bool = False) ->
     )
 
 
+def _make_engine(cfg: config_types.TrainConfig, policy, tokenizer, workdir, mesh):
+    """The rollout engine; with several processes, one per process over its share of the prompts
+    (`distributed.ShareEngine`), holding whole weights of its own."""
+    if jax.process_count() == 1:
+        return build.make_engine(cfg, policy, tokenizer, workdir, mesh)
+    share = cfg.batch.prompts // jax.process_count()
+    local_cfg = dataclasses.replace(cfg, batch=dataclasses.replace(cfg.batch, prompts=share))
+    local = dataclasses.replace(
+        policy,
+        params=distributed.local_copy(policy.params, mesh),
+        frozen=distributed.local_copy(policy.frozen, mesh),
+        rest=distributed.local_copy(policy.rest, mesh),
+    )
+    devices = jax.local_devices()
+    local_mesh = sharding.data_parallel_mesh(devices) if len(devices) > 1 else None
+    engine = build.make_engine(local_cfg, local, tokenizer, workdir, local_mesh)
+    return distributed.ShareEngine(engine, mesh)
+
+
 def _header(cfg: config_types.TrainConfig, workdir: str, resume_step: int | None) -> None:
     devices = jax.devices()
     console.info(
-        "%s | model %s | %d %s device(s) | workdir %s | %s",
+        "%s | model %s | %d process(es), %d %s device(s) | workdir %s | %s",
         cfg.name,
         cfg.model.path,
+        jax.process_count(),
         len(devices),
         devices[0].platform,
         workdir,
@@ -164,7 +192,7 @@ def _header(cfg: config_types.TrainConfig, workdir: str, resume_step: int | None
 def _export_if_missing(cfg, policy, state, workdir: str, step: int) -> None:
     # A run killed between its last checkpoint and that step's export resumes after the step.
     out = os.path.join(workdir, f"step_{step}")
-    if not os.path.exists(out):
+    if distributed.primary_value(not os.path.exists(out)):  # every process joins the export
         console.info("exporting step %d, not finished before the restart", step)
         _export(cfg, policy.model(state.params), out, step)
 
@@ -203,6 +231,7 @@ def _check_finite(step: int, device_metrics: dict, workdir: str, last_saved) -> 
 
 def _log(run: Run, step: int, host: dict, progress: metrics.Progress) -> None:
     if metrics.Periodic(run.cfg.logging.every, last=run.cfg.total_steps)(step):
+        host = distributed.reduce_metrics(host)  # on every process: a collective
         run.writer.write(step, host)
         console.info("%s", progress.line(step, host))
 
@@ -219,6 +248,10 @@ def save(run: Run, step: int) -> None:
 
 
 def _export(cfg: config_types.TrainConfig, model, out_dir, step: int | None = None) -> None:
+    if jax.process_count() > 1:  # whole weights gathered on every process; process 0 writes
+        model = distributed.local_model(model)
+        if not distributed.is_primary():
+            return
     dtype = build.DTYPES[cfg.model.dtype]
     checkpoint.export_model(
         model, out_dir, base_path=cfg.model.path, dtype=dtype, lora=cfg.lora.enabled, step=step
@@ -308,6 +341,11 @@ def train(cfg: config_types.TrainConfig, workdir, *, overwrite: bool = False) ->
             raise
         kept = f"The last complete checkpoint (step {last_saved}) is intact. " if last_saved else ""
         raise checkpoint.write_error(e, run.workdir, "the run's files", kept=kept) from e
+    except Exception as e:  # a dead peer process: a named error, not the collective's own
+        lost = distributed.peer_lost(e)
+        if lost is None or lost is e:
+            raise
+        raise lost from e
     finally:
         _close(run)
     return host

@@ -6,6 +6,11 @@
     python scripts/train.py --config=configs/dapo.py:8b --dry_run
     python scripts/train.py --config=configs/grpo.py:1.5b --workdir=runs/x --export_hf=runs/x/hf
 
+Several processes (hosts) train as one program on one global mesh (docs/multihost.md):
+
+    python scripts/train.py ... --coordinator_address=HOST0:1234 --num_processes=2 --process_id=I
+    python scripts/train.py ... --distributed=auto     # TPU pod slices, SLURM: JAX finds them
+
 Re-running the same command resumes from the workdir's latest checkpoint. The console shows a
 header, a line per step, checkpoints, evaluations and warnings; every log (Orbax, JAX, ...) goes to
 <workdir>/train.log, and `--verbosity=0` shows them on the console too.
@@ -15,11 +20,12 @@ import os
 import pathlib
 import sys
 
+import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from mmr_jax import build, checkpoint, compile_cache, config_types, console, trainer
+from mmr_jax import build, checkpoint, compile_cache, config_types, console, distributed, trainer
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Config file (configs/*.py[:arg]).", lock_config=True
@@ -31,6 +37,17 @@ _EXPORT_HF = flags.DEFINE_string(
     "export_hf", None, "Export a checkpoint of --workdir here and exit."
 )
 _EXPORT_STEP = flags.DEFINE_integer("export_step", None, "Step to export (default: latest).")
+_DISTRIBUTED = flags.DEFINE_enum(
+    "distributed", "off", ["off", "auto"], "auto: jax.distributed.initialize() finds the cluster."
+)
+_COORDINATOR = flags.DEFINE_string(
+    "coordinator_address", None, "HOST:PORT of process 0 (with --num_processes, --process_id)."
+)
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Processes of the run.")
+_PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's id, 0 .. N-1.")
+_DIST_TIMEOUT = flags.DEFINE_integer(
+    "distributed_timeout_s", 120, "Start-up: seconds to wait for the coordinator and the others."
+)
 
 
 def _parse_flags(argv):
@@ -41,8 +58,23 @@ def _parse_flags(argv):
     return flags.FLAGS(argv)
 
 
+def _start_processes() -> None:
+    try:
+        opts = distributed.options_from_flags(
+            distributed=_DISTRIBUTED.value,
+            coordinator_address=_COORDINATOR.value,
+            num_processes=_NUM_PROCESSES.value,
+            process_id=_PROCESS_ID.value,
+            timeout_s=_DIST_TIMEOUT.value,
+        )
+        distributed.initialize(opts)
+    except (ValueError, distributed.DistributedError) as e:
+        sys.exit(f"ERROR: {type(e).__name__}: {e}")
+
+
 def main(argv):
     del argv
+    _start_processes()  # before any other JAX operation
     cfg = config_types.from_config_dict(_CONFIG.value)
     if _DRY_RUN.value:
         build.dry_run(cfg)
@@ -52,12 +84,20 @@ def main(argv):
     if _EXPORT_HF.value:
         trainer.export_hf(cfg, _WORKDIR.value, _EXPORT_HF.value, step=_EXPORT_STEP.value)
         return
-    log_file = os.path.join(_WORKDIR.value, "train.log")
+    primary = distributed.is_primary()
+    name = "train.log" if primary else f"train.process{jax.process_index()}.log"
+    log_file = os.path.join(_WORKDIR.value, name)
     try:
-        console.setup(log_file)
+        console.setup(log_file, stdout=primary)  # process 0 alone prints
         logging.info("config %s -> %s", cfg.name, _WORKDIR.value)
         logging.info("XLA compilation cache: %s", compile_cache.enable())
         trainer.train(cfg, _WORKDIR.value, overwrite=_OVERWRITE.value)
+    except distributed.PeerLostError as e:
+        # Skips JAX's exit barrier, which would wait for the dead process.
+        print(f"ERROR: PeerLostError: {e}", file=sys.stderr, flush=True)
+        os._exit(3)
+    except distributed.DistributedError as e:
+        sys.exit(f"ERROR: {type(e).__name__}: {e}")
     except OSError as e:
         if isinstance(e, checkpoint.WorkdirWriteError):
             sys.exit(f"ERROR: {e}")

@@ -88,7 +88,7 @@ class EmbeddedEngine:
         return int(self._rng.integers(2**31))
 
     def generate(
-        self, prompt_ids: Sequence[Sequence[int]], params: base.SamplingParams
+        self, prompt_ids: Sequence[Sequence[int]], params: base.SamplingParams, *, first_row=0
     ) -> base.RolloutBatch:
         seed = self.next_seed()
         return sampler.sample(
@@ -102,6 +102,7 @@ class EmbeddedEngine:
             max_len=self.max_len,
             mesh=self.mesh,
             compact=self.compact,
+            first_row=first_row,
         )
 
     def sync_weights(self, model: nnx.Module, *, version: int) -> None:

@@ -456,6 +456,7 @@ def sample(
     max_len: int | None = None,
     mesh: jax.sharding.Mesh | None = None,
     compact: bool = True,
+    first_row: int = 0,
 ) -> base.RolloutBatch:
     """Samples `params.n` completions for each prompt with a `Decoder`; see the module docstring.
 
@@ -474,6 +475,8 @@ def sample(
         The tokens do not depend on it (same row keys), up to float rounding.
       compact: once at most half of the rows are still decoding, go on with those alone
         (module docstring, "Compaction"); single device only. The tokens do not depend on it.
+      first_row: row index (for the random keys) of the first prompt's first sample: a process
+        sampling its share of a batch passes its offset, so it draws what one process would.
     Returns:
       A `RolloutBatch` with T = the longest completion.
     """
@@ -535,7 +538,7 @@ def sample(
         rows(tokens),
         rows(mask),
         prompt_cache,
-        rows(row_ids),
+        rows(row_ids + np.int32(first_row)),
         rows(row_ids < num_prompts * n),
         scalar(np.uint32((params.seed if params.seed is not None else seed) % 2**32)),
         max_new,

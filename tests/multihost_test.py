@@ -1,0 +1,279 @@
+"""Multi-process training (mmr_jax.distributed) on real CPU process clusters: start-up checks,
+the per-process share and gathers, and the contract: N processes x k devices give the metrics of
+one process with N * k devices and the same mesh shape."""
+
+import json
+import math
+import pathlib
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from mmr_jax import build, distributed, metrics
+from mmr_jax.rollout import base as rollout_base
+
+from support import multihost
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "configs"))
+import dapo  # noqa: E402
+import grpo  # noqa: E402
+
+# Host-side timings and throughput differ between runs; everything else must agree.
+_UNTIMED = ("time/", "throughput/")
+# mismatch/* are differences of two log-probs of the same tokens (sampler vs trainer), each of
+# magnitude up to ~log(V) = 6.2 with an fp32 ulp of 4.8e-7: they are rounding noise themselves,
+# and two layouts round differently. Four ulps of 8.0.
+_ROUNDING_KEYS, _ROUNDING_ATOL = ("mismatch/",), 4 * float(np.spacing(np.float32(8.0)))
+
+
+def _config(module, ckpt, *, steps=2, **overrides) -> dict:
+    c = module.get_config("smoke")
+    c.model.path = str(ckpt)
+    c.total_steps = steps
+    c.lora.enabled = False
+    c.mmr.enabled = True
+    c.data.source = build.ARITHMETIC
+    c.data.system_prompt = ""
+    c.batch.max_prompt_len = 32
+    c.batch.max_completion_len = 16
+    c.optim.lr = 1e-3
+    c.optim.warmup_ratio = 0.0
+    c.rewards.weights = {"test_target": 1.0, "format": 0.0}
+    c.dynamic_sampling.filter_reward = "test_target"
+    c.checkpoint.every = 1
+    c.logging.samples = 0
+    c.logging.tensorboard = False
+    c.mesh.shape = (1, 2, 1)  # the same mesh shape in both layouts: fsdp over 2 devices
+    for key, value in overrides.items():
+        node = c
+        *path, last = key.split(".")
+        for p in path:
+            node = node[p]
+        node[last] = value
+    return json.loads(json.dumps(c.to_dict()))
+
+
+def _run(cfg, workdir, *, processes, devices, timeout=900, **kw):
+    results = multihost.wait(
+        multihost.launch(cfg, workdir, processes=processes, devices=devices, **kw), timeout
+    )
+    return results
+
+
+def _ok(results):
+    for rc, out in results:
+        assert rc == 0 and "WORKER DONE" in out, out[-4000:]
+
+
+def _metrics(workdir) -> list[dict]:
+    rows = metrics.read_jsonl(pathlib.Path(workdir) / metrics.METRICS_FILE)
+    return [{k: v for k, v in r.items() if not k.startswith(_UNTIMED)} for r in rows]
+
+
+def _assert_same(a: list[dict], b: list[dict]):
+    assert [r["step"] for r in a] == [r["step"] for r in b] and a
+    for ra, rb in zip(a, b, strict=True):
+        assert set(ra) == set(rb), set(ra) ^ set(rb)
+        for k in ra:
+            atol = _ROUNDING_ATOL if k.startswith(_ROUNDING_KEYS) else 1e-6
+            assert math.isclose(ra[k], rb[k], rel_tol=2e-5, abs_tol=atol), (
+                ra["step"],
+                k,
+                ra[k],
+                rb[k],
+            )
+
+
+class TestShare:
+    @pytest.mark.parametrize("num,processes", [(8, 2), (7, 3), (2, 4), (0, 2), (5, 1)])
+    def test_contiguous_cover(self, num, processes):
+        parts = [distributed.share(num, processes, i) for i in range(processes)]
+        covered = [j for p in parts for j in range(num)[p]]
+        assert covered == list(range(num))  # in order, each item once
+        sizes = [p.stop - p.start for p in parts]
+        assert max(sizes) - min(sizes) <= 1
+
+    def test_index_out_of_range(self):
+        with pytest.raises(distributed.ProcessIdError):
+            distributed.share(4, 2, 2)
+
+
+class TestOptions:
+    def test_no_flags_is_one_process(self):
+        opts = distributed.options_from_flags(
+            distributed="off", coordinator_address=None, num_processes=None, process_id=None
+        )
+        assert opts.mode == "off" and not distributed.initialize(opts)
+
+    @pytest.mark.parametrize("pid,n", [(2, 2), (-1, 2), (0, 0)])
+    def test_process_id_out_of_range(self, pid, n):
+        with pytest.raises(distributed.ProcessIdError, match="process"):
+            distributed.options_from_flags(
+                distributed="off",
+                coordinator_address="localhost:1",
+                num_processes=n,
+                process_id=pid,
+            )
+
+    def test_partial_flags(self):
+        with pytest.raises(ValueError, match="go together"):
+            distributed.options_from_flags(
+                distributed="off", coordinator_address="h:1", num_processes=2, process_id=None
+            )
+
+    def test_bad_address(self):
+        with pytest.raises(ValueError, match="HOST:PORT"):
+            distributed.options_from_flags(
+                distributed="off", coordinator_address="nohostport", num_processes=2, process_id=0
+            )
+
+    def test_unreachable_coordinator_in_bounded_time(self):
+        t0 = time.monotonic()
+        with pytest.raises(distributed.CoordinatorUnreachableError, match="no coordinator"):
+            distributed.wait_for_coordinator(f"localhost:{multihost.free_port()}", 2.0)
+        assert time.monotonic() - t0 < 10
+
+    def test_batch_split(self):
+        distributed.check_batch_split(4, 2)
+        with pytest.raises(distributed.BatchSplitError, match="multiple of 2"):
+            distributed.check_batch_split(3, 2)
+
+    def test_config_digest(self):
+        a = distributed.config_digest({"x": 1, "y": {"z": [1, 2]}})
+        assert a == distributed.config_digest({"y": {"z": [1, 2]}, "x": 1})  # order-free
+        assert a != distributed.config_digest({"x": 1, "y": {"z": [1, 3]}})
+
+
+class TestTrainScriptFlags:
+    """scripts/train.py refuses bad start-up flags with a named error (no JAX cluster needed)."""
+
+    def _train(self, *flags, timeout=120):
+        args = [sys.executable, str(REPO / "scripts/train.py"), "--config=configs/grpo.py:smoke"]
+        return subprocess.run(
+            [*args, "--workdir=/tmp/unused_multihost", *flags],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            cwd=REPO,
+            env={**__import__("os").environ, "JAX_PLATFORMS": "cpu"},
+        )
+
+    def test_process_id_out_of_range(self):
+        r = self._train("--coordinator_address=localhost:1", "--num_processes=2", "--process_id=2")
+        assert r.returncode != 0 and "ProcessIdError" in r.stderr, r.stderr[-2000:]
+
+    def test_unreachable_coordinator(self):
+        port = multihost.free_port()
+        t0 = time.monotonic()
+        r = self._train(
+            f"--coordinator_address=localhost:{port}",
+            "--num_processes=2",
+            "--process_id=1",
+            "--distributed_timeout_s=3",
+        )
+        assert r.returncode != 0 and "CoordinatorUnreachableError" in r.stderr, r.stderr[-2000:]
+        assert time.monotonic() - t0 < 60
+
+
+def _rollout(b, n, t, seed):
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(1, t + 1, (b, n))
+    mask = np.arange(t)[None, None] < lengths[..., None]
+    return rollout_base.RolloutBatch(
+        tokens=np.where(mask, rng.integers(1, 50, (b, n, t)), 0).astype(np.int32),
+        mask=mask,
+        logprobs=np.where(mask, -rng.random((b, n, t)), 0).astype(np.float32),
+        finish_reasons=np.where(lengths == t, "length", "stop").tolist(),
+    )
+
+
+class TestGatherOneProcess:
+    def test_identity(self):
+        batch = _rollout(3, 2, 5, 0)
+        out = distributed.gather_rollouts(batch, 2)
+        np.testing.assert_array_equal(out.tokens, batch.tokens[..., : out.tokens.shape[-1]])
+        assert out.finish_reasons == batch.finish_reasons
+
+    def test_reduce_metrics_one_process(self):
+        assert distributed.reduce_metrics({"a": 1.5, "time/x": 2.0}) == {"a": 1.5, "time/x": 2.0}
+
+
+_GATHER_SCRIPT = """
+import sys, json, numpy as np
+from mmr_jax import distributed
+from mmr_jax.rollout import base
+sys.path.insert(0, "tests")
+import multihost_test as t
+pid = int(sys.argv[1])
+distributed.initialize(distributed.Options("explicit", sys.argv[2], 2, pid, 60))
+# Process 0 holds 2 prompts of 3 tokens, process 1 one prompt of 5 tokens.
+local = t._rollout(2, 3, 3, 0) if pid == 0 else t._rollout(1, 3, 5, 1)
+out = distributed.gather_rollouts(local, 3)
+m = distributed.reduce_metrics({"a": float(pid), "time/x": float(pid + 1)})
+wrong = None
+try:
+    distributed.check_same_config({"seed": pid})
+except distributed.ConfigMismatchError as e:
+    wrong = str(e)
+print("RESULT", json.dumps({"tokens": out.tokens.tolist(), "mask": out.mask.tolist(),
+    "reasons": out.finish_reasons, "m": m, "wrong": wrong}), flush=True)
+"""
+
+
+@pytest.mark.slow
+class TestTwoProcessCollectives:
+    def test_gather_reduce_and_config_check(self, tmp_path):
+        port = multihost.free_port()
+        env = dict(__import__("os").environ, JAX_PLATFORMS="cpu", PYTHONPATH=f"{REPO}:{REPO}/tests")
+        env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-c", _GATHER_SCRIPT, str(i), f"localhost:{port}"],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                cwd=REPO,
+                env=env,
+            )
+            for i in range(2)
+        ]
+        outs = [p.communicate(timeout=120)[0] for p in procs]
+        results = []
+        for out in outs:
+            line = [x for x in out.splitlines() if x.startswith("RESULT ")]
+            assert line, out[-3000:]
+            results.append(json.loads(line[0][len("RESULT ") :]))
+        a, b = _rollout(2, 3, 3, 0), _rollout(1, 3, 5, 1)
+        for r in results:
+            tokens = np.asarray(r["tokens"])
+            assert tokens.shape == (3, 3, 5)  # every prompt, padded to the longest completion
+            np.testing.assert_array_equal(tokens[:2, :, :3], a.tokens)
+            np.testing.assert_array_equal(tokens[:2, :, 3:], 0)
+            np.testing.assert_array_equal(tokens[2], b.tokens[0])
+            np.testing.assert_array_equal(np.asarray(r["mask"])[2], b.mask[0])
+            assert r["reasons"] == a.finish_reasons + b.finish_reasons
+            assert r["m"] == {"a": 0.5, "time/x": 2.0}  # mean, and max for times
+            assert r["wrong"] and "processes [1]" in r["wrong"]
+
+
+@pytest.mark.slow
+class TestContract:
+    """2 processes x 1 device against 1 process x 2 devices (mesh (1, 2, 1) in both)."""
+
+    @pytest.mark.parametrize("algo", ["grpo_mmr", "dapo"])
+    def test_same_metrics(self, tmp_path, tiny_llama_dir, algo):
+        module, extra = (grpo, {}) if algo == "grpo_mmr" else (dapo, {"mmr.enabled": False})
+        cfg = _config(module, tiny_llama_dir, steps=3, **extra)
+        one = tmp_path / "one"
+        _ok(_run(cfg, one, processes=1, devices=2))
+        two = tmp_path / "two"
+        _ok(_run(cfg, two, processes=2, devices=1))
+        a, b = _metrics(one), _metrics(two)
+        assert len(a) == 3 and a[0]["grad_norm"] > 0 and a[0]["advantage/abs_mean"] > 0
+        if algo == "dapo":
+            assert all("dynamic_sampling/generation_batches" in r for r in a)
+        _assert_same(a, b)

@@ -1,0 +1,150 @@
+"""Real multi-process JAX runs on one CPU machine, for tests and scripts/bench_multihost.py.
+
+`launch` starts N Python processes that form one JAX cluster (a coordinator on localhost, gloo
+collectives), each with `devices` CPU devices, and runs this file's `worker` in each: start-up
+through `distributed.initialize`, then `trainer.train` of a config given as JSON. `launch(1, 2)` is
+the one-process reference on 2 devices. Nothing is mocked.
+
+    procs = multihost.launch(config_dict, workdir, processes=2, devices=1)
+    multihost.wait(procs, timeout=600)  # -> [(returncode, output)], in process order
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+TARGET = set("0123456789")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def launch(
+    config: dict,
+    workdir,
+    *,
+    processes: int,
+    devices: int,
+    port: int | None = None,
+    extra_env: dict | None = None,
+    per_process_config: list[dict] | None = None,
+) -> list[subprocess.Popen]:
+    """Starts the run's processes (outputs to `<workdir>/../<name>.process<i>.out`)."""
+    workdir = pathlib.Path(workdir)
+    workdir.parent.mkdir(parents=True, exist_ok=True)
+    port = port or free_port()
+    env = dict(os.environ, JAX_PLATFORMS="cpu", **(extra_env or {}))
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "tests"), env.get("PYTHONPATH", "")])
+    procs = []
+    for i in range(processes):
+        cfg_file = workdir.parent / f"{workdir.name}.config{i}.json"
+        cfg = per_process_config[i] if per_process_config else config
+        cfg_file.write_text(json.dumps(cfg))
+        args = [sys.executable, "-u", __file__, f"--config_json={cfg_file}", f"--workdir={workdir}"]
+        if processes > 1:
+            args += [
+                f"--coordinator_address=localhost:{port}",
+                f"--num_processes={processes}",
+                f"--process_id={i}",
+            ]
+        out = open(workdir.parent / f"{workdir.name}.process{i}.out", "w")
+        procs.append(
+            subprocess.Popen(args, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
+        )
+        procs[-1].out_path = out.name
+    return procs
+
+
+def wait(procs: list[subprocess.Popen], timeout: float) -> list[tuple[int, str]]:
+    """[(returncode, output)] of every process; kills them all and raises after `timeout`."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    try:
+        for p in procs:
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        outs = "\n".join(pathlib.Path(p.out_path).read_text()[-3000:] for p in procs)
+        raise TimeoutError(f"processes still running after {timeout} s:\n{outs}") from None
+    return [(p.returncode, pathlib.Path(p.out_path).read_text()) for p in procs]
+
+
+def _register_test_reward() -> None:
+    import numpy as np
+
+    from mmr_jax import rewards
+
+    if "test_target" in rewards.REGISTRY:
+        return
+
+    @rewards.register("test_target")
+    def _target(completions, answers, *, lengths=None):
+        """Pays for the share of digit characters (as tests/trainer_test.py's test reward)."""
+        del answers, lengths
+        return np.array(
+            [sum(ch in TARGET for ch in c) / max(len(c), 1) for c in completions], np.float32
+        )
+
+
+def worker(argv: list[str]) -> int:
+    """One process of a launched run: start-up, then `trainer.train`; exit codes as train.py's."""
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--config_json", required=True)
+    parser.add_argument("--workdir", required=True)
+    parser.add_argument("--coordinator_address")
+    parser.add_argument("--num_processes", type=int)
+    parser.add_argument("--process_id", type=int)
+    parser.add_argument("--timeout_s", type=int, default=60)
+    args = parser.parse_args(argv)
+
+    from mmr_jax import distributed
+
+    try:
+        opts = distributed.options_from_flags(
+            distributed="off",
+            coordinator_address=args.coordinator_address,
+            num_processes=args.num_processes,
+            process_id=args.process_id,
+            timeout_s=args.timeout_s,
+        )
+        distributed.initialize(opts)
+    except (ValueError, distributed.DistributedError) as e:
+        print(f"ERROR: {type(e).__name__}: {e}", flush=True)
+        return 2
+    import ml_collections
+
+    from mmr_jax import config_types, trainer
+
+    _register_test_reward()
+    cfg = config_types.from_config_dict(
+        ml_collections.ConfigDict(json.loads(pathlib.Path(args.config_json).read_text()))
+    )
+    try:
+        trainer.train(cfg, args.workdir)
+    except distributed.PeerLostError as e:
+        print(f"ERROR: PeerLostError: {e}", flush=True)
+        os._exit(3)  # JAX's exit barrier would wait for the dead process
+    except distributed.DistributedError as e:
+        print(f"ERROR: {type(e).__name__}: {e}", flush=True)
+        return 2
+    print("WORKER DONE", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path[:0] = [str(REPO), str(REPO / "tests")]
+    sys.exit(worker(sys.argv[1:]))
