@@ -44,8 +44,18 @@ def _reference(q, pk, pv, k, v, pmask, own_len):
     return decoder._attend_shared_prompt(q, pk, pv, k, v, pmask, own_mask)
 
 
-def _kernel(q, pk, pv, k, v, pmask, own_len):
-    return jax.jit(decode_attention.attend_shared_prompt)(q, pk, pv, k, v, pmask, own_len)
+def _stack(a, layer, num_layers):
+    """`a` as layer `layer` of a stack whose other layers are NaN: reading one shows."""
+    out = np.full((num_layers, *a.shape), np.nan, np.float32)
+    out[layer] = a
+    return out
+
+
+def _kernel(q, pk, pv, k, v, pmask, own_len, *, layer=1, num_layers=3):
+    # The kernel reads one layer of the stacked caches (the decoder's scan carry) in place.
+    caches = [_stack(a, layer, num_layers) for a in (pk, pv, k, v)]
+    fn = jax.jit(decode_attention.attend_shared_prompt)
+    return fn(q, *caches, pmask, own_len, layer)
 
 
 CASES = {
@@ -96,13 +106,33 @@ def test_kernel_rejects_own_len_outside_cache():
         np.asarray(_kernel(*args, CASES["mha_group1"][6] + 1))
 
 
+@pytest.mark.parametrize("layer", [0, 2])
+def test_kernel_reads_the_given_layer_of_the_stack(layer):
+    # First and last layer of 3: the offsets into the stacked buffers (other layers are NaN).
+    args = _inputs(4, *CASES["group7_dim20"][:7], CASES["group7_dim20"][7])
+    want = np.asarray(_reference(*args, 5))
+    got = np.asarray(_kernel(*args, 5, layer=layer))
+    np.testing.assert_allclose(got, want, atol=TOL, rtol=TOL)
+
+
+def test_kernel_rejects_a_layer_outside_the_stack():
+    args = _inputs(2, *CASES["mha_group1"])
+    caches = [_stack(a, 0, 2) for a in args[1:5]]
+    fn = jax.jit(decode_attention.attend_shared_prompt)
+    with pytest.raises(Exception, match="layer outside"):
+        np.asarray(fn(args[0], *caches, args[5], 1, 2))
+
+
 def test_decoder_lowers_to_the_kernel_on_cpu_only_for_fp32():
     # The decode step's attention is the custom call on CPU in fp32; bf16 caches keep pure JAX.
     b, n, kh, g, d, p, s, lengths = CASES["smollm2_like"]
-    args = _inputs(3, b, n, kh, g, d, p, s, lengths)
+    q, *caches, pmask = _inputs(3, b, n, kh, g, d, p, s, lengths)
+    args = [q, *(c[None] for c in caches), pmask]  # caches stacked over 1 layer
 
     def step(q, pk, pv, k, v, pmask):
-        return decoder._attend_shared_prompt_decode(q, pk, pv, k, v, pmask, jnp.int32(4))
+        return decoder._attend_shared_prompt_decode(
+            q, pk, pv, k, v, pmask, jnp.int32(4), jnp.int32(0)
+        )
 
     hlo = jax.jit(step).lower(*args).as_text()
     assert decode_attention.TARGET in hlo

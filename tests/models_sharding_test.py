@@ -30,10 +30,21 @@ _SCRIPT = textwrap.dedent(
     mesh = sharding.make_mesh(2, 2, 2)
     single = models.from_pretrained(path, lora=cfg)
     sharded = models.from_pretrained(path, mesh=mesh, lora=cfg)
-    q = sharded.layers[0].self_attn.q_proj
-    assert q.kernel[...].sharding.spec == jax.sharding.PartitionSpec("fsdp", "tensor")
-    assert q.lora_b[...].sharding.spec == jax.sharding.PartitionSpec(None, "tensor")
+    q = sharded.layers.self_attn.q_proj  # stacked: [L, in, out], the layer axis unsharded
+    assert q.kernel[...].sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor")
+    assert q.lora_b[...].sharding.spec == jax.sharding.PartitionSpec(None, None, "tensor")
     assert len(q.kernel[...].addressable_shards) == 8
+    # Fresh adapters have B = 0 (no effect): give both models the same nonzero B, so the
+    # adapters' numerics run under the sharding too.
+    rng = np.random.default_rng(1)
+    for (path, a), (_, b) in zip(
+        nnx.to_flat_state(nnx.state(single, nnx.LoRAParam)),
+        nnx.to_flat_state(nnx.state(sharded, nnx.LoRAParam)),
+    ):
+        if path[-1] == "lora_b":
+            value = rng.normal(0, 0.05, a.get_value().shape).astype(np.float32)
+            a.set_value(jnp.asarray(value))
+            b.set_value(jax.device_put(value, b.get_value().sharding))
     tokens = jnp.asarray(np.random.RandomState(0).randint(0, 300, (4, 16)), jnp.int32)
     fwd = nnx.jit(lambda m, t: m(t))
     ref = np.asarray(fwd(single, tokens))
@@ -50,11 +61,16 @@ class TestPartitionSpec:
         class FakeMesh:
             shape = {"data": 1, "fsdp": 2, "tensor": 4}
 
-        path = ("layers", 0, "self_attn", "q_proj", "kernel")
-        assert sharding.partition_spec(path, (64, 64), FakeMesh) == P("fsdp", "tensor")
-        assert sharding.partition_spec(path, (64, 6), FakeMesh) == P("fsdp", None)
-        down = ("layers", 3, "mlp", "down_proj", "kernel")
-        assert sharding.partition_spec(down, (128, 64), FakeMesh) == P("tensor", "fsdp")
+        # Stacked layer parameters: [L, ...], the layer axis (4 = divisible by tensor) unsharded.
+        path = ("layers", "self_attn", "q_proj", "kernel")
+        assert sharding.partition_spec(path, (4, 64, 64), FakeMesh) == P(None, "fsdp", "tensor")
+        assert sharding.partition_spec(path, (4, 64, 6), FakeMesh) == P(None, "fsdp", None)
+        down = ("layers", "mlp", "down_proj", "kernel")
+        assert sharding.partition_spec(down, (4, 128, 64), FakeMesh) == P(None, "tensor", "fsdp")
+        lora_a = ("layers", "mlp", "down_proj", "lora_a")
+        assert sharding.partition_spec(lora_a, (4, 128, 8), FakeMesh) == P(None, "tensor", None)
+        norm = ("layers", "input_layernorm", "weight")
+        assert sharding.partition_spec(norm, (4, 64), FakeMesh) == P()
         assert sharding.partition_spec(("norm", "weight"), (64,), FakeMesh) == P()
         assert sharding.partition_spec(("embed_tokens", "embedding"), (512, 64), FakeMesh) == P(
             "tensor", "fsdp"

@@ -156,7 +156,7 @@ class TestKVCache:
     @pytest.mark.parametrize("split", [False, True], ids=["stacked", "split"])
     @pytest.mark.parametrize("name", ["llama3_rope_head_dim", "qwen2_bias_tied"])
     def test_prefill_then_decode_equals_full_forward(self, checkpoints, name, split):
-        # `split` decodes with the sampler's per-layer cache form (k [B, K, D, S], v [B, K, S, D]).
+        # `split` decodes with the sampler's cache form (k [L, B, K, D, S], v [L, B, K, S, D]).
         model = models.from_pretrained(checkpoints[name])
         lengths, prompt_len, new = [9, 5, 2], 9, 6
         tokens, mask, positions = _left_padded([n + new for n in lengths], prompt_len + new, seed=2)
@@ -253,9 +253,9 @@ class TestKVCache:
         cache = kv_cache.KVCache(k=k, v=v)  # [L, B, S, K, D]
         split = kv_cache.split(cache)
         assert split.is_split and split.max_len == 5
-        # Layer 1, row 2, slot 4, kv head 3, dim 5 sits at k[1][2, 3, 5, 4] and v[1][2, 3, 4, 5].
-        assert split.k[1][2, 3, 5, 4] == k[1, 2, 4, 3, 5]
-        assert split.v[1][2, 3, 4, 5] == v[1, 2, 4, 3, 5]
+        # Layer 1, row 2, slot 4, kv head 3, dim 5 sits at k[1, 2, 3, 5, 4] and v[1, 2, 3, 4, 5].
+        assert split.k[1, 2, 3, 5, 4] == k[1, 2, 4, 3, 5]
+        assert split.v[1, 2, 3, 4, 5] == v[1, 2, 4, 3, 5]
         back = kv_cache.stack(split)
         np.testing.assert_array_equal(back.k, k)
         np.testing.assert_array_equal(back.v, v)
@@ -269,8 +269,9 @@ class TestKVCache:
         )
         split = kv_cache.split(cache)
         split = kv_cache.KVCache(
-            k=(split.k[0], kv_cache.write_layer_keys(split.k[1], new_k, 4)),
-            v=(split.v[0], kv_cache.write_layer_values(split.v[1], new_v, 4)),
+            k=kv_cache.write_keys(split.k, 1, new_k, 4, split=True),
+            v=kv_cache.write_values(split.v, 1, new_v, 4, split=True),
+            split=True,
         )
         back = kv_cache.stack(split)
         np.testing.assert_array_equal(back.k, stacked.k)

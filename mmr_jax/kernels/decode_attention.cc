@@ -259,17 +259,24 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
                            ffi::Buffer<ffi::F32> pk, ffi::Buffer<ffi::F32> pv,
                            ffi::Buffer<ffi::F32> ok, ffi::Buffer<ffi::F32> ov,
                            ffi::Buffer<ffi::PRED> prompt_mask, ffi::Buffer<ffi::S32> own_len,
-                           ffi::ResultBuffer<ffi::F32> out) {
+                           ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> out) {
+  // The caches are stacked over the layers ([L, ...], the decoder's scan carry): this call reads
+  // layer `layer` of each, in place.
   const auto qd = q.dimensions(), pkd = pk.dimensions(), okd = ok.dimensions();
-  if (qd.size() != 4 || pkd.size() != 4 || okd.size() != 4 || qd[1] != 1)
-    return ffi::Error::InvalidArgument("decode_attention: q [R, 1, H, D], keys rank 4");
+  if (qd.size() != 4 || pkd.size() != 5 || okd.size() != 5 || qd[1] != 1)
+    return ffi::Error::InvalidArgument("decode_attention: q [R, 1, H, D], caches rank 5");
   Dims dm;
   dm.rows = qd[0];
-  dm.prompts = pkd[0];
-  dm.kv_heads = pkd[1];
-  dm.d = pkd[2];
-  dm.p = pkd[3];
-  dm.s = okd[3];
+  dm.prompts = pkd[1];
+  dm.kv_heads = pkd[2];
+  dm.d = pkd[3];
+  dm.p = pkd[4];
+  dm.s = okd[4];
+  const int64_t num_layers = pkd[0], li = layer.typed_data()[0];
+  if (okd[0] != num_layers || li < 0 || li >= num_layers)
+    return ffi::Error::InvalidArgument("decode_attention: layer outside [0, L)");
+  if (okd[1] != dm.rows || okd[2] != dm.kv_heads || okd[3] != dm.d)
+    return ffi::Error::InvalidArgument("decode_attention: own keys do not match the queries");
   if (dm.prompts == 0 || dm.rows % dm.prompts || qd[2] % dm.kv_heads || qd[3] != dm.d)
     return ffi::Error::InvalidArgument("decode_attention: inconsistent shapes");
   dm.n = dm.rows / dm.prompts;
@@ -277,8 +284,14 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   dm.own_len = own_len.typed_data()[0];
   if (dm.own_len < 1 || dm.own_len > dm.s)
     return ffi::Error::InvalidArgument("decode_attention: own_len outside [1, S]");
-  const Args a{q.typed_data(),  pk.typed_data(),          pv.typed_data(),
-               ok.typed_data(), ov.typed_data(),          prompt_mask.typed_data(),
+  const int64_t prompt_layer = dm.prompts * dm.kv_heads * dm.d * dm.p;
+  const int64_t own_layer = dm.rows * dm.kv_heads * dm.d * dm.s;
+  const Args a{q.typed_data(),
+               pk.typed_data() + li * prompt_layer,
+               pv.typed_data() + li * prompt_layer,
+               ok.typed_data() + li * own_layer,
+               ov.typed_data() + li * own_layer,
+               prompt_mask.typed_data(),
                out->typed_data()};
   const int64_t tasks = dm.rows * dm.kv_heads;
   auto progress = std::make_shared<Progress>();
@@ -308,10 +321,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MmrDecodeAttention, DecodeAttention,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()   // q [R, 1, H, D]
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // prompt keys [B, K, D, P]
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // prompt values [B, K, P, D]
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // own keys [R, K, D, S]
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // own values [R, K, S, D]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // prompt keys [L, B, K, D, P]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // prompt values [L, B, K, P, D]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // own keys [L, R, K, D, S]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // own values [L, R, K, S, D]
                                   .Arg<ffi::Buffer<ffi::PRED>>()  // prompt mask [B, P]
                                   .Arg<ffi::Buffer<ffi::S32>>()   // own_len [1]
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // layer [1]
                                   .Ret<ffi::Buffer<ffi::F32>>());  // out [R, 1, H, D]

@@ -81,6 +81,14 @@ def _build(compiler: str) -> pathlib.Path:
     return out
 
 
+def usable() -> bool:
+    """Whether to use the kernel: JAX's default backend is the CPU and `available()`.
+
+    The platform is checked first, so nothing is compiled (no g++ run) on a GPU or TPU host.
+    """
+    return jax.default_backend() == "cpu" and available()
+
+
 @functools.cache
 def available() -> bool:
     """Whether the kernel is built, loaded and registered with XLA for the CPU platform."""
@@ -100,19 +108,25 @@ def available() -> bool:
     return True
 
 
-def attend_shared_prompt(q_RxTxNxD, pk_BxKxDxP, pv_BxKxPxD, k_RxKxDxS, v_RxKxSxD, pmask, own_len):
-    """`decoder._attend_shared_prompt` with own slots [0, own_len) valid; CPU, fp32, T = 1 only.
+def attend_shared_prompt(
+    q_RxTxNxD, pk_LxBxKxDxP, pv_LxBxKxPxD, k_LxRxKxDxS, v_LxRxKxSxD, pmask, own_len, layer
+):
+    """`decoder._attend_shared_prompt` of layer `layer` of the stacked caches, with own slots
+    [0, own_len) valid; CPU, fp32, T = 1 only.
 
-    own_len is a traced int32 scalar in [1, S]. Returns [R, 1, N*D] fp32.
+    own_len (in [1, S]) and layer (in [0, L)) are traced int32 scalars: the kernel reads that
+    layer of the stacked buffers where they lie, so the decoder's scan over layers passes its
+    carried cache without a per-layer copy. Returns [R, 1, N*D] fp32.
     """
     r, t, nh, d = q_RxTxNxD.shape
     out = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((r, t, nh, d), jnp.float32))(
         q_RxTxNxD.astype(jnp.float32),
-        pk_BxKxDxP,
-        pv_BxKxPxD,
-        k_RxKxDxS,
-        v_RxKxSxD,
+        pk_LxBxKxDxP,
+        pv_LxBxKxPxD,
+        k_LxRxKxDxS,
+        v_LxRxKxSxD,
         pmask.astype(jnp.bool_),
         jnp.asarray(own_len, jnp.int32).reshape(1),
+        jnp.asarray(layer, jnp.int32).reshape(1),
     )
     return out.reshape(r, t, nh * d)

@@ -23,6 +23,21 @@ _ROPE_KEYS_LLAMA3 = (
 )
 
 
+# What the backward pass keeps of each scanned layer (decoder.scan_layers maps them to JAX's
+# checkpoint policies): none = everything (no recomputation), full = the layer's input only,
+# dots_saveable = matmul outputs, dots_with_no_batch_dims_saveable = weight matmuls' outputs.
+REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable")
+
+
+def remat_policy_name(value) -> str:
+    """The remat policy named by a config value (bools, the old form: True = full, False = none)."""
+    if isinstance(value, bool):
+        return "full" if value else "none"
+    if value not in REMAT_POLICIES:
+        raise ValueError(f"unknown remat policy {value!r}; expected one of {REMAT_POLICIES}")
+    return value
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Decoder hyper-parameters.
@@ -48,9 +63,15 @@ class ModelConfig:
     o_proj_bias: bool = False
     max_position_embeddings: int = 2048
     model_type: str = "llama"
-    remat: bool = False
+    remat: str = "none"  # remat policy of the scanned layer (REMAT_POLICIES)
+    scan_unroll: int = 1  # lax.scan's unroll over the layers (num_layers: an unrolled program)
 
     def __post_init__(self):
+        object.__setattr__(self, "remat", remat_policy_name(self.remat))
+        if not 1 <= self.scan_unroll <= max(self.num_layers, 1):
+            raise ValueError(
+                f"scan_unroll must be in [1, {self.num_layers}], got {self.scan_unroll}"
+            )
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_attention_heads={self.num_heads} is not a multiple of "
@@ -65,7 +86,7 @@ class ModelConfig:
     def from_hf(cls, config: dict | str | os.PathLike, **overrides) -> ModelConfig:
         """Builds the config from a `config.json` dict, a path to the file, or its folder.
 
-        `overrides` replace fields after parsing (e.g. `remat=True`).
+        `overrides` replace fields after parsing (e.g. `remat='full'`).
         """
         if not isinstance(config, dict):
             path = pathlib.Path(config)

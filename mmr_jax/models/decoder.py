@@ -101,26 +101,28 @@ def _attend_shared_prompt(q_RxTxNxD, pk_BxKxDxP, pv_BxKxPxD, k_RxKxDxS, v_RxKxSx
     return o.astype(v_RxKxSxD.dtype).reshape(r, t, nh * d)
 
 
-def _attend_shared_prompt_decode(q, pk, pv, k, v, pmask, write_index):
-    """`_attend_shared_prompt` for a decode step that has written own slots [0, write_index].
+def _attend_shared_prompt_decode(q, pk, pv, k, v, pmask, write_index, layer):
+    """`_attend_shared_prompt` of layer `layer` (traced) for a decode step that has written own
+    slots [0, write_index]; the caches are the stacked split ones ([L, ...]).
 
     On CPU, with fp32 caches, the C++ kernel (`mmr_jax.kernels.decode_attention`) computes it
-    reading only the unmasked span of each prompt and the written own slots; XLA's static shapes
-    make the pure-JAX version read and mask all P + S slots (SmolLM2, 8 prompts x 4 samples: the
-    decode step's attention about halves). Other platforms and dtypes, or no C++ compiler: the
-    pure-JAX version.
+    from the stacked buffers and the layer index (no per-layer copy), reading only the unmasked
+    span of each prompt and the written own slots; XLA's static shapes make the pure-JAX version
+    read and mask all P + S slots (SmolLM2, 8 prompts x 4 samples: the decode step's attention
+    about halves). Other platforms and dtypes, or no C++ compiler: the pure-JAX version.
     """
     own_mask_S = jnp.arange(k.shape[-1], dtype=jnp.int32) <= write_index
 
-    def pure_jax(*args):
-        return _attend_shared_prompt(*args, own_mask_S)
+    def pure_jax(q, pk, pv, k, v, pmask):
+        per_layer = [kv_cache.layer(a, layer) for a in (pk, pv, k, v)]
+        return _attend_shared_prompt(q, *per_layer, pmask, own_mask_S)
 
     args = (q, pk, pv, k, v, pmask)
-    if not all(a.dtype == jnp.float32 for a in args[:5]) or not decode_attention.available():
+    if not all(a.dtype == jnp.float32 for a in args[:5]) or not decode_attention.usable():
         return pure_jax(*args)
 
     def kernel(*args):
-        return decode_attention.attend_shared_prompt(*args, write_index + 1)
+        return decode_attention.attend_shared_prompt(*args, write_index + 1, layer)
 
     return jax.lax.platform_dependent(*args, cpu=kernel, default=pure_jax)
 
@@ -211,18 +213,45 @@ class Block(nnx.Module):
         return x + self.mlp(self.post_attention_layernorm(x), disable_lora=disable_lora, key=key)
 
 
-def _block_call(block, x, cos, sin, mask, disable_lora, key):
-    return block(x, cos, sin, mask, disable_lora, key)
+_CHECKPOINT_POLICIES = {  # config_lib.REMAT_POLICIES -> what jax.checkpoint keeps
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots_saveable": jax.checkpoint_policies.dots_saveable,
+    "dots_with_no_batch_dims_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
 
 
-_block_call_remat = nnx.remat(_block_call, static_argnums=(5,))
+def scan_layers(layers_module, fn, carry, xs=None, *, remat="none", unroll=1):
+    """Runs `fn(block, carry, index, x) -> (carry, y)` over the stacked layers with one scan.
+
+    `layers_module` is the decoder's stacked `Block` (every variable has a leading layer axis);
+    each step merges one layer's slice into a `Block` and calls `fn` on it, so XLA compiles the
+    layer once, not once per layer. `xs` (a pytree with a leading layer axis, or None) is sliced
+    with it. `remat` names a `REMAT_POLICIES` entry applied to the scanned body (the backward pass
+    keeps what the policy saves of each layer); `unroll` is `lax.scan`'s (num_layers unrolls it
+    into the straight-line program of an unscanned model: used by scripts/bench_compile.py).
+    Returns (carry, ys).
+    """
+    graphdef, state = nnx.split(layers_module)
+    num_layers = jax.tree.leaves(state)[0].shape[0]
+
+    def body(carry, inputs):
+        layer_state, index, x = inputs
+        return fn(nnx.merge(graphdef, layer_state), carry, index, x)
+
+    policy = _CHECKPOINT_POLICIES[config_lib.remat_policy_name(remat)]
+    if policy is not None:
+        body = jax.checkpoint(body, policy=policy, prevent_cse=False)
+    inputs = (state, jnp.arange(num_layers, dtype=jnp.int32), xs)
+    return jax.lax.scan(body, carry, inputs, unroll=unroll)
 
 
 class Decoder(nnx.Module):
     """Causal LM: tokens [B, T] -> fp32 logits [B, T, V].
 
     Args:
-      cfg: sizes and options from config.json (`cfg.remat` turns on per-block checkpointing).
+      cfg: sizes and options from config.json; `cfg.remat` names the remat policy of the
+        scanned layer in the training forwards (`config.REMAT_POLICIES`).
       dtype: compute dtype (jnp.float32 or jnp.bfloat16).
       param_dtype: storage dtype of the parameters (fp32 master weights).
       lora: adapters on `lora.target_modules`, or None.
@@ -244,11 +273,10 @@ class Decoder(nnx.Module):
         key = rngs.params()
         embed_key, head_key = jax.random.fold_in(key, 10**6), jax.random.fold_in(key, 10**6 + 1)
         self.embed_tokens = layers.Embed(cfg.vocab_size, cfg.hidden_size, key=embed_key, **kw)
-        self.layers = nnx.List(
-            [
-                Block(cfg, lora=lora, key=jax.random.fold_in(key, i), **kw)
-                for i in range(cfg.num_layers)
-            ]
+        # One Block whose variables carry a leading layer axis (layer i drawn from fold_in(key, i)).
+        layer_keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(cfg.num_layers))
+        self.layers = nnx.vmap(lambda k: Block(cfg, lora=lora, key=k, **kw), in_axes=0, out_axes=0)(
+            layer_keys
         )
         self.norm = layers.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, **kw)
         self.lm_head = nnx.data(
@@ -295,11 +323,16 @@ class Decoder(nnx.Module):
         mask = causal[None] & attention_mask_BxT[:, None, :]
         cos, sin = layers.rope_cos_sin(positions_BxT, self.inv_freq)
         key = self._dropout_key()
-        x = self.embed_tokens(tokens_BxT)
-        call = _block_call_remat if self.config.remat else _block_call
-        for i, block in enumerate(self.layers):
-            x = call(block, x, cos, sin, mask, disable_lora, _split_key(key, i))
+
+        def layer(block, x, i, _):
+            return block(x, cos, sin, mask, disable_lora, _split_key(key, i)), None
+
+        x, _ = self.scan(layer, self.embed_tokens(tokens_BxT), remat=self.config.remat)
         return self.norm(x)
+
+    def scan(self, fn, carry, xs=None, *, remat="none"):
+        """`scan_layers` over this model's layers (`config.scan_unroll` applies)."""
+        return scan_layers(self.layers, fn, carry, xs, remat=remat, unroll=self.config.scan_unroll)
 
     def logits_from_hidden(self, h_BxTxH):
         """fp32 logits [B, T, V] from final-normed hidden states."""
@@ -375,14 +408,11 @@ class Decoder(nnx.Module):
             seg_BxT = jax.lax.dynamic_slice_in_dim(seg_BxS, write_index, t, axis=1)
             same = seg_BxT[:, :, None] == seg_BxS[:, None, :]
             mask = mask & same & (seg_BxT >= 0)[:, :, None]
-        if cache.is_split:
+        attend_layer = _attend_split if cache.is_split else _attend
 
-            def attend(q, k, v, _):
-                return _attend_split(q, k.astype(q.dtype), v.astype(q.dtype), mask)
-        else:
-
-            def attend(q, k, v, _):
-                return _attend(q, k.astype(q.dtype), v.astype(q.dtype), mask)
+        def attend(q, ck, cv, i):
+            k, v = kv_cache.layer(ck, i), kv_cache.layer(cv, i)
+            return attend_layer(q, k.astype(q.dtype), v.astype(q.dtype), mask)
 
         return self._decode_layers(
             tokens_BxT, positions_BxT, cache, write_index, attend, disable_lora=disable_lora
@@ -417,9 +447,10 @@ class Decoder(nnx.Module):
         write_index = jnp.asarray(write_index, jnp.int32)
         pmask = prompt_mask_BxP.astype(jnp.bool_)
 
-        def attend(q, k, v, i):
-            pk, pv = prompt_cache.k[i], prompt_cache.v[i]
-            return _attend_shared_prompt_decode(q, pk, pv, k, v, pmask, write_index)
+        def attend(q, ck, cv, i):
+            return _attend_shared_prompt_decode(
+                q, prompt_cache.k, prompt_cache.v, ck, cv, pmask, write_index, i
+            )
 
         return self._decode_layers(
             tokens_Rx1,
@@ -434,18 +465,16 @@ class Decoder(nnx.Module):
     def weight_major_kernels(self) -> dict:
         """Each matmul's kernel transposed to [out, in], for `forward_cached_shared_prompt`.
 
-        {"layers": (per layer {"q_proj": [N*D, H], ..., "down_proj": [H, I]}, ...), "lm_head":
-        [V, H] (untied heads only)}. Call it outside the jit that decodes and pass the result in:
-        only a jit's outputs are sure to be laid out [out, in] in memory (inside one, XLA may make
-        the transpose a change of layout instead of a copy). It is a copy of the weights.
+        {"layers": {"q_proj": [L, N*D, H], ..., "down_proj": [L, H, I]}, "lm_head": [V, H]
+        (untied heads only)}. Call it outside the jit that decodes and pass the result in: only a
+        jit's outputs are sure to be laid out [out, in] in memory (inside one, XLA may make the
+        transpose a change of layout instead of a copy). It is a copy of the weights.
         """
         attn, mlp = ("q_proj", "k_proj", "v_proj", "o_proj"), ("gate_proj", "up_proj", "down_proj")
-        per_layer = []
-        for block in self.layers:
-            dense = {n: getattr(block.self_attn, n) for n in attn}
-            dense.update({n: getattr(block.mlp, n) for n in mlp})
-            per_layer.append({n: d.kernel[...].T for n, d in dense.items()})
-        out = {"layers": tuple(per_layer)}
+        block = self.layers
+        dense = {n: getattr(block.self_attn, n) for n in attn}
+        dense.update({n: getattr(block.mlp, n) for n in mlp})
+        out = {"layers": {n: jnp.swapaxes(d.kernel[...], 1, 2) for n, d in dense.items()}}
         if self.lm_head is not None:
             out["lm_head"] = self.lm_head.kernel[...].T
         return out
@@ -453,31 +482,30 @@ class Decoder(nnx.Module):
     def _decode_layers(
         self, tokens_BxT, positions_BxT, cache, write_index, attend, *, disable_lora, kernels_t=None
     ):
-        """The blocks over new tokens: each layer writes its k/v into `cache` at `write_index`,
-        then `attend(q, layer_k, layer_v, layer_index)` gives the attention output. `kernels_t`:
-        see `forward_cached_shared_prompt`."""
+        """The scanned layers over new tokens: layer i writes its k/v into the stacked `cache` at
+        `write_index` (in place: the cache is the scan's carry), then
+        `attend(q, cache_k, cache_v, i)` gives the attention output (it reads layer i).
+        `kernels_t`: see `forward_cached_shared_prompt`."""
         cos, sin = layers.rope_cos_sin(positions_BxT, self.inv_freq)
         split = cache.is_split
-        ck, cv = (list(cache.k), list(cache.v)) if split else (cache.k, cache.v)
-        x = self.embed_tokens(tokens_BxT)
-        for i, block in enumerate(self.layers):
-            kt = None if kernels_t is None else kernels_t["layers"][i]
+
+        def layer(block, carry, i, kt):
+            x, ck, cv = carry
             h = block.input_layernorm(x)
             q, k, v = block.self_attn.qkv(
                 h, cos, sin, disable_lora=disable_lora, key=None, kernels_t=kt
             )
-            if split:  # Whole per-layer buffers: in-place writes, no transposed copies.
-                ck[i] = kv_cache.write_layer_keys(ck[i], k, write_index)
-                cv[i] = kv_cache.write_layer_values(cv[i], v, write_index)
-            else:
-                ck = kv_cache.write(ck, i, k, write_index)
-                cv = kv_cache.write(cv, i, v, write_index)
-            o = attend(q, ck[i], cv[i], i)
+            ck = kv_cache.write_keys(ck, i, k, write_index, split=split)
+            cv = kv_cache.write_values(cv, i, v, write_index, split=split)
+            o = attend(q, ck, cv, i)
             x = x + block.self_attn.out(o, disable_lora=disable_lora, key=None, kernels_t=kt)
             h = block.post_attention_layernorm(x)
             x = x + block.mlp(h, disable_lora=disable_lora, kernels_t=kt)
+            return (x, ck, cv), None
+
+        layer_kt = None if kernels_t is None else kernels_t["layers"]
+        carry = (self.embed_tokens(tokens_BxT), cache.k, cache.v)
+        (x, ck, cv), _ = self.scan(layer, carry, layer_kt)
         head_t = None if kernels_t is None else kernels_t.get("lm_head")
         logits = self._decode_logits(self.norm(x), head_t)
-        if split:
-            return logits, kv_cache.KVCache(k=tuple(ck), v=tuple(cv))
-        return logits, kv_cache.KVCache(k=ck, v=cv)
+        return logits, cache.replace(k=ck, v=cv)

@@ -22,7 +22,6 @@ import numpy as np
 from flax import nnx
 
 from mmr_jax.models import layers, loading
-from mmr_jax.models import lora as lora_lib
 
 _ST_DTYPES = {
     np.dtype(np.float32): "F32",
@@ -84,21 +83,32 @@ def _np_dtype(dtype) -> np.dtype:
 
 
 def _hf_tensors(model, dtype) -> dict:
-    """{HF name: (shape, dtype, fetch)} of the base weights with LoRA merged."""
-    merged = lora_lib.merge(model)
-    out = {}
-    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-        if isinstance(var, nnx.LoRAParam):
-            continue
-        name, transpose = loading.hf_name(path)
-        value = merged.get(path, var.get_value())
+    """{HF name: (shape, dtype, fetch)} of the base weights with LoRA merged, in HF's order
+    (embedding, layer 0's tensors, layer 1's, ..., final norm, head); stacked layer parameters
+    are written one layer at a time."""
+    embed, per_layer, rest = {}, {}, {}
+
+    def entry(value, transpose):
         shape = value.shape[::-1] if transpose else value.shape
 
-        def fetch(value=value, transpose=transpose):
+        def fetch():
             arr = np.asarray(value.astype(jnp.float32))
             return (arr.T if transpose else arr).astype(dtype)
 
-        out[name] = (tuple(shape), dtype, fetch)
+        return tuple(shape), dtype, fetch
+
+    for path, value in layers.merged_params(model):
+        if loading.is_stacked(path):
+            for i in range(value.shape[0]):
+                name, transpose = loading.hf_name(path, i)
+                per_layer.setdefault(i, {})[name] = entry(value[i], transpose)
+        else:
+            name, transpose = loading.hf_name(path)
+            (embed if name == EMBEDDING else rest)[name] = entry(value, transpose)
+    out = dict(embed)
+    for i in sorted(per_layer):
+        out.update(per_layer[i])
+    out.update(rest)
     return out
 
 
@@ -171,13 +181,15 @@ def save_peft_adapter(
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     np_dtype = _np_dtype(dtype)
-    tensors = {}
+    per_layer = {}
     for path, module in nnx.iter_graph(model):
         if isinstance(module, layers.Dense) and module.lora_a is not None:
-            prefix = "base_model.model.model." + ".".join(str(p) for p in path)
             for leaf, hf in (("lora_a", "lora_A"), ("lora_b", "lora_B")):
-                arr = np.asarray(getattr(module, leaf)[...].astype(jnp.float32)).T
-                tensors[f"{prefix}.{hf}.weight"] = arr.astype(np_dtype)
+                stacked = np.asarray(getattr(module, leaf)[...].astype(jnp.float32))
+                for i in range(stacked.shape[0]):  # [L, in, r] / [L, r, out]: one per layer
+                    name = f"base_model.model.{loading.hf_module(path, i)}.{hf}.weight"
+                    per_layer.setdefault(i, {})[name] = stacked[i].T.astype(np_dtype)
+    tensors = {name: arr for i in sorted(per_layer) for name, arr in per_layer[i].items()}
     write_safetensors(out / "adapter_model.safetensors", tensors)
     adapter_config = {
         "peft_type": "LORA",

@@ -1,4 +1,7 @@
-"""Key/value cache for decoding: one pytree of stacked per-layer arrays.
+"""Key/value cache for decoding: k and v stacked over the layers (leading axis L).
+
+The decoder scans its layers (`decoder.scan_layers`); the cache is the scan's carry, and layer i
+writes its new keys/values into slice i in place and reads slice i back.
 
 Legend: L layers, B batch, S cache slots, K kv heads, D head dim.
 """
@@ -14,25 +17,29 @@ from flax import struct
 class KVCache:
     """k, v: [L, B, S, K, D]; slot s of row b holds what `forward_cached` wrote there.
 
-    `split` gives the decode-loop form: tuples of L per-layer arrays, k as [B, K, D, S] and v as
-    [B, K, S, D]. A layer's slice is then a whole buffer (updated in place, no slice copy), the
-    batch dims (b, k) lead (no transposed copy of the cache per step), and the long axis S is the
-    one the decode attention vectorises over: q.k sums over d with s contiguous, p.v sums over s
-    with d contiguous, both streaming the cache once (keys as [B, K, S, D] would make q.k a
-    horizontal sum per slot, about 4x slower on CPU). `forward_cached` takes either form and
+    `split` (static) marks the decode-loop form: k as [L, B, K, D, S] and v as [L, B, K, S, D].
+    The batch dims (b, k) lead (no transposed copy of the cache per step), and the long axis S is
+    the one the decode attention vectorises over: q.k sums over d with s contiguous, p.v sums
+    over s with d contiguous, both streaming the cache once (keys as [B, K, S, D] would make q.k
+    a horizontal sum per slot, about 4x slower on CPU). `forward_cached` takes either form and
     returns the form it was given.
     """
 
-    k: jax.Array | tuple[jax.Array, ...]
-    v: jax.Array | tuple[jax.Array, ...]
+    k: jax.Array
+    v: jax.Array
+    split: bool = struct.field(pytree_node=False, default=False)
 
     @property
     def is_split(self) -> bool:
-        return isinstance(self.k, tuple)
+        return self.split
+
+    @property
+    def num_layers(self) -> int:
+        return self.k.shape[0]
 
     @property
     def max_len(self) -> int:
-        return self.v[0].shape[2] if self.is_split else self.v.shape[2]
+        return self.v.shape[3] if self.split else self.v.shape[2]
 
 
 def init(
@@ -43,47 +50,51 @@ def init(
     return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
 
 
-def write(cache_LxBxSxKxD, layer: int, new_BxTxKxD, write_index):
-    """Writes new [B, T, K, D] at slots [write_index, write_index + T) of `layer`."""
+def layer(stacked_LxX, index):
+    """Slice `index` (may be traced) of a stacked cache array: [L, ...] -> [...]."""
+    return jax.lax.dynamic_index_in_dim(stacked_LxX, index, axis=0, keepdims=False)
+
+
+def write(cache_LxBxSxKxD, layer_index, new_BxTxKxD, write_index):
+    """Writes new [B, T, K, D] at slots [write_index, write_index + T) of layer `layer_index`."""
     zero = jnp.zeros((), jnp.int32)
-    start = (jnp.int32(layer), zero, jnp.asarray(write_index, jnp.int32), zero, zero)
+    start = (jnp.asarray(layer_index, jnp.int32), zero, jnp.asarray(write_index, jnp.int32))
     return jax.lax.dynamic_update_slice(
-        cache_LxBxSxKxD, new_BxTxKxD[None].astype(cache_LxBxSxKxD.dtype), start
+        cache_LxBxSxKxD, new_BxTxKxD[None].astype(cache_LxBxSxKxD.dtype), (*start, zero, zero)
     )
 
 
+def write_keys(k, layer_index, new_BxTxKxD, write_index, *, split: bool):
+    """Writes new keys [B, T, K, D] of one layer into a stacked k of either form."""
+    if not split:
+        return write(k, layer_index, new_BxTxKxD, write_index)
+    zero = jnp.zeros((), jnp.int32)
+    start = (jnp.asarray(layer_index, jnp.int32), zero, zero, zero)
+    new = jnp.transpose(new_BxTxKxD, (0, 2, 3, 1))[None].astype(k.dtype)  # [1, B, K, D, T]
+    return jax.lax.dynamic_update_slice(k, new, (*start, jnp.asarray(write_index, jnp.int32)))
+
+
+def write_values(v, layer_index, new_BxTxKxD, write_index, *, split: bool):
+    """Writes new values [B, T, K, D] of one layer into a stacked v of either form."""
+    if not split:
+        return write(v, layer_index, new_BxTxKxD, write_index)
+    zero = jnp.zeros((), jnp.int32)
+    start = (jnp.asarray(layer_index, jnp.int32), zero, zero, jnp.asarray(write_index, jnp.int32))
+    new = jnp.swapaxes(new_BxTxKxD, 1, 2)[None].astype(v.dtype)  # [1, B, K, T, D]
+    return jax.lax.dynamic_update_slice(v, new, (*start, zero))
+
+
 def split(cache: KVCache) -> KVCache:
-    """Stacked [L, B, S, K, D] -> per-layer k [B, K, D, S] and v [B, K, S, D] (see `KVCache`)."""
+    """[L, B, S, K, D] -> k [L, B, K, D, S] and v [L, B, K, S, D] (see `KVCache`)."""
     if cache.is_split:
         return cache
-    num_layers = cache.k.shape[0]
     return KVCache(
-        k=tuple(jnp.transpose(cache.k[i], (0, 2, 3, 1)) for i in range(num_layers)),
-        v=tuple(jnp.swapaxes(cache.v[i], 1, 2) for i in range(num_layers)),
+        k=jnp.transpose(cache.k, (0, 1, 3, 4, 2)), v=jnp.swapaxes(cache.v, 2, 3), split=True
     )
 
 
 def stack(cache: KVCache) -> KVCache:
-    """The inverse of `split`: per-layer tuples -> stacked [L, B, S, K, D]."""
+    """The inverse of `split`: the decode-loop form -> [L, B, S, K, D]."""
     if not cache.is_split:
         return cache
-    return KVCache(
-        k=jnp.stack([jnp.transpose(a, (0, 3, 1, 2)) for a in cache.k]),
-        v=jnp.stack([jnp.swapaxes(a, 1, 2) for a in cache.v]),
-    )
-
-
-def write_layer_keys(cache_BxKxDxS, new_BxTxKxD, write_index):
-    """Writes new keys [B, T, K, D] at slots [write_index, write_index + T) of a layer's k."""
-    zero = jnp.zeros((), jnp.int32)
-    start = (zero, zero, zero, jnp.asarray(write_index, jnp.int32))
-    new = jnp.transpose(new_BxTxKxD, (0, 2, 3, 1)).astype(cache_BxKxDxS.dtype)
-    return jax.lax.dynamic_update_slice(cache_BxKxDxS, new, start)
-
-
-def write_layer_values(cache_BxKxSxD, new_BxTxKxD, write_index):
-    """Writes new values [B, T, K, D] at slots [write_index, write_index + T) of a layer's v."""
-    zero = jnp.zeros((), jnp.int32)
-    start = (zero, zero, jnp.asarray(write_index, jnp.int32), zero)
-    new = jnp.swapaxes(new_BxTxKxD, 1, 2).astype(cache_BxKxSxD.dtype)
-    return jax.lax.dynamic_update_slice(cache_BxKxSxD, new, start)
+    return KVCache(k=jnp.transpose(cache.k, (0, 1, 4, 2, 3)), v=jnp.swapaxes(cache.v, 2, 3))

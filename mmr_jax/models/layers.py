@@ -159,3 +159,23 @@ def apply_rope(x_BxTxNxD, cos, sin):
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
     out = x * cos[:, :, None, :] + rotated * sin[:, :, None, :]
     return out.astype(x_BxTxNxD.dtype)
+
+
+def merged_params(model: nnx.Module) -> list[tuple[tuple, jax.Array]]:
+    """[(path, value)] of every non-LoRA parameter, each adapter merged into its kernel.
+
+    A kernel with an adapter becomes kernel + scale * lora_a @ lora_b (per layer where the
+    parameters are stacked: [L, in, r] @ [L, r, out]); the model is unchanged. Export and the
+    embedded engine's weight copy both use this: one merge.
+    """
+    merged = {}
+    for path, module in nnx.iter_graph(model):
+        if isinstance(module, Dense) and module.lora_a is not None:
+            kernel = module.kernel[...]
+            delta = (module.lora_a[...] @ module.lora_b[...]) * module.lora_scale
+            merged[(*path, "kernel")] = kernel + delta.astype(kernel.dtype)
+    return [
+        (path, merged.get(path, var.get_value()))
+        for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param))
+        if not isinstance(var, nnx.LoRAParam)
+    ]

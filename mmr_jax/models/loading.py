@@ -7,10 +7,11 @@ device only touches its own slice and no full host copy of the model is ever mad
 
 Name/layout table (our state path -> HF tensor name; kernels are HF Linear weights transposed):
   embed_tokens/embedding                 model.embed_tokens.weight            [V, H]
-  layers/N/self_attn/{q,k,v,o}_proj/kernel   model.layers.N.self_attn.*.weight   transposed
-  layers/N/self_attn/{q,k,v,o}_proj/bias     model.layers.N.self_attn.*.bias
-  layers/N/mlp/{gate,up,down}_proj/kernel    model.layers.N.mlp.*.weight         transposed
-  layers/N/{input,post_attention}_layernorm/weight   model.layers.N.*.weight
+  layers/self_attn/{q,k,v,o}_proj/kernel     model.layers.N.self_attn.*.weight   transposed
+  layers/self_attn/{q,k,v,o}_proj/bias       model.layers.N.self_attn.*.bias
+  layers/mlp/{gate,up,down}_proj/kernel      model.layers.N.mlp.*.weight         transposed
+  layers/{input,post_attention}_layernorm/weight     model.layers.N.*.weight
+(`layers/...` are stacked: [L, ...], layer N at index N, read one layer slice at a time.)
   norm/weight                            model.norm.weight
   lm_head/kernel                         lm_head.weight (untied only)          transposed
 LoRA adapters are not in the checkpoint: lora_a is drawn as in PEFT, lora_b is zero.
@@ -51,13 +52,35 @@ _DTYPES = {
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-def hf_name(path: tuple) -> tuple[str, bool]:
-    """(HF tensor name, transpose?) for one of our parameter paths."""
+def is_stacked(path: tuple) -> bool:
+    """Whether the parameter at `path` belongs to the stacked layers (leading layer axis)."""
+    return str(path[0]) == "layers"
+
+
+def hf_name(path: tuple, layer: int | None = None) -> tuple[str, bool]:
+    """(HF tensor name, transpose?) for one of our parameter paths (of layer `layer` when the
+    path is a stacked layer parameter: ('layers', 'self_attn', 'q_proj', 'kernel'), 3 ->
+    'model.layers.3.self_attn.q_proj.weight')."""
     parts = [str(p) for p in path]
+    if is_stacked(path):
+        if layer is None:
+            raise ValueError(f"{'/'.join(parts)} is stacked over the layers: give the layer")
+        parts.insert(1, str(layer))
     leaf = parts[-1]
     prefix = "" if parts[0] == "lm_head" else "model."
     name = prefix + ".".join(parts[:-1]) + (".bias" if leaf == "bias" else ".weight")
     return name, leaf == "kernel"
+
+
+def hf_module(path: tuple, layer: int) -> str:
+    """The HF module name of a stacked layer module's path, for layer `layer`:
+    ('layers', 'self_attn', 'q_proj') -> 'model.layers.3.self_attn.q_proj'."""
+    parts = [str(p) for p in path]
+    return ".".join(["model", parts[0], str(layer), *parts[1:]])
+
+
+def _layer_range(idx, num_layers: int) -> range:
+    return range(num_layers)[idx[0]]
 
 
 class SafetensorsFile:
@@ -123,15 +146,51 @@ def _place(shape, dtype, sharding, read):
     )
 
 
-def _lora_init(path, shape, dtype, sharding, seed):
-    """lora_b = 0; lora_a ~ U(-1/sqrt(in), 1/sqrt(in)) (drawn on the host: [in, r] is small)."""
+def _lora_value(path, shape, dtype, seed):
+    """One layer's adapter: lora_b = 0; lora_a [in, r] ~ U(-1/sqrt(in), 1/sqrt(in)) from a seed of
+    the run's and the path's (with its layer: 'layers/3/self_attn/q_proj/lora_a')."""
     if path[-1] == "lora_b":
-        value = np.zeros(shape, dtype)
+        return np.zeros(shape, dtype)
+    bound = 1.0 / math.sqrt(shape[0])
+    path_seed = [seed, *(ord(c) for c in "/".join(map(str, path)))]
+    return np.random.default_rng(path_seed).uniform(-bound, bound, shape).astype(dtype)
+
+
+def _lora_init(path, shape, dtype, sharding, seed):
+    """The adapter at `path`, drawn on the host (small); stacked paths draw each layer's own."""
+    if is_stacked(path):
+        value = np.stack(
+            [_lora_value((path[0], i, *path[1:]), shape[1:], dtype, seed) for i in range(shape[0])]
+        )
     else:
-        bound = 1.0 / math.sqrt(shape[0])
-        path_seed = [seed, *(ord(c) for c in "/".join(map(str, path)))]
-        value = np.random.default_rng(path_seed).uniform(-bound, bound, shape).astype(dtype)
+        value = _lora_value(path, shape, dtype, seed)
     return _place(shape, dtype, sharding, lambda idx: value[idx])
+
+
+def _read_stacked(path, shape, tensors, used, missing):
+    """A reader of the stacked parameter at `path` from its L per-layer HF tensors, or None.
+
+    The reader stacks only the layers and the slice each device asks for: the checkpoint is read
+    through its memory map, so no full copy of the stacked parameter is made on the host.
+    """
+    sources = []
+    for i in range(shape[0]):
+        name, transpose = hf_name(path, i)
+        if name not in tensors:
+            missing.append(name)
+            continue
+        used.add(name)
+        src = tensors[name].get(name)
+        sources.append(src.T if transpose else src)
+    if len(sources) < shape[0]:
+        return None
+    for i, src in enumerate(sources):
+        if tuple(src.shape) != shape[1:]:
+            raise ValueError(
+                f"tensor {hf_name(path, i)[0]}: checkpoint shape {src.shape} (after layout) != "
+                f"model {shape[1:]}"
+            )
+    return lambda idx: np.stack([sources[i][idx[1:]] for i in _layer_range(idx, shape[0])])
 
 
 def _fill(path, var, tensors, used, missing, mesh, seed):
@@ -144,6 +203,9 @@ def _fill(path, var, tensors, used, missing, mesh, seed):
         return jnp.zeros(shape, dtype)
     if isinstance(var, nnx.LoRAParam):
         return _lora_init(path, shape, dtype, sharding, seed)
+    if is_stacked(path):
+        read = _read_stacked(path, shape, tensors, used, missing)
+        return None if read is None else _place(shape, dtype, sharding, read)
     name, transpose = hf_name(path)
     if name not in tensors:
         missing.append(name)
@@ -156,6 +218,12 @@ def _fill(path, var, tensors, used, missing, mesh, seed):
             f"tensor {name}: checkpoint shape {src.shape} (after layout) != model {shape}"
         )
     return _place(shape, dtype, sharding, lambda idx: src[idx])
+
+
+def _layer_count(tensors) -> int:
+    """How many decoder layers the checkpoint holds (1 + the highest model.layers.N)."""
+    found = [int(n.split(".")[2]) for n in tensors if n.startswith("model.layers.")]
+    return 1 + max(found, default=-1)
 
 
 def load_weights(model_abstract: decoder.Decoder, path, *, mesh=None, rngs=None) -> decoder.Decoder:
@@ -174,6 +242,12 @@ def load_weights(model_abstract: decoder.Decoder, path, *, mesh=None, rngs=None)
         and not n.endswith(_IGNORED_SUFFIXES)
         and not (n == "lm_head.weight" and model_abstract.config.tie_word_embeddings)
     ]
+    layers_here = _layer_count(tensors)
+    if layers_here != model_abstract.config.num_layers:
+        raise ValueError(
+            f"checkpoint {path} has {layers_here} decoder layers, the model config "
+            f"{model_abstract.config.num_layers} (num_hidden_layers): they must match"
+        )
     if missing or unexpected:
         raise ValueError(
             f"checkpoint {path} does not match the model: missing tensors {sorted(missing)}; "
@@ -192,7 +266,7 @@ def from_pretrained(
     mesh: jax.sharding.Mesh | None = None,
     lora: lora_lib.LoraConfig | None = None,
     rngs: nnx.Rngs | None = None,
-    remat: bool = False,
+    remat: str | bool = "none",
 ) -> decoder.Decoder:
     """Loads a HF checkpoint (config.json + safetensors) as a `Decoder` in eval mode.
 
@@ -202,7 +276,7 @@ def from_pretrained(
       mesh: place each parameter with its partition rule on this mesh (default: one device).
       lora: add adapters (B = 0, so the model starts equal to the base).
       rngs: randomness for lora_a (its `params` stream).
-      remat: gradient checkpointing per block.
+      remat: the remat policy of the scanned layer (`config.REMAT_POLICIES`).
     """
     path = hub.resolve_checkpoint(path)
     cfg = config_lib.ModelConfig.from_hf(path, remat=remat)

@@ -1,4 +1,4 @@
-"""LoRA configuration and helpers (merge, trainable filter).
+"""LoRA configuration and the trainable filter (merging lives with the layer: `layers.merged_params`).
 
 The adapters live inside `layers.Dense` as `nnx.LoRAParam` (lora_a [in, r], lora_b [r, out]) and
 add `alpha / r * dropout(x) @ lora_a @ lora_b` to the frozen base projection. The reference policy
@@ -41,19 +41,3 @@ def trainable_filter(model: nnx.Module):
     """`nnx.LoRAParam` when the model has adapters, else `nnx.Param` (full fine-tuning)."""
     has_lora = bool(nnx.state(model, nnx.LoRAParam))
     return nnx.LoRAParam if has_lora else nnx.Param
-
-
-def merge(model: nnx.Module) -> dict[tuple, object]:
-    """Merged kernels {path: kernel + scale * lora_a @ lora_b} for every Dense with an adapter.
-
-    Returns a dict from the kernel's state path to the merged array (fp32); the model is unchanged.
-    """
-    from mmr_jax.models import layers
-
-    out = {}
-    for path, module in nnx.iter_graph(model):
-        if isinstance(module, layers.Dense) and module.lora_a is not None:
-            kernel = module.kernel[...]
-            delta = (module.lora_a[...] @ module.lora_b[...]) * module.lora_scale
-            out[(*path, "kernel")] = kernel + delta.astype(kernel.dtype)
-    return out

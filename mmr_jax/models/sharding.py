@@ -8,6 +8,7 @@ Rules are keyed on the parameter's state path (our layout: kernels are [in, out]
   q/k/v bias [out]                     -> (tensor,)
   lora_a [in, r] / lora_b [r, out]     -> the kernel's in / out axis, rank replicated
   norms, other biases, RNG state       -> replicated
+Stacked layer parameters ([L, ...]) keep the layer axis unsharded and follow these rules after it.
 A dimension not divisible by its axis size is replicated instead. Batches shard over (data, fsdp).
 """
 
@@ -89,8 +90,14 @@ def _logical_spec(path: tuple) -> tuple:
 
 
 def partition_spec(path: tuple, shape: tuple[int, ...], mesh: Mesh) -> P:
-    """The PartitionSpec of the parameter at `path`, with non-divisible dims replicated."""
+    """The PartitionSpec of the parameter at `path`, with non-divisible dims replicated.
+
+    Parameters of the stacked layers (`layers/...`, [L, ...]) take their layer's rule on the
+    trailing dims; the layer axis is never sharded (the scan slices it).
+    """
     spec = _logical_spec(path)
+    if str(path[0]) == "layers":
+        spec = (None, *spec) if spec else ()
     if len(spec) != len(shape):
         return P()
     return P(
@@ -103,17 +110,6 @@ def partition_spec(path: tuple, shape: tuple[int, ...], mesh: Mesh) -> P:
 
 def named_sharding(path: tuple, shape: tuple[int, ...], mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, partition_spec(path, shape, mesh))
-
-
-def shard_model(model, mesh: Mesh) -> None:
-    """Moves every variable of an `nnx.Module` to its rule's sharding on `mesh`, in place."""
-    from flax import nnx
-
-    state = nnx.state(model)
-    for path, var in nnx.to_flat_state(state):
-        value = var.get_value()
-        var.set_value(jax.device_put(value, named_sharding(path, tuple(value.shape), mesh)))
-    nnx.update(model, state)
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:

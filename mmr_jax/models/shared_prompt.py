@@ -24,7 +24,6 @@ from __future__ import annotations
 import chex
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
 from mmr_jax.models import decoder as decoder_lib
 from mmr_jax.models import layers
@@ -81,14 +80,12 @@ def _block(block, xp, xc, rope_p, rope_c, mask_p, pmask, own, disable_lora, key)
     return xp, xc
 
 
-_block_remat = nnx.remat(_block, static_argnums=(8,))
-
-
 def hidden(model, prompt_BxP, prompt_mask_BxP, tokens_RxT, mask_RxT, *, disable_lora=False):
     """Final-normed hidden states of the prompts [B, P, H] and completions [R, T, H].
 
     Args:
-      model: a `decoder.Decoder` (its blocks, norms and RoPE; `model.config.remat` applies).
+      model: a `decoder.Decoder` (its scanned layers, norms and RoPE; `model.config.remat`
+        applies).
       prompt_BxP: prompt token ids, left-padded; `prompt_mask_BxP` 1/True on real tokens (each
         prompt has at least one).
       tokens_RxT: completion tokens fed as inputs, right-padded, rows grouped by prompt
@@ -150,19 +147,13 @@ def _hidden(
     rope_p = layers.rope_cos_sin(pos_p, model.inv_freq)
     rope_c = layers.rope_cos_sin(pos_c, model.inv_freq)
     key = model._dropout_key()
-    xp, xc = model.embed_tokens(prompt_BxP), model.embed_tokens(tokens_RxT)
-    call = _block_remat if model.config.remat else _block
-    for i, block in enumerate(model.layers):
-        xp, xc = call(
-            block,
-            xp,
-            xc,
-            rope_p,
-            rope_c,
-            mask_p,
-            pmask,
-            own_RxTxT,
-            disable_lora,
-            decoder_lib._split_key(key, i),
-        )
+
+    def layer(block, carry, i, _):
+        xp, xc = carry
+        layer_key = decoder_lib._split_key(key, i)
+        args = (rope_p, rope_c, mask_p, pmask, own_RxTxT, disable_lora, layer_key)
+        return _block(block, xp, xc, *args), None
+
+    carry = (model.embed_tokens(prompt_BxP), model.embed_tokens(tokens_RxT))
+    (xp, xc), _ = model.scan(layer, carry, remat=model.config.remat)
     return model.norm(xp), model.norm(xc)

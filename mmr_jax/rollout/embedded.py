@@ -20,15 +20,12 @@ def _param_state(model: nnx.Module) -> nnx.State:
 
 def merged_base_state(model: nnx.Module) -> nnx.State:
     """The non-LoRA parameters of `model` with every adapter merged into its kernel."""
-    from mmr_jax.models import lora as lora_lib
+    from mmr_jax.models import layers
 
-    merged = lora_lib.merge(model)
-    flat = []
-    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-        if isinstance(var, nnx.LoRAParam):
-            continue
-        flat.append((path, var.replace(merged[path]) if path in merged else var))
-    return nnx.from_flat_state(flat)
+    flat = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
+    return nnx.from_flat_state(
+        [(path, flat[path].replace(value)) for path, value in layers.merged_params(model)]
+    )
 
 
 class EmbeddedEngine:

@@ -207,12 +207,13 @@ def _sample_step(logits_RxV, keys_R, temperature, top_k, top_p, *, greedy, use_f
 def _prefill(
     graphdef, state, tokens_RxW, positions_RxW, segment_ids_RxW, gather_BxP, *, cache_sharding=None
 ):
-    """The prompt cache (split: keys [Bp, K, D, P], values [Bp, K, P, D]) from packed rows.
+    """The prompt cache (split: keys [L, Bp, K, D, P], values [L, Bp, K, P, D]) from packed rows.
 
     Runs the packed rows against a temporary split cache of W slots, each token attending to its
     own segment, then gathers every layer's keys/values into the prompt-cache slots. The slots the
     gather index leaves at 0 hold copies of packed slot 0 (masked in the decode).
-    `cache_sharding`: where the prompt cache goes (the prompts' batch sharding), or None.
+    `cache_sharding`: where the prompt cache goes (its prompt axis 1 split as the prompts' batch
+    sharding: `cache_sharding(mesh)`), or None.
     """
     _TRACES["prefill"] += 1
     model = nnx.merge(graphdef, state)
@@ -227,24 +228,28 @@ def _prefill(
         segment_ids_BxS=segment_ids_RxW,
     )
 
-    def gather_keys(k_RxKxDxW):
-        _, kh, d, _ = k_RxKxDxW.shape
-        flat = jnp.transpose(k_RxKxDxW, (1, 2, 0, 3)).reshape(kh, d, rows * w)
-        out = jnp.take(flat, gather_BxP, axis=2, mode="clip")  # [K, D, Bp, P]
-        return jnp.transpose(out, (2, 0, 1, 3))
+    def gather_keys(k_LxRxKxDxW):
+        nl, _, kh, d, _ = k_LxRxKxDxW.shape
+        flat = jnp.transpose(k_LxRxKxDxW, (0, 2, 3, 1, 4)).reshape(nl, kh, d, rows * w)
+        out = jnp.take(flat, gather_BxP, axis=3, mode="clip")  # [L, K, D, Bp, P]
+        return jnp.transpose(out, (0, 3, 1, 2, 4))
 
-    def gather_values(v_RxKxWxD):
-        _, kh, _, d = v_RxKxWxD.shape
-        flat = jnp.transpose(v_RxKxWxD, (1, 0, 2, 3)).reshape(kh, rows * w, d)
-        out = jnp.take(flat, gather_BxP, axis=1, mode="clip")  # [K, Bp, P, D]
-        return jnp.transpose(out, (1, 0, 2, 3))
+    def gather_values(v_LxRxKxWxD):
+        nl, _, kh, _, d = v_LxRxKxWxD.shape
+        flat = jnp.transpose(v_LxRxKxWxD, (0, 2, 1, 3, 4)).reshape(nl, kh, rows * w, d)
+        out = jnp.take(flat, gather_BxP, axis=2, mode="clip")  # [L, K, Bp, P, D]
+        return jnp.transpose(out, (0, 2, 1, 3, 4))
 
-    cache = kv_cache.KVCache(
-        k=tuple(gather_keys(k) for k in packed.k), v=tuple(gather_values(v) for v in packed.v)
-    )
+    cache = kv_cache.KVCache(k=gather_keys(packed.k), v=gather_values(packed.v), split=True)
     if cache_sharding is not None:
         cache = jax.lax.with_sharding_constraint(cache, cache_sharding)
     return cache
+
+
+def cache_sharding(mesh) -> jax.sharding.NamedSharding:
+    """Sharding of a stacked cache [L, B, ...]: its batch axis 1 as batches are split."""
+    (batch_axes,) = sharding.batch_sharding(mesh).spec
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, batch_axes))
 
 
 def weight_major(state) -> bool:
@@ -309,11 +314,12 @@ def _generate(graphdef, *arrays, n, num_new, greedy, use_filter, mesh=None, keep
         if keep_rows:
             raise ValueError("keep_rows is single-device only")
         batch, whole = sharding.batch_sharding(mesh).spec, jax.sharding.PartitionSpec()
+        cache = cache_sharding(mesh).spec
         per_device = decode
         decode = jax.shard_map(
             lambda *a: per_device(*a)[:4],
             mesh=mesh,
-            in_specs=(whole,) * 2 + (batch,) * 5 + (whole,) * 7,
+            in_specs=(whole,) * 2 + (batch,) * 2 + (cache,) + (batch,) * 2 + (whole,) * 7,
             out_specs=(batch,) * 4,
             check_vma=False,
         )
@@ -418,14 +424,14 @@ def _compact(rows: _Rows, keep_S, real_S, *, n: int) -> _Rows:
     prompt_of = keep_S // n
     take = functools.partial(jnp.take, indices=keep_S, axis=0)
     return _Rows(
-        prompt_cache=jax.tree.map(
-            functools.partial(jnp.take, indices=prompt_of, axis=0), rows.prompt_cache
+        prompt_cache=jax.tree.map(  # caches are [L, rows, ...]: rows are axis 1
+            functools.partial(jnp.take, indices=prompt_of, axis=1), rows.prompt_cache
         ),
         prompt_mask=jnp.take(rows.prompt_mask, prompt_of, axis=0),
         lengths=take(rows.lengths),
         row_keys=rows.row_keys[keep_S],
         t=rows.t,
-        cache=jax.tree.map(take, rows.cache),
+        cache=jax.tree.map(functools.partial(jnp.take, indices=keep_S, axis=1), rows.cache),
         cur=take(rows.cur),
         done=take(rows.done) | ~real_S,
         stopped=take(rows.stopped) & real_S,
@@ -518,7 +524,7 @@ def sample(
         rows(packed.positions),
         rows(packed.segment_ids),
         rows(packed.gather),
-        cache_sharding=None if mesh is None else sharding.batch_sharding(mesh),
+        cache_sharding=None if mesh is None else cache_sharding(mesh),
     )
     kernels_t = _weight_major_kernels(graphdef, state) if weight_major(state) else None
     sampling = (
