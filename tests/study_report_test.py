@@ -115,3 +115,25 @@ class TestFirstStudyFromItsRecords:
             assert all(rows[s]["grad_norm"] == 0.0 for s in range(start, 41))
             assert rows[start - 1]["grad_norm"] > 0.0
             assert study_report.run_mechanism(list(rows.values()))["stalled_from"] == start
+
+    def test_mechanism_and_format_figures_quoted_in_the_docs(self):
+        runs = {f"{v}_s{s}": _records(f"{v}_s{s}") for v in ("grpo", "mmr_grpo", "dra_grpo")
+                for s in (1, 2, 3)}  # fmt: skip
+
+        def mean(run, key, steps):
+            return np.mean([runs[run][t][key] for t in steps])
+
+        late = range(30, 41)
+        stds = [mean(f"mmr_grpo_s{s}", "reward/reweighted_std", late) for s in (1, 2, 3)]
+        assert 0.335 <= min(stds) and max(stds) < 0.385  # "0.34-0.38"
+        assert round(mean("mmr_grpo_s1", "reward/mean", late), 2) == 0.76
+        assert round(mean("grpo_s1", "reward/mean", late), 2) == 0.95
+        first = [runs[f"mmr_grpo_s{s}"][1]["advantage/abs_mean"] for s in (1, 2, 3)]
+        assert [round(x, 2) for x in first] == [0.65, 0.68, 0.70]
+        step4 = [100 * r[4]["eval/average/pass@1"] for r in runs.values()]
+        assert round(min(step4)) == 63 and round(max(step4)) == 78
+        assert round(100 * runs["grpo_s2"][4]["eval/average/pass@1"], 1) == 77.3
+        assert round(100 * runs["mmr_grpo_s2"][4]["eval/average/pass@1"], 1) == 77.3
+        assert (
+            sum(r["grad_norm"] == 0.0 for r in runs["grpo_s3"].values() if "grad_norm" in r) == 22
+        )
