@@ -74,17 +74,18 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.batch = ml_collections.ConfigDict()
     c.batch.prompts = 8  # prompts per step (B)
     c.batch.generations = 6  # completions per prompt (G); B * G = 48 per step
-    c.batch.max_prompt_len = 512  # prompts are left-truncated to this many tokens
+    # Longer prompts are dropped when the data loads, never truncated (a cut prompt loses its
+    # system prompt or its question); the count is the metric data/prompts_dropped.
+    c.batch.max_prompt_len = 512
     c.batch.max_completion_len = 3584  # new tokens per completion (T)
-    c.batch.length_buckets = 8  # full rows: pad completions to multiples of T / length_buckets
     c.batch.shared_prompt = True  # train forward: each prompt once per group (False: full rows)
-    c.batch.min_bucket_len = (
-        16  # shared prompts: length buckets m, 1.5m, 2m, 3m, ... up to the maxima
-    )
-    # Shared prompts: pack each group's completions into one row when every group's tokens fit
-    # in this many (0 = never); the forward then skips the padding of short completions. A packed
-    # row attends over all its tokens (memory ~ L^2 per head), hence the cap.
-    c.batch.pack_max_len = 2048
+    c.batch.min_bucket_len = 16  # every layout: lengths m, 1.5m, 2m, 3m, ... up to the maxima
+    # Shared prompts: pack a group's completions one after another into rows of at most this many
+    # tokens (0 = never); the forward then skips the padding of short completions. A group that
+    # does not fit is split into fewer completions per row (down to one), so every step packs:
+    # at least max_completion_len - 1. A packed row attends over all its tokens (memory ~ L^2
+    # per head), hence the cap. Metrics batch/layout, batch/rows_per_prompt, batch/packed_len.
+    c.batch.pack_max_len = 4096
 
     c.rollout = ml_collections.ConfigDict()
     c.rollout.engine = "embedded"  # 'embedded' (JAX sampler in-process) | 'vllm' (HTTP server)
@@ -229,7 +230,6 @@ def shrink_for_cpu(c: ml_collections.ConfigDict) -> None:
     c.batch.generations = 4
     c.batch.max_prompt_len = 128
     c.batch.max_completion_len = 32
-    c.batch.length_buckets = 1
     c.loss.minibatches = 2
     c.mmr.embedding_model = "hashing"
     c.dynamic_sampling.max_generation_batches = 2

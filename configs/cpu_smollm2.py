@@ -29,7 +29,6 @@ def get_config(arg=None):
     c.batch.generations = 8
     c.batch.max_prompt_len = 64
     c.batch.max_completion_len = 32
-    c.batch.length_buckets = 1  # full-row layout only: one shape
     c.batch.min_bucket_len = 8  # buckets 8, 12, 16, 24, 32 (completions average ~9 tokens)
     c.rollout.temperature = 0.7
     c.rewards.weights = {"accuracy": 1.0, "format": 0.0, "cosine": 0.0}

@@ -1,49 +1,68 @@
-"""The shared-prompt batch layout of the train step: each group's prompt once, completions trimmed.
+"""The train step's batch layouts, built in one place with one bucketing scheme.
 
-    prompt_tokens  int32 [N / g, P]  each prompt once per g rows, left-padded to a bucket P
-    prompt_mask    bool  [N / g, P]
-    tokens         int32 [N, T]      completions, right-padded to a bucket T
-    attention_mask bool  [N, T]      real completion tokens
-    completion_mask bool [N, T]      tokens in the loss (False on rows with an invalid gold answer)
-    advantages     float32 [N]
-    sampler_logps  float32 [N, T]
+One step's B groups of G completions become host arrays in one of three layouts (`LAYOUTS`):
 
-Row r = q * g + i is the i-th completion sharing prompt row q. g is the group size G when the
+'full'    every row is [prompt, completion]:
+    tokens          int32 [N, P + T]  prompt left-padded to P, completion right-padded to T
+    attention_mask  bool  [N, P + T]
+'shared'  each prompt once per g rows (`models.shared_prompt`):
+    prompt_tokens   int32 [N / g, P]  left-padded
+    prompt_mask     bool  [N / g, P]
+    tokens          int32 [N, T]      the completions alone, right-padded
+    attention_mask  bool  [N, T]
+'packed'  as 'shared', and the completions that share a stored prompt packed one after another
+          into one row (`pack_completions`), so that the forward runs over real tokens only:
+    packed          PackedCompletions of [N / k, L] arrays (below), k rows per stored prompt
+
+and in all three:
+    completion_mask bool    [N, T]  tokens in the loss (False on rows with an invalid gold answer)
+    advantages      float32 [N]
+    sampler_logps   float32 [N, T]  the engine's log-probs of the sampled tokens
+
+Row r = q * g + i is the i-th completion sharing stored prompt q. g is the group size G when the
 minibatch count divides the number of prompts B; otherwise the largest divisor of G whose groups
 tile every minibatch (`group_size`), and each prompt is stored G / g times (still exact, less
-shared). P and T are the batch's longest prompt and completion rounded up to the next bucket
-(`bucket_sizes`: few geometric sizes, so the step compiles only a few times), never beyond the
-configured maxima; a longer prompt or completion is an error, not a silent truncation.
+shared). A packed row holds k completions: k = g when every group's inputs fit the longest packed
+bucket, else the largest divisor of g whose sub-groups all fit (down to k = 1: one completion per
+row, its prompt stored once for it), so a step with long groups still runs packed. Each stored
+prompt then serves k rows.
 
-With `packed_buckets`, each stored prompt's g completions are also packed into one row
-(`pack_completions`) when the longest group fits the largest of them, so the forward runs over
-the group's real tokens, not g rows padded to the longest (a step whose groups are longer keeps
-the layout above: a packed row attends over all of its L tokens, so L is capped). The [N, T]
-arrays stay (the loss reads them; T is then the configured maximum, so that only the packed
-length L varies between packed steps):
+Buckets (`Buckets`, `bucket_sizes`): P, T and L are the batch's longest prompt, completion and
+packed row rounded up to the next of a few geometric sizes (m, 1.5m, 2m, 3m, ... up to the
+configured maximum), so the step compiles for a handful of shapes; in the packed layout T is the
+configured maximum (only L and k vary between packed steps). Nothing is ever truncated: a prompt
+or completion longer than its maximum is a `TooLongError` (the trainer drops over-long prompts
+when it loads the data, `build.load_prompts`).
 
-    packed.inputs   int32 [N / g, L]  every completion token that predicts a next one, by group
-    packed.targets  int32 [N / g, L]  the token each input predicts
-    packed.segments int32 [N / g, L]  which of the g completions (0..g-1), -1 on padding
-    packed.offsets  int32 [N / g, L]  the input's index in its completion (position - prompt len)
+    packed.inputs   int32 [N / k, L]  every completion token that predicts a next one, by row
+    packed.targets  int32 [N / k, L]  the token each input predicts
+    packed.segments int32 [N / k, L]  which of the row's k completions (0..k-1), -1 on padding
+    packed.offsets  int32 [N / k, L]  the input's index in its completion (position - prompt len)
     packed.index    int32 [N, T]      where the input predicting token t >= 1 of row r sits in
-                                      row r // g of the packed arrays (0 elsewhere)
+                                      packed row r // k (0 elsewhere)
 
-Shape legend: B prompts, G completions per prompt, N = B * G rows, M minibatches, L packed length.
+Shape legend: B prompts, G completions per prompt, N = B * G rows, L packed length.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import flax.struct
 import jax
 import numpy as np
 
+LAYOUTS = ("full", "shared", "packed")  # index = the `batch/layout` metric
+
+
+class TooLongError(ValueError):
+    """A prompt, completion or packed row is longer than the largest bucket (never truncated)."""
+
 
 @flax.struct.dataclass
 class PackedCompletions:
-    """A group's completions in one row (module docstring); numpy on the host, jax on device."""
+    """Completions packed into rows (module docstring); numpy on the host, jax on device."""
 
     inputs: jax.Array
     targets: jax.Array
@@ -71,11 +90,31 @@ def bucket_sizes(minimum: int, maximum: int) -> tuple[int, ...]:
 
 
 def bucket_for(n: int, sizes: tuple[int, ...], what: str) -> int:
-    """The smallest size >= n; ValueError when `n` exceeds every bucket (never truncates)."""
+    """The smallest size >= n; `TooLongError` when `n` exceeds every bucket (never truncates)."""
     for s in sizes:
         if s >= n:
             return s
-    raise ValueError(f"a {what} of {n} tokens is longer than the largest bucket {sizes[-1]}")
+    raise TooLongError(f"a {what} of {n} tokens is longer than the largest bucket {sizes[-1]}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Buckets:
+    """The lengths a batch's prompts (P), completions (T) and packed rows (L) round up to."""
+
+    prompt: tuple[int, ...]
+    completion: tuple[int, ...]
+    packed: tuple[int, ...] | None = None  # None: no packed layout
+
+    @classmethod
+    def geometric(
+        cls, minimum: int, max_prompt_len: int, max_completion_len: int, pack_max_len: int = 0
+    ) -> Buckets:
+        """`bucket_sizes(minimum, max)` for each length (packed: none when pack_max_len is 0)."""
+        return cls(
+            prompt=bucket_sizes(minimum, max_prompt_len),
+            completion=bucket_sizes(minimum, max_completion_len),
+            packed=bucket_sizes(minimum, pack_max_len) if pack_max_len else None,
+        )
 
 
 def group_size(generations: int, rows: int, minibatches: int) -> int:
@@ -83,6 +122,25 @@ def group_size(generations: int, rows: int, minibatches: int) -> int:
     if rows % minibatches:
         raise ValueError(f"{minibatches} minibatches do not divide {rows} rows")
     return math.gcd(generations, rows // minibatches)
+
+
+def packed_group(inputs_N: np.ndarray, group: int, max_len: int) -> int:
+    """The largest divisor k of `group` whose runs of k consecutive rows have <= max_len inputs."""
+    for k in sorted((d for d in range(1, group + 1) if group % d == 0), reverse=True):
+        if inputs_N.reshape(-1, k).sum(-1).max(initial=0) <= max_len:
+            return k
+    raise TooLongError(
+        f"a completion of {int(inputs_N.max()) + 1} tokens does not fit a packed row of {max_len}"
+    )
+
+
+def _left_padded(prompt_ids, p: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+    prompt = np.full((len(prompt_ids), p), pad_id, np.int32)
+    mask = np.zeros((len(prompt_ids), p), bool)
+    for i, ids in enumerate(prompt_ids):
+        prompt[i, p - len(ids) :] = ids
+        mask[i, p - len(ids) :] = True
+    return prompt, mask
 
 
 def pack(
@@ -93,53 +151,59 @@ def pack(
     advantages_BxG: np.ndarray,
     sampler_logps_BxGxT: np.ndarray,
     *,
-    pad_id: int,
-    prompt_buckets: tuple[int, ...],
-    completion_buckets: tuple[int, ...],
+    layout: str,
+    buckets: Buckets,
     group: int,
-    packed_buckets: tuple[int, ...] | None = None,
+    pad_id: int,
 ) -> dict:
-    """Host arrays of the layout above (module docstring) from B groups of G completions.
+    """Host arrays of `layout` (module docstring) from B groups of G completions.
 
-    With `packed_buckets` (lengths for a packed row of g completions), also "packed": a
-    `PackedCompletions` of numpy arrays, when every group fits `packed_buckets[-1]`.
+    `group` is g, the rows sharing a stored prompt (`group_size`; ignored by 'full').
     """
     b, g_all, t_in = tokens_BxGxT.shape
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown batch layout {layout!r}; known: {LAYOUTS}")
+    if layout == "packed" and buckets.packed is None:
+        raise ValueError("the packed layout needs packed buckets (batch.pack_max_len > 0)")
     if len(prompt_ids) != b or g_all % group:
         raise ValueError(f"{len(prompt_ids)} prompts, {g_all} completions each, group {group}")
     if min(len(x) for x in prompt_ids) < 1:
         raise ValueError("an empty prompt: every prompt needs at least one token")
-    lengths = mask_BxGxT.sum(-1)
-    p = bucket_for(max(len(x) for x in prompt_ids), prompt_buckets, "prompt")
-    t = bucket_for(max(int(lengths.max(initial=1)), 1), completion_buckets, "completion")
-    inputs_per_row = np.maximum(lengths - 1, 0).reshape(b * g_all // group, group).sum(-1)
-    packed = packed_buckets is not None and inputs_per_row.max() <= packed_buckets[-1]
-    if packed:
-        t = completion_buckets[-1]  # one [N, T] shape: only L varies between packed steps
-    prompt = np.full((b, p), pad_id, np.int32)
-    prompt_mask = np.zeros((b, p), bool)
-    for i, ids in enumerate(prompt_ids):
-        prompt[i, p - len(ids) :] = ids
-        prompt_mask[i, p - len(ids) :] = True
+    lengths = np.asarray(mask_BxGxT, bool).sum(-1)
+    p = bucket_for(max(len(x) for x in prompt_ids), buckets.prompt, "prompt")
+    t = bucket_for(max(int(lengths.max(initial=1)), 1), buckets.completion, "completion")
+    if layout == "packed":
+        t = buckets.completion[-1]  # one [N, T] shape: only L and k vary between packed steps
     # Only padding lies beyond t (t >= every row's length), so trimming loses no token.
     fit = lambda x: np.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, max(0, t - t_in))])[..., :t]
-    comp_mask = fit(mask_BxGxT.astype(bool))
-    comp = np.where(comp_mask, fit(tokens_BxGxT), pad_id)
-    n, reps = b * g_all, g_all // group
+    n = b * g_all
+    comp_mask = fit(np.asarray(mask_BxGxT, bool)).reshape(n, t)
+    comp = np.where(comp_mask, fit(tokens_BxGxT).reshape(n, t), pad_id).astype(np.int32)
+    prompt, prompt_mask = _left_padded(prompt_ids, p, pad_id)
     out = {
-        "prompt_tokens": np.repeat(prompt, reps, axis=0),
-        "prompt_mask": np.repeat(prompt_mask, reps, axis=0),
-        "tokens": comp.reshape(n, t).astype(np.int32),
-        "attention_mask": comp_mask.reshape(n, t),
-        "completion_mask": (comp_mask & valid_BxG[..., None]).reshape(n, t),
+        "completion_mask": comp_mask & np.asarray(valid_BxG, bool).reshape(n, 1),
         "advantages": np.asarray(advantages_BxG, np.float32).reshape(n),
         "sampler_logps": fit(np.asarray(sampler_logps_BxGxT, np.float32)).reshape(n, t),
     }
-    if packed:
-        out["packed"] = pack_completions(
-            out["tokens"], out["attention_mask"], group, pad_id=pad_id, buckets=packed_buckets
-        )
+    if layout == "full":
+        out["tokens"] = np.concatenate([np.repeat(prompt, g_all, 0), comp], axis=1)
+        out["attention_mask"] = np.concatenate([np.repeat(prompt_mask, g_all, 0), comp_mask], 1)
+        return out
+    out["tokens"], out["attention_mask"] = comp, comp_mask
+    k = group
+    if layout == "packed":
+        k = packed_group(np.maximum(lengths.reshape(n) - 1, 0), group, buckets.packed[-1])
+        out["packed"] = pack_completions(comp, comp_mask, k, pad_id=pad_id, buckets=buckets.packed)
+    out["prompt_tokens"] = np.repeat(prompt, g_all // k, axis=0)
+    out["prompt_mask"] = np.repeat(prompt_mask, g_all // k, axis=0)
     return out
+
+
+def layout_of(arrays: dict) -> str:
+    """Which of `LAYOUTS` a `pack` result is."""
+    if "packed" in arrays:
+        return "packed"
+    return "shared" if "prompt_tokens" in arrays else "full"
 
 
 def pack_completions(
@@ -149,7 +213,7 @@ def pack_completions(
 
     A completion of n tokens contributes its first n - 1 (the last token is only a target; the
     first is predicted from the prompt). L is the longest packed row rounded up to a bucket; a
-    group longer than every bucket is an error, never a truncation.
+    row longer than every bucket is a `TooLongError`, never a truncation.
     """
     n, t = tokens_NxT.shape
     if n % group:

@@ -8,7 +8,7 @@ import dataclasses
 import math
 import os
 import pathlib
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -210,8 +210,14 @@ def make_engine(cfg: config_types.TrainConfig, policy: Policy, tokenizer, workdi
     return engine
 
 
-def load_prompts(cfg: config_types.TrainConfig, tokenizer) -> tuple[list[list[int]], list[str]]:
-    """(prompt ids, gold answers) of the training problems that fit `max_prompt_len`."""
+class TrainPrompts(NamedTuple):
+    ids: list[list[int]]  # prompt token ids
+    answers: list[str]  # gold answers
+    dropped: int  # problems whose prompt exceeds batch.max_prompt_len (never truncated)
+
+
+def load_prompts(cfg: config_types.TrainConfig, tokenizer) -> TrainPrompts:
+    """The training prompts that fit `batch.max_prompt_len`; longer ones are dropped, counted."""
     d = cfg.data
     if d.source == ARITHMETIC:
         problems = data.arithmetic_problems(
@@ -243,7 +249,7 @@ def load_prompts(cfg: config_types.TrainConfig, tokenizer) -> tuple[list[list[in
             f"batch.max_prompt_len={cfg.batch.max_prompt_len} "
             f"tokens (with the system prompt; shortest of the first 100: {shortest})"
         )
-    return prompts, [p.answer for p in kept]
+    return TrainPrompts(prompts, [p.answer for p in kept], dropped)
 
 
 def eval_problems(cfg: config_types.TrainConfig) -> dict[str, list[data.Problem]]:

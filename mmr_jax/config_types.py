@@ -49,10 +49,9 @@ class BatchConfig:
     generations: int = 6
     max_prompt_len: int = 512
     max_completion_len: int = 3584
-    length_buckets: int = 8
     shared_prompt: bool = True
     min_bucket_len: int = 16
-    pack_max_len: int = 0
+    pack_max_len: int = 4096
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,7 +130,7 @@ class DataConfig:
 
 @dataclasses.dataclass(frozen=True)
 class EvalConfig:
-    every: int = 0
+    every: int = 50
     data_dir: str = ""
     benchmarks: tuple[str, ...] = ()
     max_problems: int = 0
@@ -202,6 +201,10 @@ class TrainConfig:
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able dict (tuples as lists), the form stored in the run metadata."""
         return json.loads(json.dumps(dataclasses.asdict(self), default=dict))
+
+
+class ConfigError(ValueError):
+    """A config value is out of range or contradicts another."""
 
 
 _CHOICES = {
@@ -279,32 +282,39 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     for (section, key), choices in _CHOICES.items():
         value = getattr(getattr(cfg, section), key)
         if value not in choices:
-            raise ValueError(f"config {section}.{key}={value!r}; expected one of {choices}")
+            raise ConfigError(f"config {section}.{key}={value!r}; expected one of {choices}")
     if cfg.mmr.enabled and cfg.dra.enabled:
-        raise ValueError("mmr.enabled and dra.enabled are exclusive; pick one reweighting")
+        raise ConfigError("mmr.enabled and dra.enabled are exclusive; pick one reweighting")
     if cfg.mmr.lam is not None and not 0.0 <= cfg.mmr.lam <= 1.0:
-        raise ValueError(f"mmr.lam={cfg.mmr.lam} must lie in [0, 1] (or None for adaptive)")
+        raise ConfigError(f"mmr.lam={cfg.mmr.lam} must lie in [0, 1] (or None for adaptive)")
     if cfg.rows_per_step % cfg.loss.minibatches:
-        raise ValueError(
+        raise ConfigError(
             f"loss.minibatches={cfg.loss.minibatches} must divide "
             "batch.prompts * batch.generations "
             f"= {cfg.rows_per_step}"
         )
-    if cfg.batch.pack_max_len < 0:
-        raise ValueError(f"batch.pack_max_len={cfg.batch.pack_max_len} must be >= 0 (0 = off)")
+    b = cfg.batch
+    if b.pack_max_len < 0 or 0 < b.pack_max_len < b.max_completion_len - 1:
+        # A completion of T tokens is T - 1 packed inputs: the longest must fit one packed row.
+        raise ConfigError(
+            f"batch.pack_max_len={b.pack_max_len} must be 0 (no packing) or at least "
+            f"batch.max_completion_len - 1 = {b.max_completion_len - 1}"
+        )
     if cfg.batch.min_bucket_len < 1:
-        raise ValueError(f"batch.min_bucket_len={cfg.batch.min_bucket_len} must be >= 1")
-    if cfg.batch.max_completion_len % cfg.batch.length_buckets:
-        raise ValueError("batch.length_buckets must divide batch.max_completion_len")
-    if cfg.loss.tis_cap < 0:
-        raise ValueError(f"loss.tis_cap={cfg.loss.tis_cap} must be >= 0 (0 = off; verl/TRL use 2)")
+        raise ConfigError(f"batch.min_bucket_len={cfg.batch.min_bucket_len} must be >= 1")
+    if cfg.loss.tis_cap < 0 or 0 < cfg.loss.tis_cap < 1:
+        # w = min(pi_trainer / pi_engine, cap): a cap below 1 would scale down tokens on which
+        # both agree (w = 1), which is no truncation of the importance weight.
+        raise ConfigError(
+            f"loss.tis_cap={cfg.loss.tis_cap} must be 0 (off) or >= 1 (verl/TRL use 2)"
+        )
     if cfg.loss.iterations < 1 or cfg.total_steps < 1:
-        raise ValueError("loss.iterations and total_steps must be >= 1")
+        raise ConfigError("loss.iterations and total_steps must be >= 1")
     if not any(cfg.rewards.weights.values()):
-        raise ValueError(f"rewards.weights={dict(cfg.rewards.weights)} has no non-zero weight")
+        raise ConfigError(f"rewards.weights={dict(cfg.rewards.weights)} has no non-zero weight")
     ds = cfg.dynamic_sampling
     if ds.enabled and ds.filter_reward not in cfg.rewards.weights:
-        raise ValueError(
+        raise ConfigError(
             f"dynamic_sampling.filter_reward={ds.filter_reward!r} is not among rewards.weights "
             f"{sorted(cfg.rewards.weights)}"
         )

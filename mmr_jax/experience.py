@@ -1,10 +1,12 @@
-"""From prompts to a training batch: rollout, decode, rewards, embeddings, reweighting, advantages,
-DAPO dynamic sampling, and packing into bucketed arrays for the jitted step.
+"""Experience of one generation round, on the host: rollout, decode, rewards, embeddings
+(`generate_and_score`), the DAPO variance filter (`has_variance`), reweighting and advantages
+(`compute_advantages`), and the reward / group / length metrics of a step's groups.
+
+The step's collection loop (dynamic sampling) and its layout are `step_batch` and `batch_layout`.
 
 Shape legend: B prompts, G completions per prompt, T completion tokens, D embedding width,
-F reward functions, N = B * G rows (prompt-major: row b * G + i is completion i of prompt b).
-Everything here is host-side NumPy around the engines; the reweighting and advantage math are the
-jitted functions of `mmr_jax.mmr` and `mmr_jax.advantages`.
+F reward functions. Everything here is host-side NumPy around the engines; the reweighting and
+advantage math are the jitted functions of `mmr_jax.mmr` and `mmr_jax.advantages`.
 """
 
 from __future__ import annotations
@@ -179,50 +181,6 @@ def compute_advantages(total_BxG, embeddings_BxGxD, valid_BxG, opts: AdvantageOp
     )
     adv = np.where(np.asarray(valid_BxG), np.asarray(adv), 0.0).astype(np.float32)
     return np.asarray(reweighted, np.float32), adv, None if lam is None else np.asarray(lam)
-
-
-def bucket_len(n: int, quantum: int, maximum: int) -> int:
-    """`n` rounded up to a multiple of `quantum`, at most `maximum` (at least one quantum)."""
-    return int(min(maximum, max(quantum, -(-n // quantum) * quantum)))
-
-
-def pack(
-    groups: Groups,
-    advantages_BxG: np.ndarray,
-    *,
-    pad_id: int,
-    prompt_quantum: int,
-    max_prompt_len: int,
-    completion_quantum: int,
-    max_completion_len: int,
-) -> dict[str, np.ndarray]:
-    """Rows for the train step: prompts left-padded to a bucket P, completions right-padded to T.
-
-    Returns numpy arrays: tokens int32 [N, P + T], attention_mask bool [N, P + T],
-    completion_mask bool [N, T] (False on invalid rows), advantages float32 [N],
-    sampler_logps float32 [N, T].
-    """
-    b, g, t_in = groups.tokens.shape
-    p = bucket_len(max(len(x) for x in groups.prompt_ids), prompt_quantum, max_prompt_len)
-    t = bucket_len(int(groups.mask.sum(-1).max(initial=1)), completion_quantum, max_completion_len)
-    prompt = np.full((b, p), pad_id, np.int32)
-    prompt_mask = np.zeros((b, p), bool)
-    for i, ids in enumerate(groups.prompt_ids):
-        ids = ids[-p:]
-        prompt[i, p - len(ids) :] = ids
-        prompt_mask[i, p - len(ids) :] = True
-    comp = _pad_time(groups.tokens, max(t, t_in))[..., :t]
-    comp_mask = _pad_time(groups.mask, max(t, t_in))[..., :t]
-    comp = np.where(comp_mask, comp, pad_id)
-    rep = lambda x: np.repeat(x, g, axis=0)
-    loss_mask = comp_mask & groups.valid[..., None]
-    return {
-        "tokens": np.concatenate([rep(prompt), comp.reshape(b * g, t)], axis=1).astype(np.int32),
-        "attention_mask": np.concatenate([rep(prompt_mask), comp_mask.reshape(b * g, t)], axis=1),
-        "completion_mask": loss_mask.reshape(b * g, t),
-        "advantages": advantages_BxG.reshape(b * g).astype(np.float32),
-        "sampler_logps": _pad_time(groups.sampler_logps, max(t, t_in))[..., :t].reshape(b * g, t),
-    }
 
 
 def group_metrics(groups: Groups, reweighted, adv, lam, *, filter_reward: str | None) -> dict:

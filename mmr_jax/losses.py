@@ -221,14 +221,14 @@ def tis_weights(
       old_logps_BxT: [B, T] trainer log-probs of the sampled tokens (pre-update policy).
       engine_logps_BxT: [B, T] the rollout engine's log-probs of the same tokens.
       mask_BxT: [B, T] bool or {0, 1}, True = a completion token.
-      cap: the truncation C > 0.
+      cap: the truncation C >= 1 (below 1 it would scale down tokens where both agree).
 
     Returns:
       [B, T] float weights, 0 at masked positions.
     """
     chex.assert_equal_shape([old_logps_BxT, engine_logps_BxT, mask_BxT])
-    if not cap > 0:
-        raise ValueError(f"TIS cap must be > 0, got {cap}")
+    if not cap >= 1:
+        raise ValueError(f"TIS cap must be >= 1, got {cap}")
     valid = mask_BxT.astype(bool)
     d = jnp.where(valid, old_logps_BxT - engine_logps_BxT, 0.0)
     w = jnp.minimum(jnp.exp(d), cap)

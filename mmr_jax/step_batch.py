@@ -125,36 +125,46 @@ def collect(
     return groups, info if ds.enabled else {}
 
 
+def layout(cfg: config_types.TrainConfig) -> str:
+    """The configured `batch_layout.LAYOUTS` entry."""
+    if not cfg.batch.shared_prompt:
+        return "full"
+    return "packed" if cfg.batch.pack_max_len else "shared"
+
+
 def host_arrays(cfg: config_types.TrainConfig, groups: experience.Groups, adv, pad_id: int) -> dict:
     """Host arrays of the step's batch in the configured layout (`batch_layout.pack`)."""
     b = cfg.batch
-    if b.shared_prompt:
-        return batch_layout.pack(
-            groups.prompt_ids,
-            groups.tokens,
-            groups.mask,
-            groups.valid,
-            adv,
-            groups.sampler_logps,
-            pad_id=pad_id,
-            prompt_buckets=batch_layout.bucket_sizes(b.min_bucket_len, b.max_prompt_len),
-            completion_buckets=batch_layout.bucket_sizes(b.min_bucket_len, b.max_completion_len),
-            group=batch_layout.group_size(b.generations, cfg.rows_per_step, cfg.loss.minibatches),
-            packed_buckets=(
-                batch_layout.bucket_sizes(b.min_bucket_len, b.pack_max_len)
-                if b.pack_max_len
-                else None
-            ),
-        )
-    return experience.pack(
-        groups,
+    return batch_layout.pack(
+        groups.prompt_ids,
+        groups.tokens,
+        groups.mask,
+        groups.valid,
         adv,
+        groups.sampler_logps,
+        layout=layout(cfg),
+        buckets=batch_layout.Buckets.geometric(
+            b.min_bucket_len, b.max_prompt_len, b.max_completion_len, b.pack_max_len
+        ),
+        group=batch_layout.group_size(b.generations, cfg.rows_per_step, cfg.loss.minibatches),
         pad_id=pad_id,
-        prompt_quantum=max(1, b.max_prompt_len // b.length_buckets),
-        max_prompt_len=b.max_prompt_len,
-        completion_quantum=b.max_completion_len // b.length_buckets,
-        max_completion_len=b.max_completion_len,
     )
+
+
+def layout_metrics(host: dict) -> dict[str, float]:
+    """The layout a step ran in: `batch/layout` (index in `batch_layout.LAYOUTS`), the rows
+    each stored prompt serves, and the packed row length L (the compiled shapes)."""
+    name = batch_layout.layout_of(host)
+    rows = host["completion_mask"].shape[0]
+    out = {
+        "batch/layout": float(batch_layout.LAYOUTS.index(name)),
+        "batch/rows_per_prompt": float(
+            rows // host["prompt_tokens"].shape[0] if "prompt_tokens" in host else 1
+        ),
+    }
+    if name == "packed":
+        out["batch/packed_len"] = float(host["packed"].inputs.shape[1])
+    return out
 
 
 def _advantages(cfg: config_types.TrainConfig, groups: experience.Groups):
@@ -241,7 +251,6 @@ def make_batch(
         prompt_mask=dev.get("prompt_mask"),
         packed=dev.get("packed"),
     )
-    if "packed" in host:  # the packed row length L of this step (the compiled shape)
-        info["batch/packed_len"] = float(host["packed"].inputs.shape[1])
+    info.update(layout_metrics(host))
     info["throughput/tokens"] = float(host["completion_mask"].sum())
     return batch, info

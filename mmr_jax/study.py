@@ -18,12 +18,12 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import logging
 import multiprocessing
 import os
 import pathlib
 import shutil
 import signal
-import sys
 import time
 import traceback
 from collections.abc import Callable, Mapping
@@ -32,11 +32,13 @@ from typing import Any
 import jax
 import ml_collections
 
-from mmr_jax import checkpoint, config_types, console, metrics
+from mmr_jax import checkpoint, child_process, config_types, console, metrics
 
 STUDY_FILE = "study_config.json"
 RUN_FILE = "study_run.json"
 EVAL_METRIC = "eval/average/pass@1"
+
+log = logging.getLogger(__name__)
 
 
 class StudyMismatchError(ValueError):
@@ -228,21 +230,13 @@ class RunProcessError(RuntimeError):
     """A run's own process died or failed; the study stops (rerun it to resume the run)."""
 
 
-def _die_with_parent() -> None:
-    """Linux: the kernel SIGKILLs this process when its parent dies, so a killed study never
-    leaves an orphan run writing into its folder."""
-    if not sys.platform.startswith("linux"):
-        return
-    import ctypes
-
-    pr_set_pdeathsig = 1
-    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+class RunProcessTimeoutError(RunProcessError):
+    """A run's process outlived its time (`timeout_s`), or ended without a result and did not
+    exit; it was killed."""
 
 
-def _child_main(parent_pid, train_fn, cfg, workdir, log_file, verbose, send) -> None:
-    _die_with_parent()
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
-        os._exit(1)
+def _run_child(train_fn, cfg, workdir, log_file, verbose) -> tuple[str, str]:
+    """The run in the child, its setup included: ('finished' | 'diverged', detail)."""
     if log_file is not None:
         console.setup(log_file, verbose=verbose)
     from mmr_jax import compile_cache, trainer
@@ -250,15 +244,55 @@ def _child_main(parent_pid, train_fn, cfg, workdir, log_file, verbose, send) -> 
     compile_cache.enable()
     try:
         (train_fn or trainer.train)(cfg, workdir)
-        send.send(("finished", ""))
     except trainer.NonFiniteLossError as e:
-        send.send(("diverged", str(e)))
-    except BaseException:  # reported to the parent, which raises
-        send.send(("error", traceback.format_exc()))
+        return "diverged", str(e)
+    return "finished", ""
+
+
+def _child_main(parent_pid, train_fn, cfg, workdir, log_file, verbose, send) -> None:
+    # SIGKILL with the study: a killed study leaves no orphan run writing into its folder.
+    child_process.die_with_parent(parent_pid, signal.SIGKILL)
+    try:  # everything from here on, setup too, reports its traceback to the parent
+        result = _run_child(train_fn, cfg, workdir, log_file, verbose)
+    except BaseException:
+        result = ("error", traceback.format_exc())
+    send.send(result)
+
+
+def _receive(child, receive, workdir, timeout_s: float | None, poll_s: float):
+    """The child's (kind, detail), or (None, '') when it ends without one. Polls, so that a pipe
+    some grandchild still holds open cannot hang the study once the child is gone."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while not receive.poll(poll_s):
+        if not child.is_alive() and not receive.poll(0):
+            return None, ""
+        if deadline is not None and time.monotonic() > deadline:
+            _kill(child)
+            raise RunProcessTimeoutError(
+                f"run {workdir} did not end within timeout_s={timeout_s:g}s; its process was "
+                "killed (rerun the study to resume the run from its latest checkpoint)"
+            )
+    try:
+        return receive.recv()
+    except EOFError:  # the child closed its end (it exited) without a result
+        return None, ""
+
+
+def _kill(child) -> None:
+    child.kill()
+    child.join(timeout=30)
 
 
 def train_in_child(
-    cfg, workdir, *, train_fn: Callable | None = None, log_file=None, verbose: bool = False
+    cfg,
+    workdir,
+    *,
+    train_fn: Callable | None = None,
+    log_file=None,
+    verbose: bool = False,
+    timeout_s: float | None = None,
+    exit_timeout_s: float = 120.0,
+    poll_s: float = 1.0,
 ) -> None:
     """`trainer.train(cfg, workdir)` in a fresh (spawned) process, which exits when the run ends.
 
@@ -266,8 +300,12 @@ def train_in_child(
     (in one process a study grew to 16 GB by its sixth SmolLM2 run), and the persistent
     compilation cache turns the next run's compiles into loads. The child logs to `log_file` and
     the same stdout; it is killed with the study. A non-finite loss is re-raised here as
-    `NonFiniteLossError` (the run is marked diverged); any other failure, or the child dying, as
-    `RunProcessError` with the child's traceback or exit code.
+    `NonFiniteLossError` (the run is marked diverged); any other failure, its setup's included,
+    or the child dying, as `RunProcessError` with the child's traceback or exit code.
+
+    Every wait is bounded: the run by `timeout_s` (None: no limit; a run takes what it takes),
+    the child's exit after its result by `exit_timeout_s` (then it is killed; a result it sent
+    stands). Either kill without a result raises `RunProcessTimeoutError`.
 
     `train_fn` (default `trainer.train`) must be importable by name (spawn pickles it).
     """
@@ -278,14 +316,22 @@ def train_in_child(
     args = (os.getpid(), train_fn, cfg, str(workdir), log_file, verbose, send)
     child = ctx.Process(target=_child_main, args=args, name=f"run {pathlib.Path(workdir).name}")
     child.start()
-    send.close()  # the child holds the only writer: recv() raises EOFError when it dies
+    send.close()  # the child holds the only writer: the pipe reads EOF when it dies
     try:
-        kind, detail = receive.recv()
-    except EOFError:
-        kind, detail = None, ""
+        kind, detail = _receive(child, receive, workdir, timeout_s, poll_s)
     finally:
-        child.join()
         receive.close()
+    child.join(timeout=exit_timeout_s)
+    if child.is_alive():
+        _kill(child)
+        if kind is None:
+            raise RunProcessTimeoutError(
+                f"the process of run {workdir} closed its pipe without a result and did not "
+                f"exit within exit_timeout_s={exit_timeout_s:g}s; it was killed"
+            )
+        log.warning(
+            "run %s: its process did not exit %gs after its result; killed", workdir, exit_timeout_s
+        )
     if kind == "finished":
         return
     if kind == "diverged":

@@ -214,7 +214,9 @@ def _split(x, m):
     return None if x is None else x.reshape(m, x.shape[0] // m, *x.shape[1:])
 
 
-def _minibatch_loss(params, mb: Batch, key, normaliser, *, graphdef, frozen, rest, cfg: StepConfig):
+def _minibatch_loss(
+    params, mb: Batch, key, normaliser, iteration, *, graphdef, frozen, rest, cfg: StepConfig
+):
     model = nnx.merge(graphdef, params, frozen, _with_dropout_key(rest, key))
     t = mb.completion_mask.shape[1]
     logps, entropy = batch_logprobs(
@@ -229,15 +231,22 @@ def _minibatch_loss(params, mb: Batch, key, normaliser, *, graphdef, frozen, res
         chunk=cfg.logprob_chunk,
         entropy=True,
     )
-    old = mb.old_logps if mb.old_logps is not None else jax.lax.stop_gradient(logps)
+    # The pre-update policy's log-probs: `old_logps` when given (a clean forward: no dropout),
+    # else this forward's own (the first pass of one iteration, where they are the same policy).
+    same = jax.lax.stop_gradient(logps)
+    behaviour = same if mb.old_logps is None else mb.old_logps
+    # The ratio's reference is the forward it divides: on the first pass this same forward, so
+    # that LoRA dropout noise (absent from the clean old_logps) never enters the ratio or the
+    # clip; later passes compare the updated policy with the pre-update one.
+    ratio_ref = same if mb.old_logps is None else jnp.where(iteration == 0, same, mb.old_logps)
     tis = None  # rollout/trainer mismatch correction (issue 16): w = min(exp(old - engine), cap)
     if cfg.tis_cap > 0:
         if mb.sampler_logps is None:
             raise ValueError("loss.tis_cap > 0 needs the engine's log-probs (Batch.sampler_logps)")
-        tis = losses.tis_weights(old, mb.sampler_logps, mb.completion_mask, cap=cfg.tis_cap)
+        tis = losses.tis_weights(behaviour, mb.sampler_logps, mb.completion_mask, cap=cfg.tis_cap)
     loss, aux = losses.policy_loss(
         logps,
-        old,
+        ratio_ref,
         mb.advantages,
         mb.completion_mask,
         ref_logps_BxT=mb.ref_logps,
@@ -263,7 +272,7 @@ def _minibatch_loss(params, mb: Batch, key, normaliser, *, graphdef, frozen, res
         "tokens": mask.sum().astype(jnp.float32),
     }
     if mb.sampler_logps is not None:  # trainer (pre-update) vs engine log-probs: sums, see _reduce
-        stats = losses.mismatch_stats(old, mb.sampler_logps, mask, tis_cap=cfg.tis_cap)
+        stats = losses.mismatch_stats(behaviour, mb.sampler_logps, mask, tis_cap=cfg.tis_cap)
         out.update({MISMATCH_STATS + k: v for k, v in stats.items()})
     return loss, out
 
@@ -272,7 +281,11 @@ MISMATCH_STATS = "mismatch_stats/"  # raw sums / extrema, combined exactly, then
 
 
 def _reduce(name: str, values_M: jax.Array, tokens_M: jax.Array) -> jax.Array:
-    """Minibatch metrics -> one value: token-weighted means, or min / max / sum."""
+    """Minibatch metrics -> one value: token-weighted means, or min / max / sum.
+
+    The ratio's extrema of minibatches without a token are +-inf (`losses.policy_loss`); they
+    drop out of the min / max, and `_neutral_ratio` replaces them when no minibatch had one.
+    """
     if name.startswith(MISMATCH_STATS):
         key = name.removeprefix(MISMATCH_STATS)
         return losses.combine_mismatch_stats({key: values_M})[key]
@@ -283,6 +296,23 @@ def _reduce(name: str, values_M: jax.Array, tokens_M: jax.Array) -> jax.Array:
     if name in ("loss", "tokens"):
         return values_M.sum()
     return jnp.sum(values_M * tokens_M) / jnp.maximum(tokens_M.sum(), 1.0)
+
+
+def _over_iterations(name: str, values_I: jax.Array) -> jax.Array:
+    """Per-iteration metrics -> one value: the extrema of all passes, else their mean."""
+    if name.startswith(MISMATCH_STATS):  # taken against the same pre-update log-probs each pass
+        return values_I[0]
+    if name == "ratio/min":
+        return values_I.min()
+    if name == "ratio/max":
+        return values_I.max()
+    return values_I.mean()
+
+
+def _neutral_ratio(metrics: dict) -> dict:
+    """A batch without a loss token has no ratio: log 1 (no change), not +-inf or 0."""
+    has = metrics["tokens"] > 0
+    return {k: jnp.where(has, v, 1.0) if k.startswith("ratio/") else v for k, v in metrics.items()}
 
 
 def train_step(
@@ -311,7 +341,7 @@ def train_step(
         def accumulate(grads, xs):
             mb, i = xs
             key = jax.random.key_data(jax.random.fold_in(jax.random.fold_in(step_key, it), i))
-            (loss, aux), g = grad_fn(params, mb, key, normaliser)
+            (loss, aux), g = grad_fn(params, mb, key, normaliser, it)
             grads = jax.tree.map(jnp.add, grads, g)
             return grads, dict(aux, loss=loss)
 
@@ -327,8 +357,7 @@ def train_step(
     (params, opt_state), metrics = jax.lax.scan(
         one_update, (state.params, state.opt_state), jnp.arange(cfg.iterations)
     )
-    # Over iterations; the mismatch is taken against the same pre-update log-probs every pass.
-    metrics = {k: v[0] if k.startswith(MISMATCH_STATS) else v.mean() for k, v in metrics.items()}
+    metrics = _neutral_ratio({k: _over_iterations(k, v) for k, v in metrics.items()})
     names = [k for k in metrics if k.startswith(MISMATCH_STATS)]
     if names:
         stats = {k.removeprefix(MISMATCH_STATS): metrics.pop(k) for k in names}

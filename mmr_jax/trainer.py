@@ -56,6 +56,7 @@ class Run:
     logp_fn: Any
     checkpointer: checkpoint.Checkpointer
     writer: metrics.MetricWriter
+    prompts_dropped: int = 0  # training problems over batch.max_prompt_len (build.load_prompts)
 
 
 def _abstract(tree):
@@ -83,7 +84,7 @@ def setup(cfg: config_types.TrainConfig, workdir, *, overwrite: bool = False) ->
     workdir = os.fspath(distributed.primary_first(prepare, "to prepare the workdir") or workdir)
     # A hub id is fetched once (here); the config keeps the id, as vLLM serves it under that name.
     tokenizer = transformers.AutoTokenizer.from_pretrained(hub.resolve_checkpoint(cfg.model.path))
-    prompt_ids, answers = build.load_prompts(cfg, tokenizer)
+    prompt_ids, answers, prompts_dropped = build.load_prompts(cfg, tokenizer)
     prompts = data.PromptIterator(
         list(zip(prompt_ids, answers, strict=True)), cfg.batch.prompts, cfg.seed
     )
@@ -153,6 +154,7 @@ def setup(cfg: config_types.TrainConfig, workdir, *, overwrite: bool = False) ->
         logp_fn,
         ckpt,
         writer,
+        prompts_dropped=prompts_dropped,
     )
 
 
@@ -198,10 +200,12 @@ def _export_if_missing(cfg, policy, state, workdir: str, step: int) -> None:
 
 
 def collect(run: Run, step: int, timings: dict) -> tuple[experience.Groups, dict]:
-    """B groups for `step` (`step_batch.collect`)."""
-    return step_batch.collect(
+    """B groups for `step` (`step_batch.collect`) and their metrics."""
+    groups, info = step_batch.collect(
         run.cfg, run.prompts, run.engine, run.tokenizer, run.encoder, step, timings
     )
+    info["data/prompts_dropped"] = float(run.prompts_dropped)
+    return groups, info
 
 
 def make_batch(run: Run, groups: experience.Groups, timings: dict) -> tuple[train_step.Batch, dict]:
@@ -311,6 +315,8 @@ def train(cfg: config_types.TrainConfig, workdir, *, overwrite: bool = False) ->
             t1 = time.perf_counter()
             run.engine.sync_weights(run.policy.model(run.state.params), version=step)
             timings["sync"] = time.perf_counter() - t1
+            if jax.process_count() > 1:  # rollout gathers and weight copies of this step
+                timings["collectives"] = distributed.collective_seconds()
             timings["train"] = t1 - t0
             if cfg.logging.samples:
                 for text in groups.texts[0][: cfg.logging.samples]:

@@ -48,7 +48,7 @@ def main(argv) -> None:
     tokenizer = transformers.AutoTokenizer.from_pretrained(hub.resolve_checkpoint(cfg.model.path))
     policy = build.load_policy(cfg)
     engine = build.make_engine(cfg, policy, tokenizer, workdir=None)
-    prompt_ids, answers = build.load_prompts(cfg, tokenizer)
+    prompt_ids, answers, _ = build.load_prompts(cfg, tokenizer)
     it = data.PromptIterator(
         list(zip(prompt_ids, answers, strict=True)), cfg.batch.prompts, cfg.seed
     )

@@ -121,7 +121,7 @@ def step_batches(cfg: config_types.TrainConfig, tokenizer, steps: int) -> list[l
 
     Raises ValueError when the messages do not render (TRL's way) to the trainer's prompt ids.
     """
-    ids, answers = build.load_prompts(cfg, tokenizer)
+    ids, answers, _ = build.load_prompts(cfg, tokenizer)
     rebuilt, problems, _ = data.build_prompts(
         tokenizer,
         _problems(cfg),

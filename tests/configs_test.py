@@ -104,14 +104,39 @@ class TestBadInput:
             (("mmr", "lam", 1.5), "mmr.lam"),
             (("loss", "minibatches", 5), "minibatches"),
             (("loss", "tis_cap", -1.0), "loss.tis_cap"),
+            (("loss", "tis_cap", 0.9), r"loss.tis_cap=0.9 must be 0 \(off\) or >= 1"),
+            (("batch", "pack_max_len", 3582), "pack_max_len=3582 must be 0 .* at least"),
+            (("batch", "pack_max_len", -1), "pack_max_len"),
         ],
     )
     def test_invalid_values(self, override, match):
         cfg = _load("grpo").to_dict()
         section, key, value = override
         cfg[section][key] = value
-        with pytest.raises(ValueError, match=match):
+        with pytest.raises(config_types.ConfigError, match=match):
             config_types.from_config_dict(cfg)
+
+    def test_edge_values_accepted(self):
+        cfg = _load("grpo").to_dict()
+        cfg["loss"]["tis_cap"] = 1.0
+        cfg["batch"]["pack_max_len"] = cfg["batch"]["max_completion_len"] - 1
+        config_types.from_config_dict(cfg)
+        cfg["batch"]["pack_max_len"] = 0  # no packing
+        config_types.from_config_dict(cfg)
+
+    def test_dataclass_defaults_are_the_base_config(self):
+        # One default per key: a dataclass default that differs from configs/base.py is a twin
+        # that a run built without the base (tests, scripts) would silently get instead.
+        cfg = config_types.from_config_dict(config_types.load_config_file(str(CONFIGS / "base.py")))
+        for name, section in config_types._SECTIONS.items():
+            for f in dataclasses.fields(section):
+                if (
+                    f.default in (dataclasses.MISSING, "", ())
+                    or f.default_factory is not dataclasses.MISSING
+                ):
+                    continue  # no default: an empty placeholder that the config always sets
+                got = getattr(getattr(cfg, name), f.name)
+                assert got == f.default, f"{name}.{f.name}: base {got!r}, dataclass {f.default!r}"
 
     def test_mmr_and_dra_exclusive(self):
         cfg = _load("grpo", None, ["--config.mmr.enabled=True", "--config.dra.enabled=True"])

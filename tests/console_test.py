@@ -2,20 +2,21 @@
 only in <workdir>/train.log, all of them back on the console with --verbosity=0."""
 
 import json
-import os
 import re
 import subprocess
 import sys
 
-import jax
 import pytest
 
-from support import crash_harness
+from support import crash_harness, testing
 
-_XLA_CACHE = os.environ.setdefault(
-    "JAX_COMPILATION_CACHE_DIR", f"/tmp/mmr_jax_test_xla_cache_{os.getuid()}"
-)
-jax.config.update("jax_compilation_cache_dir", _XLA_CACHE)
+
+@pytest.fixture(autouse=True, scope="module")
+def _xla_cache():
+    """XLA's persistent cache for this module's tests and the processes they start."""
+    with testing.persistent_xla_cache():
+        yield
+
 
 ABSL_INFO = re.compile(r"^I\d{4} ")  # absl's INFO line prefix, e.g. "I1125 01:23:59.53 ..."
 

@@ -1,7 +1,6 @@
 """Crash anywhere, resume to the same run: scripts/train.py SIGKILLed again and again on a tiny
 model, each time resumed with the same command, ends where an uninterrupted run ends."""
 
-import os
 import pathlib
 import shlex
 import subprocess
@@ -12,14 +11,15 @@ import pytest
 
 from mmr_jax import build, checkpoint, config_types, faults, metrics, trainer
 
-from support import crash_harness
+from support import crash_harness, testing
+
 
 # Compiled programs are shared by the runs of this module and the subprocesses it starts.
-_XLA_CACHE = os.environ.setdefault(
-    "JAX_COMPILATION_CACHE_DIR", f"/tmp/mmr_jax_test_xla_cache_{os.getuid()}"
-)
-jax.config.update("jax_compilation_cache_dir", _XLA_CACHE)
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+@pytest.fixture(autouse=True, scope="module")
+def _xla_cache():
+    """XLA's persistent cache for this module's tests and the processes they start."""
+    with testing.persistent_xla_cache(min_compile_s=0):
+        yield
 
 
 def _restore(workdir):

@@ -240,9 +240,12 @@ class TruncatedImportanceSamplingTest(chex.TestCase):
         assert float(base) == float(ones)
         assert all(float(base_m[k]) == float(ones_m[k]) for k in base_m)
 
-    def test_bad_cap_raises(self):
-        with pytest.raises(ValueError, match="cap must be > 0"):
-            losses.tis_weights(OLD, ENGINE, MASK, cap=0.0)
+    @parameterized.parameters(0.0, 0.9, -2.0)
+    def test_cap_below_one_raises(self, cap):
+        # A cap below 1 would scale down tokens where trainer and engine agree (w = 1).
+        with pytest.raises(ValueError, match="cap must be >= 1"):
+            losses.tis_weights(OLD, ENGINE, MASK, cap=cap)
+        losses.tis_weights(OLD, ENGINE, MASK, cap=1.0)
 
 
 class MismatchStatsTest(chex.TestCase):

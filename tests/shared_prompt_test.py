@@ -1,8 +1,9 @@
 """The shared-prompt training forward against the full-row forward it replaces.
 
-Both layouts are packed from the same ragged groups (`experience.pack`: every row is [prompt,
-completion]; `batch_layout.pack`: each prompt once per group, completions trimmed to a bucket).
-Log-probs, entropies, gradients and whole train steps must agree to fp32 rounding.
+All layouts are built from the same ragged groups by `batch_layout.pack` ('full': every row is
+[prompt, completion]; 'shared': each prompt once per group, completions trimmed to a bucket;
+'packed': a group's completions in one row). Log-probs, entropies, gradients and whole train
+steps (with the engine's log-probs: TIS and the mismatch metrics) must agree to fp32 rounding.
 """
 
 from __future__ import annotations
@@ -68,36 +69,29 @@ def _groups(b, g, seed, *, t_in=MAX_T, max_len=11):
     )
 
 
-def _both(groups, adv, *, group=None, packed=False):
-    """(full-row arrays, shared-prompt arrays) of the same groups; `packed`: completions packed
-    one row per group, T the configured maximum (as the trainer packs them)."""
-    full = experience.pack(
-        groups,
-        adv,
-        pad_id=0,
-        prompt_quantum=MAX_P,
-        max_prompt_len=MAX_P,
-        completion_quantum=MAX_T,
-        max_completion_len=MAX_T,
-    )
-    shared = batch_layout.pack(
+def _pack(groups, adv, layout, *, group=None, pack_max_len=None):
+    """`batch_layout.pack` of `groups` with buckets from 4 up to MAX_P, MAX_T and (packed) a row
+    of a whole group of MAX_T-token completions unless `pack_max_len` says otherwise."""
+    g = group or groups.tokens.shape[1]
+    return batch_layout.pack(
         groups.prompt_ids,
         groups.tokens,
         groups.mask,
         groups.valid,
         adv,
         groups.sampler_logps,
+        layout=layout,
+        buckets=batch_layout.Buckets.geometric(4, MAX_P, MAX_T, pack_max_len or g * MAX_T),
+        group=g,
         pad_id=0,
-        prompt_buckets=batch_layout.bucket_sizes(4, MAX_P),
-        completion_buckets=(MAX_T,) if packed else batch_layout.bucket_sizes(4, MAX_T),
-        group=group or groups.tokens.shape[1],
-        packed_buckets=(
-            batch_layout.bucket_sizes(4, (group or groups.tokens.shape[1]) * MAX_T)
-            if packed
-            else None
-        ),
     )
-    return full, shared
+
+
+def _both(groups, adv, *, group=None, packed=False):
+    """(full-row arrays, shared-prompt arrays) of the same groups; `packed`: completions packed
+    one row per group, T the configured maximum (as the trainer packs them)."""
+    full = _pack(groups, adv, "full", group=group)
+    return full, _pack(groups, adv, "packed" if packed else "shared", group=group)
 
 
 class TestLayout:
@@ -134,25 +128,25 @@ class TestLayout:
         assert not full["completion_mask"][:, t:].any()
         assert not shared["completion_mask"][8:].any()  # the invalid group
 
-    def test_too_long_is_an_error_not_a_truncation(self):
+    @pytest.mark.parametrize("layout", batch_layout.LAYOUTS)
+    def test_too_long_is_an_error_not_a_truncation(self, layout):
+        # One policy in every layout: over-long prompts never reach the packer (the trainer
+        # drops them at load, build.load_prompts); one that does is refused, never cut.
         groups = _groups(2, 2, seed=1)
         groups.prompt_ids[1] = list(range(4, 4 + MAX_P + 1))
-        with pytest.raises(ValueError, match="prompt of 13 tokens"):
-            _both(groups, np.zeros((2, 2)))
+        with pytest.raises(batch_layout.TooLongError, match="prompt of 13 tokens"):
+            _pack(groups, np.zeros((2, 2)), layout)
         groups = _groups(2, 2, seed=1, t_in=MAX_T + 4, max_len=MAX_T + 2)
-        with pytest.raises(ValueError, match="completion of 18 tokens"):
-            batch_layout.pack(
-                groups.prompt_ids,
-                groups.tokens,
-                groups.mask,
-                groups.valid,
-                np.zeros((2, 2)),
-                groups.sampler_logps,
-                pad_id=0,
-                prompt_buckets=(MAX_P,),
-                completion_buckets=batch_layout.bucket_sizes(4, MAX_T),
-                group=2,
-            )
+        with pytest.raises(batch_layout.TooLongError, match="completion of 18 tokens"):
+            _pack(groups, np.zeros((2, 2)), layout)
+
+    def test_full_rows_use_the_same_buckets(self):
+        groups = _groups(3, 4, seed=0)
+        full = _pack(groups, np.zeros((3, 4)), "full")
+        longest_prompt = max(len(p) for p in groups.prompt_ids)
+        p = batch_layout.bucket_for(longest_prompt, batch_layout.bucket_sizes(4, MAX_P), "p")
+        assert full["tokens"].shape == (12, p + 12) and full["completion_mask"].shape == (12, 12)
+        assert batch_layout.layout_of(full) == "full"
 
 
 class TestPackedCompletions:
@@ -183,21 +177,35 @@ class TestPackedCompletions:
                 assert pk.segments[q, j] == r % 4 and pk.offsets[q, j] == t - 1
         assert (pk.segments >= 0).sum() == (mask.sum(-1) - 1).sum()  # nothing else packed
 
-    def test_falls_back_to_shared_rows_when_a_group_is_too_long(self):
+    def test_packed_group_hand_worked(self):
+        # Inputs per row, groups of 4: [3 1 2 2 | 5 1 4 1]: group sums 8, 11; pairs 4 4 6 5.
+        inputs = np.array([3, 1, 2, 2, 5, 1, 4, 1])
+        assert batch_layout.packed_group(inputs, 4, 11) == 4
+        assert batch_layout.packed_group(inputs, 4, 10) == 2
+        assert batch_layout.packed_group(inputs, 4, 6) == 2
+        assert batch_layout.packed_group(inputs, 4, 5) == 1  # the pair (5, 1) is 6 > 5
+        with pytest.raises(batch_layout.TooLongError, match="completion of 6 tokens"):
+            batch_layout.packed_group(inputs, 4, 4)
+
+    def test_a_long_group_still_packs_in_smaller_rows(self):
+        # A group whose completions exceed the packed row is split into fewer completions per
+        # row (the prompt stored once per row), never sent to another layout.
         groups = _groups(2, 4, seed=8)
-        inputs = (groups.mask.sum(-1) - 1).sum(-1).max()
-        kw = dict(
-            pad_id=0,
-            prompt_buckets=(MAX_P,),
-            completion_buckets=batch_layout.bucket_sizes(4, MAX_T),
-            group=4,
-        )
-        args = (groups.prompt_ids, groups.tokens, groups.mask, groups.valid, np.zeros((2, 4)))
-        args += (groups.sampler_logps,)
-        fits = batch_layout.pack(*args, packed_buckets=(int(inputs),), **kw)
-        assert fits["packed"].inputs.shape == (2, inputs) and fits["tokens"].shape[1] == MAX_T
-        short = batch_layout.pack(*args, packed_buckets=(int(inputs) - 1,), **kw)
-        assert "packed" not in short and short["tokens"].shape[1] == 12  # the shared layout
+        n_in = np.maximum(groups.mask.sum(-1) - 1, 0).reshape(-1)
+        whole = int(n_in.reshape(2, 4).sum(-1).max())
+        adv = np.zeros((2, 4))
+        fits = _pack(groups, adv, "packed", pack_max_len=whole)
+        assert fits["packed"].inputs.shape == (2, whole) and fits["tokens"].shape[1] == MAX_T
+        assert fits["prompt_tokens"].shape[0] == 2
+        short = _pack(groups, adv, "packed", pack_max_len=whole - 1)
+        k = batch_layout.packed_group(n_in, 4, whole - 1)
+        assert k < 4 and batch_layout.layout_of(short) == "packed"
+        assert short["packed"].inputs.shape[0] == short["prompt_tokens"].shape[0] == 8 // k
+        assert short["packed"].inputs.shape[1] <= whole - 1
+        for r in range(8):  # every row's prompt is its group's
+            q = r // k
+            pr = short["prompt_tokens"][q][short["prompt_mask"][q]]
+            np.testing.assert_array_equal(pr, groups.prompt_ids[r // 4])
 
     def test_rejects_a_mask_that_is_not_a_prefix(self):
         tokens = np.array([[5, 6, 7], [8, 9, 0]])
@@ -206,7 +214,7 @@ class TestPackedCompletions:
                 tokens, np.array([[1, 0, 1], [1, 1, 0]], bool), 2, pad_id=0, buckets=(8,)
             )
         # 2 completions of 6 tokens: 2 x 5 inputs in a row of at most 8
-        with pytest.raises(ValueError, match="packed group of 10 tokens is longer"):
+        with pytest.raises(batch_layout.TooLongError, match="packed group of 10 tokens is longer"):
             batch_layout.pack_completions(
                 np.ones((2, 6), int), np.ones((2, 6), bool), 2, pad_id=0, buckets=(4, 8)
             )
@@ -285,6 +293,7 @@ _VARIANTS = {
     "lora": dict(aggregation="seq_mean_token_mean", beta=0.04, lora=True),
     "iterations": dict(aggregation="token_mean", iterations=2),
     "partial_groups": dict(aggregation="token_mean", minibatches=8),  # 4 prompts, 8 minibatches
+    "tis": dict(aggregation="seq_mean_token_mean", tis_cap=1.5, iterations=2),
 }
 
 
@@ -302,13 +311,12 @@ def test_train_step_same_metrics_and_update(ckpt, variant):
         beta=opts.pop("beta", 0.0),
         kl_estimator="k3",
         max_completion_len=MAX_T,
+        tis_cap=opts.pop("tis_cap", 0.0),
     )
     policy = build.split_model(_load(ckpt, lora=lora))
     groups = _groups(4, 4, seed=4)
     adv = np.random.default_rng(5).standard_normal((4, 4)).astype(np.float32)
     group = batch_layout.group_size(4, 16, cfg.minibatches)
-    full, shared = _both(groups, adv, group=group)
-    packed = _both(groups, adv, group=group, packed=True)[1]
     # The update is -gradient, so new - old params compares gradients. Rate 1, not smaller: the
     # difference (p - lr * g) - p carries a rounding of eps * |p| (norm weights are ~1), which
     # at lr = 0.1 is ~1e-5 of the largest update, the tolerance itself.
@@ -326,9 +334,30 @@ def test_train_step_same_metrics_and_update(ckpt, variant):
             "minibatches",
         ),
     )
+    if cfg.tis_cap:  # engine log-probs near the trainer's: ratios on both sides of the cap
+        full = _pack(groups, adv, "full", group=group)
+        t = full["completion_mask"].shape[1]
+        lp = logp(
+            policy.params,
+            policy.frozen,
+            policy.rest,
+            full["tokens"],
+            full["attention_mask"],
+            graphdef=policy.eval_graphdef,
+            num_completion=t,
+            temperature=0.7,
+        )
+        off = np.random.default_rng(6).uniform(-0.8, 0.8, lp.shape)
+        engine = np.pad(np.asarray(lp) + off, [(0, 0), (0, MAX_T - t)]).reshape(4, 4, MAX_T)
+        groups.sampler_logps = engine.astype(np.float32)
+    full, shared = _both(groups, adv, group=group)
+    packed = _both(groups, adv, group=group, packed=True)[1]
+    # Rows of at most one MAX_T completion: the groups split, a prompt stored per 1 or 2 rows.
+    split = _pack(groups, adv, "packed", group=group, pack_max_len=MAX_T - 1)
+    assert split["prompt_tokens"].shape[0] > packed["prompt_tokens"].shape[0]
     results = []
-    for arrays in (full, shared, packed):
-        dev = {k: jax.tree.map(jnp.asarray, v) for k, v in arrays.items() if k != "sampler_logps"}
+    for arrays in (full, shared, packed, split):
+        dev = {k: jax.tree.map(jnp.asarray, v) for k, v in arrays.items()}
         kw = dict(
             graphdef=policy.eval_graphdef,
             num_completion=dev["completion_mask"].shape[1],
@@ -348,6 +377,7 @@ def test_train_step_same_metrics_and_update(ckpt, variant):
             dev["advantages"],
             old_logps=old,
             ref_logps=ref,
+            sampler_logps=dev["sampler_logps"],  # the mismatch metrics and TIS, compared too
             prompt_tokens=dev.get("prompt_tokens"),
             prompt_mask=dev.get("prompt_mask"),
             packed=dev.get("packed"),
@@ -364,7 +394,10 @@ def test_train_step_same_metrics_and_update(ckpt, variant):
         results.append(({k: float(v) for k, v in metrics.items()}, delta))
     (m_full, d_full), *others = results
     assert abs(m_full["loss"]) > 1e-4 and m_full["tokens"] > 0
-    for name, (m, d) in zip(("shared", "packed"), others, strict=True):
+    assert m_full["mismatch/logp_abs_mean"] > 0.1  # the planted engine log-probs are far off
+    if cfg.tis_cap:
+        assert 0 < m_full["tis/clipped_frac"] < 1  # some weights capped, some not
+    for name, (m, d) in zip(("shared", "packed", "split"), others, strict=True):
         assert m.keys() == m_full.keys()
         for k in m_full:
             np.testing.assert_allclose(m[k], m_full[k], rtol=1e-5, atol=1e-6, err_msg=name + k)

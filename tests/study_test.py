@@ -21,9 +21,7 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "configs"))
 import study as study_config  # noqa: E402
 
-_XLA_CACHE = os.environ.setdefault(
-    "JAX_COMPILATION_CACHE_DIR", f"/tmp/mmr_jax_test_xla_cache_{os.getuid()}"
-)
+_XLA_CACHE = testing.XLA_CACHE_DIR  # for the scripts these tests start
 
 
 def _curve(steps, values, train_s=None):
@@ -279,6 +277,27 @@ def _child_dies(cfg, workdir):
     os._exit(7)
 
 
+def _child_sleeps(cfg, workdir):
+    pathlib.Path(workdir).mkdir(parents=True, exist_ok=True)
+    (pathlib.Path(workdir) / "pid").write_text(str(os.getpid()))
+    time.sleep(120)
+
+
+def _child_lingers(cfg, workdir):
+    """Finishes, but a non-daemon thread keeps its process from exiting for a minute."""
+    import threading
+
+    _child_writes_pid(cfg, workdir)
+    threading.Thread(target=time.sleep, args=(60,)).start()
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return pathlib.Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+    except FileNotFoundError:
+        return True
+
+
 class TestRunInChild:
     def test_outcomes_cross_the_process_boundary(self, tmp_path):
         study.train_in_child("cfg-x", tmp_path / "ok", train_fn=_child_writes_pid)
@@ -291,6 +310,31 @@ class TestRunInChild:
             study.train_in_child(None, tmp_path / "e", train_fn=_child_raises)
         with pytest.raises(study.RunProcessError, match=r"died \(exit code 7"):
             study.train_in_child(None, tmp_path / "x", train_fn=_child_dies)
+
+    def test_a_failure_in_the_childs_setup_reports_its_traceback(self, tmp_path):
+        # console.setup cannot create the log file's folder: a file stands in its place.
+        (tmp_path / "taken").write_text("")
+        log_file = tmp_path / "taken" / "run.log"
+        match = r"(?s)failed in its process.*Traceback.*console.py.*(FileExistsError|NotADirectory)"
+        with pytest.raises(study.RunProcessError, match=match):
+            study.train_in_child(None, tmp_path / "r", train_fn=_child_raises, log_file=log_file)
+
+    def test_a_run_past_its_timeout_is_killed_with_a_named_error(self, tmp_path):
+        start = time.monotonic()
+        with pytest.raises(study.RunProcessTimeoutError, match=r"did not end within timeout_s=3s"):
+            study.train_in_child(
+                None, tmp_path / "s", train_fn=_child_sleeps, timeout_s=3, poll_s=0.1
+            )
+        assert time.monotonic() - start < 30
+        assert _gone(int((tmp_path / "s" / "pid").read_text()))
+
+    def test_a_child_that_does_not_exit_after_its_result_is_killed(self, tmp_path):
+        start = time.monotonic()
+        study.train_in_child(
+            "c", tmp_path / "l", train_fn=_child_lingers, exit_timeout_s=1, poll_s=0.1
+        )  # the run finished: its result stands
+        assert time.monotonic() - start < 30
+        assert _gone(int((tmp_path / "l" / "pid").read_text().split()[0]))
 
     def test_a_diverged_child_marks_the_run_diverged(self, tmp_path):
         c = _tiny_study("ckpt", tmp_path / "s")

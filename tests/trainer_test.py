@@ -14,6 +14,8 @@ import pytest
 
 from mmr_jax import build, checkpoint, config_types, metrics, rewards, step_batch, trainer
 
+from support import testing
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "configs"))
 import dapo  # noqa: E402
@@ -21,12 +23,14 @@ import dapo_nods  # noqa: E402
 import dr_grpo  # noqa: E402
 import grpo  # noqa: E402
 
+
 # Compiled programs are shared by the runs of this module and the subprocesses it starts.
-_XLA_CACHE = os.environ.setdefault(
-    "JAX_COMPILATION_CACHE_DIR", f"/tmp/mmr_jax_test_xla_cache_{os.getuid()}"
-)
-jax.config.update("jax_compilation_cache_dir", _XLA_CACHE)
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+@pytest.fixture(autouse=True, scope="module")
+def _xla_cache():
+    """XLA's persistent cache for this module's tests and the processes they start."""
+    with testing.persistent_xla_cache(min_compile_s=0.5):
+        yield
+
 
 ALGOS = {"grpo": grpo, "dr_grpo": dr_grpo, "dapo": dapo, "dapo_nods": dapo_nods}
 TARGET = set("0123456789")
@@ -241,13 +245,13 @@ class TestMismatch:
     def test_planted_offset_shows_exactly_and_tis_scales_the_gradient(
         self, tmp_path, tiny_llama_dir, monkeypatch
     ):
-        # The engine claims log-prob + 0.1: trainer - engine = -0.1 (+ the fp32 noise bounded
-        # above), so |diff| = 0.1, r = exp(-0.1) = 0.905 on every token. With cap 2 the TIS
-        # weight is r everywhere: the whole gradient is scaled by exp(-0.1) against no TIS; with
-        # cap 0.9 every token is capped.
-        _plant_engine_offset(monkeypatch, 0.1)
+        # The engine claims log-prob - 0.1: trainer - engine = 0.1 (+ the fp32 noise bounded
+        # above), so |diff| = 0.1, r = exp(0.1) = 1.105 on every token. With cap 2 the TIS
+        # weight is r everywhere: the whole gradient is scaled by exp(0.1) against no TIS; with
+        # cap 1.05 every token is capped, the gradient scaled by 1.05.
+        _plant_engine_offset(monkeypatch, -0.1)
         out = {}
-        for cap in (0.0, 2.0, 0.9):
+        for cap in (0.0, 2.0, 1.05):
             cfg = _config(
                 "dapo_nods", tiny_llama_dir, steps=1, **{"checkpoint.every": 0, "loss.tis_cap": cap}
             )
@@ -257,13 +261,13 @@ class TestMismatch:
             np.testing.assert_allclose(row["mismatch/logp_abs_mean"], 0.1, atol=1e-5)
             np.testing.assert_allclose(row["mismatch/logp_abs_max"], 0.1, atol=1e-5)
             for k in ("ratio_mean", "ratio_min", "ratio_max"):
-                np.testing.assert_allclose(row[f"mismatch/{k}"], np.exp(-0.1), atol=1e-5)
+                np.testing.assert_allclose(row[f"mismatch/{k}"], np.exp(0.1), atol=1e-5)
         assert "tis/clipped_frac" not in out[0.0]
-        assert out[2.0]["tis/clipped_frac"] == 0.0 and out[0.9]["tis/clipped_frac"] == 1.0
+        assert out[2.0]["tis/clipped_frac"] == 0.0 and out[1.05]["tis/clipped_frac"] == 1.0
         np.testing.assert_allclose(
-            out[2.0]["grad_norm"] / out[0.0]["grad_norm"], np.exp(-0.1), rtol=1e-4
+            out[2.0]["grad_norm"] / out[0.0]["grad_norm"], np.exp(0.1), rtol=1e-4
         )
-        np.testing.assert_allclose(out[0.9]["grad_norm"] / out[0.0]["grad_norm"], 0.9, rtol=1e-4)
+        np.testing.assert_allclose(out[1.05]["grad_norm"] / out[0.0]["grad_norm"], 1.05, rtol=1e-4)
 
     def test_reduced_exactly_over_minibatches(self, tmp_path, tiny_llama_dir, monkeypatch):
         # Prompt 0's completions get +0.1 and are cut to 5 tokens, prompt 1's get +0.3; with

@@ -40,6 +40,7 @@ import sys
 import time
 import urllib.parse
 
+from mmr_jax import child_process
 from mmr_jax.rollout import vllm_client
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -47,16 +48,6 @@ REPO = pathlib.Path(__file__).resolve().parents[2]
 DEFAULT_VENV = os.environ.get("MMR_VLLM_VENV") or str(REPO / ".venv-vllm")
 API_MODULE = "vllm.entrypoints.openai.api_server"
 
-
-# Run by the server's interpreter before vLLM: SIGTERM on the launcher's death
-# (prctl PR_SET_PDEATHSIG = 1, kept across exec), then exec the real command. Not a preexec_fn:
-# Python code between fork and exec in a multithreaded (JAX) process can deadlock.
-_DIE_WITH_PARENT = (
-    "import ctypes, os, signal, sys\n"
-    "ctypes.CDLL(None).prctl(1, signal.SIGTERM)\n"
-    "if os.getppid() != int(sys.argv[1]): sys.exit('launcher exited before the server started')\n"
-    "os.execv(sys.argv[2], sys.argv[2:])\n"
-)
 
 
 class ServerStartError(vllm_client.VllmError):
@@ -201,8 +192,8 @@ class ServerProcess:
 
     def start(self) -> ServerProcess:
         argv, env = command(self.opts)
-        if sys.platform.startswith("linux"):  # the server dies with us, even if we are SIGKILLed
-            argv = [argv[0], "-c", _DIE_WITH_PARENT, str(os.getpid()), *argv]
+        # The server gets SIGTERM when we die, even if we are SIGKILLed (Linux).
+        argv = child_process.exec_argv(argv, signal.SIGTERM)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(

@@ -7,6 +7,7 @@ shared math data (or built-in text), and checkpoints are random transformers mod
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import json
@@ -14,6 +15,10 @@ import os
 import pathlib
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
+# XLA's persistent compilation cache of the test modules that run whole trainings.
+XLA_CACHE_DIR = os.environ.get("JAX_COMPILATION_CACHE_DIR") or (
+    f"/tmp/mmr_jax_test_xla_cache_{os.getuid()}"
+)
 
 _FALLBACK_TEXT = [
     "What is 12 + 35? Let me think step by step. 12 + 35 = 47. The answer is \\boxed{47}.",
@@ -223,3 +228,33 @@ def as_hub_snapshot(folder, cache_dir, repo_id: str = "org/tiny", *, eos_token_i
         gen = json.loads(f.read_text()) if f.exists() else {}
         f.write_text(json.dumps({**gen, "eos_token_id": [int(t) for t in eos_token_ids]}))
     return snap
+
+
+@contextlib.contextmanager
+def persistent_xla_cache(min_compile_s: float = 1.0):
+    """XLA's persistent compilation cache in `XLA_CACHE_DIR` while inside, for this process and,
+    through JAX_COMPILATION_CACHE_DIR, the processes it starts; all restored on the way out.
+
+    For module-scoped fixtures: trainings in one module (and their subprocesses) then share
+    compiled programs, and no test changes global state at import.
+    """
+    import jax
+    from jax.experimental.compilation_cache import compilation_cache
+
+    keys = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
+    before = {k: getattr(jax.config, k) for k in keys}
+    env = os.environ.get("JAX_COMPILATION_CACHE_DIR")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = XLA_CACHE_DIR
+    jax.config.update(keys[0], XLA_CACHE_DIR)
+    jax.config.update(keys[1], min_compile_s)
+    compilation_cache.reset_cache()  # JAX decides once whether a cache is used: decide again
+    try:
+        yield XLA_CACHE_DIR
+    finally:
+        for k, v in before.items():
+            jax.config.update(k, v)
+        if env is None:
+            os.environ.pop("JAX_COMPILATION_CACHE_DIR", None)
+        else:
+            os.environ["JAX_COMPILATION_CACHE_DIR"] = env
+        compilation_cache.reset_cache()
