@@ -130,6 +130,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.mmr.enabled = False  # MMR reweighting of rewards before advantages (MMR-GRPO)
     c.mmr.lam = config_dict.placeholder(float)  # None = adaptive sigmoid(std(r)); else fixed lambda
     c.mmr.scope = "group"  # 'group' (per prompt) | 'batch' (released code: whole micro-batch)
+    # This project's variant, not the paper's: groups whose raw rewards are all equal get
+    # advantage 0 and take no part in the reweighting (any reweighting method).
+    c.mmr.uniform_group_guard = False
     c.mmr.embedding_model = "jinaai/jina-embeddings-v2-small-en"  # encoder ('hashing': no model)
     c.mmr.embedding_max_length = 512  # encoder truncation (tokens)
     c.mmr.embedding_batch_size = 64  # encoder batch size

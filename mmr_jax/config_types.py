@@ -100,6 +100,7 @@ class MmrConfig:
     enabled: bool = False
     lam: float | None = None
     scope: str = "group"
+    uniform_group_guard: bool = False
     embedding_model: str = "jinaai/jina-embeddings-v2-small-en"
     embedding_max_length: int = 512
     embedding_batch_size: int = 64

@@ -157,10 +157,13 @@ class AdvantageOptions:
     estimator: str = "grpo"
     std_ddof: int = 1
     eps: float = 1e-4
+    uniform_group_guard: bool = False  # advantages.varying_groups_mask
 
 
 def compute_advantages(total_BxG, embeddings_BxGxD, valid_BxG, opts: AdvantageOptions):
     """(reweighted [B, G], advantages [B, G], lambda [B] or None) on the host."""
+    if opts.uniform_group_guard:  # this project's variant: groups of equal raw rewards sit out
+        valid_BxG = np.asarray(advantages_lib.varying_groups_mask(total_BxG, mask=valid_BxG))
     reweighted = mmr.reweight(
         opts.method, total_BxG, embeddings_BxGxD, lam=opts.lam, mask=valid_BxG, scope=opts.scope
     )

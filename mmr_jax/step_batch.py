@@ -175,6 +175,7 @@ def _advantages(cfg: config_types.TrainConfig, groups: experience.Groups):
         estimator=cfg.advantage.estimator,
         std_ddof=cfg.advantage.std_ddof,
         eps=cfg.advantage.eps,
+        uniform_group_guard=cfg.mmr.uniform_group_guard,
     )
     return experience.compute_advantages(groups.total, groups.embeddings, groups.valid, opts)
 

@@ -1,0 +1,39 @@
+"""The uniform-group guard wired through the config and the trainer's advantage stage."""
+
+import os
+import sys
+
+import numpy as np
+
+from mmr_jax import config_types, experience
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "configs"))
+import base
+
+
+def _groups():
+    rng = np.random.default_rng(3)
+    r = np.array([[1, 1, 1, 1], [0, 0, 0, 0], [1, 0, 0, 1]], np.float32)
+    return r, rng.normal(size=(3, 4, 8)).astype(np.float32), np.ones((3, 4), bool)
+
+
+def test_config_key_defaults_off_and_reaches_the_typed_config():
+    c = base.get_config()
+    assert c.mmr.uniform_group_guard is False
+    c.mmr.uniform_group_guard = True
+    assert config_types.from_config_dict(c).mmr.uniform_group_guard is True
+
+
+def test_compute_advantages_zeroes_uniform_groups_only_with_the_guard():
+    r, e, valid = _groups()
+    for scope in ("group", "batch"):
+        off = experience.AdvantageOptions(method="mmr", scope=scope)
+        on = experience.AdvantageOptions(method="mmr", scope=scope, uniform_group_guard=True)
+        _, adv_off, _ = experience.compute_advantages(r, e, valid, off)
+        _, adv_on, lam_on = experience.compute_advantages(r, e, valid, on)
+        assert np.abs(adv_off[:2]).mean() > 0.3  # MMR alone moves uniform groups
+        np.testing.assert_array_equal(adv_on[:2], 0.0)
+        assert np.abs(adv_on[2]).min() > 0.1  # the varying group still learns
+        if scope == "batch":
+            # lambda from the varying group's rewards alone: sigmoid(0.5) for [1, 0, 0, 1].
+            np.testing.assert_allclose(lam_on, [1 / (1 + np.exp(-0.5))], rtol=1e-6)
