@@ -16,13 +16,14 @@ import numpy as np
 from absl import logging
 from flax import nnx
 
-from mmr_jax import config_types, data, rollout, train_step
+from mmr_jax import config_types, data, rollout, tasks, train_step
 from mmr_jax.models import config as model_config
 from mmr_jax.models import hub, loading, sharding
 from mmr_jax.models import lora as lora_lib
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 ARITHMETIC = "arithmetic"  # data.source for generated problems (`data.arithmetic_problems`)
+TASK = "task"  # eval.source: the held-out set of data.source='task:<name>' (`mmr_jax.tasks`)
 
 
 @dataclasses.dataclass
@@ -223,6 +224,8 @@ def load_prompts(cfg: config_types.TrainConfig, tokenizer) -> TrainPrompts:
         problems = data.arithmetic_problems(
             2_000, cfg.seed, max_operand=d.arithmetic_max_operand, ops=d.arithmetic_ops
         )
+    elif tasks.task_name(d.source):  # 'task:<name>': its fixed training set (issue 26)
+        problems = tasks.train_problems(tasks.task_name(d.source))
     else:
         problems = data.load_problems(
             d.source, split=d.split, problem_field=d.problem_field, answer_field=d.answer_field
@@ -257,6 +260,13 @@ def eval_problems(cfg: config_types.TrainConfig) -> dict[str, list[data.Problem]
     from mmr_jax import evaluation
 
     e = cfg.eval
+    if e.source == TASK:  # the held-out set of data.source's task, disjoint from its training set
+        name = tasks.task_name(cfg.data.source)
+        if name is None:
+            raise ValueError(
+                f"eval.source='task' needs data.source='task:<name>', got {cfg.data.source!r}"
+            )
+        return {"heldout": tasks.heldout_problems(name)}
     if e.source == ARITHMETIC:
         heldout = data.heldout_arithmetic(
             e.arithmetic_problems,

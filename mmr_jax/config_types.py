@@ -215,7 +215,7 @@ _CHOICES = {
     ("loss", "kl_estimator"): ("k1", "k2", "k3"),
     ("mmr", "scope"): ("group", "batch"),
     ("rewards", "cosine_form"): ("tokens", "released"),
-    ("eval", "source"): ("benchmarks", "arithmetic"),
+    ("eval", "source"): ("benchmarks", "arithmetic", "task"),
 }
 
 
