@@ -269,7 +269,7 @@ def trl_config(cfg: config_types.TrainConfig, steps: int, output_dir: str):
         weight_decay=o.weight_decay,
         max_grad_norm=o.grad_clip,
         bf16=False,
-        activation_checkpointing=cfg.model.remat,
+        activation_checkpointing=cfg.model.remat != "none",
         use_cpu=True,
         shuffle_dataset=False,  # the dataset is already in our trainer's order
         seed=cfg.seed,

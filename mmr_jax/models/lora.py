@@ -1,4 +1,4 @@
-"""LoRA configuration and the trainable filter (merging lives with the layer: `layers.merged_params`).
+"""LoRA configuration and the trainable filter (merging is `layers.merged_params`).
 
 The adapters live inside `layers.Dense` as `nnx.LoRAParam` (lora_a [in, r], lora_b [r, out]) and
 add `alpha / r * dropout(x) @ lora_a @ lora_b` to the frozen base projection. The reference policy
