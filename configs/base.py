@@ -51,7 +51,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.model.path = MODELS["1.5b"][0]  # HF checkpoint folder (config.json, safetensors, tokenizer)
     c.model.dtype = "bfloat16"  # compute dtype
     c.model.param_dtype = "float32"  # master weights
-    c.model.remat = True  # gradient checkpointing in the train step
+    # What the train step's backward pass keeps of each scanned layer: none (everything), full
+    # (the layer's input; recompute the rest), dots_saveable (matmul outputs),
+    # dots_with_no_batch_dims_saveable. --dry_run prints the compiled memory of each.
+    c.model.remat = "full"
     c.model.logprob_chunk = 0  # tokens per log-prob chunk (0 = whole sequence at once)
 
     c.lora = ml_collections.ConfigDict()
@@ -225,7 +228,7 @@ def shrink_for_cpu(c: ml_collections.ConfigDict) -> None:
     """A few tiny steps on SmolLM2-135M that a 2-core CPU runs in minutes; algorithm unchanged."""
     c.model.path = "checkpoints/smollm2-135m-instruct"
     c.model.dtype = "float32"
-    c.model.remat = False
+    c.model.remat = "none"
     c.lora.rank = 8
     c.lora.alpha = 16.0
     c.total_steps = 4

@@ -12,14 +12,20 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+from mmr_jax.models import config as model_config
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     path: str
     dtype: str = "bfloat16"
     param_dtype: str = "float32"
-    remat: bool = True
+    remat: str = "full"  # remat policy of the scanned layer (models.config.REMAT_POLICIES)
     logprob_chunk: int = 0
+
+    def __post_init__(self):
+        # Configs stored before policies had names say True / False (= full / none).
+        object.__setattr__(self, "remat", model_config.remat_policy_name(self.remat))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,6 +216,7 @@ class ConfigError(ValueError):
 
 _CHOICES = {
     ("rollout", "engine"): ("embedded", "vllm"),
+    ("model", "remat"): model_config.REMAT_POLICIES,
     ("advantage", "estimator"): ("grpo", "dr_grpo"),
     ("loss", "aggregation"): ("seq_mean_token_mean", "token_mean", "seq_mean_token_sum_norm"),
     ("loss", "kl_estimator"): ("k1", "k2", "k3"),
