@@ -43,7 +43,6 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-import torch
 
 from mmr_jax import mmr
 from mmr_jax.models import sharding
@@ -95,6 +94,8 @@ def numpy_vectorised(r, e, lam=None):
 
 def torch_released(rewards, embeddings):
     """Own port of the released `diverse_adjust_rewards_fast_sigmoid` (one call per micro-batch)."""
+    import torch  # here, not at import: the tests load this script without needing torch
+
     n = rewards.size(0)
     lam = torch.sigmoid(rewards.std(unbiased=False))
     emb = torch.nn.functional.normalize(embeddings, p=2, dim=1)
@@ -143,6 +144,8 @@ _mmr_jit = jax.jit(mmr.mmr_reweight)
 
 
 def bench_cell(b, g, d, args, mesh):
+    import torch
+
     r, e = _data(b, g, d)
     rj, ej = jnp.asarray(r), jnp.asarray(e)
     t_one, t_one_med = _time(lambda: jax.block_until_ready(_mmr_jit(rj, ej)))
@@ -295,6 +298,8 @@ def bench_step(args):
 
 
 def main():
+    import torch
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small grid")
     parser.add_argument("--json", default=None, help="write the results to this path")

@@ -3,7 +3,6 @@
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
 
 from mmr_jax import models
 
@@ -14,6 +13,8 @@ bench = testing.load_script("bench_decode_step")
 
 @pytest.mark.parametrize("tied", [True, False])
 def test_torch_and_jax_linear_chains_agree(tmp_path, tied):
+    import torch  # here: collecting this module needs no torch
+
     path = testing.make_tiny_checkpoint(tmp_path, tokenizer=False, tie_word_embeddings=tied)
     model = models.from_pretrained(path)
     per_layer, head = bench.layer_weights(model)
