@@ -1,4 +1,5 @@
-"""Deterministic crash points for the resume harness (tests/resume_harness_test.py).
+"""Deterministic crash points for the crash-and-resume harness (tests/support/crash_harness.py,
+run by tests/crash_harness_test.py).
 
 `MMR_JAX_KILL_AT=<phase>:<step>` makes the process SIGKILL itself when the training loop reaches
 `point(phase, step)`; phases are listed in `PHASES`. The variable is read once at import, so an
