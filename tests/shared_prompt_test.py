@@ -225,10 +225,11 @@ def _load(path, *, lora=False, remat=False):
     cfg = lora_lib.LoraConfig(rank=4, alpha=8, dropout=0.0) if lora else None
     model = loading.from_pretrained(path, lora=cfg, remat=remat, rngs=nnx.Rngs(0))
     if lora:  # fresh adapters have B = 0 (no gradient reaches A): give them values
-        for i, (_, var) in enumerate(nnx.to_flat_state(nnx.state(model, nnx.LoRAParam))):
-            val = var.get_value()
-            if val.shape[0] == 4:  # lora_b [r, out]
+        for i, (name, var) in enumerate(nnx.to_flat_state(nnx.state(model, nnx.LoRAParam))):
+            if name[-1] == "lora_b":  # [layers, r, out]
+                val = var.get_value()
                 var.set_value(0.05 * jax.random.normal(jax.random.key(i), val.shape))
+                assert float(jnp.abs(var.get_value()).max()) > 0
     return model
 
 

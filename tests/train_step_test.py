@@ -1,0 +1,152 @@
+"""The jitted train step's ratio and metrics: the ratio's reference under LoRA dropout with TIS,
+ratio extrema over iterations, and a batch without a loss token."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from mmr_jax import build, train_step
+from mmr_jax.models import loading
+from mmr_jax.models import lora as lora_lib
+
+jax.config.update("jax_numpy_rank_promotion", "raise")
+
+N, P, T = 4, 3, 6
+TEMPERATURE = 0.7
+
+
+def _policy(path, *, dropout: float | None = None) -> build.Policy:
+    lora = None if dropout is None else lora_lib.LoraConfig(rank=4, alpha=8, dropout=dropout)
+    model = loading.from_pretrained(path, lora=lora, rngs=nnx.Rngs(0))
+    if lora is not None:  # fresh adapters have B = 0, where dropout changes nothing: set them
+        for i, (name, var) in enumerate(nnx.to_flat_state(nnx.state(model, nnx.LoRAParam))):
+            if name[-1] == "lora_b":  # [layers, r, out]
+                val = var.get_value()
+                var.set_value(0.5 * jax.random.normal(jax.random.key(i), val.shape))
+                assert float(jnp.abs(var.get_value()).max()) > 0
+    return build.split_model(model)
+
+
+def _rows(seed: int = 0, *, lengths=(6, 4, 2, 5)):
+    """Full rows [N, P + T] of random tokens, completions of `lengths` tokens."""
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(4, 250, (N, P + T)).astype(np.int32)
+    comp = np.arange(T)[None] < np.asarray(lengths)[:, None]
+    attention = np.concatenate([np.ones((N, P), bool), comp], axis=1)
+    adv = np.array([1.0, -1.0, 0.5, -0.5], np.float32)
+    return jnp.asarray(tokens), jnp.asarray(attention), jnp.asarray(comp), jnp.asarray(adv)
+
+
+def _logps(policy, params, tokens, attention):
+    """Clean (eval-mode, no dropout) completion log-probs [N, T], as the trainer computes them."""
+    return train_step.logprobs_fn(
+        params,
+        policy.frozen,
+        policy.rest,
+        tokens,
+        attention,
+        graphdef=policy.eval_graphdef,
+        num_completion=T,
+        temperature=TEMPERATURE,
+    )
+
+
+def _step(policy, batch, *, iterations=1, tis_cap=0.0, lr=0.5, minibatches=2):
+    cfg = train_step.StepConfig(
+        minibatches=minibatches,
+        iterations=iterations,
+        temperature=TEMPERATURE,
+        eps_low=0.2,
+        eps_high=0.2,
+        aggregation="token_mean",
+        beta=0.0,
+        kl_estimator="k3",
+        max_completion_len=T,
+        tis_cap=tis_cap,
+    )
+    optimizer = optax.sgd(lr)
+    step = train_step.jit_train_step(
+        graphdef=policy.graphdef, optimizer=optimizer, schedule=lambda _: lr, cfg=cfg
+    )
+    params = jax.tree.map(jnp.copy, policy.params)
+    state = train_step.TrainState(
+        step=jnp.zeros([], jnp.int32),
+        params=params,
+        opt_state=optimizer.init(params),
+        rng=jax.random.key_data(jax.random.key(0)),
+    )
+    new, metrics = step(state, batch, policy.frozen, policy.rest)
+    return new, {k: float(v) for k, v in metrics.items()}
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    from support import testing
+
+    return testing.make_tiny_checkpoint(
+        tmp_path_factory.mktemp("train_step"), tokenizer=False, vocab_size=256
+    )
+
+
+class TestRatioReference:
+    def test_first_pass_ratio_is_one_under_lora_dropout_with_tis(self, ckpt):
+        # With dropout the step's forward differs from the clean old log-probs the trainer
+        # passes for TIS; the ratio must still be taken against the same forward (exactly 1 on
+        # the first pass), while TIS and the mismatch use the clean ones against the engine.
+        policy = _policy(ckpt, dropout=0.5)
+        tokens, attention, comp, adv = _rows()
+        clean = _logps(policy, policy.params, tokens, attention)
+        engine = jnp.where(comp, clean - 0.05, 0.0)  # trainer - engine = 0.05 on every token
+        batch = train_step.Batch(
+            tokens, attention, comp, adv, old_logps=clean, sampler_logps=engine
+        )
+        _, m = _step(policy, batch, tis_cap=2.0)
+        assert m["ratio/min"] == m["ratio/max"] == 1.0, m
+        assert m["clip/frac"] == 0.0
+        np.testing.assert_allclose(m["mismatch/logp_abs_mean"], 0.05, atol=1e-5)
+        np.testing.assert_allclose(m["mismatch/ratio_min"], np.exp(0.05), atol=1e-5)
+
+    def test_dropout_really_moves_the_forward(self, ckpt):
+        # The premise of the test above: with dropout 0.5 the training forward's log-probs are
+        # not the clean ones (else a ratio of 1 would prove nothing).
+        policy = _policy(ckpt, dropout=0.5)
+        tokens, attention, comp, _ = _rows()
+        clean = _logps(policy, policy.params, tokens, attention)
+        model = nnx.merge(policy.graphdef, policy.params, policy.frozen, policy.rest)
+        noisy = train_step.completion_logprobs(
+            model, tokens, attention, num_completion=T, temperature=TEMPERATURE
+        )
+        assert float(jnp.abs(jnp.where(comp, noisy - clean, 0.0)).max()) > 1e-2
+
+
+class TestRatioMetrics:
+    def test_extrema_over_iterations_are_min_and_max(self, ckpt):
+        # Independent: pass 1's ratio is 1; pass 2's is exp(logp(params after update 1) -
+        # logp(params before)), both computed here with the plain log-prob function.
+        policy = _policy(ckpt)
+        tokens, attention, comp, adv = _rows(1)
+        old = _logps(policy, policy.params, tokens, attention)
+        batch = train_step.Batch(tokens, attention, comp, adv, old_logps=old)
+        after_one, _ = _step(policy, batch, iterations=1)
+        _, m = _step(policy, batch, iterations=2)
+        new = _logps(policy, after_one.params, tokens, attention)
+        ratio = np.exp(np.asarray(new - old))[np.asarray(comp)]
+        assert ratio.min() < 0.99 and ratio.max() > 1.01  # the update moved both ways
+        np.testing.assert_allclose(m["ratio/min"], min(1.0, ratio.min()), rtol=1e-5)
+        np.testing.assert_allclose(m["ratio/max"], max(1.0, ratio.max()), rtol=1e-5)
+
+    @pytest.mark.parametrize("iterations", [1, 2])
+    def test_no_loss_token_logs_a_neutral_ratio(self, ckpt, iterations):
+        policy = _policy(ckpt)
+        tokens, attention, comp, adv = _rows(2)
+        none = jnp.zeros_like(comp)
+        old = _logps(policy, policy.params, tokens, attention)
+        batch = train_step.Batch(tokens, attention, none, adv, old_logps=old)
+        _, m = _step(policy, batch, iterations=iterations)
+        assert m["tokens"] == 0.0 and m["loss"] == 0.0
+        assert m["ratio/min"] == m["ratio/max"] == m["ratio/mean"] == 1.0, m
