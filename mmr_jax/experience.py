@@ -212,6 +212,8 @@ def group_metrics(groups: Groups, reweighted, adv, lam, *, filter_reward: str | 
         ]
     )
     out["groups/zero_variance_frac"] = float(np.mean(stds < 1e-6))
+    if np.any(stds < 1e-6):  # what reweighting hands groups of uniform raw rewards (issue 26)
+        out["advantage/uniform_abs_mean"] = float(np.abs(np.asarray(adv)[stds < 1e-6]).mean())
     if filter_reward is not None:
         out["groups/filter_zero_variance_frac"] = float(
             1 - has_variance(groups, filter_reward).mean()

@@ -276,7 +276,8 @@ def run_mechanism(rows: Sequence[Mapping], *, tail: float = 0.25) -> dict:
       stalled_from: the first step of the final stretch in which grad_norm is exactly 0 at every
         step (every group uniform: no gradient at all), None if the last step's is not 0.
       tail_*: means over the last `tail` fraction of the training steps of advantage/abs_mean,
-        groups/zero_variance_frac and grad_norm.
+        advantage/uniform_abs_mean (the advantage size on groups of uniform raw rewards; None
+        where the run did not log it), groups/zero_variance_frac and grad_norm.
       train_s_median, rollout_s_median: medians of time/train and time/rollout over the steps
         after the first (which compiles); eval_s: [min, max] of time/eval; eval_total_s its sum.
     """
@@ -303,6 +304,7 @@ def run_mechanism(rows: Sequence[Mapping], *, tail: float = 0.25) -> dict:
         "stalled_from": stalled,
         "tail_from": tail_steps[0] if tail_steps else None,
         "tail_adv_abs_mean": _mean_over(by_step, "advantage/abs_mean", tail_steps),
+        "tail_uniform_adv_abs_mean": _mean_over(by_step, "advantage/uniform_abs_mean", tail_steps),
         "tail_zero_variance_frac": _mean_over(by_step, "groups/zero_variance_frac", tail_steps),
         "tail_grad_norm": _mean_over(by_step, "grad_norm", tail_steps),
         "train_s_median": median("time/train"),
@@ -463,10 +465,11 @@ def _mechanism_lines(runs: Sequence[Mapping], mechanism: Mapping[str, Mapping]) 
         "last quarter of the steps. Times: medians over steps 2 on (step 1 compiles); the train "
         "step includes the asynchronous checkpoint save's competition where one ran.",
         "",
-        "| run | stalled from | tail advantage abs mean | tail zero-variance share "
+        "| run | stalled from | tail advantage abs mean | tail on uniform groups "
+        "| tail zero-variance share "
         "| tail grad norm | train step s (median) | rollout s (median) | evaluation s [min, max] "
         "| evaluation total min | wall min |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in runs:
         m = mechanism.get(r["name"])
@@ -477,6 +480,7 @@ def _mechanism_lines(runs: Sequence[Mapping], mechanism: Mapping[str, Mapping]) 
         lines.append(
             f"| {r['name']} | {'-' if m['stalled_from'] is None else m['stalled_from']} "
             f"| {_fmt(m['tail_adv_abs_mean'], digits=2)} "
+            f"| {_fmt(m['tail_uniform_adv_abs_mean'], digits=2)} "
             f"| {_fmt(m['tail_zero_variance_frac'], digits=2)} "
             f"| {_fmt(m['tail_grad_norm'], digits=2)} | {_fmt(m['train_s_median'])} "
             f"| {_fmt(m['rollout_s_median'])} | {ev} | {_fmt(m['eval_total_s'] / 60)} "

@@ -74,6 +74,9 @@ class TestMechanism:
         assert m["stalled_from"] == 5  # steps 5-8 all zero; step 3's zero is not a stall
         assert m["tail_from"] == 7 and m["tail_grad_norm"] == 0.0  # last quarter: 7, 8
         assert m["tail_zero_variance_frac"] == 1.0
+        assert m["tail_uniform_adv_abs_mean"] is None  # not logged by these rows
+        rows[-2]["advantage/uniform_abs_mean"] = 0.5  # step 8 only
+        assert study_report.run_mechanism(rows)["tail_uniform_adv_abs_mean"] == 0.5
         assert m["train_s_median"] == pytest.approx(5.0)  # steps 2..8, compile step left out
         assert m["eval_s"] == [10.0, 30.0] and m["eval_total_s"] == 40.0
         rows.append({"step": 9, "grad_norm": 0.5})

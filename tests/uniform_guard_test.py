@@ -37,3 +37,22 @@ def test_compute_advantages_zeroes_uniform_groups_only_with_the_guard():
         if scope == "batch":
             # lambda from the varying group's rewards alone: sigmoid(0.5) for [1, 0, 0, 1].
             np.testing.assert_allclose(lam_on, [1 / (1 + np.exp(-0.5))], rtol=1e-6)
+
+
+def test_metrics_report_the_advantage_of_uniform_groups():
+    r, e, valid = _groups()
+    b, g = r.shape
+    groups = experience.Groups(
+        prompt_ids=[[1]] * b, answers=["1"] * b, tokens=np.ones((b, g, 2), np.int32),
+        mask=np.ones((b, g, 2), bool), sampler_logps=np.zeros((b, g, 2), np.float32),
+        truncated=np.zeros((b, g), bool), texts=[["x"] * g] * b, per_fn={"accuracy": r},
+        total=r, valid=valid, embeddings=e,
+    )  # fmt: skip
+    for guard in (False, True):
+        opts = experience.AdvantageOptions(method="mmr", uniform_group_guard=guard)
+        reweighted, adv, lam = experience.compute_advantages(r, e, valid, opts)
+        m = experience.group_metrics(groups, reweighted, adv, lam, filter_reward=None)
+        want = np.abs(adv[:2]).mean()  # groups 0 and 1 are uniform
+        assert m["advantage/uniform_abs_mean"] == (0.0 if guard else want) and (guard or want > 0.3)
+    m = experience.group_metrics(groups.take([2]), r[2:], adv[2:], None, filter_reward=None)
+    assert "advantage/uniform_abs_mean" not in m  # no uniform group: no value, not a false 0
