@@ -12,7 +12,17 @@ import jax
 import numpy as np
 import pytest
 
-from mmr_jax import build, checkpoint, config_types, metrics, rewards, step_batch, trainer
+from mmr_jax import (
+    batch_layout,
+    build,
+    checkpoint,
+    config_types,
+    metrics,
+    rewards,
+    step_batch,
+    trainer,
+)
+from mmr_jax.rewards import grading
 
 from support import testing
 
@@ -100,6 +110,9 @@ def _check_run(tmp_path, ckpt, algo, mmr, lora, **overrides):
     rows = metrics.read_jsonl(tmp_path / "run" / metrics.METRICS_FILE)
     assert [r["step"] for r in rows] == [1, 2]
     assert ("mmr/lambda_mean" in rows[0]) == mmr
+    # The smoke configs pack (every step, whatever the lengths) and drop no arithmetic prompt.
+    assert all(r["batch/layout"] == batch_layout.LAYOUTS.index("packed") for r in rows)
+    assert all(r["data/prompts_dropped"] == 0 for r in rows)
     initial, final, meta = _params(tmp_path / "run", cfg)
     assert meta["step"] == 2 and meta["data"]["position"] > 0
     diffs = jax.tree.leaves(
@@ -133,11 +146,22 @@ class TestVariants:
     def test_two_steps(self, tmp_path, tiny_llama_dir, algo, mmr, lora):
         _check_run(tmp_path, tiny_llama_dir, algo, mmr, lora)
 
-    def test_eval_and_export(self, tmp_path, tiny_llama_dir):
+    def test_eval_and_export(self, tmp_path, tiny_llama_dir, monkeypatch):
+        # A planted grader: problem 0 (answer "1") right in both samples, problem 1 only in its
+        # first. c = (2, 1) of n = 2: pass@1 = (1 + 1/2) / 2 = 0.75, pass@2 = (1 + 1) / 2 = 1.
+        class Planted:
+            def grade(self, completions, answers):
+                return [
+                    grading.Grade(grading.CORRECT if a == "1" or i % 2 == 0 else grading.WRONG)
+                    for i, a in enumerate(answers)
+                ]
+
+        monkeypatch.setattr(grading, "default_grader", Planted)
         cfg, out = _check_run(
             tmp_path, tiny_llama_dir, "dapo_nods", True, True, **_eval_overrides(tmp_path)
         )
-        assert 0.0 <= out["eval/tiny/pass@1"] <= 1.0 and "eval/average/pass@2" in out
+        for where in ("tiny", "average"):
+            assert out[f"eval/{where}/pass@1"] == 0.75 and out[f"eval/{where}/pass@2"] == 1.0
         path = trainer.export_hf(cfg, tmp_path / "run", tmp_path / "hf", step=1)
         assert (pathlib.Path(path) / "config.json").exists()
         assert (pathlib.Path(path) / "adapter" / "adapter_config.json").exists()
@@ -147,12 +171,93 @@ class TestVariants:
     def test_two_steps_all(self, tmp_path, tiny_llama_dir, algo, mmr, lora):
         _check_run(tmp_path, tiny_llama_dir, algo, mmr, lora)
 
-    def test_dra_batch_scope_and_iterations(self, tmp_path, tiny_qwen2_dir):
+    def test_dra_batch_scope_and_iterations(self, tmp_path, tiny_qwen2_dir, monkeypatch):
+        # The advantages the step gets, against plain loops of DRA-GRPO and of the released
+        # MMR rule over the whole batch, each followed by the GRPO group normalisation.
+        seen = _capture_advantages(monkeypatch)
         cfg = _config("grpo", tiny_qwen2_dir, **{"dra.enabled": True, "loss.iterations": 2})
         out = trainer.train(cfg, tmp_path / "run")
-        assert np.isfinite(out["loss"]) and out["ratio/max"] != 1.0  # 2nd pass: the ratio moves
+        assert out["ratio/min"] < 1.0 < out["ratio/max"]  # pass 1 is 1, pass 2 moves both ways
+        for r, emb, adv in seen:
+            np.testing.assert_allclose(adv, _grpo(_dra_loop(r, emb)), rtol=1e-4, atol=1e-5)
+        seen.clear()
         cfg = _config("grpo", tiny_qwen2_dir, mmr=True, **{"mmr.scope": "batch", "mmr.lam": 0.7})
-        assert np.isfinite(trainer.train(cfg, tmp_path / "run2")["loss"])
+        trainer.train(cfg, tmp_path / "run2")
+        assert len(seen) == 2
+        for r, emb, adv in seen:
+            want = _mmr_batch_loop(r.reshape(-1), emb.reshape(len(r.reshape(-1)), -1), 0.7)
+            np.testing.assert_allclose(adv, _grpo(want.reshape(r.shape)), rtol=1e-4, atol=1e-5)
+
+
+class TestBatchPolicy:
+    def test_over_long_prompts_dropped_counted_and_full_rows_logged(self, tmp_path, tiny_llama_dir):
+        # One truncation policy: prompts over batch.max_prompt_len (32) are dropped at load,
+        # never cut, and counted in every step's metrics; the full-row layout logs itself.
+        rows = [{"problem": f"What is {i} + 1?", "answer": str(i + 1)} for i in range(6)]
+        rows += [{"problem": "What is " + "1 + " * 40 + "1?", "answer": "41"}] * 2
+        src = tmp_path / "train.jsonl"
+        src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        cfg = _config(
+            "dapo_nods",
+            tiny_llama_dir,
+            steps=1,
+            **{"data.source": str(src), "checkpoint.every": 0, "batch.shared_prompt": False},
+        )
+        trainer.train(cfg, tmp_path / "run")
+        (row,) = metrics.read_jsonl(tmp_path / "run" / metrics.METRICS_FILE)
+        assert row["data/prompts_dropped"] == 2
+        assert row["batch/layout"] == batch_layout.LAYOUTS.index("full")
+        assert row["batch/rows_per_prompt"] == 1
+
+
+def _capture_advantages(monkeypatch):
+    """Records (rewards [B, G], embeddings [B, G, D], advantages [B, G]) of every step."""
+    seen, real = [], step_batch.make_batch
+
+    def make_batch(cfg, groups, **kw):
+        batch, info = real(cfg, groups, **kw)
+        assert groups.valid.all()  # arithmetic answers all parse: no masked completion here
+        adv = np.asarray(batch.advantages).reshape(groups.total.shape)
+        seen.append((groups.total.astype(np.float64), groups.embeddings.astype(np.float64), adv))
+        return batch, info
+
+    monkeypatch.setattr(step_batch, "make_batch", make_batch)
+    return seen
+
+
+def _cosines(emb):
+    norm = np.linalg.norm(emb, axis=-1, keepdims=True)
+    unit = np.where(norm > 0, emb / np.where(norm > 0, norm, 1.0), 0.0)
+    return unit @ unit.T
+
+
+def _dra_loop(r_BxG, emb_BxGxD):
+    out = np.zeros_like(r_BxG)
+    for b in range(r_BxG.shape[0]):
+        cos = _cosines(emb_BxGxD[b])
+        for i in range(r_BxG.shape[1]):
+            out[b, i] = r_BxG[b, i] / (1 + sum(cos[i, j] for j in range(len(cos)) if j != i))
+    return out
+
+
+def _mmr_batch_loop(r, emb, lam):
+    """Algorithm 1 over one list: argmax r keeps its reward; each later greedy pick gets
+    lam * r - (1 - lam) * (max cosine to the picked)."""
+    cos, out, picked = _cosines(emb), np.zeros_like(r), [int(np.argmax(r))]
+    out[picked[0]] = r[picked[0]]
+    while len(picked) < len(r):
+        rest = [i for i in range(len(r)) if i not in picked]
+        scores = [lam * r[i] - (1 - lam) * max(cos[i, j] for j in picked) for i in rest]
+        k = int(np.argmax(scores))
+        out[rest[k]] = scores[k]
+        picked.append(rest[k])
+    return out
+
+
+def _grpo(r_BxG, eps=1e-4):
+    """(r - group mean) / (group std, ddof 1, + eps): the grpo configs' estimator."""
+    mean = r_BxG.mean(-1, keepdims=True)
+    return (r_BxG - mean) / (r_BxG.std(-1, ddof=1, keepdims=True) + eps)
 
 
 MISMATCH_KEYS = {
