@@ -95,6 +95,39 @@ def options_from_flags(
     return opts
 
 
+def define_flags() -> dict:
+    """The start-up flags of a script (train.py, evaluate.py); `start(flags)` reads them."""
+    from absl import flags
+
+    return dict(
+        distributed=flags.DEFINE_enum(
+            "distributed", "off", ["off", "auto"], "auto: jax.distributed.initialize() finds "
+            "the cluster (TPU pod slices, SLURM)."
+        ),
+        coordinator_address=flags.DEFINE_string(
+            "coordinator_address", None, "HOST:PORT of process 0 (with --num_processes and "
+            "--process_id): several processes train as one program."
+        ),
+        num_processes=flags.DEFINE_integer("num_processes", None, "Processes of the run."),
+        process_id=flags.DEFINE_integer("process_id", None, "This process's id, 0 .. N-1."),
+        timeout_s=flags.DEFINE_integer(
+            "distributed_timeout_s", 120, "Start-up: seconds to wait for the coordinator and "
+            "the other processes."
+        ),
+    )  # fmt: skip
+
+
+def start(flag_holders: dict) -> bool:
+    """`initialize` from `define_flags()`'s flags; exits with the named error on bad input."""
+    import sys
+
+    try:
+        opts = options_from_flags(**{k: v.value for k, v in flag_holders.items()})
+        return initialize(opts)
+    except (ValueError, DistributedError) as e:
+        sys.exit(f"ERROR: {type(e).__name__}: {e}")
+
+
 def validate(opts: Options) -> None:
     """Checks the explicit flags before anything starts."""
     if opts.mode != "explicit":
@@ -164,16 +197,29 @@ def is_primary() -> bool:
     return jax.process_index() == 0
 
 
+_COLLECTIVE_S = [0.0]  # host-side cross-process collectives since the last `collective_seconds`
+
+
+def collective_seconds() -> float:
+    """Seconds this process spent in host-side collectives (gathers, weight copies) since the
+    last call; the train step's own collectives run inside its jit and are not counted."""
+    spent, _COLLECTIVE_S[0] = _COLLECTIVE_S[0], 0.0
+    return spent
+
+
 def allgather(x: np.ndarray) -> np.ndarray:
     """[P, ...]: `x` (same shape and dtype on every process) of every process, in process order."""
     if jax.process_count() == 1:
         return np.asarray(x)[None]
     from jax.experimental import multihost_utils
 
+    t0 = time.perf_counter()
     try:
         return np.asarray(multihost_utils.process_allgather(np.asarray(x), tiled=False))
     except Exception as e:  # a dead peer closes its gloo connections: a named error, not a hang
         raise _peer_error(e) from e
+    finally:
+        _COLLECTIVE_S[0] += time.perf_counter() - t0
 
 
 _LOST_PEER = ("Gloo", "Connection closed", "Connection reset", "heartbeat", "Barrier failed")
@@ -346,7 +392,9 @@ def local_copy(tree, mesh: jax.sharding.Mesh | None = None):
         )
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     device = jax.local_devices()[0]
-    gathered = _replicate(tree, replicated)
+    t0 = time.perf_counter()
+    gathered = jax.block_until_ready(_replicate(tree, replicated))
+    _COLLECTIVE_S[0] += time.perf_counter() - t0
     return jax.tree.map(
         lambda x: jax.device_put(x.addressable_data(0), device) if isinstance(x, jax.Array) else x,
         gathered,

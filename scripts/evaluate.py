@@ -6,6 +6,9 @@
 Prints a table (per benchmark and average); writes `eval.json` with per-problem records. With
 `run_dir`: one JSON per step, `eval_summary.json` with the peak step, and `pass1_vs_step.png`.
 Library logs go to `<output dir>/evaluate.log` (`--verbosity=0` shows them on the console too).
+With several processes (`--coordinator_address/--num_processes/--process_id` or
+`--distributed=auto`, docs/multihost.md) each samples its share of every prompt batch with its own
+copy of the checkpoint; process 0 alone prints and writes.
 """
 
 from __future__ import annotations
@@ -15,15 +18,17 @@ import os
 import pathlib
 import sys
 
+import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from mmr_jax import compile_cache, console, evaluation
+from mmr_jax import compile_cache, console, distributed, evaluation
 from mmr_jax.models import sharding
 from mmr_jax.rewards import grading
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Evaluation config.", lock_config=True)
+_PROCESSES = distributed.define_flags()
 
 
 def make_engine(config, checkpoint: str):
@@ -37,10 +42,11 @@ def make_engine(config, checkpoint: str):
     if config.engine == "embedded":
         from mmr_jax.rollout import embedded
 
-        mesh = sharding.data_parallel_mesh()
-        return embedded.EmbeddedEngine.from_pretrained(
+        mesh = sharding.data_parallel_mesh(jax.local_devices())  # this process's devices
+        engine = embedded.EmbeddedEngine.from_pretrained(
             checkpoint, seed=config.seed, mesh=mesh if mesh.size > 1 else None
         )
+        return distributed.ShareEngine(engine, None) if jax.process_count() > 1 else engine
     if config.engine == "vllm":
         from mmr_jax.rollout import vllm_engine
 
@@ -74,10 +80,13 @@ def main(argv):
     config = _CONFIG.value
     if config.engine == "embedded":  # Before any JAX operation.
         sharding.use_cpu_cores_as_devices(config.cpu_devices or None)
+    distributed.start(_PROCESSES)
+    primary = distributed.is_primary()
     if bool(config.checkpoint) == bool(config.run_dir):
         raise app.UsageError("set exactly one of --config.checkpoint and --config.run_dir")
     out_dir = config.output_dir or os.path.join(config.checkpoint or config.run_dir, "eval")
-    log_file = console.setup(os.path.join(out_dir, "evaluate.log"))
+    log_name = "evaluate.log" if primary else f"evaluate.process{jax.process_index()}.log"
+    log_file = console.setup(os.path.join(out_dir, log_name), stdout=primary)
     logging.info("XLA compilation cache: %s", compile_cache.enable())
     console.info(
         "evaluate %s | %s | n=%d | engine %s | log %s",
@@ -95,6 +104,8 @@ def main(argv):
     try:
         if config.checkpoint:
             result = evaluate_checkpoint(config, config.checkpoint, problems, grader)
+            if not primary:  # every process holds the whole result; process 0 writes it
+                return
             print(evaluation.format_table(result))
             evaluation.write_json(result, os.path.join(out_dir, "eval.json"), **meta)
             console.info("wrote %s", os.path.join(out_dir, "eval.json"))
@@ -102,12 +113,16 @@ def main(argv):
 
         def one(path):
             result = evaluate_checkpoint(config, path, problems, grader)
+            if not primary:
+                return result
             name = os.path.basename(path)
             print(f"== {name}\n{evaluation.format_table(result)}", flush=True)
             evaluation.write_json(result, os.path.join(out_dir, f"{name}.json"), **meta)
             return result
 
         results, peak = evaluation.evaluate_run(config.run_dir, one)
+        if not primary:
+            return
         evaluation.plot_curve(results, os.path.join(out_dir, "pass1_vs_step.png"))
         summary = {str(s): {"average": r.average, **r.per_benchmark} for s, r in results}
         with open(os.path.join(out_dir, "eval_summary.json"), "w") as f:

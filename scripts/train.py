@@ -32,22 +32,24 @@ _CONFIG = config_flags.DEFINE_config_file(
 )
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run folder: checkpoints, metrics, TensorBoard.")
 _DRY_RUN = flags.DEFINE_bool("dry_run", False, "Build everything abstractly, print sizes, exit.")
+_DRY_RUN_DEVICES = flags.DEFINE_integer(
+    "dry_run_devices",
+    0,
+    "With --dry_run: also lower and compile the train and decode steps for the config's mesh on "
+    "this many virtual CPU devices and print XLA's per-device memory (mmr_jax/compiled_dry_run).",
+)
+_DRY_RUN_REMAT = flags.DEFINE_list(
+    "dry_run_remat",
+    [],
+    "With --dry_run_devices: the remat policies to compile the train step for ('all' for every "
+    "one; default: the config's).",
+)
 _OVERWRITE = flags.DEFINE_bool("overwrite", False, "Delete a run of another config in --workdir.")
 _EXPORT_HF = flags.DEFINE_string(
     "export_hf", None, "Export a checkpoint of --workdir here and exit."
 )
 _EXPORT_STEP = flags.DEFINE_integer("export_step", None, "Step to export (default: latest).")
-_DISTRIBUTED = flags.DEFINE_enum(
-    "distributed", "off", ["off", "auto"], "auto: jax.distributed.initialize() finds the cluster."
-)
-_COORDINATOR = flags.DEFINE_string(
-    "coordinator_address", None, "HOST:PORT of process 0 (with --num_processes, --process_id)."
-)
-_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Processes of the run.")
-_PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's id, 0 .. N-1.")
-_DIST_TIMEOUT = flags.DEFINE_integer(
-    "distributed_timeout_s", 120, "Start-up: seconds to wait for the coordinator and the others."
-)
+_PROCESSES = distributed.define_flags()
 
 
 def _parse_flags(argv):
@@ -58,26 +60,30 @@ def _parse_flags(argv):
     return flags.FLAGS(argv)
 
 
-def _start_processes() -> None:
-    try:
-        opts = distributed.options_from_flags(
-            distributed=_DISTRIBUTED.value,
-            coordinator_address=_COORDINATOR.value,
-            num_processes=_NUM_PROCESSES.value,
-            process_id=_PROCESS_ID.value,
-            timeout_s=_DIST_TIMEOUT.value,
-        )
-        distributed.initialize(opts)
-    except (ValueError, distributed.DistributedError) as e:
-        sys.exit(f"ERROR: {type(e).__name__}: {e}")
+def _compiled_dry_run(cfg):
+    from mmr_jax import compiled_dry_run
+    from mmr_jax.models import config as model_config
+
+    policies = _DRY_RUN_REMAT.value
+    if policies == ["all"]:
+        policies = list(model_config.REMAT_POLICIES)
+    for name in policies:
+        model_config.remat_policy_name(name)  # a named error before anything compiles
+    result = compiled_dry_run.run(cfg, policies=policies or None)
+    print(compiled_dry_run.format_table(result), flush=True)
 
 
 def main(argv):
     del argv
-    _start_processes()  # before any other JAX operation
+    if _DRY_RUN.value and _DRY_RUN_DEVICES.value:  # before JAX starts its backends
+        jax.config.update("jax_platforms", "cpu")
+        jax.config.update("jax_num_cpu_devices", _DRY_RUN_DEVICES.value)
+    distributed.start(_PROCESSES)  # before any other JAX operation
     cfg = config_types.from_config_dict(_CONFIG.value)
     if _DRY_RUN.value:
         build.dry_run(cfg)
+        if _DRY_RUN_DEVICES.value:
+            _compiled_dry_run(cfg)
         return
     if not _WORKDIR.value:
         raise app.UsageError("--workdir is required (except with --dry_run)")
