@@ -6,8 +6,8 @@
 
 The paths run `train_step.train_step` on the same ragged groups, laid out three ways:
 
-  full rows      `experience.pack` as the CPU default packed before (length_buckets 1: every row
-                 [prompt padded to max_prompt_len, completion padded to max_completion_len]).
+  full rows      `batch_layout.pack(layout='full')` as the CPU default packed before (one bucket:
+                 every row [prompt padded to max_prompt_len, completion to max_completion_len]).
   shared prompt  `batch_layout.pack`: each prompt once per group, prompts and completions trimmed
                  to the batch's longest rounded up to a bucket (`batch.min_bucket_len`), LM head
                  only where a completion token is predicted (`batch.pack_max_len=0`).
@@ -125,6 +125,8 @@ def batches(cfg, groups, adv) -> dict:
     out = {}
     for name, (shared, pack_max_len) in PATHS.items():
         b = dc.replace(cfg.batch, shared_prompt=shared, pack_max_len=pack_max_len)
+        if not shared:  # one bucket, the maxima: full rows as they were before shared prompts
+            b = dc.replace(b, min_bucket_len=max(b.max_prompt_len, b.max_completion_len))
         host = step_batch.host_arrays(dc.replace(cfg, batch=b), groups, adv, pad_id=0)
         if pack_max_len and "packed" not in host:
             raise ValueError(f"{pack_max_len=} is too short to pack these groups")
