@@ -1,0 +1,250 @@
+"""The real train step and decode step compiled for a config's mesh, against abstract parameters.
+
+`scripts/train.py --dry_run --dry_run_devices=8` runs this on 8 virtual CPU devices: no weights,
+no accelerator. XLA lowers and compiles the same programs a run on 8 accelerators would (the SPMD
+partitioning, the scanned layer, the remat policy) and its memory analysis says what each device
+holds: arguments (parameters, optimiser state, the batch), outputs, and temporaries (activations
+kept for the backward pass, gradients, workspace). Compiled for the CPU backend, so the figures
+are XLA:CPU's buffer assignment, not the GPU's: kernels, fusion and layouts differ, so the
+temporaries are an estimate of the same order, not a promise. The parameter, optimiser and batch
+bytes are exact.
+
+The train step's batch is the shared-prompt layout (prompts [B, P], completions [B * G, T]) at
+the config's largest shapes (max_prompt_len, max_completion_len); the decode step is one token
+for all B * G rows against the prompt cache (P slots) and the rows' own cache (T slots).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from mmr_jax import build, config_types, train_step
+from mmr_jax.models import config as model_config
+from mmr_jax.models import kv_cache, loading, sharding
+
+GIB = 2.0**30
+
+
+@dataclasses.dataclass(frozen=True)
+class Compiled:
+    """One program's compile times (seconds) and XLA's per-device memory analysis (bytes)."""
+
+    name: str
+    lower_s: float
+    compile_s: float
+    argument_bytes: int
+    output_bytes: int
+    alias_bytes: int
+    temp_bytes: int
+
+    @property
+    def peak_bytes(self) -> int:
+        """Live at once on a device: arguments, outputs not aliased to them, temporaries."""
+        return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes
+
+
+def config_mesh(cfg: config_types.TrainConfig, devices=None) -> jax.sharding.Mesh:
+    """The config's (data, fsdp, tensor) mesh over `devices` (default: all)."""
+    return sharding.make_mesh(*cfg.mesh.shape, devices=devices)
+
+
+def _with_shardings(state, mesh):
+    """Abstract parameters -> ShapeDtypeStructs carrying their partition rule's sharding."""
+
+    def place(path, var):
+        value = var.get_value()
+        spec = sharding.named_sharding(path, tuple(value.shape), mesh)
+        return var.replace(jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=spec))
+
+    flat = [(p, place(p, v)) for p, v in nnx.to_flat_state(state)]
+    return nnx.from_flat_state(flat)
+
+
+def abstract_policy(cfg: config_types.TrainConfig, mesh, *, remat: str | None = None):
+    """(graphdef, params, frozen, rest) of the config's model, abstract, sharded on `mesh`."""
+    mcfg = model_config.ModelConfig.from_hf(
+        build._hf_config(cfg.model.path), remat=remat or cfg.model.remat
+    )
+    abstract = loading.abstract_model(
+        mcfg,
+        dtype=build.DTYPES[cfg.model.dtype],
+        param_dtype=build.DTYPES[cfg.model.param_dtype],
+        lora=build.lora_config(cfg),
+    )
+    policy = build.split_model(abstract)
+    parts = (policy.params, policy.frozen, policy.rest)
+    return policy, mcfg, tuple(_with_shardings(s, mesh) for s in parts)
+
+
+def _opt_state_shardings(opt_state, params, replicated):
+    """Each optimiser-state leaf sharded as the parameter it mirrors (Adam's mu and nu hold a
+    copy of the parameter tree: the leaf whose key path ends with a parameter's path, with its
+    shape), the rest (counts) replicated, as the trainer's eager `optimizer.init` places them."""
+    by_path = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        by_path[tuple(map(str, path))] = leaf
+
+    def sharding_of(path, leaf):
+        keys = tuple(map(str, path))
+        for start in range(len(keys)):
+            param = by_path.get(keys[start:])
+            if param is not None and param.shape == leaf.shape:
+                return param.sharding
+        return replicated
+
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding_of(path, x)),
+        opt_state,
+    )
+
+
+def _abstract_state(cfg, params, mesh) -> train_step.TrainState:
+    optimizer, _ = build.make_optimizer(cfg)
+    replicated = NamedSharding(mesh, P())
+    opt_state = jax.eval_shape(optimizer.init, params)
+    return train_step.TrainState(
+        step=jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated),
+        params=params,
+        opt_state=_opt_state_shardings(opt_state, params, replicated),
+        rng=jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=replicated),
+    )
+
+
+def abstract_batch(cfg: config_types.TrainConfig, mesh) -> train_step.Batch:
+    """The step's largest shared-prompt batch, split over the mesh's (data, fsdp) axes."""
+    b, g = cfg.batch.prompts, cfg.batch.generations
+    p, t = cfg.batch.max_prompt_len, cfg.batch.max_completion_len
+    rows = NamedSharding(mesh, sharding.batch_sharding(mesh).spec)
+
+    def arr(shape, dtype):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=rows)
+
+    n = b * g
+    return train_step.Batch(
+        tokens=arr((n, t), jnp.int32),
+        attention_mask=arr((n, t), jnp.bool_),
+        completion_mask=arr((n, t), jnp.bool_),
+        advantages=arr((n,), jnp.float32),
+        old_logps=arr((n, t), jnp.float32) if cfg.loss.iterations > 1 else None,
+        ref_logps=arr((n, t), jnp.float32) if cfg.loss.beta > 0 else None,
+        sampler_logps=arr((n, t), jnp.float32) if cfg.loss.tis_cap > 0 else None,
+        prompt_tokens=arr((b, p), jnp.int32),
+        prompt_mask=arr((b, p), jnp.bool_),
+    )
+
+
+def _measure(name: str, jitted, *args) -> Compiled:
+    t0 = time.perf_counter()
+    lowered = jitted.lower(*args)
+    t1 = time.perf_counter()
+    compiled = lowered.compile()
+    t2 = time.perf_counter()
+    mem = compiled.memory_analysis()
+    return Compiled(
+        name=name,
+        lower_s=t1 - t0,
+        compile_s=t2 - t1,
+        argument_bytes=int(mem.argument_size_in_bytes),
+        output_bytes=int(mem.output_size_in_bytes),
+        alias_bytes=int(mem.alias_size_in_bytes),
+        temp_bytes=int(mem.temp_size_in_bytes),
+    )
+
+
+def compile_train_step(cfg: config_types.TrainConfig, mesh, *, remat: str | None = None):
+    """The trainer's jitted train step, lowered and compiled on `mesh` for the largest batch."""
+    policy, _, (params, frozen, rest) = abstract_policy(cfg, mesh, remat=remat)
+    _, schedule = build.make_optimizer(cfg)
+    optimizer, _ = build.make_optimizer(cfg)
+    step = train_step.jit_train_step(
+        graphdef=policy.graphdef,
+        optimizer=optimizer,
+        schedule=schedule,
+        cfg=build.step_config(cfg),
+    )
+    state = _abstract_state(cfg, params, mesh)
+    name = f"train step (remat {remat or cfg.model.remat})"
+    return _measure(name, step, state, abstract_batch(cfg, mesh), frozen, rest)
+
+
+def compile_decode_step(cfg: config_types.TrainConfig, mesh) -> Compiled:
+    """One decode step of the embedded sampler's model for all B * G rows, on `mesh`."""
+    policy, mcfg, (params, frozen, rest) = abstract_policy(cfg, mesh)
+    b, g = cfg.batch.prompts, cfg.batch.generations
+    p, t = cfg.batch.max_prompt_len, cfg.batch.max_completion_len
+    dtype = build.DTYPES[cfg.model.dtype]
+    batch_axes = sharding.batch_sharding(mesh).spec[0]
+    rows = NamedSharding(mesh, P(batch_axes))
+    cache_spec = NamedSharding(mesh, P(None, batch_axes))
+    k, d, layers = mcfg.num_kv_heads, mcfg.head_dim, mcfg.num_layers
+
+    def cache(n, slots):
+        return kv_cache.KVCache(
+            k=jax.ShapeDtypeStruct((layers, n, k, d, slots), dtype, sharding=cache_spec),
+            v=jax.ShapeDtypeStruct((layers, n, k, slots, d), dtype, sharding=cache_spec),
+            split=True,
+        )
+
+    def step(params, frozen, rest, tokens, positions, prompt_cache, own_cache, pmask, index):
+        model = nnx.merge(policy.eval_graphdef, params, frozen, rest)
+        return model.forward_cached_shared_prompt(
+            tokens,
+            positions,
+            prompt_cache,
+            own_cache,
+            write_index=index,
+            prompt_mask_BxP=pmask,
+        )
+
+    n = b * g
+    args = (
+        params,
+        frozen,
+        rest,
+        jax.ShapeDtypeStruct((n, 1), jnp.int32, sharding=rows),
+        jax.ShapeDtypeStruct((n, 1), jnp.int32, sharding=rows),
+        cache(b, p),
+        cache(n, t),
+        jax.ShapeDtypeStruct((b, p), jnp.bool_, sharding=rows),
+        jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, P())),
+    )
+    return _measure("decode step", jax.jit(step, donate_argnums=(6,)), *args)
+
+
+def run(cfg: config_types.TrainConfig, *, policies=None) -> dict[str, Any]:
+    """Compiles the train step (for each remat policy in `policies`, default: the config's) and
+    the decode step on the config's mesh over this host's devices; returns the figures."""
+    mesh = config_mesh(cfg)
+    policies = policies or (cfg.model.remat,)
+    out = {"mesh": dict(mesh.shape), "devices": math.prod(mesh.shape.values()), "programs": []}
+    for policy in policies:
+        out["programs"].append(compile_train_step(cfg, mesh, remat=policy))
+    out["programs"].append(compile_decode_step(cfg, mesh))
+    return out
+
+
+def format_table(result: dict[str, Any]) -> str:
+    """One line per program: compile seconds and per-device GiB from XLA's memory analysis."""
+    mesh = "x".join(str(v) for v in result["mesh"].values())
+    lines = [
+        f"compiled on {result['devices']} devices, mesh (data, fsdp, tensor) = {mesh}; "
+        "per device, from XLA's memory analysis (GiB):",
+        f"{'program':50s} {'lower s':>8s} {'compile s':>9s} {'arguments':>9s} "
+        f"{'outputs':>8s} {'aliased':>8s} {'temp':>8s} {'peak':>8s}",
+    ]
+    for c in result["programs"]:
+        lines.append(
+            f"{c.name:50s} {c.lower_s:8.1f} {c.compile_s:9.1f} {c.argument_bytes / GIB:9.2f} "
+            f"{c.output_bytes / GIB:8.2f} {c.alias_bytes / GIB:8.2f} {c.temp_bytes / GIB:8.2f} "
+            f"{c.peak_bytes / GIB:8.2f}"
+        )
+    return "\n".join(lines)
