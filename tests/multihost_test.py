@@ -12,7 +12,7 @@ import time
 import numpy as np
 import pytest
 
-from mmr_jax import build, distributed, metrics
+from mmr_jax import build, distributed, faults, metrics
 from mmr_jax.rollout import base as rollout_base
 
 from support import multihost
@@ -22,6 +22,8 @@ sys.path.insert(0, str(REPO / "configs"))
 import dapo  # noqa: E402
 import grpo  # noqa: E402
 
+# A process whose peer died exits within this (the heartbeat timeout is 30 s).
+_PEER_EXIT_S = 120
 # Host-side timings and throughput differ between runs; everything else must agree.
 _UNTIMED = ("time/", "throughput/")
 # mismatch/* are differences of two log-probs of the same tokens (sampler vs trainer), each of
@@ -260,20 +262,72 @@ class TestTwoProcessCollectives:
             assert r["wrong"] and "processes [1]" in r["wrong"]
 
 
+@pytest.fixture(scope="module")
+def grpo_reference(tmp_path_factory, tiny_llama_dir):
+    """(config, workdir) of 3 GRPO+MMR steps on 1 process x 2 devices: the reference run."""
+    cfg = _config(grpo, tiny_llama_dir, steps=3)
+    one = tmp_path_factory.mktemp("multihost") / "one"
+    _ok(_run(cfg, one, processes=1, devices=2))
+    return cfg, one
+
+
+def _check_contract(cfg, one, two):
+    _ok(_run(cfg, two, processes=2, devices=1))
+    a, b = _metrics(one), _metrics(two)
+    assert len(a) == cfg["total_steps"] and a[0]["grad_norm"] > 0
+    assert a[0]["advantage/abs_mean"] > 0 and a[0]["reward/std"] > 0  # a step with signal
+    _assert_same(a, b)
+    return a
+
+
 @pytest.mark.slow
 class TestContract:
     """2 processes x 1 device against 1 process x 2 devices (mesh (1, 2, 1) in both)."""
 
-    @pytest.mark.parametrize("algo", ["grpo_mmr", "dapo"])
-    def test_same_metrics(self, tmp_path, tiny_llama_dir, algo):
-        module, extra = (grpo, {}) if algo == "grpo_mmr" else (dapo, {"mmr.enabled": False})
-        cfg = _config(module, tiny_llama_dir, steps=3, **extra)
+    def test_grpo_mmr(self, tmp_path, grpo_reference):
+        cfg, one = grpo_reference
+        a = _check_contract(cfg, one, tmp_path / "two")
+        assert all(r["mmr/lambda_mean"] > 0 for r in a)
+
+    def test_dapo_dynamic_sampling(self, tmp_path, tiny_llama_dir):
+        # The filter reward is constant on about half the groups: they are dropped and refilled.
+        cfg = _config(
+            dapo,
+            tiny_llama_dir,
+            steps=3,
+            **{
+                "mmr.enabled": False,
+                "rewards.weights": {"test_target": 1.0, "test_target_even": 0.0},
+                "dynamic_sampling.filter_reward": "test_target_even",
+                "dynamic_sampling.max_generation_batches": 4,
+            },
+        )
+        assert cfg["dynamic_sampling"]["enabled"]
         one = tmp_path / "one"
         _ok(_run(cfg, one, processes=1, devices=2))
-        two = tmp_path / "two"
-        _ok(_run(cfg, two, processes=2, devices=1))
-        a, b = _metrics(one), _metrics(two)
-        assert len(a) == 3 and a[0]["grad_norm"] > 0 and a[0]["advantage/abs_mean"] > 0
-        if algo == "dapo":
-            assert all("dynamic_sampling/generation_batches" in r for r in a)
-        _assert_same(a, b)
+        a = _check_contract(cfg, one, tmp_path / "two")
+        assert any(r["dynamic_sampling/dropped_frac"] > 0 for r in a)  # the retry loop ran
+        assert any(r["dynamic_sampling/generation_batches"] > 1 for r in a)
+
+
+@pytest.mark.slow
+class TestFaults:
+    def test_killed_process_then_resume_on_one(self, tmp_path, grpo_reference):
+        """Process 1 dies in step 3's update: process 0 exits with a named error in bounded time;
+        the run then resumes on 1 process x 2 devices from step 2 with the reference metrics."""
+        cfg, one = grpo_reference
+        work = tmp_path / "killed"
+        procs = multihost.launch(
+            cfg, work, processes=2, devices=1, per_process_env=[{}, {faults.ENV: "train:3"}]
+        )
+        procs[1].wait(timeout=900)
+        died = time.monotonic()
+        procs[0].wait(timeout=_PEER_EXIT_S)  # a hang fails here
+        waited = time.monotonic() - died
+        out0 = pathlib.Path(procs[0].out_path).read_text()
+        assert procs[1].returncode == -9
+        assert procs[0].returncode != 0 and "PeerLostError" in out0, out0[-3000:]
+        assert waited < _PEER_EXIT_S
+        assert [r["step"] for r in _metrics(work)] == [1, 2]
+        _ok(_run(cfg, work, processes=1, devices=2))  # 2 -> 1 processes, same checkpoint
+        _assert_same(_metrics(one), _metrics(work))

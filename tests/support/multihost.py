@@ -37,8 +37,10 @@ def launch(
     port: int | None = None,
     extra_env: dict | None = None,
     per_process_config: list[dict] | None = None,
+    per_process_env: list[dict] | None = None,
 ) -> list[subprocess.Popen]:
-    """Starts the run's processes (outputs to `<workdir>/../<name>.process<i>.out`)."""
+    """Starts the run's processes (outputs to `<workdir>/../<name>.process<i>.out`); process i
+    gets `per_process_config[i]` and `per_process_env[i]` where given."""
     workdir = pathlib.Path(workdir)
     workdir.parent.mkdir(parents=True, exist_ok=True)
     port = port or free_port()
@@ -59,7 +61,13 @@ def launch(
             ]
         out = open(workdir.parent / f"{workdir.name}.process{i}.out", "w")
         procs.append(
-            subprocess.Popen(args, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
+            subprocess.Popen(
+                args,
+                env={**env, **(per_process_env[i] if per_process_env else {})},
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                cwd=REPO,
+            )
         )
         procs[-1].out_path = out.name
     return procs
@@ -89,13 +97,22 @@ def _register_test_reward() -> None:
     if "test_target" in rewards.REGISTRY:
         return
 
+    def share(completion):
+        return sum(ch in TARGET for ch in completion) / max(len(completion), 1)
+
     @rewards.register("test_target")
     def _target(completions, answers, *, lengths=None):
         """Pays for the share of digit characters (as tests/trainer_test.py's test reward)."""
         del answers, lengths
-        return np.array(
-            [sum(ch in TARGET for ch in c) / max(len(c), 1) for c in completions], np.float32
-        )
+        return np.array([share(c) for c in completions], np.float32)
+
+    @rewards.register("test_target_even")
+    def _target_even(completions, answers, *, lengths=None):
+        """`test_target` on problems with an even answer, 0 on the others: as a DAPO filter it
+        drops about half the groups, so the dynamic-sampling retry loop runs."""
+        del lengths
+        even = [int(a) % 2 == 0 for a in answers]
+        return np.array([share(c) if e else 0.0 for c, e in zip(completions, even, strict=True)])
 
 
 def worker(argv: list[str]) -> int:
