@@ -271,22 +271,22 @@ class VllmClient:
         """Loads the adapter at `path` as `name`; a name already served counts as loaded (a name
         is one version: the retry of a load whose reply was lost finds it there)."""
         body = {"lora_name": name, "lora_path": path}
-        try:
-            self.request("POST", "/v1/load_lora_adapter", json_body=body, idempotent=True)
-        except ServerError as e:
-            if e.status is None or e.status >= 500 or self._serves(name) is not True:
-                raise
-            log.info("adapter %s was loaded already (%s)", name, e)
+        self._change_adapter("/v1/load_lora_adapter", body, served_after=True)
 
     def unload_lora_adapter(self, name: str) -> None:
         """Unloads adapter `name`; one the server does not serve counts as unloaded."""
-        body = {"lora_name": name}
+        self._change_adapter("/v1/unload_lora_adapter", {"lora_name": name}, served_after=False)
+
+    def _change_adapter(self, route: str, body: dict, *, served_after: bool) -> None:
+        """POSTs an adapter change; a 4xx when the server already shows its outcome (the adapter
+        served, or not, as `served_after` says) is success, not an error."""
         try:
-            self.request("POST", "/v1/unload_lora_adapter", json_body=body, idempotent=True)
+            self.request("POST", route, json_body=body, idempotent=True)
         except ServerError as e:
-            if e.status is None or e.status >= 500 or self._serves(name) is not False:
+            name = body["lora_name"]
+            if e.status is None or e.status >= 500 or self._serves(name) is not served_after:
                 raise
-            log.info("adapter %s was unloaded already (%s)", name, e)
+            log.info("%s %s: done already (%s)", route, name, e)
 
     def _serves(self, name: str) -> bool | None:
         """Whether the server lists `name` among its models; None when it cannot be asked."""
