@@ -181,6 +181,36 @@ class TestTrainScriptFlags:
         assert time.monotonic() - t0 < 60
 
 
+class TestOneWriter:
+    """What processes other than 0 get: a writer that writes nothing, a console without stdout."""
+
+    def test_null_writer_writes_nothing(self, tmp_path, monkeypatch):
+        monkeypatch.chdir(tmp_path)
+        w = metrics.NullWriter()
+        assert w.write(3, {"loss": np.float32(0.5), "name": "x"}) == {"loss": 0.5}
+        w.write_text(3, "sample", "text")
+        w.close()
+        assert list(tmp_path.iterdir()) == []
+
+    def test_console_without_stdout(self, tmp_path):
+        script = (
+            "import sys; from mmr_jax import console; "
+            "console.setup(sys.argv[1], stdout=sys.argv[2] == '1'); console.info('hello %d', 7)"
+        )
+        for shown in ("1", "0"):
+            log = tmp_path / f"run{shown}.log"
+            r = subprocess.run(
+                [sys.executable, "-c", script, str(log), shown],
+                capture_output=True,
+                text=True,
+                cwd=REPO,
+                timeout=120,
+            )
+            assert r.returncode == 0, r.stderr
+            assert ("hello 7" in r.stdout) == (shown == "1")
+            assert "hello 7" in log.read_text()  # the log file has it either way
+
+
 def _rollout(b, n, t, seed):
     rng = np.random.default_rng(seed)
     lengths = rng.integers(1, t + 1, (b, n))
