@@ -69,11 +69,17 @@ def _with_shardings(state, mesh):
     return nnx.from_flat_state(flat)
 
 
-def abstract_policy(cfg: config_types.TrainConfig, mesh, *, remat: str | None = None):
-    """(graphdef, params, frozen, rest) of the config's model, abstract, sharded on `mesh`."""
+def abstract_policy(
+    cfg: config_types.TrainConfig, mesh, *, remat: str | None = None, unrolled: bool = False
+):
+    """(policy, model config, (params, frozen, rest)) of the config's model, abstract, sharded on
+    `mesh`. `unrolled`: the layers' scan fully unrolled (what an unscanned model compiles; for
+    scripts/bench_compile.py)."""
     mcfg = model_config.ModelConfig.from_hf(
         build._hf_config(cfg.model.path), remat=remat or cfg.model.remat
     )
+    if unrolled:
+        mcfg = dataclasses.replace(mcfg, scan_unroll=mcfg.num_layers)
     abstract = loading.abstract_model(
         mcfg,
         dtype=build.DTYPES[cfg.model.dtype],
@@ -160,11 +166,10 @@ def _measure(name: str, jitted, *args) -> Compiled:
     )
 
 
-def compile_train_step(cfg: config_types.TrainConfig, mesh, *, remat: str | None = None):
-    """The trainer's jitted train step, lowered and compiled on `mesh` for the largest batch."""
-    policy, _, (params, frozen, rest) = abstract_policy(cfg, mesh, remat=remat)
-    _, schedule = build.make_optimizer(cfg)
-    optimizer, _ = build.make_optimizer(cfg)
+def train_step_program(cfg, mesh, *, remat: str | None = None, unrolled: bool = False):
+    """(the trainer's jitted train step, its abstract arguments) for the largest batch."""
+    policy, _, (params, frozen, rest) = abstract_policy(cfg, mesh, remat=remat, unrolled=unrolled)
+    optimizer, schedule = build.make_optimizer(cfg)
     step = train_step.jit_train_step(
         graphdef=policy.graphdef,
         optimizer=optimizer,
@@ -172,13 +177,12 @@ def compile_train_step(cfg: config_types.TrainConfig, mesh, *, remat: str | None
         cfg=build.step_config(cfg),
     )
     state = _abstract_state(cfg, params, mesh)
-    name = f"train step (remat {remat or cfg.model.remat})"
-    return _measure(name, step, state, abstract_batch(cfg, mesh), frozen, rest)
+    return step, (state, abstract_batch(cfg, mesh), frozen, rest)
 
 
-def compile_decode_step(cfg: config_types.TrainConfig, mesh) -> Compiled:
-    """One decode step of the embedded sampler's model for all B * G rows, on `mesh`."""
-    policy, mcfg, (params, frozen, rest) = abstract_policy(cfg, mesh)
+def decode_step_program(cfg, mesh, *, unrolled: bool = False):
+    """(one jitted decode step of the sampler's model for all B * G rows, its abstract args)."""
+    policy, mcfg, (params, frozen, rest) = abstract_policy(cfg, mesh, unrolled=unrolled)
     b, g = cfg.batch.prompts, cfg.batch.generations
     p, t = cfg.batch.max_prompt_len, cfg.batch.max_completion_len
     dtype = build.DTYPES[cfg.model.dtype]
@@ -217,7 +221,19 @@ def compile_decode_step(cfg: config_types.TrainConfig, mesh) -> Compiled:
         jax.ShapeDtypeStruct((b, p), jnp.bool_, sharding=rows),
         jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, P())),
     )
-    return _measure("decode step", jax.jit(step, donate_argnums=(6,)), *args)
+    return jax.jit(step, donate_argnums=(6,)), args
+
+
+def compile_train_step(cfg: config_types.TrainConfig, mesh, *, remat: str | None = None):
+    """The trainer's jitted train step, lowered and compiled on `mesh` for the largest batch."""
+    step, args = train_step_program(cfg, mesh, remat=remat)
+    return _measure(f"train step (remat {remat or cfg.model.remat})", step, *args)
+
+
+def compile_decode_step(cfg: config_types.TrainConfig, mesh) -> Compiled:
+    """One decode step of the embedded sampler's model for all B * G rows, on `mesh`."""
+    step, args = decode_step_program(cfg, mesh)
+    return _measure("decode step", step, *args)
 
 
 def run(cfg: config_types.TrainConfig, *, policies=None) -> dict[str, Any]:

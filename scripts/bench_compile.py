@@ -1,0 +1,162 @@
+"""Compile time of the train step and the decode step: layers scanned against unrolled.
+
+    python scripts/bench_compile.py                       # SmolLM2 (1 device) and 7B (8 devices)
+    python scripts/bench_compile.py --models=smollm2 --steps=5 --json=bench_compile.json
+
+For each model and program, in one process: trace, lower and compile seconds with the layers
+run by one scan (what the trainer compiles) and fully unrolled (`scan_unroll = num_layers`: the
+straight-line program of an unscanned model, the baseline), XLA's per-device temporary memory,
+and, for SmolLM2 (which this machine can run), the steady time of a call once compiled (median
+of `--steps` calls on random weights and inputs of the config's shapes).
+
+Models: `smollm2` is configs/cpu_smollm2.py on one CPU device (the CPU default's shapes);
+`7b` is configs/grpo_7b.py compiled against abstract parameters for its mesh on 8 virtual CPU
+devices, as `scripts/train.py --dry_run --dry_run_devices=8` does (compile only: no weights).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import statistics
+import sys
+import time
+
+import jax
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+MODELS = {
+    # name: (config file, devices)
+    "smollm2": ("configs/cpu_smollm2.py", 1),
+    "7b": ("configs/grpo_7b.py", 8),
+}
+
+
+def _load_config(path: str):
+    import importlib.util
+
+    from mmr_jax import config_types
+
+    spec = importlib.util.spec_from_file_location("bench_config", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return config_types.from_config_dict(module.get_config())
+
+
+def _random_like(args, seed=0):
+    """Concrete arrays of the abstract arguments' shapes, dtypes and shardings."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+
+    def make(x):
+        if jnp.issubdtype(x.dtype, jnp.floating):
+            value = (0.02 * rng.standard_normal(x.shape)).astype(x.dtype)
+        elif x.dtype == jnp.bool_:
+            value = np.ones(x.shape, bool)
+        else:
+            value = np.zeros(x.shape, x.dtype)
+        return jax.device_put(value, x.sharding)
+
+    return jax.tree.map(make, args)
+
+
+def _timed_compile(fn, args):
+    t0 = time.perf_counter()
+    traced = fn.trace(*args)
+    t1 = time.perf_counter()
+    lowered = traced.lower()
+    t2 = time.perf_counter()
+    compiled = lowered.compile()
+    t3 = time.perf_counter()
+    temp = compiled.memory_analysis().temp_size_in_bytes
+    return compiled, {"trace_s": t1 - t0, "lower_s": t2 - t1, "compile_s": t3 - t2, "temp": temp}
+
+
+def _steady(compiled, args, steps: int, donated: tuple[int, ...]) -> float:
+    """Median seconds of a call; donated arguments are replaced by the call's matching output."""
+    times = []
+    args = list(args)
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        out = compiled(*args)
+        jax.block_until_ready(out)
+        times.append(time.perf_counter() - t0)
+        for i in donated:  # the train step returns the state first, the decode step the cache
+            args[i] = out[0] if i == 0 else out[1]
+    return statistics.median(times)
+
+
+def bench_model(name: str, steps: int) -> list[dict]:
+    from mmr_jax import compiled_dry_run
+
+    path, devices = MODELS[name]
+    cfg = _load_config(path)
+    mesh = compiled_dry_run.config_mesh(cfg, devices=jax.devices()[:devices])
+    rows = []
+    for program in ("train step", "decode step"):
+        for unrolled in (False, True):
+            if program == "train step":
+                fn, args = compiled_dry_run.train_step_program(cfg, mesh, unrolled=unrolled)
+                donated = (0,)
+            else:
+                fn, args = compiled_dry_run.decode_step_program(cfg, mesh, unrolled=unrolled)
+                donated = (6,)
+            compiled, row = _timed_compile(fn, args)
+            row.update(model=name, program=program, layers="unrolled" if unrolled else "scanned")
+            row["steady_s"] = None
+            if steps and devices == 1:
+                row["steady_s"] = _steady(compiled, _random_like(args), steps, donated)
+            rows.append(row)
+            print(_format_row(row), flush=True)
+            jax.clear_caches()
+    return rows
+
+
+def _format_row(r: dict) -> str:
+    steady = "-" if r["steady_s"] is None else f"{r['steady_s'] * 1e3:9.1f}"
+    total = r["trace_s"] + r["lower_s"] + r["compile_s"]
+    return (
+        f"{r['model']:8s} {r['program']:12s} {r['layers']:9s} {r['trace_s']:8.2f} "
+        f"{r['lower_s']:8.2f} {r['compile_s']:9.2f} {total:8.2f} {r['temp'] / 2**30:9.2f} "
+        f"{steady:>9s}"
+    )
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", default="smollm2,7b", help="comma list of " + ",".join(MODELS))
+    ap.add_argument("--steps", type=int, default=5, help="timed calls per compiled program")
+    ap.add_argument("--json", default=None, help="also write the rows here")
+    args = ap.parse_args()
+    names = [m for m in args.models.split(",") if m]
+    unknown = sorted(set(names) - set(MODELS))
+    if unknown:
+        sys.exit(f"unknown models {unknown}; known: {sorted(MODELS)}")
+    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_num_cpu_devices", max(MODELS[m][1] for m in names))
+    print(
+        f"{'model':8s} {'program':12s} {'layers':9s} {'trace s':>8s} {'lower s':>8s} "
+        f"{'compile s':>9s} {'total s':>8s} {'temp GiB':>9s} {'steady ms':>9s}"
+    )
+    rows = [row for name in names for row in bench_model(name, args.steps)]
+    by = {(r["model"], r["program"], r["layers"]): r for r in rows}
+    print("\nscanned against unrolled (total compile seconds; steady time):")
+    for name in names:
+        for program in ("train step", "decode step"):
+            s, u = by[(name, program, "scanned")], by[(name, program, "unrolled")]
+            ts = s["trace_s"] + s["lower_s"] + s["compile_s"]
+            tu = u["trace_s"] + u["lower_s"] + u["compile_s"]
+            line = f"  {name:8s} {program:12s} compile {tu / ts:5.2f}x faster"
+            if s["steady_s"] and u["steady_s"]:
+                line += f", steady step {s['steady_s'] / u['steady_s']:5.2f}x the unrolled time"
+            print(line)
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps(rows, indent=2))
+
+
+if __name__ == "__main__":
+    main()
