@@ -49,7 +49,6 @@ DEFAULT_VENV = os.environ.get("MMR_VLLM_VENV") or str(REPO / ".venv-vllm")
 API_MODULE = "vllm.entrypoints.openai.api_server"
 
 
-
 class ServerStartError(vllm_client.VllmError):
     """The server process could not be started, or exited before it was ready."""
 
