@@ -22,6 +22,7 @@ from absl import logging
 from mmr_jax import (
     build,
     checkpoint,
+    compile_stats,
     config_types,
     console,
     data,
@@ -297,6 +298,7 @@ def train(cfg: config_types.TrainConfig, workdir, *, overwrite: bool = False) ->
     try:
         if start == 0 and cfg.eval.at_start and cfg.eval.every > 0:  # the base model's accuracy
             run.writer.write(0, evaluate(run, 0))
+        compile_stats.CLOCK.start().lap()  # from here, each step's compilation
         for step in range(start + 1, cfg.total_steps + 1):
             t_step, timings = time.perf_counter(), {}
             groups, info = collect(run, step, timings)
@@ -328,6 +330,7 @@ def train(cfg: config_types.TrainConfig, workdir, *, overwrite: bool = False) ->
                 info.update(evaluate(run, step))
                 _log_eval(step, info)
             info.update({f"time/{k}": v for k, v in timings.items()})
+            info["time/compile"] = compile_stats.CLOCK.lap()["total"]  # part of time/step
             info["time/step"] = time.perf_counter() - t_step
             info["throughput/tokens_per_s"] = info["throughput/tokens"] / info["time/step"]
             if save_now(step):

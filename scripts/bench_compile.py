@@ -2,6 +2,7 @@
 
     python scripts/bench_compile.py                       # SmolLM2 (1 device) and 7B (8 devices)
     python scripts/bench_compile.py --models=smollm2 --steps=5 --json=bench_compile.json
+    python scripts/bench_compile.py --train_run=8     # compilation's share of a CPU-default run
 
 For each model and program, in one process: trace, lower and compile seconds with the layers
 run by one scan (what the trainer compiles) and fully unrolled (`scan_unroll = num_layers`: the
@@ -34,7 +35,9 @@ MODELS = {
 }
 
 
-def _load_config(path: str):
+def _load_config(path: str, **overrides):
+    """The config file's TrainConfig; `overrides` set keys first ('checkpoint__every' for
+    checkpoint.every)."""
     import importlib.util
 
     from mmr_jax import config_types
@@ -42,7 +45,14 @@ def _load_config(path: str):
     spec = importlib.util.spec_from_file_location("bench_config", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return config_types.from_config_dict(module.get_config())
+    config = module.get_config()
+    for key, value in overrides.items():
+        *sections, leaf = key.split("__")
+        node = config
+        for section in sections:
+            node = node[section]
+        node[leaf] = value
+    return config_types.from_config_dict(config)
 
 
 def _random_like(args, seed=0):
@@ -126,12 +136,59 @@ def _format_row(r: dict) -> str:
     )
 
 
+def bench_run(steps: int, workdir: str) -> dict:
+    """The CPU default trained for `steps` steps in this process, checkpoints and evaluation off:
+    JAX's compilation seconds over the whole process (setup included) against the summed step
+    time (time/step in metrics.jsonl)."""
+    import shutil
+
+    from mmr_jax import compile_stats, trainer
+
+    clock = compile_stats.CLOCK.start()
+    before = clock.totals()
+    cfg = _load_config(MODELS["smollm2"][0], total_steps=steps, checkpoint__every=0, eval__every=0)
+    shutil.rmtree(workdir, ignore_errors=True)
+    trainer.train(cfg, workdir)
+    after = clock.totals()
+    compile_s = {k: after[k] - before[k] for k in after}
+    records = [json.loads(line) for line in open(pathlib.Path(workdir) / "metrics.jsonl")]
+    step_s = [r["time/step"] for r in records if "time/step" in r]
+    total = sum(compile_s.values())
+    return {
+        "steps": len(step_s),
+        "step_s_sum": sum(step_s),
+        "first_step_s": step_s[0],
+        "compile_s": total,
+        "compile_parts_s": compile_s,
+        "compile_share": total / sum(step_s),
+    }
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default="smollm2,7b", help="comma list of " + ",".join(MODELS))
     ap.add_argument("--steps", type=int, default=5, help="timed calls per compiled program")
     ap.add_argument("--json", default=None, help="also write the rows here")
+    ap.add_argument(
+        "--train_run",
+        type=int,
+        default=0,
+        help="instead: train the CPU default this many steps and report compilation's share",
+    )
+    ap.add_argument("--workdir", default="/tmp/bench_compile_run", help="for --train_run")
     args = ap.parse_args()
+    if args.train_run:
+        out = bench_run(args.train_run, args.workdir)
+        parts = ", ".join(f"{k} {v:.1f} s" for k, v in out["compile_parts_s"].items())
+        print(
+            f"{out['steps']} steps: {out['step_s_sum']:.1f} s of steps "
+            f"(first {out['first_step_s']:.1f} s); compilation {out['compile_s']:.1f} s ({parts})"
+            " = "
+            f"{100 * out['compile_share']:.0f}% of the step time"
+        )
+        if args.json:
+            pathlib.Path(args.json).write_text(json.dumps(out, indent=2))
+        return
     names = [m for m in args.models.split(",") if m]
     unknown = sorted(set(names) - set(MODELS))
     if unknown:

@@ -64,11 +64,10 @@ _JSON = flags.DEFINE_string("json", None, "also write the results to this JSON f
 
 def layer_weights(model) -> tuple[list[list[np.ndarray]], np.ndarray]:
     """The model's matmul weights as [in, out] arrays: per layer [q, k, v, o, gate, up, down]."""
-    per_layer = []
-    for block in model.layers:
-        a, m = block.self_attn, block.mlp
-        dense = [a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj]
-        per_layer.append([np.asarray(d.kernel[...], np.float32) for d in dense])
+    a, m = model.layers.self_attn, model.layers.mlp  # stacked: kernels [L, in, out]
+    dense = [a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj]
+    stacked = [np.asarray(d.kernel[...], np.float32) for d in dense]
+    per_layer = [[w[i] for w in stacked] for i in range(model.config.num_layers)]
     if model.lm_head is None:
         head = np.asarray(model.embed_tokens.embedding[...], np.float32).T
     else:

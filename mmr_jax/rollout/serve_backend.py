@@ -44,9 +44,21 @@ def read_peft_adapter(path: str | os.PathLike) -> tuple[dict, dict[str, np.ndarr
     return config, tensors
 
 
-def _module_name(path: tuple) -> str:
-    """Our lora_a/lora_b state path -> the HF module name ('model.layers.0.self_attn.q_proj')."""
-    return "model." + ".".join(str(p) for p in path[:-1])
+def _adapter_value(path: tuple, tensors: dict, num_layers: int, used: set) -> np.ndarray:
+    """Our stacked lora_a [L, in, r] / lora_b [L, r, out] at `path` from the PEFT tensors of
+    each layer's module ('model.layers.3.self_attn.q_proj': A [r, in], B [out, r])."""
+    from mmr_jax.models import loading
+
+    part = "A" if path[-1] == "lora_a" else "B"
+    per_layer = []
+    for i in range(num_layers):
+        module = loading.hf_module(path[:-1], i)
+        pair = tensors.get(module)
+        if pair is None or set(pair) != {"A", "B"}:
+            raise ValueError(f"adapter has no lora_A/lora_B for {module}")
+        used.add(module)
+        per_layer.append(pair[part].T)
+    return np.stack(per_layer)
 
 
 def build_lora_model(base_model, config: dict, tensors: dict[str, dict[str, np.ndarray]]):
@@ -71,12 +83,7 @@ def build_lora_model(base_model, config: dict, tensors: dict[str, dict[str, np.n
     flat, used = [], set()
     for path, var in nnx.to_flat_state(state):
         if isinstance(var, nnx.LoRAParam):
-            module = _module_name(path)
-            pair = tensors.get(module)
-            if pair is None or set(pair) != {"A", "B"}:
-                raise ValueError(f"adapter has no lora_A/lora_B for {module}")
-            used.add(module)
-            value = pair["A"].T if path[-1] == "lora_a" else pair["B"].T
+            value = _adapter_value(path, tensors, base_model.config.num_layers, used)
             flat.append((path, var.replace(jnp.asarray(value, var.get_value().dtype))))
         elif path in base_flat:
             flat.append((path, base_flat[path]))
