@@ -28,7 +28,7 @@ import jax
 import orbax.checkpoint as ocp
 from absl import logging
 
-from mmr_jax import faults
+from mmr_jax import checkpoint_layout, faults
 
 RUN_FILE = "run.json"
 CKPT_DIR = "checkpoints"
@@ -125,12 +125,12 @@ class Checkpointer:
             state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()
         )
         if step is not None:
-            out = self._manager.restore(int(step), args=args)
+            out = self._restore_step(int(step), abstract, args)
             return out["state"], dict(out["meta"])
         unreadable = []  # newest first: (step, error)
         for candidate in reversed(self.all_steps()):
             try:
-                out = self._manager.restore(candidate, args=args)
+                out = self._restore_step(candidate, abstract, args)
             except Exception as e:  # any failure to read: try the one before
                 unreadable.append((candidate, e))
                 continue
@@ -144,6 +144,13 @@ class Checkpointer:
                 f"{[s for s, _ in unreadable]}); step {bad}: {err}"
             ) from err
         return None
+
+    def _restore_step(self, step: int, abstract, args):
+        # Written before the decoder's layers were stacked: stacked while restoring.
+        if checkpoint_layout.has_unstacked_layers(self.directory / str(step)):
+            logging.info("checkpoint step %d has per-layer parameters: stacking them", step)
+            return checkpoint_layout.restore(self._manager, step, abstract)
+        return self._manager.restore(step, args=args)
 
     def _move_aside(self, step: int, err: BaseException) -> None:
         src = self.directory / str(step)
