@@ -307,32 +307,33 @@ def share(num: int, processes: int, index: int) -> slice:
 # ----- rollouts per process --------------------------------------------------------------------
 
 
-def gather_rollouts(local: rollout_base.RolloutBatch | None, n: int) -> rollout_base.RolloutBatch:
+def gather_rollouts(
+    local: rollout_base.RolloutBatch | None, *, sizes: Sequence[int], n: int, max_len: int
+) -> rollout_base.RolloutBatch:
     """The `RolloutBatch` of every process's share, concatenated in process order.
 
-    `local` is None for a process without prompts. Shapes differ across processes (prompt count,
-    longest completion), so sizes are exchanged first and every share padded to the largest.
+    `sizes[p]`: the prompt count of process p (known to all: `share`); `local` is None where it is
+    0. Every share is padded to the largest count and `max_len` tokens and packed into one int32
+    array, so each step gathers once, always in the same shape (a new shape would compile anew).
     """
-    b, t = (0, 1) if local is None else local.tokens.shape[::2]
-    sizes = allgather(np.array([b, t], np.int32))
-    bmax, tmax = int(sizes[:, 0].max()), int(sizes[:, 1].max())
-    reasons = np.zeros((bmax, n), np.int8)
-    arrays = [np.zeros((bmax, n, tmax), d) for d in (np.int32, bool, np.float32)]
+    bmax = max(sizes)
+    packed = np.zeros((bmax, n, 3 * max_len + 1), np.int32)  # tokens | mask | logps | 'length'
     if local is not None:
-        for out, x in zip(arrays, (local.tokens, local.mask, local.logprobs), strict=True):
-            out[:b, :, : x.shape[2]] = x
-        reasons[:b] = np.asarray(local.finish_reasons) == rollout_base.FINISH_LENGTH
-    gathered = [allgather(x) for x in (*arrays, reasons)]  # each [P, bmax, ...]
-    t_all = int(max(1, sizes[sizes[:, 0] > 0, 1].max(initial=1)))
-    parts = [
-        [g[p, : sizes[p, 0]] for p in range(len(sizes))] for g in gathered
-    ]  # per array: the real prompts of each process
-    tokens, mask, logps, long = (np.concatenate(x, axis=0) for x in parts)
-    finish = np.where(long, rollout_base.FINISH_LENGTH, rollout_base.FINISH_STOP)
+        b, _, t = local.tokens.shape
+        packed[:b, :, :t] = local.tokens
+        packed[:b, :, max_len : max_len + t] = local.mask
+        packed[:b, :, 2 * max_len : 2 * max_len + t] = local.logprobs.view(np.int32)
+        packed[:b, :, -1] = np.asarray(local.finish_reasons) == rollout_base.FINISH_LENGTH
+    gathered = allgather(packed)  # [P, bmax, n, 3 * max_len + 1]
+    rows = np.concatenate([gathered[p, :size] for p, size in enumerate(sizes)], axis=0)
+    mask = rows[..., max_len : 2 * max_len].astype(bool)
+    t = int(max(1, mask.sum(-1).max(initial=1)))  # the longest completion, as one engine gives
+    logps = np.ascontiguousarray(rows[..., 2 * max_len : 3 * max_len]).view(np.float32)
+    finish = np.where(rows[..., -1] == 1, rollout_base.FINISH_LENGTH, rollout_base.FINISH_STOP)
     return rollout_base.RolloutBatch(
-        tokens=tokens[..., :t_all],
-        mask=mask[..., :t_all],
-        logprobs=logps[..., :t_all],
+        tokens=np.ascontiguousarray(rows[..., :t]),
+        mask=np.ascontiguousarray(mask[..., :t]),
+        logprobs=np.ascontiguousarray(logps[..., :t]),
         finish_reasons=finish.tolist(),
     )
 
@@ -352,14 +353,16 @@ class ShareEngine:
         self.pad_id = getattr(engine, "pad_id", 0)
 
     def generate(self, prompt_ids: Sequence[Sequence[int]], params) -> rollout_base.RolloutBatch:
-        mine = share(len(prompt_ids), jax.process_count(), jax.process_index())
+        parts = [share(len(prompt_ids), jax.process_count(), p) for p in range(jax.process_count())]
+        sizes = [part.stop - part.start for part in parts]
+        mine = parts[jax.process_index()]
         local = None
         if mine.stop > mine.start:
             kwargs = {}
             if _takes_first_row(self.engine):
                 kwargs["first_row"] = mine.start * params.n
             local = self.engine.generate(list(prompt_ids[mine]), params, **kwargs)
-        return gather_rollouts(local, params.n)
+        return gather_rollouts(local, sizes=sizes, n=params.n, max_len=params.max_new_tokens)
 
     def sync_weights(self, model: nnx.Module, *, version: int) -> None:
         self.engine.sync_weights(local_model(model, self.mesh), version=version)

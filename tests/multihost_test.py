@@ -226,8 +226,12 @@ def _rollout(b, n, t, seed):
 class TestGatherOneProcess:
     def test_identity(self):
         batch = _rollout(3, 2, 5, 0)
-        out = distributed.gather_rollouts(batch, 2)
-        np.testing.assert_array_equal(out.tokens, batch.tokens[..., : out.tokens.shape[-1]])
+        out = distributed.gather_rollouts(batch, sizes=[3], n=2, max_len=8)
+        t = int(batch.mask.sum(-1).max())
+        assert out.tokens.shape == (3, 2, t)  # trimmed to the longest completion
+        np.testing.assert_array_equal(out.tokens, batch.tokens[..., :t])
+        np.testing.assert_array_equal(out.logprobs, batch.logprobs[..., :t])  # bit-exact
+        np.testing.assert_array_equal(out.mask, batch.mask[..., :t])
         assert out.finish_reasons == batch.finish_reasons
 
     def test_reduce_metrics_one_process(self):
@@ -244,7 +248,7 @@ pid = int(sys.argv[1])
 distributed.initialize(distributed.Options("explicit", sys.argv[2], 2, pid, 60))
 # Process 0 holds 2 prompts of 3 tokens, process 1 one prompt of 5 tokens.
 local = t._rollout(2, 3, 3, 0) if pid == 0 else t._rollout(1, 3, 5, 1)
-out = distributed.gather_rollouts(local, 3)
+out = distributed.gather_rollouts(local, sizes=[2, 1], n=3, max_len=6)
 m = distributed.reduce_metrics({"a": float(pid), "time/x": float(pid + 1)})
 wrong = None
 try:
@@ -252,6 +256,7 @@ try:
 except distributed.ConfigMismatchError as e:
     wrong = str(e)
 print("RESULT", json.dumps({"tokens": out.tokens.tolist(), "mask": out.mask.tolist(),
+    "logps": out.logprobs.tolist(),
     "reasons": out.finish_reasons, "m": m, "wrong": wrong}), flush=True)
 """
 
@@ -280,13 +285,17 @@ class TestTwoProcessCollectives:
             assert line, out[-3000:]
             results.append(json.loads(line[0][len("RESULT ") :]))
         a, b = _rollout(2, 3, 3, 0), _rollout(1, 3, 5, 1)
+        t = int(max(a.mask.sum(-1).max(), b.mask.sum(-1).max()))
+        assert t > 3  # process 1's longer completions set the width
         for r in results:
             tokens = np.asarray(r["tokens"])
-            assert tokens.shape == (3, 3, 5)  # every prompt, padded to the longest completion
+            assert tokens.shape == (3, 3, t)  # every prompt, padded to the longest completion
             np.testing.assert_array_equal(tokens[:2, :, :3], a.tokens)
             np.testing.assert_array_equal(tokens[:2, :, 3:], 0)
-            np.testing.assert_array_equal(tokens[2], b.tokens[0])
-            np.testing.assert_array_equal(np.asarray(r["mask"])[2], b.mask[0])
+            np.testing.assert_array_equal(tokens[2], b.tokens[0, :, :t])
+            np.testing.assert_array_equal(np.asarray(r["mask"])[2], b.mask[0, :, :t])
+            logps = np.asarray(r["logps"], np.float32)
+            np.testing.assert_array_equal(logps[2], b.logprobs[0, :, :t])
             assert r["reasons"] == a.finish_reasons + b.finish_reasons
             assert r["m"] == {"a": 0.5, "time/x": 2.0}  # mean, and max for times
             assert r["wrong"] and "processes [1]" in r["wrong"]
@@ -295,10 +304,16 @@ class TestTwoProcessCollectives:
 @pytest.fixture(scope="module")
 def grpo_reference(tmp_path_factory, tiny_llama_dir):
     """(config, workdir) of 3 GRPO+MMR steps on 1 process x 2 devices: the reference run."""
-    cfg = _config(grpo, tiny_llama_dir, steps=3)
+    cfg = _config(grpo, tiny_llama_dir, steps=3, **{"checkpoint.export_hf": True})
     one = tmp_path_factory.mktemp("multihost") / "one"
     _ok(_run(cfg, one, processes=1, devices=2))
     return cfg, one
+
+
+def _tensors(folder) -> dict:
+    from safetensors.numpy import load_file
+
+    return {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()}
 
 
 def _check_contract(cfg, one, two):
@@ -316,8 +331,14 @@ class TestContract:
 
     def test_grpo_mmr(self, tmp_path, grpo_reference):
         cfg, one = grpo_reference
-        a = _check_contract(cfg, one, tmp_path / "two")
+        two = tmp_path / "two"
+        a = _check_contract(cfg, one, two)
         assert all(r["mmr/lambda_mean"] > 0 for r in a)
+        # Process 0 alone wrote the HF exports, from weights gathered over both processes.
+        ref, got = (_tensors(d / "step_3") for d in (one, two))
+        assert ref.keys() == got.keys() and ref
+        for k in ref:
+            np.testing.assert_allclose(got[k], ref[k], rtol=2e-5, atol=1e-6, err_msg=k)
 
     def test_dapo_dynamic_sampling(self, tmp_path, tiny_llama_dir):
         # The filter reward is constant on about half the groups: they are dropped and refilled.
@@ -361,3 +382,23 @@ class TestFaults:
         assert [r["step"] for r in _metrics(work)] == [1, 2]
         _ok(_run(cfg, work, processes=1, devices=2))  # 2 -> 1 processes, same checkpoint
         _assert_same(_metrics(one), _metrics(work))
+
+    def test_killed_coordinator_bounded_exit(self, tmp_path, grpo_reference):
+        """Process 0 (which runs the coordinator) dies in step 2's update: process 1 stops within
+        the bound, by PeerLostError or by JAX's own fatal error (its coordination service is
+        gone); never a hang."""
+        cfg, _ = grpo_reference
+        procs = multihost.launch(
+            cfg,
+            tmp_path / "w",
+            processes=2,
+            devices=1,
+            per_process_env=[{faults.ENV: "train:2"}, {}],
+        )
+        procs[0].wait(timeout=900)
+        died = time.monotonic()
+        procs[1].wait(timeout=_PEER_EXIT_S)
+        out1 = pathlib.Path(procs[1].out_path).read_text()
+        assert procs[0].returncode == -9 and procs[1].returncode != 0
+        assert time.monotonic() - died < _PEER_EXIT_S
+        assert "PeerLostError" in out1 or "JAX distributed service detected fatal" in out1, out1
