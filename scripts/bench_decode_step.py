@@ -16,7 +16,7 @@ in one process (ms per decode step, median of --repeats runs of --steps steps):
                   192 slots; 128 new tokens). On CPU the attention is the C++ kernel and the
                   matmuls weight-major (W @ x^T on kernels transposed once), as in the sampler.
   step (x @ W)    the same with the plain matmuls (what other platforms run).
-  step (pure JAX) the same with the pure-JAX attention (`decoder._attend_shared_prompt`, what
+  step (pure JAX) the same with the pure-JAX attention (`attention.attend_shared_prompt`, what
                   other platforms run), which reads and masks every slot.
   no attention    the same step with the attention over the cache replaced by passing q through;
                   projections, MLP, norms, LM head and sampling unchanged. step - this = the
@@ -162,7 +162,7 @@ def decode_loop(
     from flax import nnx
 
     from mmr_jax.models import kv_cache
-    from mmr_jax.rollout import sampler
+    from mmr_jax.rollout import sampler, sampling
 
     rows = prompts * n
     graphdef, state = nnx.split(model)
@@ -195,7 +195,7 @@ def decode_loop(
                 prompt_mask_BxP=prompt_mask,
                 kernels_t=kernels_t,
             )
-            nxt, _ = sampler._sample_step(
+            nxt, _ = sampling.sample_step(
                 logits[:, 0], keys, 0.7, 0, 1.0, greedy=False, use_filter=False
             )
             return cache, nxt[:, None]
@@ -224,7 +224,7 @@ def bench_model(name: str, path: str) -> list[dict]:
 
     from mmr_jax import models
     from mmr_jax.kernels import decode_attention
-    from mmr_jax.models import decoder
+    from mmr_jax.models import attention
 
     model = models.from_pretrained(path)
     per_layer, head = layer_weights(model)
@@ -249,7 +249,7 @@ def bench_model(name: str, path: str) -> list[dict]:
         plain_ms = _median_ms_per_step(decode_loop(*loop_args, weight_major=False), steps, repeats)
         with mock.patch.object(decode_attention, "available", lambda: False):
             step_jax_ms = _median_ms_per_step(decode_loop(*loop_args), steps, repeats)
-            with mock.patch.object(decoder, "_attend_shared_prompt", _pass_q_through):
+            with mock.patch.object(attention, "attend_shared_prompt", _pass_q_through):
                 no_attn_ms = _median_ms_per_step(decode_loop(*loop_args), steps, repeats)
 
         def run_jax():

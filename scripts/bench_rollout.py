@@ -41,7 +41,7 @@ def main(argv) -> None:
 
     from mmr_jax import build, compile_cache, config_types, data
     from mmr_jax.models import hub
-    from mmr_jax.rollout import base, sampler
+    from mmr_jax.rollout import base
 
     compile_cache.enable()
     cfg = config_types.from_config_dict(config_types.load_config_file(_CONFIG.value))
@@ -73,8 +73,8 @@ def main(argv) -> None:
         seconds = time.perf_counter() - t0
         lengths = out.lengths
         return seconds, {
-            "decode_steps": sampler.last_decode_steps(),
-            "loops": list(sampler.last_loop_rows()),
+            "decode_steps": engine.last_loop_stats.decode_steps,
+            "loops": list(engine.last_loop_stats.loop_rows),
             "mean_len": float(lengths.mean()),
             "max_len": int(lengths.max()),
         }

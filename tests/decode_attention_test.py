@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from mmr_jax.kernels import decode_attention
-from mmr_jax.models import decoder
+from mmr_jax.models import attention
 
 TOL = 1e-5
 
@@ -41,7 +41,7 @@ def _inputs(seed, b, n, kh, g, d, p, s, lengths, holes=()):
 
 def _reference(q, pk, pv, k, v, pmask, own_len):
     own_mask = np.arange(k.shape[-1]) < own_len
-    return decoder._attend_shared_prompt(q, pk, pv, k, v, pmask, own_mask)
+    return attention.attend_shared_prompt(q, pk, pv, k, v, pmask, own_mask)
 
 
 def _stack(a, layer, num_layers):
@@ -130,7 +130,7 @@ def test_decoder_lowers_to_the_kernel_on_cpu_only_for_fp32():
     args = [q, *(c[None] for c in caches), pmask]  # caches stacked over 1 layer
 
     def step(q, pk, pv, k, v, pmask):
-        return decoder._attend_shared_prompt_decode(
+        return attention.attend_shared_prompt_decode(
             q, pk, pv, k, v, pmask, jnp.int32(4), jnp.int32(0)
         )
 

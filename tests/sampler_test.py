@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mmr_jax.rollout import base, embedded, layout, sampler
+from mmr_jax.rollout import base, embedded, layout, sampler, sampling
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
@@ -112,12 +112,13 @@ class TestSample:
         # every row's first token is a stop id.
         buckets = layout.Buckets(min_new_tokens=32)
         greedy = base.SamplingParams(max_new_tokens=5, temperature=0.0, n=2)
-        free = sampler.sample(llama, PROMPTS, greedy, buckets=buckets)
-        assert sampler.last_decode_steps() == 5
+        stats = sampler.LoopStats()
+        free = sampler.sample(llama, PROMPTS, greedy, buckets=buckets, stats=stats)
+        assert stats.decode_steps == 5
         firsts = tuple(sorted({int(x) for x in free.tokens[:, :, 0].ravel()}))
         params = base.SamplingParams(max_new_tokens=20, temperature=0.0, n=2, stop_token_ids=firsts)
-        batch = sampler.sample(llama, PROMPTS, params, buckets=buckets)
-        assert sampler.last_decode_steps() == 1
+        batch = sampler.sample(llama, PROMPTS, params, buckets=buckets, stats=stats)
+        assert stats.decode_steps == 1
         assert batch.tokens.shape == (3, 2, 1) and batch.finish_reasons == [["stop"] * 2] * 3
 
     @pytest.mark.parametrize("greedy", [False, True])
@@ -135,10 +136,13 @@ class TestSample:
         else:  # the commonest tokens
             ids, counts = np.unique(free.tokens[:, :, 1:].ravel(), return_counts=True)
             stops = tuple(int(x) for x in ids[np.argsort(-counts)[:16]])
-        ref = sampler.sample(llama, prompts, params, stop_token_ids=stops, compact=False)
-        assert sampler.last_loop_rows() == (32,)  # 4 prompts (3 padded to 4) x 8, or 8 x 4
-        out = sampler.sample(llama, prompts, params, stop_token_ids=stops)
-        loops = sampler.last_loop_rows()
+        stats = sampler.LoopStats()
+        ref = sampler.sample(
+            llama, prompts, params, stop_token_ids=stops, compact=False, stats=stats
+        )
+        assert stats.loop_rows == (32,)  # 4 prompts (3 padded to 4) x 8, or 8 x 4
+        out = sampler.sample(llama, prompts, params, stop_token_ids=stops, stats=stats)
+        loops = stats.loop_rows
         assert len(loops) > 1 and loops[0] == 32
         assert loops == (32, 16, 8, 4)[: len(loops)]  # halving, none below 4 rows
         lengths = ref.lengths
@@ -147,10 +151,11 @@ class TestSample:
         np.testing.assert_array_equal(out.mask, ref.mask)
         assert out.finish_reasons == ref.finish_reasons
         np.testing.assert_allclose(out.logprobs, ref.logprobs, atol=1e-5, rtol=1e-5)
-        assert sampler.last_decode_steps() == lengths.max()
+        assert stats.decode_steps == lengths.max()
         traces = sampler.trace_count()  # each loop shape compiles once
-        sampler.sample(llama, prompts, params, stop_token_ids=stops)
-        assert sampler.trace_count() == traces and sampler.last_loop_rows() == loops
+        again = sampler.LoopStats()
+        sampler.sample(llama, prompts, params, stop_token_ids=stops, stats=again)
+        assert sampler.trace_count() == traces and again.loop_rows == loops
 
     def test_compiles_once_per_bucket(self, llama):
         params = base.SamplingParams(max_new_tokens=10, temperature=0.9, n=2)
@@ -181,7 +186,7 @@ class TestBuckets:
 class TestFilter:
     def test_top_k_then_top_p(self):
         logits = jnp.log(jnp.array([[0.05, 0.4, 0.1, 0.3, 0.15], [0.2] * 5]))
-        out = sampler.filter_top_k_top_p(logits, jnp.int32(3), jnp.float32(0.6))
+        out = sampling.filter_top_k_top_p(logits, jnp.int32(3), jnp.float32(0.6))
         # Row 0: top-3 = {0.4, 0.3, 0.15}, renormalised 0.47, 0.35, 0.18 -> nucleus 0.6 keeps two.
         assert np.isfinite(np.asarray(out[0])).tolist() == [False, True, False, True, False]
         assert np.isfinite(np.asarray(out[1])).all()  # ties at the top-k threshold are kept
@@ -190,14 +195,14 @@ class TestFilter:
     def test_equals_the_sorted_definition(self, vocab, monkeypatch):
         # Peaked and flat rows, ties, top-k inside / beyond the candidates, nucleus inside / beyond
         # them (the flat rows at p = 0.99 need more than the candidates: the sorted fallback).
-        monkeypatch.setattr(sampler, "_FILTER_CANDIDATES", 64)
+        monkeypatch.setattr(sampling, "_FILTER_CANDIDATES", 64)
         rng = np.random.default_rng(0)
         peaked = rng.normal(scale=6.0, size=(6, vocab))
         flat = rng.normal(scale=0.3, size=(6, vocab))
         ties = np.round(rng.normal(scale=2.0, size=(4, vocab)))  # many equal logits
         logits = jnp.asarray(np.concatenate([peaked, flat, ties]), jnp.float32)
-        fast = jax.jit(sampler.filter_top_k_top_p)
-        slow = jax.jit(sampler.filter_top_k_top_p_sorted)
+        fast = jax.jit(sampling.filter_top_k_top_p)
+        slow = jax.jit(sampling.filter_top_k_top_p_sorted)
         fell_back = 0
         for k in (0, 1, 5, 64, 65, 500):
             for p in (0.3, 0.9, 0.99, 1.0):
@@ -209,18 +214,18 @@ class TestFilter:
 
     def test_off_keeps_everything(self):
         logits = jax.random.normal(jax.random.key(0), (2, 50))
-        out = sampler.filter_top_k_top_p(logits, jnp.int32(0), jnp.float32(1.0))
+        out = sampling.filter_top_k_top_p(logits, jnp.int32(0), jnp.float32(1.0))
         np.testing.assert_array_equal(out, logits)
 
 
 class TestCategorical:
-    """`sampler.categorical` (inverse-CDF in blocks) draws from softmax(logits)."""
+    """`sampling.categorical` (inverse-CDF in blocks) draws from softmax(logits)."""
 
     @staticmethod
     def _draw(logits_V, n, seed=0):
         keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.key(seed), i))(jnp.arange(n))
         logits = jnp.broadcast_to(jnp.asarray(logits_V, jnp.float32), (n, len(logits_V)))
-        return np.asarray(jax.jit(sampler.categorical)(keys, logits))
+        return np.asarray(jax.jit(sampling.categorical)(keys, logits))
 
     def test_frequencies_match_softmax(self):
         # 300 tokens: three CDF blocks, the last one partial.

@@ -1,6 +1,6 @@
 """The sampler's decode attention as a C++ kernel on CPU (`decode_attention.cc`), built on use.
 
-`attend_shared_prompt` computes what `decoder._attend_shared_prompt` computes (that function is
+`attend_shared_prompt` computes what `attention.attend_shared_prompt` computes (that function is
 the reference; tests hold the two to 1e-5), but reads only the prompt slots between each
 prompt's first and last unmasked slot and the rows' first `own_len` own slots, where XLA's static
 shapes read all P + S and mask the rest. With left-padded prompts and a cache that fills one slot
@@ -111,7 +111,7 @@ def available() -> bool:
 def attend_shared_prompt(
     q_RxTxNxD, pk_LxBxKxDxP, pv_LxBxKxPxD, k_LxRxKxDxS, v_LxRxKxSxD, pmask, own_len, layer
 ):
-    """`decoder._attend_shared_prompt` of layer `layer` of the stacked caches, with own slots
+    """`attention.attend_shared_prompt` of layer `layer` of the stacked caches, with own slots
     [0, own_len) valid; CPU, fp32, T = 1 only.
 
     own_len (in [1, S]) and layer (in [0, L)) are traced int32 scalars: the kernel reads that

@@ -19,112 +19,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from mmr_jax.kernels import decode_attention
+from mmr_jax.models import attention, kv_cache, layers
 from mmr_jax.models import config as config_lib
-from mmr_jax.models import kv_cache, layers
 from mmr_jax.models import lora as lora_lib
-
-_MASK_VALUE = -1e30  # finite, so fully masked rows (left padding) give a uniform softmax, not NaN
-
-
-def _attend(q_BxTxNxD, k_BxSxKxD, v_BxSxKxD, mask_BxTxS):
-    """Grouped-query attention; scores and softmax in fp32. Returns [B, T, N*D]."""
-    b, t, n, d = q_BxTxNxD.shape
-    kh = k_BxSxKxD.shape[2]
-    q = q_BxTxNxD.reshape(b, t, kh, n // kh, d)
-    s = jnp.einsum("btkgd,bskd->bkgts", q, k_BxSxKxD, preferred_element_type=jnp.float32)
-    s = jnp.where(mask_BxTxS[:, None, None], s * (d**-0.5), _MASK_VALUE)
-    p = jax.nn.softmax(s, axis=-1).astype(v_BxSxKxD.dtype)
-    o = jnp.einsum("bkgts,bskd->btkgd", p, v_BxSxKxD)
-    return o.reshape(b, t, n * d)
-
-
-def _attend_split(q_BxTxNxD, k_BxKxDxS, v_BxKxSxD, mask_BxTxS):
-    """`_attend` against one layer of the split cache: keys [B, K, D, S], values [B, K, S, D].
-
-    One query token (decode) is a batch of [G, D] x [D, S] matvecs, which XLA:CPU runs poorly as
-    dots; written as multiply + reduce (over d for the scores, s contiguous; over s for the
-    output, d contiguous) each fuses into a loop that streams its half of the cache once at
-    memory speed (R = 128, S = 320 on SmolLM2, 2 cores: about 3.1 ms a layer, against 4.9 ms with
-    keys as [B, K, S, D] and 4.0 ms as dots).
-    """
-    b, t, n, d = q_BxTxNxD.shape
-    kh = k_BxKxDxS.shape[1]
-    q = q_BxTxNxD.reshape(b, t, kh, n // kh, d)
-    if t == 1:
-        f32 = jnp.float32
-        qq = q.reshape(b, kh, n // kh, d, 1).astype(f32)
-        s = jnp.sum(qq * k_BxKxDxS[:, :, None].astype(f32), axis=3)[:, :, :, None]
-        s = jnp.where(mask_BxTxS[:, None, None], s * (d**-0.5), _MASK_VALUE)
-        p = jax.nn.softmax(s, axis=-1).astype(v_BxKxSxD.dtype)[:, :, :, 0]
-        o = jnp.sum(p[..., None].astype(f32) * v_BxKxSxD[:, :, None].astype(f32), axis=3)
-        return o.astype(v_BxKxSxD.dtype).reshape(b, t, n * d)
-    s = jnp.einsum("btkgd,bkds->bkgts", q, k_BxKxDxS, preferred_element_type=jnp.float32)
-    s = jnp.where(mask_BxTxS[:, None, None], s * (d**-0.5), _MASK_VALUE)
-    p = jax.nn.softmax(s, axis=-1).astype(v_BxKxSxD.dtype)
-    o = jnp.einsum("bkgts,bksd->btkgd", p, v_BxKxSxD)
-    return o.reshape(b, t, n * d)
-
-
-def _attend_shared_prompt(q_RxTxNxD, pk_BxKxDxP, pv_BxKxPxD, k_RxKxDxS, v_RxKxSxD, pmask, mask_S):
-    """Decode attention (T = 1) over prompt keys shared by groups of rows plus each row's own keys.
-
-    Rows r = b * n + i (n = R // B) are the samples of prompt b: they attend to prompt b's cache
-    (keys [B, K, D, P], values [B, K, P, D], where `pmask` [B, P] holds) and to their own split
-    cache (keys [R, K, D, S], values [R, K, S, D], where `mask_S` [S] holds), under one softmax.
-    Grouping a prompt's n rows makes the prompt part [n*G, D] x [D, P] products that read the
-    shared keys once per prompt rather than once per row (SmolLM2, 8 prompts x 4 samples, P = 192:
-    the prompt scores take a third of the time they take per row), and the prompt's cache is
-    stored once, not n times. Scores (multiply + reduce over d, as in `_attend_split`), softmax
-    and outputs are fp32. Returns [R, T, N*D].
-    """
-    r, t, nh, d = q_RxTxNxD.shape
-    b, kh, _, p = pk_BxKxDxP.shape
-    n, g = r // b, nh // kh
-    f32 = jnp.float32
-    q = q_RxTxNxD.reshape(b, n, kh, g, d).astype(f32)
-    q_prompt = jnp.transpose(q, (0, 2, 1, 3, 4)).reshape(b, kh, n * g, d)
-    s_prompt = jnp.sum(q_prompt[..., None] * pk_BxKxDxP[:, :, None].astype(f32), axis=3)
-    s_prompt = jnp.where(pmask[:, None, None, :], s_prompt * (d**-0.5), _MASK_VALUE)
-    s_prompt = jnp.transpose(s_prompt.reshape(b, kh, n, g, p), (0, 2, 1, 3, 4)).reshape(r, kh, g, p)
-    q_own = q.reshape(r, kh, g, d)
-    s_own = jnp.sum(q_own[..., None] * k_RxKxDxS[:, :, None].astype(f32), axis=3)
-    s_own = jnp.where(mask_S[None, None, None, :], s_own * (d**-0.5), _MASK_VALUE)
-    probs = jax.nn.softmax(jnp.concatenate([s_prompt, s_own], axis=-1), axis=-1)  # [R, K, G, P+S]
-    p_prompt = jnp.transpose(probs[..., :p].reshape(b, n, kh, g, p), (0, 2, 1, 3, 4))
-    o_prompt = jnp.einsum(
-        "bkms,bksd->bkmd", p_prompt.reshape(b, kh, n * g, p), pv_BxKxPxD.astype(f32)
-    )
-    o_prompt = jnp.transpose(o_prompt.reshape(b, kh, n, g, d), (0, 2, 1, 3, 4))
-    o_own = jnp.einsum("rkgs,rksd->rkgd", probs[..., p:], v_RxKxSxD.astype(f32))
-    o = o_prompt.reshape(r, kh, g, d) + o_own
-    return o.astype(v_RxKxSxD.dtype).reshape(r, t, nh * d)
-
-
-def _attend_shared_prompt_decode(q, pk, pv, k, v, pmask, write_index, layer):
-    """`_attend_shared_prompt` of layer `layer` (traced) for a decode step that has written own
-    slots [0, write_index]; the caches are the stacked split ones ([L, ...]).
-
-    On CPU, with fp32 caches, the C++ kernel (`mmr_jax.kernels.decode_attention`) computes it
-    from the stacked buffers and the layer index (no per-layer copy), reading only the unmasked
-    span of each prompt and the written own slots; XLA's static shapes make the pure-JAX version
-    read and mask all P + S slots (SmolLM2, 8 prompts x 4 samples: the decode step's attention
-    about halves). Other platforms and dtypes, or no C++ compiler: the pure-JAX version.
-    """
-    own_mask_S = jnp.arange(k.shape[-1], dtype=jnp.int32) <= write_index
-
-    def pure_jax(q, pk, pv, k, v, pmask):
-        per_layer = [kv_cache.layer(a, layer) for a in (pk, pv, k, v)]
-        return _attend_shared_prompt(q, *per_layer, pmask, own_mask_S)
-
-    args = (q, pk, pv, k, v, pmask)
-    if not all(a.dtype == jnp.float32 for a in args[:5]) or not decode_attention.usable():
-        return pure_jax(*args)
-
-    def kernel(*args):
-        return decode_attention.attend_shared_prompt(*args, write_index + 1, layer)
-
-    return jax.lax.platform_dependent(*args, cpu=kernel, default=pure_jax)
 
 
 def _split_key(key, i):
@@ -208,7 +105,7 @@ class Block(nnx.Module):
         """Full-sequence block (keys = the T tokens themselves)."""
         h = self.input_layernorm(x_BxTxH)
         q, k, v = self.self_attn.qkv(h, cos, sin, disable_lora=disable_lora, key=key)
-        o = _attend(q, k, v, mask_BxTxS)
+        o = attention.attend(q, k, v, mask_BxTxS)
         x = x_BxTxH + self.self_attn.out(o, disable_lora=disable_lora, key=key)
         return x + self.mlp(self.post_attention_layernorm(x), disable_lora=disable_lora, key=key)
 
@@ -408,7 +305,7 @@ class Decoder(nnx.Module):
             seg_BxT = jax.lax.dynamic_slice_in_dim(seg_BxS, write_index, t, axis=1)
             same = seg_BxT[:, :, None] == seg_BxS[:, None, :]
             mask = mask & same & (seg_BxT >= 0)[:, :, None]
-        attend_layer = _attend_split if cache.is_split else _attend
+        attend_layer = attention.attend_split if cache.is_split else attention.attend
 
         def attend(q, ck, cv, i):
             k, v = kv_cache.layer(ck, i), kv_cache.layer(cv, i)
@@ -436,7 +333,8 @@ class Decoder(nnx.Module):
         attend to prompt b's slots where `prompt_mask_BxP[b]` holds. `cache` (split, R rows, S
         slots) is the rows' own: the new key/value go to slot `write_index` (may be traced) and
         row r attends to its slots <= write_index. Equals `forward_cached` on the cache that
-        repeats each prompt's slots n times ahead of the rows' own (see `_attend_shared_prompt`).
+        repeats each prompt's slots n times ahead of the rows' own
+        (`attention.attend_shared_prompt`).
         `kernels_t` (`weight_major_kernels()`, made outside this jit) runs the linear layers
         weight-major (`layers.weight_major_matmul`): faster on CPU, same values up to rounding.
         Returns fp32 logits [R, 1, V] and the updated `cache`.
@@ -448,7 +346,7 @@ class Decoder(nnx.Module):
         pmask = prompt_mask_BxP.astype(jnp.bool_)
 
         def attend(q, ck, cv, i):
-            return _attend_shared_prompt_decode(
+            return attention.attend_shared_prompt_decode(
                 q, prompt_cache.k, prompt_cache.v, ck, cv, pmask, write_index, i
             )
 

@@ -25,10 +25,10 @@ import chex
 import jax
 import jax.numpy as jnp
 
+from mmr_jax.models import attention, layers
 from mmr_jax.models import decoder as decoder_lib
-from mmr_jax.models import layers
 
-_MASK_VALUE = decoder_lib._MASK_VALUE  # finite: fully masked rows give a uniform softmax, not NaN
+_MASK_VALUE = attention.MASK_VALUE  # finite: fully masked rows give a uniform softmax, not NaN
 
 
 def attend_completions(
@@ -70,7 +70,7 @@ def _block(block, xp, xc, rope_p, rope_c, mask_p, pmask, own, disable_lora, key)
     kp, kc = decoder_lib._split_key(key, 0), decoder_lib._split_key(key, 1)
     qp, k_p, v_p = attn.qkv(block.input_layernorm(xp), *rope_p, disable_lora=disable_lora, key=kp)
     qc, k_c, v_c = attn.qkv(block.input_layernorm(xc), *rope_c, disable_lora=disable_lora, key=kc)
-    op = decoder_lib._attend(qp, k_p, v_p, mask_p)  # the prompts alone: the full-row attention
+    op = attention.attend(qp, k_p, v_p, mask_p)  # the prompts alone: the full-row attention
     oc = attend_completions(qc, k_p, v_p, k_c, v_c, pmask, own)
     xp = xp + attn.out(op, disable_lora=disable_lora, key=kp)
     xc = xc + attn.out(oc, disable_lora=disable_lora, key=kc)

@@ -56,6 +56,7 @@ class EmbeddedEngine:
     ):
         self.model = model
         self.compact = compact
+        self.last_loop_stats = sampler.LoopStats()
         self.mesh = mesh
         if mesh is not None:  # Once here, not a copy of the weights per call.
             from mmr_jax.models import sharding
@@ -88,6 +89,7 @@ class EmbeddedEngine:
         self, prompt_ids: Sequence[Sequence[int]], params: base.SamplingParams, *, first_row=0
     ) -> base.RolloutBatch:
         seed = self.next_seed()
+        self.last_loop_stats = sampler.LoopStats()  # what this call's decode loops did
         return sampler.sample(
             self.model,
             [list(map(int, p)) for p in prompt_ids],
@@ -100,6 +102,7 @@ class EmbeddedEngine:
             mesh=self.mesh,
             compact=self.compact,
             first_row=first_row,
+            stats=self.last_loop_stats,
         )
 
     def sync_weights(self, model: nnx.Module, *, version: int) -> None:

@@ -27,15 +27,8 @@ log softmax(logits / temperature)[token] *before* the top-k/top-p truncation (te
 greedy): the quantity the trainer recomputes, so on-policy ratios are exactly 1 with top_p = 1 and
 top_k = 0. (vLLM's `processed_logprobs` are renormalised after truncation; equal when it is off.)
 
-Compaction. A loop runs until every row is done, so a few long completions keep every row
-decoding: early in training (completions of ~9 tokens, a few of 32) most of the loop's steps
-were spent on finished rows. The loop therefore also exits once at most half of its rows are
-live; those rows go on alone in a loop half the size (`_compact`: each takes its own copy of
-its prompt's cache, its keys, own cache and outputs so far; `_continue`), and again, down to 4
-rows, so a call compiles at most log2(R / 4) extra loops, each once per shape. (SmolLM2 decode
-step at 32 rows 121 ms, at 8 rows 60 ms; halving, not quartering, gave 1.22x on the CPU
-default's rollouts against 1.03x: `scripts/bench_rollout.py`.) Rows keep their random keys, so
-the tokens are those of the uncompacted loop (`compact=False`), up to float rounding.
+Compaction. The first loop also exits once at most half its rows are still decoding; the live
+rows go on alone in smaller loops (`decode_loop`, which explains it).
 
 Randomness. Row r of a call with seed s draws from fold_in(fold_in(key(s), r), t) at step t, so a
 completion depends on (seed, prompt index, sample index) and not on the padding buckets.
@@ -52,155 +45,34 @@ Compiles. Shapes are bucketed (prompt count and number of stop ids to powers of 
 and new tokens to 2^k or 1.5 * 2^k) and every sampling value, max_new_tokens included, is a traced
 scalar; the static choices are n, greedy or not, and whether top-k/top-p filtering is on. The
 prefill compiles per (Bp, P, packed rows).
-`trace_count()` (decode) and `prefill_trace_count()` count traces for tests;
-`last_decode_steps()` tells how many steps the last call's loop ran.
+`trace_count()` (decode) and `prefill_trace_count()` count compiled programs (from JAX's jit
+caches) for tests; `sample(..., stats=LoopStats())` tells how many steps a call's loops ran.
 """
 
 from __future__ import annotations
 
 import functools
 
-import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from mmr_jax.models import kv_cache, sharding
-from mmr_jax.rollout import base, layout
+from mmr_jax.rollout import base, decode_loop, layout
 
-_TRACES = {"generate": 0, "prefill": 0}
-_LAST = {"decode_steps": 0, "loop_rows": ()}
+LoopStats = decode_loop.LoopStats
 
 
 def trace_count() -> int:
-    """How many times the jitted generate function has been traced (= compiled) in this process."""
-    return _TRACES["generate"]
-
-
-def last_decode_steps() -> int:
-    """Decode steps the last `sample` call ran (the most on any device): shows the early exit."""
-    return _LAST["decode_steps"]
-
-
-def last_loop_rows() -> tuple[int, ...]:
-    """Rows of each decode loop the last `sample` call ran (more than one: it compacted)."""
-    return _LAST["loop_rows"]
+    """Decode-loop programs compiled in this process (JAX's jit caches of the first loop and the
+    compacted ones): a repeated call with the same shapes adds none."""
+    return _generate._cache_size() + decode_loop.resume._cache_size()
 
 
 def prefill_trace_count() -> int:
-    """How many times the jitted packed prefill has been traced (= compiled) in this process."""
-    return _TRACES["prefill"]
-
-
-_FILTER_CANDIDATES = 256  # tokens the nucleus is looked for in before a full sort
-
-
-def filter_top_k_top_p(logits_RxV: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
-    """Masks (to -inf) tokens outside the top-k, then outside the top-p nucleus of what is left.
-
-    `top_k` 0 = off; `top_p` 1 = off. Ties at a threshold are kept. logits [R, V] -> [R, V].
-
-    The same as `filter_top_k_top_p_sorted` (the definition), without sorting the vocabulary on
-    every decode step (at R=128, V=49152 on CPU the sort took ~1.2 s, top_k(256) ~20 ms): the
-    threshold is found among the `_FILTER_CANDIDATES` largest logits, with the normaliser over all
-    V (or the top-k) taken directly, and the batch falls back to the full sort when some row's
-    nucleus or top-k may reach beyond them.
-    """
-    v = logits_RxV.shape[-1]
-    c = min(_FILTER_CANDIDATES, v)
-    # XLA:CPU keeps TopK fast only when its result is reduced, not sliced (a slice of it turned
-    # the whole filter into a ~1 s sort here): positions are picked with masks, not indexing.
-    desc = jax.lax.top_k(logits_RxV, c)[0]  # [R, C], the C largest in descending order
-    pos = jnp.arange(c)[None, :]
-    k = jnp.where(top_k > 0, jnp.minimum(top_k, v), v)
-    in_k = pos < k
-    # softmax over the top-k set: when k <= C it is inside desc; when top-k is off, all of V.
-    top = jnp.max(logits_RxV, axis=-1, keepdims=True)
-    norm = jnp.where(
-        k <= c,
-        jnp.sum(jnp.where(in_k, jnp.exp(desc - top), 0.0), axis=-1, keepdims=True),
-        jnp.sum(jnp.exp(logits_RxV - top), axis=-1, keepdims=True),
-    )
-    probs = jnp.where(in_k, jnp.exp(desc - top) / norm, 0.0)
-    mass_before = jnp.cumsum(probs, axis=-1) - probs
-    keep = (in_k & (mass_before < top_p)) | (pos == 0)
-    # Exact when the top-k lies within the candidates, or top-k is off and the nucleus ends
-    # before the last candidate; otherwise the sort decides, for the whole batch (rare).
-    k_inside = (top_k > 0) & (top_k <= c)
-    exact = k_inside | ((top_k == 0) & ~(keep & (pos == c - 1)).any())
-    threshold = jnp.min(jnp.where(keep, desc, jnp.inf), axis=-1, keepdims=True)
-    fast = jnp.where(logits_RxV >= threshold, logits_RxV, -jnp.inf)
-    if c == v:
-        return fast
-    return jax.lax.cond(
-        exact, lambda: fast, lambda: filter_top_k_top_p_sorted(logits_RxV, top_k, top_p)
-    )
-
-
-def filter_top_k_top_p_sorted(
-    logits_RxV: jax.Array, top_k: jax.Array, top_p: jax.Array
-) -> jax.Array:
-    """`filter_top_k_top_p` by a full sort of each row: the definition, and its fallback."""
-    v = logits_RxV.shape[-1]
-    desc = -jnp.sort(-logits_RxV, axis=-1)
-    k = jnp.where(top_k > 0, jnp.minimum(top_k, v), v)
-    in_k = jnp.arange(v)[None, :] < k
-    desc = jnp.where(in_k, desc, -jnp.inf)
-    probs = jax.nn.softmax(desc, axis=-1)
-    mass_before = jnp.cumsum(probs, axis=-1) - probs
-    keep = in_k & (mass_before < top_p)
-    keep = keep.at[:, 0].set(True)
-    threshold = jnp.min(jnp.where(keep, desc, jnp.inf), axis=-1, keepdims=True)
-    return jnp.where(logits_RxV >= threshold, logits_RxV, -jnp.inf)
-
-
-_CDF_BLOCK = 128
-
-
-def categorical(keys_R: jax.Array, logits_RxV: jax.Array) -> jax.Array:
-    """One token per row from softmax(logits) by inverse-CDF sampling: [R] keys, [R, V] -> [R].
-
-    `jax.random.categorical` draws V Gumbel variates per row; at R=128, V=49152 on CPU that is
-    a large part of a SmolLM2 decode step (about 140 of 520 ms). This draws one uniform per row
-    (as torch's multinomial does) and finds where it falls in the CDF in two levels, the sums of
-    blocks of 128 tokens and then the cumulative sum inside the chosen block, so no cumsum over the
-    whole vocabulary is needed either. Tokens with logit -inf are never drawn: the chosen index
-    always has p > 0 (see the clamps below), whatever the rounding.
-    """
-    r, v = logits_RxV.shape
-    nb = -(-v // _CDF_BLOCK)
-    logits = jnp.pad(logits_RxV, ((0, 0), (0, nb * _CDF_BLOCK - v)), constant_values=-jnp.inf)
-    top = jnp.max(logits, axis=-1, keepdims=True)
-    p_RxNBxK = jnp.exp(logits - top).reshape(r, nb, _CDF_BLOCK)
-    block_cdf = jnp.cumsum(jnp.sum(p_RxNBxK, axis=-1), axis=-1)  # [R, NB]
-    # u in (0, 1], so the target is > 0 and <= the last CDF value: some block reaches it.
-    u = 1.0 - jax.vmap(jax.random.uniform)(keys_R)
-    target = u * block_cdf[:, -1]
-    b = jnp.minimum(jnp.sum(block_cdf < target[:, None], axis=-1), nb - 1)
-    before = jnp.where(b > 0, jnp.take_along_axis(block_cdf, (b - 1)[:, None], -1)[:, 0], 0.0)
-    # block_cdf rose at b (it passed the target there), so block b holds some p > 0.
-    p_RxK = jnp.take_along_axis(p_RxNBxK, b[:, None, None], axis=1)[:, 0]
-    inner = jnp.sum(jnp.cumsum(p_RxK, axis=-1) < (target - before)[:, None], axis=-1)
-    # The first index whose running sum reaches the rest of the target has p > 0; rounding can
-    # carry the count past the block's last token with p > 0, so clamp to that one.
-    last_nonzero = jnp.max(jnp.where(p_RxK > 0, jnp.arange(_CDF_BLOCK), -1), axis=-1)
-    return (b * _CDF_BLOCK + jnp.minimum(inner, last_nonzero)).astype(jnp.int32)
-
-
-def _sample_step(logits_RxV, keys_R, temperature, top_k, top_p, *, greedy, use_filter):
-    """Next token [R] and its log-prob [R] under log softmax(logits / temperature)."""
-    if greedy:
-        tok = jnp.argmax(logits_RxV, axis=-1).astype(jnp.int32)
-        logp_all = jax.nn.log_softmax(logits_RxV, axis=-1)
-    else:
-        scaled = logits_RxV / temperature
-        logp_all = jax.nn.log_softmax(scaled, axis=-1)
-        if use_filter:
-            scaled = filter_top_k_top_p(scaled, top_k, top_p)
-        tok = categorical(keys_R, scaled)
-    logp = jnp.take_along_axis(logp_all, tok[:, None], axis=-1)[:, 0]
-    return tok, logp
+    """Packed-prefill programs compiled in this process (JAX's jit cache)."""
+    return _prefill._cache_size()
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "cache_sharding"))
@@ -215,7 +87,6 @@ def _prefill(
     `cache_sharding`: where the prompt cache goes (its prompt axis 1 split as the prompts' batch
     sharding: `cache_sharding(mesh)`), or None.
     """
-    _TRACES["prefill"] += 1
     model = nnx.merge(graphdef, state)
     rows, w = tokens_RxW.shape
     packed = kv_cache.split(model.init_cache(rows, w))
@@ -268,27 +139,6 @@ def _weight_major_kernels(graphdef, state):
     return nnx.merge(graphdef, state).weight_major_kernels()
 
 
-@flax.struct.dataclass
-class _Rows:
-    """The decode loop's state: its rows, their prompts' cache and how far they got.
-
-    Rows r = b * n + i read prompt b of `prompt_cache` / `prompt_mask` (n static, passed beside).
-    `cache` is the rows' own (split, N slots); `cur` each row's next input; `t` the next slot.
-    """
-
-    prompt_cache: kv_cache.KVCache
-    prompt_mask: jax.Array  # [B, P] bool, slot P - 1 off (the last prompt token is an input)
-    lengths: jax.Array  # [R] int32 prompt lengths
-    row_keys: jax.Array  # [R] PRNG keys
-    t: jax.Array  # () int32
-    cache: kv_cache.KVCache
-    cur: jax.Array  # [R] int32
-    done: jax.Array  # [R] bool
-    stopped: jax.Array  # [R] bool
-    toks: jax.Array  # [R, N] int32
-    logps: jax.Array  # [R, N] float32
-
-
 @functools.partial(
     jax.jit,
     static_argnames=("graphdef", "n", "num_new", "greedy", "use_filter", "mesh", "keep_rows"),
@@ -296,7 +146,7 @@ class _Rows:
 def _generate(graphdef, *arrays, n, num_new, greedy, use_filter, mesh=None, keep_rows=False):
     """Decodes against the prompt cache (from `_prefill`); -> tokens [R, N] int32, logps [R, N]
     f32, stopped [R] bool (hit a stop id) and the decode steps run, [devices] int32, and with
-    `keep_rows` the loop's `_Rows` (to compact and continue; single device only).
+    `keep_rows` the loop's `decode_loop.Rows` (to compact and continue; single device only).
 
     `arrays` are `_decode`'s, in its order: the state and the weight-major kernels (or None),
     five per-prompt or per-row arrays (split over the mesh), seven scalars and the stop ids
@@ -306,7 +156,6 @@ def _generate(graphdef, *arrays, n, num_new, greedy, use_filter, mesh=None, keep
     rows are done, and no collective at all. (Under plain sharding propagation the CPU attention
     kernel, an FFI call XLA cannot split, would gather every row onto every device.)
     """
-    _TRACES["generate"] += 1
     decode = functools.partial(
         _decode, graphdef, n=n, num_new=num_new, greedy=greedy, use_filter=use_filter
     )
@@ -355,7 +204,7 @@ def _decode(
     bp, _ = prompts_BxP.shape
     r = bp * n
     lengths_B = prompt_mask_BxP.sum(-1).astype(jnp.int32)
-    rows = _Rows(
+    rows = decode_loop.Rows(
         prompt_cache=prompt_cache,
         # Slot P - 1 is not in the prompt cache: the last prompt token is each row's first input.
         prompt_mask=prompt_mask_BxP.at[:, -1].set(False),
@@ -370,84 +219,10 @@ def _decode(
         logps=jnp.zeros((r, num_new), jnp.float32),
     )
     sampling = (temperature, top_k, top_p, stop_ids)
-    rows = _loop(model, kernels_t, rows, max_new_tokens, min_live, sampling, greedy, use_filter)
-    return rows.toks, rows.logps, rows.stopped, rows.t[None], rows
-
-
-def _loop(model, kernels_t, rows, max_new_tokens, min_live, sampling, greedy, use_filter):
-    """The decode `while_loop` from `rows.t` until every row is done or at most `min_live` are
-    still decoding (`min_live` 0: to the end). Rows are grouped n = R / B per prompt; `sampling`
-    is (temperature, top_k, top_p, stop_ids)."""
-    temperature, top_k, top_p, stop_ids = sampling
-
-    def cond(rows):
-        live = jnp.sum(~rows.done)
-        return (rows.t < max_new_tokens) & (live > 0) & (live > min_live)
-
-    def body(rows):
-        t = rows.t
-        logits, cache = model.forward_cached_shared_prompt(
-            rows.cur[:, None],
-            (rows.lengths - 1 + t)[:, None],
-            rows.prompt_cache,
-            rows.cache,
-            write_index=t,
-            prompt_mask_BxP=rows.prompt_mask,
-            kernels_t=kernels_t,
-        )
-        keys = jax.vmap(lambda k: jax.random.fold_in(k, t))(rows.row_keys)
-        tok, logp = _sample_step(
-            logits[:, 0], keys, temperature, top_k, top_p, greedy=greedy, use_filter=use_filter
-        )
-        live = ~rows.done
-        hit = live & jnp.any(tok[:, None] == stop_ids[None, :], axis=-1)
-        return rows.replace(
-            t=t + 1,
-            cache=cache,
-            cur=tok,
-            toks=rows.toks.at[:, t].set(jnp.where(live, tok, 0)),
-            logps=rows.logps.at[:, t].set(jnp.where(live, logp, 0.0)),
-            stopped=rows.stopped | hit,
-            done=rows.done | hit | (t + 1 >= max_new_tokens),
-        )
-
-    return jax.lax.while_loop(cond, body, rows)
-
-
-@functools.partial(jax.jit, static_argnames=("n",))
-def _compact(rows: _Rows, keep_S, real_S, *, n: int) -> _Rows:
-    """The rows `keep_S` of `rows` (S of them), each with its own copy of its prompt's cache, so
-    the result has one row per prompt (n = 1); rows where `real_S` is False are padding (done).
-
-    Row r keeps its keys, own cache and outputs so far, so it continues exactly as it would have.
-    """
-    prompt_of = keep_S // n
-    take = functools.partial(jnp.take, indices=keep_S, axis=0)
-    return _Rows(
-        prompt_cache=jax.tree.map(  # caches are [L, rows, ...]: rows are axis 1
-            functools.partial(jnp.take, indices=prompt_of, axis=1), rows.prompt_cache
-        ),
-        prompt_mask=jnp.take(rows.prompt_mask, prompt_of, axis=0),
-        lengths=take(rows.lengths),
-        row_keys=rows.row_keys[keep_S],
-        t=rows.t,
-        cache=jax.tree.map(functools.partial(jnp.take, indices=keep_S, axis=1), rows.cache),
-        cur=take(rows.cur),
-        done=take(rows.done) | ~real_S,
-        stopped=take(rows.stopped) & real_S,
-        toks=take(rows.toks),
-        logps=take(rows.logps),
+    rows = decode_loop.run(
+        model, kernels_t, rows, max_new_tokens, min_live, sampling, greedy, use_filter
     )
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef", "greedy", "use_filter"))
-def _continue(
-    graphdef, state, kernels_t, rows, max_new_tokens, min_live, sampling, *, greedy, use_filter
-):
-    """The decode loop resumed on compacted `rows` (one row per prompt); `sampling` as `_loop`'s."""
-    _TRACES["generate"] += 1
-    model = nnx.merge(graphdef, state)
-    return _loop(model, kernels_t, rows, max_new_tokens, min_live, sampling, greedy, use_filter)
+    return rows.toks, rows.logps, rows.stopped, rows.t[None], rows
 
 
 def sample(
@@ -463,6 +238,7 @@ def sample(
     mesh: jax.sharding.Mesh | None = None,
     compact: bool = True,
     first_row: int = 0,
+    stats: LoopStats | None = None,
 ) -> base.RolloutBatch:
     """Samples `params.n` completions for each prompt with a `Decoder`; see the module docstring.
 
@@ -483,6 +259,7 @@ def sample(
         (module docstring, "Compaction"); single device only. The tokens do not depend on it.
       first_row: row index (for the random keys) of the first prompt's first sample: a process
         sampling its share of a batch passes its offset, so it draws what one process would.
+      stats: a `LoopStats` to fill with what the decode loops did (tests, benchmarks).
     Returns:
       A `RolloutBatch` with T = the longest completion.
     """
@@ -548,7 +325,7 @@ def sample(
         rows(row_ids < num_prompts * n),
         scalar(np.uint32((params.seed if params.seed is not None else seed) % 2**32)),
         max_new,
-        scalar(np.int32(_min_live(size) if compacting else 0)),
+        scalar(np.int32(decode_loop.min_live(size) if compacting else 0)),
         *sampling,
         n=n,
         num_new=num_new,
@@ -556,10 +333,11 @@ def sample(
         keep_rows=compacting,
         **static,
     )
-    _LAST["loop_rows"] = (size,)
+    stats = LoopStats() if stats is None else stats
+    stats.loop_rows = (size,)
     if not compacting:
         toks, logps, stopped, steps = out
-        _LAST["decode_steps"] = int(np.max(steps))
+        stats.decode_steps = int(np.max(steps))
         return _to_batch(
             np.asarray(toks),
             np.asarray(logps),
@@ -570,54 +348,16 @@ def sample(
             stops,
             pad_id,
         )
-    state_rows = out[4]
-    toks = np.zeros((size, num_new), np.int32)
-    logps = np.zeros((size, num_new), np.float32)
-    stopped = np.zeros((size,), bool)
-    origin = np.arange(size)  # the original row of each current row (-1: padding)
-    group = n
-    while True:
-        done = np.asarray(state_rows.done)
-        real = origin >= 0
-        toks[origin[real]] = np.asarray(state_rows.toks)[real]
-        logps[origin[real]] = np.asarray(state_rows.logps)[real]
-        stopped[origin[real]] = np.asarray(state_rows.stopped)[real]
-        if done.all():  # (a loop that reached max_new_tokens marked every row done)
-            break
-        # At most _min_live(size) rows are live: go on with them alone, in half as many rows.
-        live = np.flatnonzero(~done)
-        size = _compacted_size(size)
-        keep = np.full((size,), live[0], np.int32)
-        keep[: len(live)] = live
-        state_rows = _compact(
-            state_rows, jnp.asarray(keep), jnp.asarray(np.arange(size) < len(live)), n=group
+    stats.decode_steps, state_rows = int(out[3][0]), out[4]
+
+    def resume_loop(rows, min_live):
+        min_live = scalar(np.int32(min_live))
+        return decode_loop.resume(
+            graphdef, state, kernels_t, rows, max_new, min_live, sampling, **static
         )
-        origin = np.where(np.arange(size) < len(live), origin[keep], -1)
-        group = 1
-        _LAST["loop_rows"] += (size,)
-        min_live = scalar(np.int32(_min_live(size)))
-        state_rows = _continue(
-            graphdef, state, kernels_t, state_rows, max_new, min_live, sampling, **static
-        )
-    _LAST["decode_steps"] = int(state_rows.t)
+
+    toks, logps, stopped = decode_loop.finish_compacting(state_rows, resume_loop, n=n, stats=stats)
     return _to_batch(toks, logps, stopped, num_prompts, n, params.max_new_tokens, stops, pad_id)
-
-
-_COMPACT_FACTOR = 2  # rows halve at each compaction
-# No loop below 4 rows: each shape compiles once (seconds, for SmolLM2 on 2 cores), and below a few
-# rows a decode step costs about the same (reading the weights), so smaller ones do not repay it.
-_MIN_COMPACT_ROWS = 4
-
-
-def _compacted_size(rows: int) -> int:
-    return max(min(rows, _MIN_COMPACT_ROWS), rows // _COMPACT_FACTOR)
-
-
-def _min_live(rows: int) -> int:
-    """Live rows at or below which a loop of `rows` rows hands over to a compacted one (0: never,
-    when the compacted loop would not be smaller)."""
-    smaller = _compacted_size(rows)
-    return smaller if smaller < rows else 0
 
 
 def _to_batch(toks, logps, stopped, num_prompts, n, max_new, stops, pad_id) -> base.RolloutBatch:
