@@ -1,0 +1,73 @@
+"""The compiled dry run: the real train and decode steps compiled for a mesh of virtual devices.
+
+Runs in a fresh process (the virtual device count is set before JAX starts). What XLA reports as
+each device's arguments must equal the bytes of the shards the arguments' shardings give, summed
+independently here: parameters, optimiser state and batch split over the mesh, as the trainer
+places them (a replicated optimiser state, say, would show as 4x its share).
+"""
+
+from __future__ import annotations
+
+import json
+import textwrap
+
+import pytest
+
+from support import testing
+
+pytest.importorskip("transformers")
+
+_SCRIPT = textwrap.dedent(
+    """
+    import json, math, sys
+    import jax
+    jax.config.update("jax_num_cpu_devices", 4)
+    import numpy as np
+    from configs import grpo
+    from mmr_jax import compiled_dry_run, config_types
+
+    c = grpo.get_config("smoke")
+    c.model.path = sys.argv[1]
+    c.model.remat = "full"
+    c.batch.prompts, c.batch.generations = 4, 2
+    c.batch.max_prompt_len, c.batch.max_completion_len = 16, 8
+    c.loss.minibatches = 1
+    c.mesh.shape = (1, 4, 1)
+    cfg = config_types.from_config_dict(c)
+    mesh = compiled_dry_run.config_mesh(cfg)
+
+    def shard_bytes(tree):
+        total = 0
+        for x in jax.tree.leaves(tree):
+            shape = x.sharding.shard_shape(x.shape)
+            total += math.prod(shape) * np.dtype(x.dtype).itemsize
+        return total
+
+    out = {}
+    for remat in ("none", "full"):
+        fn, args = compiled_dry_run.train_step_program(cfg, mesh, remat=remat)
+        got = compiled_dry_run.compile_train_step(cfg, mesh, remat=remat)
+        out[remat] = dict(args=got.argument_bytes, temp=got.temp_bytes, want=shard_bytes(args),
+                          replicated=sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(args)))
+    fn, args = compiled_dry_run.decode_step_program(cfg, mesh)
+    got = compiled_dry_run.compile_decode_step(cfg, mesh)
+    out["decode"] = dict(args=got.argument_bytes, want=shard_bytes(args), alias=got.alias_bytes)
+    print("RESULT", json.dumps(out))
+    """
+)
+
+
+def test_compiled_steps_hold_the_shards_their_shardings_give(tmp_path):
+    ckpt = testing.make_tiny_checkpoint(tmp_path / "ckpt", tokenizer=False, vocab_size=384)
+    proc = testing.run_in_fresh_jax(_SCRIPT, str(ckpt))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
+    out = json.loads(line[len("RESULT ") :])
+    for remat in ("none", "full"):
+        r = out[remat]
+        assert r["args"] == r["want"], r
+        assert r["want"] < r["replicated"] / 2  # sharded, not replicated
+    # Keeping each layer's input only (full) holds less for the backward pass than everything.
+    assert out["full"]["temp"] < out["none"]["temp"], out
+    assert out["decode"]["args"] == out["decode"]["want"]
+    assert out["decode"]["alias"] > 0  # the rows' cache is donated: updated in place
