@@ -199,6 +199,28 @@ def table(results: dict[str, dict], warmup: int) -> tuple[str, dict]:
     return "\n".join(lines), summary
 
 
+def whole_run(results: dict[str, dict]) -> dict[str, dict]:
+    """Per side, the mean step over whole runs (first steps, compilation, included), pooled over
+    rounds, and TRL's over it: what a user's short experiment sees."""
+    out = {}
+    for side, r in results.items():
+        steps = [t for run in r["rounds"] for t in run["step_s"]]
+        out[side] = {"whole_run_mean_s": statistics.mean(steps)}
+    trl = out.get("trl", {}).get("whole_run_mean_s")
+    for w in out.values():
+        w["trl_over_side_whole_run"] = trl / w["whole_run_mean_s"] if trl else None
+    return out
+
+
+def format_whole_run(whole: dict[str, dict]) -> str:
+    lines = ["whole runs, every step counted (mean s/step, TRL/side):"]
+    for side, w in whole.items():
+        ratio = w["trl_over_side_whole_run"]
+        shown = f"{ratio:.2f}x" if ratio else "-"
+        lines.append(f"  {side:<11} {w['whole_run_mean_s']:8.2f} {shown:>8}")
+    return "\n".join(lines)
+
+
 # ----- the sides, each in its own process ---------------------------------------------------------
 
 
@@ -401,9 +423,12 @@ def main(argv=None) -> None:
     if not done:
         sys.exit("no side completed a run")
     text, summary = table(done, warmup=0)
+    whole = whole_run(done)
+    for side, w in whole.items():
+        summary[side].update(w)
     print(
         f"\n{args.config}, {args.steps} steps x {args.rounds} rounds, first {args.warmup} "
-        f"of each untimed; load {os.getloadavg()}\n{text}"
+        f"of each untimed; load {os.getloadavg()}\n{text}\n{format_whole_run(whole)}"
     )
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:

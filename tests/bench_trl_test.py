@@ -96,6 +96,18 @@ def test_summary_table_medians_and_ratio():
         bench.summarize([1.0, 2.0], warmup=2)
 
 
+def test_whole_run_counts_every_step_of_every_round():
+    # Two rounds each: TRL's steps average 10 and 6 (mean 8); ours 30 (a compile) then 2s.
+    results = {
+        "trl": {"rounds": [{"step_s": [12.0, 8.0]}, {"step_s": [6.0, 6.0]}]},
+        "ours": {"rounds": [{"step_s": [30.0, 2.0]}, {"step_s": [2.0, 2.0]}]},
+    }
+    whole = bench.whole_run(results)
+    assert whole["trl"]["whole_run_mean_s"] == 8.0 and whole["ours"]["whole_run_mean_s"] == 9.0
+    assert whole["ours"]["trl_over_side_whole_run"] == pytest.approx(8.0 / 9.0)
+    assert "0.89x" in bench.format_whole_run(whole)
+
+
 def test_read_our_metrics_orders_steps_and_rejects_gaps(tmp_path):
     rows = [
         {
