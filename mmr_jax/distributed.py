@@ -207,8 +207,11 @@ def collective_seconds() -> float:
     return spent
 
 
-def allgather(x: np.ndarray) -> np.ndarray:
-    """[P, ...]: `x` (same shape and dtype on every process) of every process, in process order."""
+def allgather(x: np.ndarray, *, timed: bool = True) -> np.ndarray:
+    """[P, ...]: `x` (same shape and dtype on every process) of every process, in process order.
+
+    `timed`: count the call in `collective_seconds` (a gather queued behind a train step in flight
+    waits for it: not collective time)."""
     if jax.process_count() == 1:
         return np.asarray(x)[None]
     from jax.experimental import multihost_utils
@@ -219,7 +222,7 @@ def allgather(x: np.ndarray) -> np.ndarray:
     except Exception as e:  # a dead peer closes its gloo connections: a named error, not a hang
         raise _peer_error(e) from e
     finally:
-        _COLLECTIVE_S[0] += time.perf_counter() - t0
+        _COLLECTIVE_S[0] += (time.perf_counter() - t0) if timed else 0.0
 
 
 _LOST_PEER = ("Gloo", "Connection closed", "Connection reset", "heartbeat", "Barrier failed")
@@ -427,7 +430,7 @@ def reduce_metrics(metrics: Mapping[str, float]) -> dict[str, float]:
         return dict(metrics)
     keys = sorted(metrics)
     exact = np.array([float(metrics[k]) for k in keys], np.float64).view(np.int32)  # no x64 cast
-    values = allgather(exact).view(np.float64)
+    values = allgather(exact, timed=False).view(np.float64)  # runs behind the next train step
     return {
         k: float(values[:, i].max() if k.startswith("time/") else values[:, i].mean())
         for i, k in enumerate(keys)
