@@ -21,7 +21,7 @@ class ModelConfig:
     dtype: str = "bfloat16"
     param_dtype: str = "float32"
     remat: str = "full"  # remat policy of the scanned layer (models.config.REMAT_POLICIES)
-    logprob_chunk: int = 0
+    logprob_chunk: int = 512
 
     def __post_init__(self):
         # Configs stored before policies had names say True / False (= full / none).
