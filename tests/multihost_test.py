@@ -383,6 +383,18 @@ class TestFaults:
         _ok(_run(cfg, work, processes=1, devices=2))  # 2 -> 1 processes, same checkpoint
         _assert_same(_metrics(one), _metrics(work))
 
+    def test_resume_one_to_two(self, tmp_path, grpo_reference):
+        """A 1-process run killed in step 3 resumes on 2 processes with the reference metrics."""
+        cfg, one = grpo_reference
+        work = tmp_path / "w"
+        procs = multihost.launch(
+            cfg, work, processes=1, devices=2, per_process_env=[{faults.ENV: "train:3"}]
+        )
+        assert procs[0].wait(timeout=900) == -9
+        assert [r["step"] for r in _metrics(work)] == [1, 2]
+        _ok(_run(cfg, work, processes=2, devices=1))  # 1 -> 2 processes, same checkpoint
+        _assert_same(_metrics(one), _metrics(work))
+
     def test_killed_coordinator_bounded_exit(self, tmp_path, grpo_reference):
         """Process 0 (which runs the coordinator) dies in step 2's update: process 1 stops within
         the bound, by PeerLostError or by JAX's own fatal error (its coordination service is
