@@ -351,6 +351,12 @@ class TestContract:
                 "rewards.weights": {"test_target": 1.0, "test_target_even": 0.0},
                 "dynamic_sampling.filter_reward": "test_target_even",
                 "dynamic_sampling.max_generation_batches": 4,
+                # Evaluation at the last step over 5 held-out problems: shares of 3 and 2.
+                "eval.every": 3,
+                "eval.source": build.ARITHMETIC,
+                "eval.arithmetic_problems": 5,
+                "eval.n": 2,
+                "eval.max_new_tokens": 8,
             },
         )
         assert cfg["dynamic_sampling"]["enabled"]
@@ -359,6 +365,7 @@ class TestContract:
         a = _check_contract(cfg, one, tmp_path / "two")
         assert any(r["dynamic_sampling/dropped_frac"] > 0 for r in a)  # the retry loop ran
         assert any(r["dynamic_sampling/generation_batches"] > 1 for r in a)
+        assert "eval/heldout/pass@1" in a[-1]  # compared with the rest
 
 
 @pytest.mark.slow
