@@ -177,6 +177,11 @@ def main():
     )
     ap.add_argument("--workdir", default="/tmp/bench_compile_run", help="for --train_run")
     args = ap.parse_args()
+    from mmr_jax import compile_cache
+
+    # As scripts/train.py compiles on a CPU host (LLVM level 1), without the on-disk cache: every
+    # program here is compiled, none loaded.
+    compile_cache.cpu_compile_flag()
     if args.train_run:
         out = bench_run(args.train_run, args.workdir)
         parts = ", ".join(f"{k} {v:.1f} s" for k, v in out["compile_parts_s"].items())
