@@ -139,3 +139,19 @@ def test_decoder_lowers_to_the_kernel_on_cpu_only_for_fp32():
     as_bf16 = [jnp.asarray(a, jnp.bfloat16) for a in args[:5]]
     hlo_bf16 = jax.jit(step).lower(*as_bf16, args[5]).as_text()
     assert decode_attention.TARGET not in hlo_bf16
+
+
+def test_not_built_or_used_off_the_cpu(monkeypatch):
+    # On a GPU or TPU host the kernel is neither built (no g++ run) nor used.
+    def build_attempt():
+        raise AssertionError("the CPU kernel was built on a non-CPU host")
+
+    monkeypatch.setattr(decode_attention, "available", build_attempt)
+    monkeypatch.setattr(decode_attention.jax, "default_backend", lambda: "gpu")
+    assert decode_attention.usable() is False
+    b, n, kh, g, d, p, s, lengths = CASES["smollm2_like"]
+    q, *caches, pmask = _inputs(5, b, n, kh, g, d, p, s, lengths)
+    args = [q, *(c[None] for c in caches), pmask]
+    out = attention.attend_shared_prompt_decode(*args, jnp.int32(3), jnp.int32(0))
+    want = _reference(q, *caches, pmask, 4)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want), atol=TOL, rtol=TOL)
