@@ -355,6 +355,17 @@ def load_config_file(spec: str):
     return module.get_config(arg) if arg else module.get_config()
 
 
+def set_keys(config, values: Mapping[str, Any]):
+    """Sets dotted keys ('checkpoint.every') of a ConfigDict in place; returns it."""
+    for key, value in values.items():
+        *sections, leaf = key.split(".")
+        node = config
+        for section in sections:
+            node = node[section]
+        node[leaf] = value
+    return config
+
+
 def check_override_keys(argv, flag_name: str = "config") -> None:
     """Raises `UnknownKeyError` naming the valid keys when a `--config.a.b=v` path does not exist.
 

@@ -36,23 +36,11 @@ MODELS = {
 
 
 def _load_config(path: str, **overrides):
-    """The config file's TrainConfig; `overrides` set keys first ('checkpoint__every' for
-    checkpoint.every)."""
-    import importlib.util
-
+    """The config file's TrainConfig, dotted `overrides` keys set first."""
     from mmr_jax import config_types
 
-    spec = importlib.util.spec_from_file_location("bench_config", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    config = module.get_config()
-    for key, value in overrides.items():
-        *sections, leaf = key.split("__")
-        node = config
-        for section in sections:
-            node = node[section]
-        node[leaf] = value
-    return config_types.from_config_dict(config)
+    config = config_types.load_config_file(path)
+    return config_types.from_config_dict(config_types.set_keys(config, overrides))
 
 
 def _random_like(args, seed=0):
@@ -72,18 +60,6 @@ def _random_like(args, seed=0):
         return jax.device_put(value, x.sharding)
 
     return jax.tree.map(make, args)
-
-
-def _timed_compile(fn, args):
-    t0 = time.perf_counter()
-    traced = fn.trace(*args)
-    t1 = time.perf_counter()
-    lowered = traced.lower()
-    t2 = time.perf_counter()
-    compiled = lowered.compile()
-    t3 = time.perf_counter()
-    temp = compiled.memory_analysis().temp_size_in_bytes
-    return compiled, {"trace_s": t1 - t0, "lower_s": t2 - t1, "compile_s": t3 - t2, "temp": temp}
 
 
 def _steady(compiled, args, steps: int, donated: tuple[int, ...]) -> float:
@@ -115,7 +91,13 @@ def bench_model(name: str, steps: int) -> list[dict]:
             else:
                 fn, args = compiled_dry_run.decode_step_program(cfg, mesh, unrolled=unrolled)
                 donated = (6,)
-            compiled, row = _timed_compile(fn, args)
+            measured, compiled = compiled_dry_run.measure(program, fn, *args)
+            row = {
+                "trace_s": measured.trace_s,
+                "lower_s": measured.lower_s,
+                "compile_s": measured.compile_s,
+                "temp": measured.temp_bytes,
+            }
             row.update(model=name, program=program, layers="unrolled" if unrolled else "scanned")
             row["steady_s"] = None
             if steps and devices == 1:
@@ -146,7 +128,8 @@ def bench_run(steps: int, workdir: str) -> dict:
 
     clock = compile_stats.CLOCK.start()
     before = clock.totals()
-    cfg = _load_config(MODELS["smollm2"][0], total_steps=steps, checkpoint__every=0, eval__every=0)
+    overrides = {"total_steps": steps, "checkpoint.every": 0, "eval.every": 0}
+    cfg = _load_config(MODELS["smollm2"][0], **overrides)
     shutil.rmtree(workdir, ignore_errors=True)
     trainer.train(cfg, workdir)
     after = clock.totals()

@@ -30,7 +30,6 @@ and ours from `time/*`. The ratio column is TRL's median over the side's median.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import pathlib
@@ -73,18 +72,9 @@ def overrides(steps: int, mmr: bool, model_path: str | None = None) -> dict:
 
 def load_config(path: str, over: dict) -> config_types.TrainConfig:
     """`path[:arg]`'s get_config(), dotted `over` keys set, converted as scripts/train.py does."""
-    path, _, arg = path.partition(":")
-    spec = importlib.util.spec_from_file_location("bench_config", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    c = module.get_config(arg or None)
-    for key, value in over.items():
-        *parents, leaf = key.split(".")
-        node = c
-        for p in parents:
-            node = node[p]
-        node[leaf] = value
-    return config_types.from_config_dict(c)
+    return config_types.from_config_dict(
+        config_types.set_keys(config_types.load_config_file(path), over)
+    )
 
 
 def _problems(cfg: config_types.TrainConfig) -> list[data.Problem]:
