@@ -695,7 +695,9 @@ def test_real_vllm_serve_lora_sync_matches_trainer_model(tiny_llama_dir, tmp_pat
             ref = sampler.sample(policy, prompts, params, stop_token_ids=(2,))
             got = engine.generate(prompts, params)
             np.testing.assert_array_equal(got.tokens, ref.tokens)
-            np.testing.assert_allclose(got.logprobs, ref.logprobs, atol=1e-3)
+            # fp32 on both sides (torch keeps TF32 off for fp32 matmuls by default): the CPU
+            # tests' tolerance (tests/vllm_server_test.py), not a looser one.
+            np.testing.assert_allclose(got.logprobs, ref.logprobs, atol=1e-4)
             assert engine.client.models() == ["tiny", f"policy-v{version}"]
 
 
