@@ -106,8 +106,28 @@ def main(argv):
     logging.info("XLA compilation cache: %s", compile_cache.enable())
     specs = study.plan(config)
     if _BASE.value:
-        result = study.base_accuracy(specs[0].cfg)
+        cfg = specs[0].cfg
+        result = study.base_accuracy(cfg)
         print(evaluation.format_table(result), flush=True)
+        lengths = {b: m["mean_length"] for b, m in result.per_benchmark.items()}
+        print(
+            "mean completion length (tokens): "
+            + ", ".join(f"{b} {v:.2f}" for b, v in lengths.items())
+        )
+        # Archived beside the study: the candidate table of a plan is read from these files.
+        name = "base_accuracy_" + cfg.data.source.replace(":", "_").replace("/", "_") + ".json"
+        out = os.path.join(config.folder, name)
+        evaluation.write_json(
+            result,
+            out,
+            model=cfg.model.path,
+            data_source=cfg.data.source,
+            n=cfg.eval.n,
+            seed=cfg.seed,
+            temperature=cfg.eval.temperature,
+            top_p=cfg.eval.top_p,
+        )
+        console.info("wrote %s", out)
         return
     if not _REPORT_ONLY.value:
         # Each run in its own process: nothing one run compiled outlives it (memory stays flat).

@@ -35,13 +35,13 @@ def test_grid_is_five_arms_by_six_seeds_seed_major():
 def test_fixed_thresholds_reach_the_report():
     c = study_v2.get_config()
     meta = study.resolved(c, study.plan(c))["study"]
-    assert meta["fixed_thresholds"] == [0.4, 0.5]
+    assert meta["fixed_thresholds"] == [0.35, 0.45]
     run = {"name": "grpo_s1", "variant": "grpo", "seed": 1, "status": "finished",
-           "curve": {"steps": [0, 4, 8], "values": [0.3, 0.45, 0.55], "train_s": [0, 1, 2],
+           "curve": {"steps": [0, 4, 8], "values": [0.3, 0.4, 0.5], "train_s": [0, 1, 2],
                      "last_step": 8}}  # fmt: skip
     s = study_report.summarise([run], {**meta, "run": ["grpo"], "compare": []})
-    assert s["per_run"]["grpo_s1"]["step_to_40"] == 4
-    assert s["per_run"]["grpo_s1"]["step_to_50"] == 8
+    assert s["per_run"]["grpo_s1"]["step_to_35"] == 4
+    assert s["per_run"]["grpo_s1"]["step_to_45"] == 8
 
 
 def test_pilot_and_warmup():
