@@ -93,6 +93,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # at least max_completion_len - 1. A packed row attends over all its tokens (memory ~ L^2
     # per head), hence the cap. Metrics batch/layout, batch/rows_per_prompt, batch/packed_len.
     c.batch.pack_max_len = 4096
+    # A step that fits a shorter packed length than one the train step is compiled for runs padded
+    # to it while the padding paid since the last compile (in steps: the padded share of each row)
+    # stays under one compile, priced in steps here (ski rental, mmr_jax/shape_reuse.py; metrics
+    # batch/packed_len_needed beside batch/packed_len). Same loss to fp32 rounding. 0 = compile
+    # every length met. On the CPU default a compile takes about one train step (time/compile).
+    c.batch.compile_price_steps = 1.0
 
     c.rollout = ml_collections.ConfigDict()
     c.rollout.engine = "embedded"  # 'embedded' (JAX sampler in-process) | 'vllm' (HTTP server)

@@ -239,3 +239,19 @@ def pack_completions(
         offsets[row, start : start + k] = np.arange(k)
         index[r, 1 : k + 1] = start + np.arange(k)
     return PackedCompletions(inputs, targets, segments, offsets, index)
+
+
+def pad_packed(packed: PackedCompletions, length: int, *, pad_id: int) -> PackedCompletions:
+    """`packed` with its rows right-padded to `length` (a longer bucket the step is compiled for,
+    `shape_reuse`): padding is segment -1 and masked, so the loss and gradients are unchanged."""
+    have = packed.inputs.shape[1]
+    if length < have:
+        raise ValueError(f"cannot pad packed rows of {have} tokens to {length}")
+    extra = [(0, 0), (0, length - have)]
+    return PackedCompletions(
+        inputs=np.pad(packed.inputs, extra, constant_values=pad_id),
+        targets=np.pad(packed.targets, extra, constant_values=pad_id),
+        segments=np.pad(packed.segments, extra, constant_values=-1),
+        offsets=np.pad(packed.offsets, extra),
+        index=packed.index,  # positions of real inputs: unchanged by padding at the end
+    )

@@ -190,12 +190,14 @@ def make_batch(
     logp_fn,
     pad_id: int,
     timings: dict,
+    packed_length=None,
 ) -> tuple[train_step.Batch, dict]:
     """Reweighting and advantages, the layout, and the ref / old log-probs the loss needs.
 
     `policy` is the run's `build.Policy`, `params` the trainable parameters of this step,
     `ref_params` the reference policy's (full fine-tune with beta > 0; else None: the base is the
-    adapters switched off), `logp_fn` the jitted `train_step.logprobs_fn`.
+    adapters switched off), `logp_fn` the jitted `train_step.logprobs_fn`. `packed_length` maps
+    the packed row length the batch needs to the one it runs at (`shape_reuse`; None: as needed).
     """
     t0 = time.perf_counter()
     reweighted, adv, lam = _advantages(cfg, groups)
@@ -210,6 +212,12 @@ def make_batch(
         ),
     )
     host = host_arrays(cfg, groups, adv, pad_id)
+    if "packed" in host:
+        needed = host["packed"].inputs.shape[1]
+        length = packed_length(needed) if packed_length is not None else needed
+        if length != needed:  # a longer length the step is compiled for: same loss, no compile
+            host["packed"] = batch_layout.pad_packed(host["packed"], length, pad_id=pad_id)
+        info["batch/packed_len_needed"] = float(needed)
     check_engine_logps(host["sampler_logps"], host["completion_mask"], cfg.rollout.engine)
     dev = experience.to_device(host)
     t = host["completion_mask"].shape[1]

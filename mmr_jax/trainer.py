@@ -30,6 +30,7 @@ from mmr_jax import (
     experience,
     faults,
     metrics,
+    shape_reuse,
     step_batch,
     train_step,
 )
@@ -58,6 +59,7 @@ class Run:
     checkpointer: checkpoint.Checkpointer
     writer: metrics.MetricWriter
     prompts_dropped: int = 0  # training problems over batch.max_prompt_len (build.load_prompts)
+    lengths: shape_reuse.LengthChooser | None = None  # packed steps, batch.reuse_compiled_lengths
 
 
 def _abstract(tree):
@@ -102,12 +104,13 @@ def setup(cfg: config_types.TrainConfig, workdir, *, overwrite: bool = False) ->
         keep_period=cfg.checkpoint.keep_period,
     )
     restored = ckpt.restore(_abstract(_ckpt_tree(state)))
-    resume_step = None
+    resume_step, lengths_state = None, None
     if restored is not None:
         tree, meta = restored
         state = train_step.TrainState(**tree)
         prompts.restore(meta["data"])
         resume_step = int(meta["step"])
+        lengths_state = meta.get("packed_lengths")  # absent in checkpoints before shape_reuse
     _header(cfg, workdir, resume_step)
     if resume_step is not None and cfg.checkpoint.export_hf:
         _export_if_missing(cfg, policy, state, workdir, resume_step)
@@ -156,6 +159,11 @@ def setup(cfg: config_types.TrainConfig, workdir, *, overwrite: bool = False) ->
         ckpt,
         writer,
         prompts_dropped=prompts_dropped,
+        lengths=(
+            shape_reuse.LengthChooser.from_state(lengths_state, cfg.batch.compile_price_steps)
+            if step_batch.layout(cfg) == "packed" and cfg.batch.compile_price_steps > 0
+            else None
+        ),
     )
 
 
@@ -220,6 +228,7 @@ def make_batch(run: Run, groups: experience.Groups, timings: dict) -> tuple[trai
         logp_fn=run.logp_fn,
         pad_id=getattr(run.engine, "pad_id", 0),
         timings=timings,
+        packed_length=None if run.lengths is None else run.lengths.choose,
     )
 
 
@@ -242,7 +251,10 @@ def _log(run: Run, step: int, host: dict, progress: metrics.Progress) -> None:
 
 
 def save(run: Run, step: int) -> None:
-    run.checkpointer.save(step, _ckpt_tree(run.state), {"step": step, "data": run.prompts.state()})
+    meta = {"step": step, "data": run.prompts.state()}
+    if run.lengths is not None:  # a resume makes the same length choices (shape_reuse)
+        meta["packed_lengths"] = run.lengths.state()
+    run.checkpointer.save(step, _ckpt_tree(run.state), meta)
     faults.point("checkpoint", step)
     console.info("checkpoint step %d -> %s", step, run.checkpointer.directory / str(step))
     if run.cfg.checkpoint.export_hf:

@@ -356,8 +356,11 @@ def test_train_step_same_metrics_and_update(ckpt, variant):
     # Rows of at most one MAX_T completion: the groups split, a prompt stored per 1 or 2 rows.
     split = _pack(groups, adv, "packed", group=group, pack_max_len=MAX_T - 1)
     assert split["prompt_tokens"].shape[0] > packed["prompt_tokens"].shape[0]
+    # Run at a longer packed length than it needs (`shape_reuse`): the padding changes nothing.
+    length = packed["packed"].inputs.shape[1]
+    padded = {**packed, "packed": batch_layout.pad_packed(packed["packed"], 2 * length, pad_id=0)}
     results = []
-    for arrays in (full, shared, packed, split):
+    for arrays in (full, shared, packed, split, padded):
         dev = {k: jax.tree.map(jnp.asarray, v) for k, v in arrays.items()}
         kw = dict(
             graphdef=policy.eval_graphdef,
@@ -398,7 +401,7 @@ def test_train_step_same_metrics_and_update(ckpt, variant):
     assert m_full["mismatch/logp_abs_mean"] > 0.1  # the planted engine log-probs are far off
     if cfg.tis_cap:
         assert 0 < m_full["tis/clipped_frac"] < 1  # some weights capped, some not
-    for name, (m, d) in zip(("shared", "packed", "split"), others, strict=True):
+    for name, (m, d) in zip(("shared", "packed", "split", "padded"), others, strict=True):
         assert m.keys() == m_full.keys()
         for k in m_full:
             np.testing.assert_allclose(m[k], m_full[k], rtol=1e-5, atol=1e-6, err_msg=name + k)

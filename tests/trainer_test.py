@@ -115,6 +115,10 @@ def _check_run(tmp_path, ckpt, algo, mmr, lora, **overrides):
     assert all(r["data/prompts_dropped"] == 0 for r in rows)
     initial, final, meta = _params(tmp_path / "run", cfg)
     assert meta["step"] == 2 and meta["data"]["position"] > 0
+    # Each step ran at a length at least its own, one the checkpoint records as compiled, so
+    # that a resume makes the same choices (shape_reuse).
+    assert all(r["batch/packed_len"] >= r["batch/packed_len_needed"] for r in rows)
+    assert {r["batch/packed_len"] for r in rows} <= set(meta["packed_lengths"]["compiled"])
     diffs = jax.tree.leaves(
         jax.tree.map(
             lambda a, b: float(np.abs(np.asarray(a) - np.asarray(b)).max()), initial, final
