@@ -58,6 +58,7 @@ class BatchConfig:
     shared_prompt: bool = True
     min_bucket_len: int = 16
     pack_max_len: int = 4096
+    compile_price_steps: float = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -307,6 +308,11 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         raise ConfigError(
             f"batch.pack_max_len={b.pack_max_len} must be 0 (no packing) or at least "
             f"batch.max_completion_len - 1 = {b.max_completion_len - 1}"
+        )
+    if not cfg.batch.compile_price_steps >= 0:  # also refuses NaN
+        raise ConfigError(
+            f"batch.compile_price_steps={cfg.batch.compile_price_steps} must be >= 0 "
+            "(0: compile every packed length a step needs)"
         )
     if cfg.batch.min_bucket_len < 1:
         raise ConfigError(f"batch.min_bucket_len={cfg.batch.min_bucket_len} must be >= 1")
