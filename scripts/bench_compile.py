@@ -3,6 +3,8 @@
     python scripts/bench_compile.py                       # SmolLM2 (1 device) and 7B (8 devices)
     python scripts/bench_compile.py --models=smollm2 --steps=5 --json=bench_compile.json
     python scripts/bench_compile.py --train_run=8     # compilation's share of a CPU-default run
+    python scripts/bench_compile.py --train_run=8 --compile_price_steps=1,0   # with / without
+                                                      # padding to compiled lengths (shape_reuse)
 
 For each model and program, in one process: trace, lower and compile seconds with the layers
 run by one scan (what the trainer compiles) and fully unrolled (`scan_unroll = num_layers`: the
@@ -118,17 +120,20 @@ def _format_row(r: dict) -> str:
     )
 
 
-def bench_run(steps: int, workdir: str) -> dict:
+def bench_run(steps: int, workdir: str, price: float | None = None) -> dict:
     """The CPU default trained for `steps` steps in this process, checkpoints and evaluation off:
-    JAX's compilation seconds over the whole process (setup included) against the summed step
-    time (time/step in metrics.jsonl)."""
+    JAX's compilation seconds over the whole run (setup included) against the summed step time
+    (time/step in metrics.jsonl). `price`: batch.compile_price_steps (None: the config's)."""
     import shutil
 
     from mmr_jax import compile_stats, trainer
 
+    jax.clear_caches()  # a second run in this process compiles everything again, as a new one
     clock = compile_stats.CLOCK.start()
     before = clock.totals()
     overrides = {"total_steps": steps, "checkpoint.every": 0, "eval.every": 0}
+    if price is not None:
+        overrides["batch.compile_price_steps"] = price
     cfg = _load_config(MODELS["smollm2"][0], **overrides)
     shutil.rmtree(workdir, ignore_errors=True)
     trainer.train(cfg, workdir)
@@ -138,6 +143,12 @@ def bench_run(steps: int, workdir: str) -> dict:
     step_s = [r["time/step"] for r in records if "time/step" in r]
     total = sum(compile_s.values())
     return {
+        "compile_price_steps": cfg.batch.compile_price_steps,
+        "packed_len": [r.get("batch/packed_len") for r in records if "time/step" in r],
+        "packed_len_needed": [
+            r.get("batch/packed_len_needed") for r in records if "time/step" in r
+        ],
+        "step_s": step_s,
         "steps": len(step_s),
         "step_s_sum": sum(step_s),
         "first_step_s": step_s[0],
@@ -159,6 +170,11 @@ def main():
         help="instead: train the CPU default this many steps and report compilation's share",
     )
     ap.add_argument("--workdir", default="/tmp/bench_compile_run", help="for --train_run")
+    ap.add_argument(
+        "--compile_price_steps",
+        default="",
+        help="for --train_run: comma list of batch.compile_price_steps, one run each, in order",
+    )
     args = ap.parse_args()
     from mmr_jax import compile_cache
 
@@ -166,16 +182,22 @@ def main():
     # program here is compiled, none loaded.
     compile_cache.cpu_compile_flag()
     if args.train_run:
-        out = bench_run(args.train_run, args.workdir)
-        parts = ", ".join(f"{k} {v:.1f} s" for k, v in out["compile_parts_s"].items())
-        print(
-            f"{out['steps']} steps: {out['step_s_sum']:.1f} s of steps "
-            f"(first {out['first_step_s']:.1f} s); compilation {out['compile_s']:.1f} s ({parts})"
-            " = "
-            f"{100 * out['compile_share']:.0f}% of the step time"
-        )
+        prices = [float(p) for p in args.compile_price_steps.split(",") if p] or [None]
+        runs = [bench_run(args.train_run, args.workdir, price) for price in prices]
+        for out in runs:
+            parts = ", ".join(f"{k} {v:.1f} s" for k, v in out["compile_parts_s"].items())
+            print(
+                f"compile_price_steps {out['compile_price_steps']:g}: {out['steps']} steps: "
+                f"{out['step_s_sum']:.1f} s of steps (first {out['first_step_s']:.1f} s); "
+                f"compilation {out['compile_s']:.1f} s ({parts}) = "
+                f"{100 * out['compile_share']:.0f}% of the step time"
+            )
+            lens = zip(out["packed_len_needed"], out["packed_len"], strict=True)
+            print(
+                "  packed length needed -> run at: " + ", ".join(f"{a:g}->{b:g}" for a, b in lens)
+            )
         if args.json:
-            pathlib.Path(args.json).write_text(json.dumps(out, indent=2))
+            pathlib.Path(args.json).write_text(json.dumps(runs, indent=2))
         return
     names = [m for m in args.models.split(",") if m]
     unknown = sorted(set(names) - set(MODELS))
