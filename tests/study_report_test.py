@@ -7,7 +7,7 @@ import pathlib
 import numpy as np
 import pytest
 
-from mmr_jax import study_report
+from mmr_jax import paired_stats, study_report
 
 ARCHIVE = pathlib.Path(__file__).resolve().parents[1] / "docs" / "study_cpu"
 
@@ -46,10 +46,10 @@ class TestRunStatistics:
 
 class TestNoBootstrapBelowFive:
     def test_paired_has_no_bootstrap_below_five_pairs(self):
-        three = study_report.paired({1: 1.0, 2: 2.0, 3: 4.0}, {1: 0.0, 2: 0.0, 3: 0.0})
+        three = paired_stats.paired({1: 1.0, 2: 2.0, 3: 4.0}, {1: 0.0, 2: 0.0, 3: 0.0})
         assert three["bootstrap"] is None and three["t"] is not None
         assert three["sign_flip_p"] == 0.25
-        five = study_report.paired(dict.fromkeys(range(5), 1.0), dict.fromkeys(range(5), 0.0))
+        five = paired_stats.paired(dict.fromkeys(range(5), 1.0), dict.fromkeys(range(5), 0.0))
         assert five["bootstrap"] == {**five["bootstrap"], "low": 1.0, "high": 1.0}
 
     def test_report_of_three_seeds_prints_no_bootstrap_interval(self):

@@ -13,7 +13,7 @@ import time
 import numpy as np
 import pytest
 
-from mmr_jax import build, checkpoint, data, study, study_report, trainer
+from mmr_jax import build, checkpoint, data, paired_stats, study, study_report, trainer
 
 from support import testing
 
@@ -47,10 +47,10 @@ class TestAggregation:
     def test_bootstrap_exact_by_hand(self):
         # Resample sums of 3 draws from {1,2,3}: 3 (1 of 27), 4 (3), ..., 9 (1). P(mean <= 1) =
         # 1/27 >= 0.025, so the low bound is 1; P(mean <= 8/3) = 26/27 < 0.975, so the high is 3.
-        b = study_report.bootstrap_interval([1.0, 2.0, 3.0])
+        b = paired_stats.bootstrap_interval([1.0, 2.0, 3.0])
         assert (b["low"], b["high"]) == (1.0, 3.0) and b["method"].startswith("exact")
         # Two pairs: P(mean = d1) = 1/4 = P(mean = d2); an 80% interval cuts 10% each side.
-        b = study_report.bootstrap_interval([0.5, -0.25], level=0.4)  # quantiles 0.3 and 0.7
+        b = paired_stats.bootstrap_interval([0.5, -0.25], level=0.4)  # quantiles 0.3 and 0.7
         assert (b["low"], b["high"]) == (0.125, 0.125)
 
     @pytest.mark.parametrize("n", [3, 4, 5])
@@ -60,18 +60,18 @@ class TestAggregation:
         # the order statistics that the quantile rule picks: smallest v with F(v) >= q
         lo = means[int(np.ceil(0.025 * len(means) - 1e-9)) - 1]
         hi = means[int(np.ceil(0.975 * len(means) - 1e-9)) - 1]
-        b = study_report.bootstrap_interval(d)
+        b = paired_stats.bootstrap_interval(d)
         assert b["low"] == pytest.approx(lo, abs=1e-8) and b["high"] == pytest.approx(hi, abs=1e-8)
 
     def test_t_interval_and_sign_flip_by_hand(self):
-        t = study_report.t_interval([1.0, 2.0, 3.0])
+        t = paired_stats.t_interval([1.0, 2.0, 3.0])
         half = 4.302653 * 1.0 / np.sqrt(3)  # t_{0.975, 2} from a table; sd 1
         assert t["low"] == pytest.approx(2 - half, abs=1e-5)
         assert t["high"] == pytest.approx(2 + half, abs=1e-5)
-        assert study_report.t_interval([1.0]) is None
-        assert study_report.sign_flip_p([1.0, 2.0, 3.0]) == 0.25  # only +++ and ---
+        assert paired_stats.t_interval([1.0]) is None
+        assert paired_stats.sign_flip_p([1.0, 2.0, 3.0]) == 0.25  # only +++ and ---
         # sums of +-1 +-2 +-3: 6 0 2 -4 4 -2 0 -6; |sum| >= |1 - 2 + 3| = 2 in 6 of 8
-        assert study_report.sign_flip_p([1.0, -2.0, 3.0]) == 0.75
+        assert paired_stats.sign_flip_p([1.0, -2.0, 3.0]) == 0.75
 
     def _runs(self):
         def run(variant, seed, values, status="finished"):
