@@ -16,19 +16,22 @@ naming the path; what was already saved is left as it was.
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
 import pathlib
 import re
 import shutil
+import traceback
 from collections.abc import Mapping
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
 
-from mmr_jax import checkpoint_layout, faults
+from mmr_jax import checkpoint_layout, distributed, faults
 
 RUN_FILE = "run.json"
 CKPT_DIR = "checkpoints"
@@ -57,6 +60,9 @@ class CheckpointRestoreError(RuntimeError):
 # errno values that mean "this path cannot take the write", as opposed to a bug.
 WRITE_ERRNOS = frozenset({errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.EDQUOT})
 UNREADABLE_SUFFIX = ".unreadable"
+# The barrier that ends orbax's `Checkpointer.restore` (orbax 0.12); a process whose read failed
+# joins it (`Checkpointer._join_restore_barrier`).
+_ORBAX_RESTORE_BARRIER = "Checkpointer:restore"
 
 
 def write_error(err: BaseException, path, what: str, *, kept: str = "") -> WorkdirWriteError:
@@ -128,11 +134,11 @@ class Checkpointer:
             out = self._restore_step(int(step), abstract, args)
             return out["state"], dict(out["meta"])
         unreadable = []  # newest first: (step, error)
-        for candidate in reversed(self.all_steps()):
-            try:
-                out = self._restore_step(candidate, abstract, args)
-            except Exception as e:  # any failure to read: try the one before
-                unreadable.append((candidate, e))
+        for candidate in reversed(self._steps_everywhere()):
+            out, err = self._attempt(candidate, abstract, args)
+            err = _agreed_failure(candidate, err)  # a step some process cannot read is skipped
+            if err is not None:
+                unreadable.append((candidate, err))
                 continue
             for bad, err in unreadable:  # a later step read fine, so these are broken, not us
                 self._move_aside(bad, err)
@@ -145,6 +151,38 @@ class Checkpointer:
             ) from err
         return None
 
+    def _steps_everywhere(self) -> list[int]:
+        """`all_steps()`, the same on every process (they must try the same steps in turn)."""
+        steps = self.all_steps()
+        digest = np.frombuffer(hashlib.sha256(json.dumps(steps).encode()).digest(), np.uint8)
+        if len({bytes(d) for d in distributed.allgather(digest)}) > 1:
+            raise CheckpointRestoreError(
+                f"the processes see different checkpoints in {self.directory} (this one: "
+                f"{steps}); the workdir must be one filesystem that every host shares"
+            )
+        return steps
+
+    def _attempt(self, step: int, abstract, args) -> tuple[Any, BaseException | None]:
+        """(restored, None) or (None, error) for `step` on this process."""
+        try:
+            return self._restore_step(step, abstract, args), None
+        except Exception as e:  # any failure to read: the caller tries the one before
+            if jax.process_count() > 1 and not _in_barrier(e):
+                self._join_restore_barrier()
+            return None, e
+
+    def _join_restore_barrier(self) -> None:
+        """Orbax's restore ends in a barrier where the processes that read the step wait; one
+        whose read failed joins it (the same key, as orbax 0.12 forms it), so that every process
+        runs the same collectives next."""
+        inner = self._manager._checkpointer  # orbax's own: the prefix and processes it syncs
+        key = ocp.multihost.unique_barrier_key(
+            _ORBAX_RESTORE_BARRIER, prefix=getattr(inner, "_barrier_sync_key_prefix", None)
+        )
+        ocp.multihost.sync_global_processes(
+            key, processes=getattr(inner, "_active_processes", None)
+        )
+
     def _restore_step(self, step: int, abstract, args):
         # Written before the decoder's layers were stacked: stacked while restoring.
         if checkpoint_layout.has_unstacked_layers(self.directory / str(step)):
@@ -153,11 +191,17 @@ class Checkpointer:
         return self._manager.restore(step, args=args)
 
     def _move_aside(self, step: int, err: BaseException) -> None:
+        """Moves unreadable `step` to `<step>.unreadable`: process 0 alone (a shared folder), the
+        others waiting for it; then every process forgets the step."""
         src = self.directory / str(step)
         dst = src.with_name(f"{step}{UNREADABLE_SUFFIX}")
-        if dst.exists():
-            shutil.rmtree(dst)
-        src.rename(dst)  # kept, not deleted: a person may want to look at it
+
+        def move():
+            if dst.exists():
+                shutil.rmtree(dst)
+            src.rename(dst)  # kept, not deleted: a person may want to look at it
+
+        distributed.primary_first(move, f"to move checkpoint step {step} aside")
         logging.warning(
             "checkpoint step %d in %s is unreadable (%s: %s); moved to %s, resuming from the "
             "previous one",
@@ -192,6 +236,24 @@ class Checkpointer:
             self.wait()
         finally:
             self._manager.close()
+
+
+def _in_barrier(err: BaseException) -> bool:
+    """Whether `err` came out of a cross-process barrier (a peer died) rather than a read."""
+    frames = traceback.extract_tb(err.__traceback__)
+    return any(f.name in ("sync_global_devices", "sync_global_processes") for f in frames)
+
+
+def _agreed_failure(step: int, err: BaseException | None) -> BaseException | None:
+    """This process's `err` for `step`, or an error naming the processes that could not read it
+    (None when every process read it): every process takes the same decision."""
+    failed = distributed.allgather(np.array([err is not None], np.int32))[:, 0]
+    if err is not None or not failed.any():
+        return err
+    return CheckpointRestoreError(
+        f"step {step} is unreadable on process(es) {np.flatnonzero(failed).tolist()} "
+        "(their logs say why)"
+    )
 
 
 class _WriteGuard:

@@ -15,9 +15,10 @@ import os
 import re
 from collections.abc import Callable, Mapping, Sequence
 
+import jax
 import numpy as np
 
-from mmr_jax import data
+from mmr_jax import data, distributed
 from mmr_jax.rewards import functions, grading
 from mmr_jax.rollout import base
 
@@ -51,12 +52,13 @@ class EvalResult:
 
 
 def _decode(tokenizer, batch: base.RolloutBatch) -> list[list[str]]:
+    return [_decode_row(tokenizer, batch, b) for b in range(batch.tokens.shape[0])]
+
+
+def _decode_row(tokenizer, batch: base.RolloutBatch, b: int) -> list[str]:
     return [
-        [
-            tokenizer.decode(batch.completion_ids(b, i), skip_special_tokens=True)
-            for i in range(batch.tokens.shape[1])
-        ]
-        for b in range(batch.tokens.shape[0])
+        tokenizer.decode(batch.completion_ids(b, i), skip_special_tokens=True)
+        for i in range(batch.tokens.shape[1])
     ]
 
 
@@ -104,10 +106,10 @@ def evaluate(
             calls += 1
             chunk = list(problems[start : start + prompt_batch_size])
             prompts = [data.build_prompt(tokenizer, p, system_prompt) for p in chunk]
-            batch = engine.generate(prompts, params)
-            bench_records += _grade_batch(
-                tokenizer, batch, chunk, grader, ks, keep_completions, number_only
-            )
+            bench_records += _sample_and_grade(
+                engine, tokenizer, chunk, prompts, params, grader, ks, keep_completions,
+                number_only,
+            )  # fmt: skip
         for r in bench_records:
             r["benchmark"] = name
         per_benchmark[name] = _summarise(bench_records, ks)
@@ -116,6 +118,23 @@ def evaluate(
         f"pass@{k}": float(np.mean([m[f"pass@{k}"] for m in per_benchmark.values()])) for k in ks
     }
     return EvalResult(per_benchmark=per_benchmark, average=average, records=records)
+
+
+def _sample_and_grade(
+    engine, tokenizer, problems, prompts, params, grader, ks, keep_completions, number_only
+) -> list[dict]:
+    """The records of one prompt batch. With several processes (`engine` a
+    `distributed.ShareEngine`) each process samples and grades its own share; the records are
+    gathered (`_gather_records`)."""
+    grade = lambda batch, part: _grade_batch(
+        tokenizer, batch, problems[part], grader, ks, keep_completions, number_only
+    )
+    if not isinstance(engine, distributed.ShareEngine):
+        return grade(engine.generate(prompts, params), slice(None))
+    local = engine.generate_local(prompts, params)
+    mine = distributed.share_slices(len(problems))[jax.process_index()]
+    graded = None if local is None else grade(local, mine)
+    return _gather_records(local, graded, problems, params, tokenizer, ks, keep_completions)
 
 
 def _grade_batch(
@@ -132,17 +151,74 @@ def _grade_batch(
     out = []
     for b, p in enumerate(problems):
         g = grades[b * n : (b + 1) * n]
-        rec = dict(
-            id=p.id, answer=p.answer, correct=correct[b * n : (b + 1) * n],
-            gold_valid=g[0].gold_valid,
-            timeouts=grading.timeouts(g), lengths=batch.lengths[b].tolist(),
-            finish_reasons=list(batch.finish_reasons[b]),
+        out.append(
+            _record(
+                p, correct[b * n : (b + 1) * n], g[0].gold_valid, grading.timeouts(g),
+                batch.lengths[b].tolist(), list(batch.finish_reasons[b]), ks,
+                texts[b] if keep_completions else None,
+            )
         )  # fmt: skip
-        rec.update({f"pass@{k}": pass_at_k(n, sum(rec["correct"]), k) for k in ks})
-        if keep_completions:
-            rec["completions"] = texts[b]
-        out.append(rec)
     return out
+
+
+def _record(problem, correct, gold_valid, timeouts, lengths, finish_reasons, ks, texts) -> dict:
+    """One problem's record: its grades, lengths and pass@k (and completions, when kept)."""
+    rec = dict(
+        id=problem.id, answer=problem.answer, correct=[bool(c) for c in correct],
+        gold_valid=bool(gold_valid), timeouts=int(timeouts), lengths=[int(x) for x in lengths],
+        finish_reasons=list(finish_reasons),
+    )  # fmt: skip
+    rec.update({f"pass@{k}": pass_at_k(len(correct), sum(rec["correct"]), k) for k in ks})
+    if texts is not None:
+        rec["completions"] = list(texts)
+    return rec
+
+
+def _gather_records(
+    local, records, problems, params, tokenizer, ks, keep_completions
+) -> list[dict]:
+    """The records of every process's share of `problems`, in problem order, from this
+    process's completions `local` and their `records` (None when its share is empty): each
+    process graded its own share. Kept completions travel as token ids, decoded where needed."""
+    n = params.n
+    specs = {
+        "correct": ((n,), np.bool_),
+        "gold_valid": ((1,), np.bool_),
+        "timeouts": ((1,), np.int32),
+        "lengths": ((n,), np.int32),
+        "truncated": ((n,), np.bool_),
+    }
+    if keep_completions:
+        specs.update(distributed.shares.rollout_specs(n, params.max_new_tokens))
+    fields = None
+    if records is not None:
+        fields = {
+            "correct": np.array([r["correct"] for r in records]),
+            "gold_valid": np.array([[r["gold_valid"]] for r in records]),
+            "timeouts": np.array([[r["timeouts"]] for r in records], np.int32),
+            "lengths": np.array([r["lengths"] for r in records], np.int32),
+            "truncated": np.array(local.finish_reasons) == base.FINISH_LENGTH,
+        }
+        if keep_completions:
+            fields.update(distributed.shares.rollout_fields(local, params.max_new_tokens))
+    parts = distributed.share_slices(len(problems))
+    rows = distributed.gather_rows(fields, sizes=[p.stop - p.start for p in parts], specs=specs)
+    finish = np.where(rows["truncated"], base.FINISH_LENGTH, base.FINISH_STOP).tolist()
+    mine = parts[jax.process_index()]
+    texts = [None] * len(problems)
+    if keep_completions:
+        batch = distributed.shares.rollout_from_rows(rows)
+        texts = [
+            records[b - mine.start]["completions"]
+            if mine.start <= b < mine.stop
+            else _decode_row(tokenizer, batch, b)
+            for b in range(len(problems))
+        ]
+    return [
+        _record(p, rows["correct"][b], rows["gold_valid"][b, 0], rows["timeouts"][b, 0],
+                rows["lengths"][b], finish[b], ks, texts[b])
+        for b, p in enumerate(problems)
+    ]  # fmt: skip
 
 
 def _summarise(records: list[dict], ks: Sequence[int]) -> dict[str, float]:

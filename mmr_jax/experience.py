@@ -11,6 +11,7 @@ advantage math are the jitted functions of `mmr_jax.mmr` and `mmr_jax.advantages
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 import time
 from collections.abc import Mapping, Sequence
@@ -19,7 +20,7 @@ import jax
 import numpy as np
 
 from mmr_jax import advantages as advantages_lib
-from mmr_jax import mmr, rewards
+from mmr_jax import distributed, mmr, rewards
 from mmr_jax.rollout import base as rollout_base
 
 
@@ -33,7 +34,7 @@ class Groups:
     mask: np.ndarray  # bool [B, G, T]
     sampler_logps: np.ndarray  # float32 [B, G, T]
     truncated: np.ndarray  # bool [B, G] finish reason 'length'
-    texts: list[list[str]]  # [B][G]
+    texts: list[Sequence[str]]  # [B][G] (another process's groups: decoded when read)
     per_fn: dict[str, np.ndarray]  # name -> float32 [B, G], unweighted
     total: np.ndarray  # float32 [B, G] weighted reward
     valid: np.ndarray  # bool [B, G] gold answer parseable
@@ -101,10 +102,47 @@ def generate_and_score(
     encoder=None,
     timings: dict | None = None,
 ) -> Groups:
-    """Rollout -> decode -> rewards -> embeddings for one generation round of B prompts."""
+    """Rollout -> decode -> rewards -> embeddings for one generation round of B prompts.
+
+    With several processes (`engine` a `distributed.ShareEngine`), each process samples, decodes,
+    scores and embeds only its own share of the prompts; the completions travel with their
+    rewards and embeddings in one gather (`_gather`), so that every process returns the same B
+    groups without scoring anyone else's.
+    """
     timings = timings if timings is not None else {}
+    score = lambda batch, part: _score(
+        batch, tokenizer, prompt_ids[part], answers[part], weights, reward_params, encoder, timings
+    )
     t0 = time.perf_counter()
-    batch = engine.generate(prompt_ids, sampling)
+    if not isinstance(engine, distributed.ShareEngine):
+        batch = engine.generate(prompt_ids, sampling)
+        _add_time(timings, "rollout", t0)
+        return score(batch, slice(None))
+    batch = engine.generate_local(prompt_ids, sampling)  # this process's share, or None
+    _add_time(timings, "rollout", t0)
+    mine = distributed.share_slices(len(prompt_ids))[jax.process_index()]
+    local = None if batch is None else score(batch, mine)
+    t0 = time.perf_counter()
+    groups = _gather(local, tokenizer, prompt_ids, answers, sampling, weights, encoder)
+    _add_time(timings, "rollout", t0)  # the round ends when every process holds every group
+    return groups
+
+
+def _add_time(timings: dict, key: str, since: float) -> None:
+    timings[key] = timings.get(key, 0.0) + time.perf_counter() - since
+
+
+def _score(
+    batch: rollout_base.RolloutBatch,
+    tokenizer,
+    prompt_ids,
+    answers,
+    weights: Mapping[str, float],
+    reward_params,
+    encoder,
+    timings: dict,
+) -> Groups:
+    """Decode -> rewards -> embeddings of the completions in `batch`."""
     t1 = time.perf_counter()
     b, g, _ = batch.tokens.shape
     texts = [
@@ -120,13 +158,12 @@ def generate_and_score(
         dict(weights),
         params=reward_params,
     )
+    _add_time(timings, "rewards", t1)
     t2 = time.perf_counter()
     emb = None
     if encoder is not None:
         emb = np.asarray(encoder.encode(flat_texts), np.float32).reshape(b, g, -1)
-    t3 = time.perf_counter()
-    for k, v in (("rollout", t1 - t0), ("rewards", t2 - t1), ("embeddings", t3 - t2)):
-        timings[k] = timings.get(k, 0.0) + v
+    _add_time(timings, "embeddings", t2)
     return Groups(
         prompt_ids=[list(p) for p in prompt_ids],
         answers=list(answers),
@@ -142,6 +179,76 @@ def generate_and_score(
         valid=scores.valid.reshape(b, g),
         embeddings=emb,
     )
+
+
+def _gather(
+    local: Groups | None, tokenizer, prompt_ids, answers, sampling, weights, encoder
+) -> Groups:
+    """Every process's scored share (`local`: this process's, None when empty) as the round's
+    B groups, in prompt order: completions, rewards, validity and embeddings in one collective
+    (`distributed.gather_rows`). Texts of the other processes' groups are decoded when read."""
+    g, max_len = sampling.n, sampling.max_new_tokens
+    specs = {
+        **distributed.shares.rollout_specs(g, max_len),
+        **{f"reward/{k}": ((g,), np.float32) for k in weights},
+        "total": ((g,), np.float32),
+        "valid": ((g,), np.bool_),
+    }
+    if encoder is not None:
+        specs["embeddings"] = ((g, int(encoder.dim)), np.float32)
+    fields = None
+    if local is not None:
+        fields = {
+            "tokens": _pad_time(local.tokens, max_len),
+            "mask": _pad_time(local.mask, max_len),
+            "logprobs": _pad_time(local.sampler_logps, max_len),
+            "truncated": local.truncated,
+            **{f"reward/{k}": v for k, v in local.per_fn.items()},
+            "total": local.total,
+            "valid": local.valid,
+        }
+        if encoder is not None:
+            fields["embeddings"] = local.embeddings
+    parts = distributed.share_slices(len(prompt_ids))
+    rows = distributed.gather_rows(fields, sizes=[p.stop - p.start for p in parts], specs=specs)
+    batch = distributed.shares.rollout_from_rows(rows)
+    mine = parts[jax.process_index()]
+    texts = [
+        local.texts[i - mine.start]
+        if mine.start <= i < mine.stop
+        else _TextsOnRead(tokenizer, batch.tokens[i], batch.mask[i])
+        for i in range(len(prompt_ids))
+    ]
+    return Groups(
+        prompt_ids=[list(p) for p in prompt_ids],
+        answers=list(answers),
+        tokens=batch.tokens,
+        mask=batch.mask,
+        sampler_logps=batch.logprobs,
+        truncated=rows["truncated"],
+        texts=texts,
+        per_fn={k: rows[f"reward/{k}"] for k in weights},
+        total=rows["total"],
+        valid=rows["valid"],
+        embeddings=rows.get("embeddings"),
+    )
+
+
+class _TextsOnRead(collections.abc.Sequence):
+    """The G completion texts of a group another process sampled and scored, decoded when read
+    (rewards and embeddings came with the gather; only sample logging reads these)."""
+
+    def __init__(self, tokenizer, tokens_GxT: np.ndarray, mask_GxT: np.ndarray):
+        self.tokenizer, self.tokens, self.lengths = tokenizer, tokens_GxT, mask_GxT.sum(-1)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        ids = self.tokens[i, : int(self.lengths[i])].tolist()
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
 
 
 def has_variance(groups: Groups, reward: str) -> np.ndarray:

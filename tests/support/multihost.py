@@ -2,7 +2,8 @@
 
 `launch` starts N Python processes that form one JAX cluster (a coordinator on localhost, gloo
 collectives), each with `devices` CPU devices, and runs this file's `worker` in each: start-up
-through `distributed.initialize`, then `trainer.train` of a config given as JSON. `launch(1, 2)` is
+through `distributed.initialize`, then `trainer.train` of a config given as JSON, logging as
+scripts/train.py does (`<workdir>/train.log`, `train.process<i>.log`). `launch(1, 2)` is
 the one-process reference on 2 devices. Nothing is mocked.
 
     procs = multihost.launch(config_dict, workdir, processes=2, devices=1)
@@ -142,10 +143,15 @@ def worker(argv: list[str]) -> int:
     except (ValueError, distributed.DistributedError) as e:
         print(f"ERROR: {type(e).__name__}: {e}", flush=True)
         return 2
+    import jax
     import ml_collections
 
-    from mmr_jax import config_types, trainer
+    from mmr_jax import config_types, console, trainer
 
+    # As scripts/train.py: process 0 prints (and logs to train.log); the others log to a file.
+    index = jax.process_index()
+    name = "train.log" if index == 0 else f"train.process{index}.log"
+    console.setup(pathlib.Path(args.workdir) / name, stdout=index == 0)
     _register_test_reward()
     cfg = config_types.from_config_dict(
         ml_collections.ConfigDict(json.loads(pathlib.Path(args.config_json).read_text()))

@@ -1,0 +1,76 @@
+"""Many hosts, one program: JAX's multi-controller runtime (DESIGN.md, "Many hosts").
+
+Every process runs the same code on one global mesh (`jax.devices()` spans all processes once
+`initialize` has run). What is per process lives in this package, at one place:
+
+  - `startup`: `initialize` (explicit coordinator / count / id, or `auto` on clusters JAX
+    detects), with the checks that must fail before any step: a process id out of range, an
+    unreachable coordinator (bounded wait), configs that differ across processes
+    (`check_same_config`), a batch that does not split over the processes (`check_batch_split`);
+  - `shares`: each process's share of a batch of prompts (`share`: contiguous, so a group never
+    spans two processes) and of the vLLM servers (`rollout_url`), sampled by its own engine
+    (`ShareEngine`), with per-prompt results gathered back in process order (`gather_rows`,
+    `gather_rollouts`), so that every process holds the step's B groups as one process would and
+    builds the same global batch;
+  - `collectives`: host-side all-gathers and what is built on them: process-local copies of
+    global arrays (`local_copy`), metrics reduced over processes (`reduce_metrics`), decisions
+    taken by process 0 (`primary_value`, `primary_first`), and `PeerLostError` for a dead peer;
+  - `errors`: the named errors.
+
+On CPU, local processes with a localhost coordinator and gloo collectives are a real cluster
+(tests/multihost_test.py). Everything here is a no-op with one process. The names below are the
+package's API; callers import the package (`from mmr_jax import distributed`).
+"""
+
+from mmr_jax.distributed.collectives import (
+    allgather,
+    barrier,
+    collective_seconds,
+    is_primary,
+    local_copy,
+    local_model,
+    peer_lost,
+    primary_first,
+    primary_value,
+    reduce_metrics,
+)
+from mmr_jax.distributed.errors import (
+    BatchSplitError,
+    ConfigMismatchError,
+    CoordinatorUnreachableError,
+    DistributedError,
+    PeerLostError,
+    ProcessIdError,
+    RolloutUrlError,
+)
+from mmr_jax.distributed.shares import (
+    ShareEngine,
+    gather_rollouts,
+    gather_rows,
+    rollout_url,
+    share,
+    share_slices,
+)
+from mmr_jax.distributed.startup import (
+    MODES,
+    Options,
+    check_batch_split,
+    check_same_config,
+    config_digest,
+    define_flags,
+    initialize,
+    options_from_flags,
+    start,
+    validate,
+    wait_for_coordinator,
+)
+
+__all__ = [
+    "MODES", "BatchSplitError", "ConfigMismatchError", "CoordinatorUnreachableError",
+    "DistributedError", "Options", "PeerLostError", "ProcessIdError", "RolloutUrlError",
+    "ShareEngine", "allgather", "barrier", "check_batch_split", "check_same_config",
+    "collective_seconds", "config_digest", "define_flags", "gather_rollouts", "gather_rows",
+    "initialize", "is_primary", "local_copy", "local_model", "options_from_flags", "peer_lost",
+    "primary_first", "primary_value", "reduce_metrics", "rollout_url", "share", "share_slices",
+    "start", "validate", "wait_for_coordinator",
+]  # fmt: skip

@@ -1,0 +1,154 @@
+"""Host-side collectives of a multi-process run, and who writes.
+
+`allgather` (numpy in, numpy out, in process order) is the one primitive the rest build on:
+decisions taken once (`primary_value`, `primary_first`), `barrier`, metrics reduced over processes
+(`reduce_metrics`), and whole process-local copies of global arrays (`local_copy`, `local_model`:
+the rollout engine and HF exports need whole weights in one process). A collective whose peer
+died raises `PeerLostError` (`peer_lost`), never hangs. With one process each is a no-op.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+
+import jax
+import numpy as np
+from flax import nnx
+
+from mmr_jax.distributed.errors import DistributedError, PeerLostError
+
+
+def is_primary() -> bool:
+    """Process 0 alone writes the console, metrics, TensorBoard and exports."""
+    return jax.process_index() == 0
+
+
+_COLLECTIVE_S = [0.0]  # host-side cross-process collectives since the last `collective_seconds`
+
+
+def collective_seconds() -> float:
+    """Seconds this process spent in host-side collectives (gathers, weight copies) since the
+    last call; the train step's own collectives run inside its jit and are not counted."""
+    spent, _COLLECTIVE_S[0] = _COLLECTIVE_S[0], 0.0
+    return spent
+
+
+def allgather(x: np.ndarray, *, timed: bool = True) -> np.ndarray:
+    """[P, ...]: `x` (same shape and dtype on every process) of every process, in process order.
+
+    `timed`: count the call in `collective_seconds` (a gather queued behind a train step in flight
+    waits for it: not collective time)."""
+    if jax.process_count() == 1:
+        return np.asarray(x)[None]
+    from jax.experimental import multihost_utils
+
+    t0 = time.perf_counter()
+    try:
+        return np.asarray(multihost_utils.process_allgather(np.asarray(x), tiled=False))
+    except Exception as e:  # a dead peer closes its gloo connections: a named error, not a hang
+        raise _peer_error(e) from e
+    finally:
+        _COLLECTIVE_S[0] += (time.perf_counter() - t0) if timed else 0.0
+
+
+_LOST_PEER = ("Gloo", "Connection closed", "Connection reset", "heartbeat", "Barrier failed")
+
+
+def peer_lost(e: BaseException) -> PeerLostError | None:
+    """A `PeerLostError` for an error raised by a collective whose peer process died, else None."""
+    if isinstance(e, PeerLostError):
+        return e
+    text = str(e)
+    if jax.process_count() == 1 or not any(s in text for s in _LOST_PEER):
+        return None
+    return PeerLostError(
+        f"process {jax.process_index()}: a collective with the other processes failed "
+        f"({text[:300]}); another process of the run has most likely died. Stop every "
+        "process and re-run the same command: the run resumes from its last checkpoint."
+    )
+
+
+def _peer_error(e: Exception) -> Exception:
+    return peer_lost(e) or e
+
+
+def primary_value(value: bool) -> bool:
+    """Process 0's `value` on every process (a decision about shared files, taken once)."""
+    return bool(allgather(np.array([int(value)], np.int32))[0, 0])
+
+
+def primary_first(fn, what: str):
+    """Runs `fn` on process 0 alone (shared files); the others wait, and fail with a named error
+    when it failed. Returns `fn()` on process 0, None elsewhere."""
+    if jax.process_count() == 1:
+        return fn()
+    result, error = None, None
+    if is_primary():
+        try:
+            result = fn()
+        except Exception as e:  # the others learn of it below; process 0 raises its own
+            error = e
+    if not primary_value(error is None):
+        if error is not None:
+            raise error
+        raise DistributedError(f"process 0 failed {what}; its log says why")
+    return result
+
+
+def local_copy(tree, mesh: jax.sharding.Mesh | None = None):
+    """`tree` with every global array replaced by a whole copy on this process's first device.
+
+    A collective (an all-gather of sharded leaves): every process must call it together. `mesh`
+    defaults to the mesh of the first leaf with a `NamedSharding`.
+    """
+    if mesh is None:
+        mesh = next(
+            x.sharding.mesh
+            for x in jax.tree.leaves(tree)
+            if isinstance(getattr(x, "sharding", None), jax.sharding.NamedSharding)
+        )
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    device = jax.local_devices()[0]
+    t0 = time.perf_counter()
+    gathered = jax.block_until_ready(_replicate(tree, replicated))
+    _COLLECTIVE_S[0] += time.perf_counter() - t0
+    return jax.tree.map(
+        lambda x: jax.device_put(x.addressable_data(0), device) if isinstance(x, jax.Array) else x,
+        gathered,
+    )
+
+
+def _replicate(tree, replicated):
+    leaves, treedef = jax.tree.flatten(tree)
+    arrays = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array)]
+    moved = jax.jit(lambda *xs: xs, out_shardings=replicated)(*(leaves[i] for i in arrays))
+    for i, x in zip(arrays, moved, strict=True):
+        leaves[i] = x
+    return jax.tree.unflatten(treedef, leaves)
+
+
+def local_model(model: nnx.Module, mesh: jax.sharding.Mesh | None = None) -> nnx.Module:
+    """A process-local copy of `model` (whole weights on this process's first device)."""
+    graphdef, state = nnx.split(model)
+    return nnx.merge(graphdef, local_copy(state, mesh))
+
+
+def reduce_metrics(metrics: Mapping[str, float]) -> dict[str, float]:
+    """Metrics of every process reduced to one value each: times (`time/*`) by max, the slowest
+    process setting the pace; everything else by mean (batch metrics are equal on every process,
+    as each holds the whole step's groups). Every process must call it with the same keys."""
+    if jax.process_count() == 1:
+        return dict(metrics)
+    keys = sorted(metrics)
+    exact = np.array([float(metrics[k]) for k in keys], np.float64).view(np.int32)  # no x64 cast
+    values = allgather(exact, timed=False).view(np.float64)  # runs behind the next train step
+    return {
+        k: float(values[:, i].max() if k.startswith("time/") else values[:, i].mean())
+        for i, k in enumerate(keys)
+    }
+
+
+def barrier() -> None:
+    """Waits until every process gets here (a collective: PeerLostError if one has died)."""
+    allgather(np.zeros((1,), np.int32))

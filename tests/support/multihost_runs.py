@@ -1,0 +1,118 @@
+"""Training runs of the multi-process tests: their config, launch, and metric comparisons.
+
+    cfg = multihost_runs.config(grpo, tiny_llama_dir, steps=3)
+    multihost_runs.ok(multihost_runs.run(cfg, workdir, processes=2, devices=1))
+    multihost_runs.assert_same(multihost_runs.metrics(one), multihost_runs.metrics(two))
+
+`config` is a variant's smoke config on arithmetic problems with a reward a tiny random model
+gets varied values of (`multihost.TARGET` digits), mesh (1, 2, 1) in every layout; `restore`
+reads a workdir's latest checkpoint in this process (one device) for `crash_harness.differences`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+
+import numpy as np
+
+from mmr_jax import build, metrics
+
+from support import multihost
+
+# Host-side timings and throughput differ between runs; everything else must agree.
+UNTIMED = ("time/", "throughput/")
+# mismatch/* are differences of two log-probs of the same tokens (sampler vs trainer), each of
+# magnitude up to ~log(V) = 6.2 with an fp32 ulp of 4.8e-7: they are rounding noise themselves,
+# and two layouts round differently. Four ulps of 8.0.
+_ROUNDING_KEYS, _ROUNDING_ATOL = ("mismatch/",), 4 * float(np.spacing(np.float32(8.0)))
+
+
+def config(module, ckpt, *, steps=2, **overrides) -> dict:
+    """`module.get_config('smoke')` for `steps` steps on `ckpt`, with dotted `overrides`."""
+    c = module.get_config("smoke")
+    c.model.path = str(ckpt)
+    c.total_steps = steps
+    c.lora.enabled = False
+    c.mmr.enabled = True
+    c.data.source = build.ARITHMETIC
+    c.data.system_prompt = ""
+    c.batch.max_prompt_len = 32
+    c.batch.max_completion_len = 16
+    c.optim.lr = 1e-3
+    c.optim.warmup_ratio = 0.0
+    c.rewards.weights = {"test_target": 1.0, "format": 0.0}
+    c.dynamic_sampling.filter_reward = "test_target"
+    c.checkpoint.every = 1
+    c.logging.samples = 0
+    c.logging.tensorboard = False
+    c.mesh.shape = (1, 2, 1)  # the same mesh shape in both layouts: fsdp over 2 devices
+    for key, value in overrides.items():
+        node = c
+        *path, last = key.split(".")
+        for p in path:
+            node = node[p]
+        node[last] = value
+    return json.loads(json.dumps(c.to_dict()))
+
+
+def run(cfg, workdir, *, processes, devices, timeout=900, **kw):
+    """[(returncode, output)] of a launched run (`multihost.launch`), waited for."""
+    return multihost.wait(
+        multihost.launch(cfg, workdir, processes=processes, devices=devices, **kw), timeout
+    )
+
+
+def ok(results):
+    for rc, out in results:
+        assert rc == 0 and "WORKER DONE" in out, out[-4000:]
+
+
+def metrics_of(workdir) -> list[dict]:
+    """The run's metric rows without the timings."""
+    rows = metrics.read_jsonl(pathlib.Path(workdir) / metrics.METRICS_FILE)
+    return [{k: v for k, v in r.items() if not k.startswith(UNTIMED)} for r in rows]
+
+
+def assert_same(a: list[dict], b: list[dict]):
+    """The same steps and metrics, within fp32 rounding (the contract's tolerance)."""
+    assert [r["step"] for r in a] == [r["step"] for r in b] and a
+    for ra, rb in zip(a, b, strict=True):
+        assert set(ra) == set(rb), set(ra) ^ set(rb)
+        for k in ra:
+            atol = _ROUNDING_ATOL if k.startswith(_ROUNDING_KEYS) else 1e-6
+            assert math.isclose(ra[k], rb[k], rel_tol=2e-5, abs_tol=atol), (
+                ra["step"],
+                k,
+                ra[k],
+                rb[k],
+            )
+
+
+def restore(workdir):
+    """(checkpoint tree, meta) of `workdir`'s latest checkpoint, read on this process's device."""
+    import jax
+
+    from mmr_jax import checkpoint, config_types, trainer
+
+    cfg = config_types.from_config_dict(checkpoint.read_run_config(workdir))
+    policy = build.load_policy(cfg)
+    optimizer, _ = build.make_optimizer(cfg)
+    state = build.init_state(cfg, policy.params, optimizer)
+    ck = checkpoint.Checkpointer(pathlib.Path(workdir) / checkpoint.CKPT_DIR, keep=None)
+    # A checkpoint of several processes restores here only with a sharding given for every leaf.
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    abstract = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), trainer._ckpt_tree(state)
+    )
+    try:
+        return ck.restore(abstract)
+    finally:
+        ck.close()
+
+
+def header_resume_step(output: str) -> int | None:
+    """The step a run's header says it resumes from (None: a new run)."""
+    line = next(x for x in output.splitlines() if "| workdir " in x)
+    return int(line.rsplit("resuming from step ", 1)[1]) if "resuming from" in line else None
