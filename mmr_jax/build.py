@@ -16,7 +16,7 @@ import numpy as np
 from absl import logging
 from flax import nnx
 
-from mmr_jax import config_types, data, rollout, tasks, train_step
+from mmr_jax import config_types, data, distributed, rollout, tasks, train_step
 from mmr_jax.models import config as model_config
 from mmr_jax.models import hub, loading, sharding
 from mmr_jax.models import lora as lora_lib
@@ -171,14 +171,19 @@ def make_engine(cfg: config_types.TrainConfig, policy: Policy, tokenizer, workdi
             buckets=buckets,
             mesh=mesh if data_parallel and mesh.size > 1 else None,
         )
-    url, server = cfg.rollout.url, None
+    # One server for every process, or one per process (`rollout_url`); with several processes
+    # each writes its weight versions to a folder of its own, which its server reads.
+    url = distributed.rollout_url(cfg.rollout.url, jax.process_count(), jax.process_index())
+    server = None
+    sync_dir = cfg.rollout.sync_dir or os.path.join(os.fspath(workdir), "sync")
+    process = f"process{jax.process_index()}" if jax.process_count() > 1 else ""
+    sync_dir = os.path.join(sync_dir, process) if process else sync_dir
+    log_name = f"vllm_server.{process}.log" if process else "vllm_server.log"
     if not url:  # launch our own server, stopped by engine.close() (or at exit)
         from mmr_jax.rollout import vllm_launch
 
         opts = vllm_launch.options_from_config(cfg, port=vllm_launch.free_port(), model=str(local))
-        server = vllm_launch.ServerProcess(
-            opts, os.path.join(os.fspath(workdir), "vllm_server.log")
-        )
+        server = vllm_launch.ServerProcess(opts, os.path.join(os.fspath(workdir), log_name))
         logging.info("starting a vLLM server (%s) for %s", opts.backend, opts.model)
         server.start()
         try:
@@ -194,7 +199,7 @@ def make_engine(cfg: config_types.TrainConfig, policy: Policy, tokenizer, workdi
             model_path=cfg.model.path,
             url=url,
             served_model_name=cfg.rollout.model_name or None,
-            sync_dir=cfg.rollout.sync_dir or os.path.join(os.fspath(workdir), "sync"),
+            sync_dir=sync_dir,
             lora=policy.lora,
             timeout_s=cfg.rollout.timeout_s,
             max_retries=cfg.rollout.max_retries,

@@ -7,8 +7,9 @@ Prints a table (per benchmark and average); writes `eval.json` with per-problem 
 `run_dir`: one JSON per step, `eval_summary.json` with the peak step, and `pass1_vs_step.png`.
 Library logs go to `<output dir>/evaluate.log` (`--verbosity=0` shows them on the console too).
 With several processes (`--coordinator_address/--num_processes/--process_id` or
-`--distributed=auto`, docs/multihost.md) each samples its share of every prompt batch with its own
-copy of the checkpoint; process 0 alone prints and writes.
+`--distributed=auto`, docs/multihost.md) each samples and grades its share of every prompt batch
+with its own copy of the checkpoint (or its own vLLM server: `--config.url` may list one per
+process); process 0 alone prints and writes.
 """
 
 from __future__ import annotations
@@ -37,7 +38,9 @@ def make_engine(config, checkpoint: str):
     'embedded': the JAX sampler on the checkpoint (EOS ids from its generation config),
     data-parallel over the default devices when there are several (CPU: `config.cpu_devices`).
     'vllm': a server at `config.url` that already serves `checkpoint` under that name (one server
-    per checkpoint, so a run sweep with vLLM needs the server restarted between steps).
+    per checkpoint, so a run sweep with vLLM needs the server restarted between steps); with
+    several processes, `config.url` may list one server per process (`distributed.rollout_url`).
+    With several processes each samples its share of every prompt batch (`ShareEngine`).
     """
     if config.engine == "embedded":
         from mmr_jax.rollout import embedded
@@ -46,12 +49,14 @@ def make_engine(config, checkpoint: str):
         engine = embedded.EmbeddedEngine.from_pretrained(
             checkpoint, seed=config.seed, mesh=mesh if mesh.size > 1 else None
         )
-        return distributed.ShareEngine(engine, None) if jax.process_count() > 1 else engine
-    if config.engine == "vllm":
+    elif config.engine == "vllm":
         from mmr_jax.rollout import vllm_engine
 
-        return vllm_engine.VllmEngine(config.url, model=checkpoint)
-    raise ValueError(f"unknown engine {config.engine!r}; expected 'embedded' or 'vllm'")
+        url = distributed.rollout_url(config.url, jax.process_count(), jax.process_index())
+        engine = vllm_engine.VllmEngine(url, model=checkpoint)
+    else:
+        raise ValueError(f"unknown engine {config.engine!r}; expected 'embedded' or 'vllm'")
+    return distributed.ShareEngine(engine, None) if jax.process_count() > 1 else engine
 
 
 def evaluate_checkpoint(config, checkpoint: str, problems, grader) -> evaluation.EvalResult:

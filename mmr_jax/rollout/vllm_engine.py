@@ -214,8 +214,15 @@ class VllmEngine:
         return out
 
     def generate(
-        self, prompt_ids: Sequence[Sequence[int]], params: base.SamplingParams
+        self,
+        prompt_ids: Sequence[Sequence[int]],
+        params: base.SamplingParams,
+        *,
+        first_prompt: int = 0,
     ) -> base.RolloutBatch:
+        """Completions of `prompt_ids`; a seeded call seeds prompt b with `prompt_seed(seed,
+        first_prompt + b)`, so a process's share of a batch (`distributed.ShareEngine`) samples
+        what one process sampling the whole batch would."""
         prompts = [[int(t) for t in p] for p in prompt_ids]
         if not prompts:
             raise ValueError("no prompts")
@@ -226,7 +233,9 @@ class VllmEngine:
         chunks = [(prompts[i : i + k], i) for i in range(0, len(prompts), k)]
         workers = min(in_flight, len(chunks))
         with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
-            results = list(pool.map(lambda c: self._request(c[0], params, c[1]), chunks))
+            results = list(
+                pool.map(lambda c: self._request(c[0], params, first_prompt + c[1]), chunks)
+            )
         flat = [x for chunk in results for x in chunk]
         n = params.n
         rows = [flat[b * n : (b + 1) * n] for b in range(len(prompts))]

@@ -1,0 +1,131 @@
+"""Rollouts and evaluation on several processes, for real: one OpenAI-compatible server per
+process (`rollout.url` listing one URL per process), and scripts/evaluate.py on 2 processes
+against 1. The servers are the project's own (tests/support/recording_server.py) over a real
+tiny model, so these prove the routing, the seeds and the weight sync, not vLLM itself."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from mmr_jax import metrics
+
+from support import multihost, multihost_runs, recording_server, testing
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "configs"))
+import grpo  # noqa: E402
+
+
+def _vllm_config(ckpt, urls: list[str]) -> dict:
+    return multihost_runs.config(
+        grpo,
+        ckpt,
+        steps=2,
+        **{
+            "rollout.engine": "vllm",
+            "rollout.url": ",".join(urls),
+            "rollout.model_name": recording_server.MODEL_NAME,
+            "checkpoint.every": 0,
+        },
+    )
+
+
+@pytest.mark.slow
+class TestOneServerPerProcess:
+    def test_each_process_uses_its_server(self, tmp_path, tiny_llama_dir):
+        """2 processes, `rollout.url` = two servers: process i samples its share of every step
+        on server i and syncs its weights there; the run's metrics are those of 1 process on
+        one server (the same prompts with the same per-prompt seeds, the same weights)."""
+        with (
+            recording_server.serve(tiny_llama_dir) as (b0, url0),
+            recording_server.serve(tiny_llama_dir) as (b1, url1),
+        ):
+            one = tmp_path / "one"
+            multihost_runs.ok(
+                multihost_runs.run(
+                    _vllm_config(tiny_llama_dir, [url0]), one, processes=1, devices=2
+                )
+            )
+            reference = sorted(b0.requests)
+            assert b1.requests == [] and reference
+            b0.clear()
+            two = tmp_path / "two"
+            cfg = _vllm_config(tiny_llama_dir, [url0, url1])
+            multihost_runs.ok(multihost_runs.run(cfg, two, processes=2, devices=1))
+            got = [list(b.requests) for b in (b0, b1)]
+            reloads = [list(b.reloads) for b in (b0, b1)]
+        assert all(got) and not set(got[0]) & set(got[1])  # each server its own prompts
+        assert sorted(got[0] + got[1]) == reference  # together, what the one server was asked
+        for i, paths in enumerate(reloads):  # initial weights, then after each of the 2 steps
+            assert len(paths) == 3 and all(f"sync/process{i}/weights-v" in p for p in paths)
+        a, b = multihost_runs.metrics_of(one), multihost_runs.metrics_of(two)
+        assert len(a) == 2 and a[0]["reward/std"] > 0
+        multihost_runs.assert_same(a, b)
+
+    def test_url_count_neither_one_nor_per_process(self, tmp_path, tiny_llama_dir):
+        """Three URLs for two processes: a named error on every process before any step."""
+        urls = ["http://127.0.0.1:1", "http://127.0.0.1:2", "http://127.0.0.1:3"]
+        work = tmp_path / "w"
+        results = multihost_runs.run(
+            _vllm_config(tiny_llama_dir, urls), work, processes=2, devices=1, timeout=300
+        )
+        for rc, out in results:
+            assert rc == 2 and "ERROR: RolloutUrlError: rollout.url lists 3 URLs" in out, out[
+                -3000:
+            ]
+        assert not (work / metrics.METRICS_FILE).exists()
+
+
+def _evaluate(ckpt, out_dir, *, processes: int, devices: int) -> list[subprocess.Popen]:
+    cmd = [
+        sys.executable, str(REPO / "scripts" / "evaluate.py"),
+        f"--config={REPO / 'configs' / 'eval.py'}",
+        f"--config.checkpoint={ckpt}", f"--config.output_dir={out_dir}",
+        "--config.benchmarks=('math500',)", "--config.max_problems=5", "--config.n=2",
+        "--config.ks=(1,2)", "--config.max_new_tokens=8", "--config.grader_workers=0",
+        "--config.keep_completions=True", f"--config.cpu_devices={devices}",
+    ]  # fmt: skip
+    port = multihost.free_port()
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    procs = []
+    for i in range(processes):
+        flags = []
+        if processes > 1:
+            flags = [f"--coordinator_address=localhost:{port}", f"--num_processes={processes}"]
+            flags.append(f"--process_id={i}")
+        procs.append(
+            subprocess.Popen(
+                cmd + flags, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+            )
+        )
+    return procs
+
+
+def _finished(procs) -> list[str]:
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+    for p, out in zip(procs, outs, strict=True):
+        assert p.returncode == 0, out[-3000:]
+    return outs
+
+
+@pytest.mark.slow
+class TestEvaluateScript:
+    def test_two_processes_equal_one(self, tmp_path):
+        """scripts/evaluate.py on 2 processes x 1 device: each samples and grades its share of
+        the 5 problems (3 + 2); process 0 writes eval.json, whose records (completions, grades,
+        lengths) and pass@k equal those of 1 process x 2 devices."""
+        # MATH-500 prompts run to ~800 tokens with the tiny 512-token vocabulary.
+        ckpt = testing.make_tiny_checkpoint(tmp_path / "ckpt", max_position_embeddings=2048)
+        outs = _finished(_evaluate(ckpt, tmp_path / "one", processes=1, devices=2))
+        assert "average" in outs[0]  # the table
+        outs = _finished(_evaluate(ckpt, tmp_path / "two", processes=2, devices=1))
+        assert "average" in outs[0] and "average" not in outs[1]  # process 0 alone prints
+        assert sorted(p.name for p in (tmp_path / "two").glob("*.json")) == ["eval.json"]
+        one, two = (json.loads((tmp_path / d / "eval.json").read_text()) for d in ("one", "two"))
+        assert len(two["records"]) == 5 and all(len(r["completions"]) == 2 for r in two["records"])
+        for key in ("records", "per_benchmark", "average"):
+            assert two[key] == one[key], key
