@@ -6,9 +6,11 @@ time the 2-process run spends in host-side cross-process collectives per step.
 
 Both layouts run the same config as real processes on this machine (tests/support/multihost.py:
 a localhost coordinator, gloo collectives). Step 1 compiles, so the figures are medians over the
-later steps. `time/collectives` counts the rollout gathers, the metric reduction and the weight
-copies to the per-process samplers (the train step's own collectives run inside its jit: they
-show in `time/train` against the one-process run). On a shared CPU the numbers are noisy.
+later steps. `time/collectives` counts the rollout gathers (completions with their rewards and
+embeddings, one per generation round) and the weight copies to the per-process samplers; the
+metric reduction, which queues behind the next train step, is not counted, and the train step's
+own collectives run inside its jit (they show in `time/train` against the one-process run). On a
+shared CPU the numbers are noisy.
 """
 
 import json
