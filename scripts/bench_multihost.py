@@ -32,7 +32,10 @@ _CONFIG = flags.DEFINE_string("config", "configs/cpu_smollm2.py", "Config file (
 _STEPS = flags.DEFINE_integer("steps", 4, "Training steps per layout (step 1 compiles).")
 _OUT = flags.DEFINE_string("out", None, "Also write the figures here as JSON.")
 _TIMEOUT = flags.DEFINE_integer("timeout_s", 1800, "Per layout.")
-KEYS = ("time/step", "time/rollout", "time/train", "time/sync", "time/collectives")
+KEYS = (
+    "time/step", "time/rollout", "time/rewards", "time/embeddings", "time/train", "time/sync",
+    "time/collectives",
+)  # fmt: skip
 
 
 def _config() -> dict:
