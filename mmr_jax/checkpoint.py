@@ -10,8 +10,8 @@ Orbax writes each step into a temporary folder and renames it when complete, so 
 mid-save leaves the previous checkpoints intact; only the last `keep` are kept. A step folder that
 fails to restore (truncated or missing files) is moved aside to `<step>.unreadable` and the one
 before it is restored; with several processes a step is taken only when every process read it,
-and process 0 alone moves one aside. A write that fails (full disk, read-only folder) raises `WorkdirWriteError`
-naming the path; what was already saved is left as it was.
+and process 0 alone moves one aside. A write that fails (full disk, read-only folder) raises
+`WorkdirWriteError` naming the path; what was already saved is left as it was.
 """
 
 from __future__ import annotations
