@@ -21,6 +21,9 @@ sys.path.insert(0, str(REPO / "configs"))
 import dapo  # noqa: E402
 import grpo  # noqa: E402
 
+# One worker under `pytest -n 2 --dist loadgroup` (CI): the module's runs (the reference, the
+# uninterrupted and the killed 2-process runs) are fixtures its tests share, built once.
+pytestmark = pytest.mark.xdist_group("multihost")
 # A process whose peer died exits within this (the heartbeat timeout is 30 s).
 _PEER_EXIT_S = 120
 _config, _run, _ok = multihost_runs.config, multihost_runs.run, multihost_runs.ok
