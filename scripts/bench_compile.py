@@ -5,6 +5,7 @@
     python scripts/bench_compile.py --train_run=8     # compilation's share of a CPU-default run
     python scripts/bench_compile.py --train_run=8 --compile_price_steps=1,0   # with / without
                                                       # padding to compiled lengths (shape_reuse)
+    python scripts/bench_compile.py --train_run=8 --programs=20   # which programs the run built
 
 For each model and program, in one process: trace, lower and compile seconds with the layers
 run by one scan (what the trainer compiles) and fully unrolled (`scan_unroll = num_layers`: the
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
+import re
 import statistics
 import sys
 import time
@@ -120,7 +122,69 @@ def _format_row(r: dict) -> str:
     )
 
 
-def bench_run(steps: int, workdir: str, price: float | None = None) -> dict:
+class ProgramSeconds:
+    """JAX's compile events of this process summed per program (the `fun_name` JAX reports with
+    each event: `train_step`, `_decode_loop`, or the op name of an eager call such as
+    `convert_element_type`), so a run's compilation can be traced to what built it. JAX's
+    listeners cannot be removed: one is registered, and callers take differences (`since`)."""
+
+    def __init__(self):
+        self.seconds: dict[str, dict[str, float]] = {}
+        from jax import monitoring
+
+        from mmr_jax import compile_stats
+
+        self._parts = compile_stats.EVENTS
+        monitoring.register_event_duration_secs_listener(self._on_event)
+
+    def _on_event(self, event: str, duration: float, fun_name: str = "?", **_) -> None:
+        part = self._parts.get(event)
+        if part is not None:
+            # JAX names the trace `f` and the lowering and backend compile `jit(f)`: one program.
+            name = re.sub(r"^(?:jit|pjit)\((.*)\)$", r"\1", fun_name)
+            row = self.seconds.setdefault(name, {"trace": 0.0, "lower": 0.0, "backend": 0.0})
+            row[part] += duration
+            if part == "backend":
+                row["builds"] = row.get("builds", 0) + 1
+
+    def snapshot(self) -> dict[str, dict[str, float]]:
+        return {k: dict(v) for k, v in self.seconds.items()}
+
+    def since(self, before: dict[str, dict[str, float]]) -> list[dict]:
+        """Per program since `before`: name, builds, trace/lower/backend/total seconds,
+        largest total first."""
+        rows = []
+        for name, now in self.seconds.items():
+            was = before.get(name, {})
+            row = {k: now.get(k, 0.0) - was.get(k, 0.0) for k in ("trace", "lower", "backend")}
+            row["total"] = sum(row.values())
+            row["builds"] = int(now.get("builds", 0) - was.get("builds", 0))
+            if row["total"] > 0:
+                rows.append({"program": name, **row})
+        return sorted(rows, key=lambda r: -r["total"])
+
+
+def print_programs(rows: list[dict], top: int) -> None:
+    """The `top` programs by compile seconds, the rest summed on one line."""
+    print(f"  {'program':40s} {'builds':>6s} {'trace s':>8s} {'lower s':>8s} {'backend s':>9s}")
+    for r in rows[:top]:
+        print(
+            f"  {r['program'][:40]:40s} {r['builds']:6d} {r['trace']:8.2f} {r['lower']:8.2f} "
+            f"{r['backend']:9.2f}"
+        )
+    rest = rows[top:]
+    if rest:
+        total = {k: sum(r[k] for r in rest) for k in ("trace", "lower", "backend")}
+        builds = sum(r["builds"] for r in rest)
+        print(
+            f"  {f'{len(rest)} other programs':40s} {builds:6d} {total['trace']:8.2f} "
+            f"{total['lower']:8.2f} {total['backend']:9.2f}"
+        )
+
+
+def bench_run(
+    steps: int, workdir: str, price: float | None = None, programs: ProgramSeconds | None = None
+) -> dict:
     """The CPU default trained for `steps` steps in this process, checkpoints and evaluation off:
     JAX's compilation seconds over the whole run (setup included) against the summed step time
     (time/step in metrics.jsonl). `price`: batch.compile_price_steps (None: the config's)."""
@@ -131,6 +195,7 @@ def bench_run(steps: int, workdir: str, price: float | None = None) -> dict:
     jax.clear_caches()  # a second run in this process compiles everything again, as a new one
     clock = compile_stats.CLOCK.start()
     before = clock.totals()
+    programs_before = programs.snapshot() if programs else {}
     overrides = {"total_steps": steps, "checkpoint.every": 0, "eval.every": 0}
     if price is not None:
         overrides["batch.compile_price_steps"] = price
@@ -155,6 +220,7 @@ def bench_run(steps: int, workdir: str, price: float | None = None) -> dict:
         "compile_s": total,
         "compile_parts_s": compile_s,
         "compile_share": total / sum(step_s),
+        "programs": programs.since(programs_before) if programs else [],
     }
 
 
@@ -175,6 +241,12 @@ def main():
         default="",
         help="for --train_run: comma list of batch.compile_price_steps, one run each, in order",
     )
+    ap.add_argument(
+        "--programs",
+        type=int,
+        default=0,
+        help="for --train_run: also list this many programs by compile seconds (the rest summed)",
+    )
     args = ap.parse_args()
     from mmr_jax import compile_cache
 
@@ -183,7 +255,8 @@ def main():
     compile_cache.cpu_compile_flag()
     if args.train_run:
         prices = [float(p) for p in args.compile_price_steps.split(",") if p] or [None]
-        runs = [bench_run(args.train_run, args.workdir, price) for price in prices]
+        programs = ProgramSeconds() if args.programs else None
+        runs = [bench_run(args.train_run, args.workdir, price, programs) for price in prices]
         for out in runs:
             parts = ", ".join(f"{k} {v:.1f} s" for k, v in out["compile_parts_s"].items())
             print(
@@ -196,6 +269,8 @@ def main():
             print(
                 "  packed length needed -> run at: " + ", ".join(f"{a:g}->{b:g}" for a, b in lens)
             )
+            if args.programs:
+                print_programs(out["programs"], args.programs)
         if args.json:
             pathlib.Path(args.json).write_text(json.dumps(runs, indent=2))
         return
