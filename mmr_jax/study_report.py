@@ -173,10 +173,16 @@ def run_mechanism(rows: Sequence[Mapping], *, tail: float = 0.25) -> dict:
     rows: the run's metrics.jsonl rows ({'step', key: value}; rows of one step merged, the last
     value wins). Returns:
       stalled_from: the first step of the final stretch in which grad_norm is exactly 0 at every
-        step (every group uniform: no gradient at all), None if the last step's is not 0.
+        step (every group uniform: no gradient at all), when that stretch spans at least the
+        last `tail` fraction of the training steps; None otherwise. With 4 prompts a step, a
+        few all-uniform steps in a row happen to a learning run too (the first study's GRPO
+        seeds 1 and 2 stalled for their last 14 and 12 steps).
       tail_*: means over the last `tail` fraction of the training steps of advantage/abs_mean,
         advantage/uniform_abs_mean (the advantage size on groups of uniform raw rewards; None
-        where the run did not log it), groups/zero_variance_frac and grad_norm.
+        where the run did not log it), groups/zero_variance_frac, grad_norm,
+        completion/length_mean and completion/truncated_frac (how long the policy's answers
+        grew, and how many hit the length cap).
+      all_uniform_adv_abs_mean, all_zero_variance_frac: the same two over every training step.
       train_s_median, rollout_s_median: medians of time/train and time/rollout over the steps
         after the first (which compiles); eval_s: [min, max] of time/eval; eval_total_s its sum.
     """
@@ -190,6 +196,8 @@ def run_mechanism(rows: Sequence[Mapping], *, tail: float = 0.25) -> dict:
             break
         stalled = s
     tail_steps = train[int(len(train) * (1 - tail)) :]
+    if stalled is not None and tail_steps and stalled > tail_steps[0]:
+        stalled = None  # a shorter stretch of zero gradients at the end is not a stall
     later = train[1:]
 
     def median(key):
@@ -206,11 +214,59 @@ def run_mechanism(rows: Sequence[Mapping], *, tail: float = 0.25) -> dict:
         "tail_uniform_adv_abs_mean": _mean_over(by_step, "advantage/uniform_abs_mean", tail_steps),
         "tail_zero_variance_frac": _mean_over(by_step, "groups/zero_variance_frac", tail_steps),
         "tail_grad_norm": _mean_over(by_step, "grad_norm", tail_steps),
+        "tail_length_mean": _mean_over(by_step, "completion/length_mean", tail_steps),
+        "tail_truncated_frac": _mean_over(by_step, "completion/truncated_frac", tail_steps),
+        "all_uniform_adv_abs_mean": _mean_over(by_step, "advantage/uniform_abs_mean", train),
+        "all_zero_variance_frac": _mean_over(by_step, "groups/zero_variance_frac", train),
         "train_s_median": median("time/train"),
         "rollout_s_median": median("time/rollout"),
         "eval_s": [min(evals), max(evals)] if evals else None,
         "eval_total_s": float(sum(evals)),
     }
+
+
+# (label, key of run_mechanism or "wall_min", digits): the per-arm mechanism and cost columns.
+ARM_MECHANISM = (
+    ("advantage abs mean on uniform groups, all steps", "all_uniform_adv_abs_mean", 2),
+    ("same, last quarter", "tail_uniform_adv_abs_mean", 2),
+    ("zero-variance share, all steps", "all_zero_variance_frac", 2),
+    ("same, last quarter", "tail_zero_variance_frac", 2),
+    ("grad norm, last quarter", "tail_grad_norm", 2),
+    ("completion tokens, last quarter", "tail_length_mean", 1),
+    ("truncated share, last quarter", "tail_truncated_frac", 2),
+    ("train step s (median)", "train_s_median", 1),
+    ("rollout s (median)", "rollout_s_median", 1),
+    ("evaluation total min", "eval_total_min", 1),
+    ("wall min", "wall_min", 1),
+)
+
+
+def arm_mechanism(
+    runs: Sequence[Mapping], mechanism: Mapping[str, Mapping], variants: Sequence[str]
+) -> dict[str, dict]:
+    """Per variant: the spread over its finished runs of each ARM_MECHANISM column, and how many
+    of them stalled (grad_norm 0 to the end). runs: {'name', 'variant', 'status', 'wall_s'}."""
+    out = {}
+    for v in variants:
+        done = [
+            r for r in runs
+            if r["variant"] == v and r["status"] == "finished" and r["name"] in mechanism
+        ]  # fmt: skip
+
+        def value(r, key):
+            m = mechanism[r["name"]]
+            if key == "wall_min":
+                return None if r.get("wall_s") is None else r["wall_s"] / 60
+            if key == "eval_total_min":
+                return m["eval_total_s"] / 60
+            return m[key]
+
+        out[v] = {
+            "runs": len(done),
+            "stalled": sum(mechanism[r["name"]]["stalled_from"] is not None for r in done),
+            **{key: spread([value(r, key) for r in done]) for _, key, _ in ARM_MECHANISM},
+        }
+    return out
 
 
 # --- Markdown ------------------------------------------------------------------------------------
@@ -347,11 +403,32 @@ def markdown(
             f"| {_fmt(c['train_s'][-1] if c['train_s'] else None, digits=0)} |"
         )
     if mechanism:
+        lines += _arm_mechanism_lines(arm_mechanism(runs, mechanism, list(summary["variants"])))
         lines += _mechanism_lines(runs, mechanism)
     if plot:
-        caption = "held-out pass@1 and training reward, mean over finished seeds, band min-max"
+        caption = (
+            "held-out pass@1, training reward and completion length, mean over finished seeds, "
+            "band min-max"
+        )
         lines += ["", f"![{caption}]({plot})"]
     return "\n".join(lines) + "\n"
+
+
+def _arm_mechanism_lines(arms: Mapping[str, Mapping]) -> list[str]:
+    lines = [
+        "",
+        "## Mechanism and cost per variant (mean ± sample std [min, max] over finished runs)",
+        "",
+        "From each run's metrics, as in the per-run table below. Uniform groups: groups whose raw "
+        "rewards are all equal, which GRPO gives advantage 0.",
+        "",
+        "| variant | runs | stalled | " + " | ".join(lab for lab, _, _ in ARM_MECHANISM) + " |",
+        "|---|---|---|" + "---|" * len(ARM_MECHANISM),
+    ]
+    for v, a in arms.items():
+        cells = [_ms(a[key], digits=d) for _, key, d in ARM_MECHANISM]
+        lines.append(f"| {v} | {a['runs']} | {a['stalled']} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def _mechanism_lines(runs: Sequence[Mapping], mechanism: Mapping[str, Mapping]) -> list[str]:
@@ -360,15 +437,16 @@ def _mechanism_lines(runs: Sequence[Mapping], mechanism: Mapping[str, Mapping]) 
         "## Mechanism and cost per run (from each run's metrics)",
         "",
         "stalled from: the first step of the final stretch with grad_norm exactly 0 at every "
-        "step (every group's rewards uniform: the run no longer learns). Tail: mean over the "
+        "step (every group's rewards uniform: the run no longer learns), when that stretch "
+        "covers at least the last quarter of the steps. Tail: mean over the "
         "last quarter of the steps. Times: medians over steps 2 on (step 1 compiles); the train "
         "step includes the asynchronous checkpoint save's competition where one ran.",
         "",
         "| run | stalled from | tail advantage abs mean | tail on uniform groups "
         "| tail zero-variance share "
-        "| tail grad norm | train step s (median) | rollout s (median) | evaluation s [min, max] "
-        "| evaluation total min | wall min |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| tail grad norm | tail completion tokens | train step s (median) | rollout s (median) "
+        "| evaluation s [min, max] | evaluation total min | wall min |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in runs:
         m = mechanism.get(r["name"])
@@ -381,7 +459,8 @@ def _mechanism_lines(runs: Sequence[Mapping], mechanism: Mapping[str, Mapping]) 
             f"| {_fmt(m['tail_adv_abs_mean'], digits=2)} "
             f"| {_fmt(m['tail_uniform_adv_abs_mean'], digits=2)} "
             f"| {_fmt(m['tail_zero_variance_frac'], digits=2)} "
-            f"| {_fmt(m['tail_grad_norm'], digits=2)} | {_fmt(m['train_s_median'])} "
+            f"| {_fmt(m['tail_grad_norm'], digits=2)} | {_fmt(m.get('tail_length_mean'))} "
+            f"| {_fmt(m['train_s_median'])} "
             f"| {_fmt(m['rollout_s_median'])} | {ev} | {_fmt(m['eval_total_s'] / 60)} "
             f"| {_fmt(None if wall is None else wall / 60)} |"
         )

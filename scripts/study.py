@@ -65,7 +65,7 @@ def write_report(config, specs) -> dict:
             [folder / s.name for s in plotted],
             [s.variant for s in plotted],
             folder / "curves.png",
-            metrics=(study.EVAL_METRIC, "reward/mean"),
+            metrics=(study.EVAL_METRIC, "reward/mean", "completion/length_mean"),
         )
         plot = "curves.png"
     mechanism = {  # how each run learnt and what it cost, from its metrics

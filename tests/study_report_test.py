@@ -81,6 +81,47 @@ class TestMechanism:
         assert m["eval_s"] == [10.0, 30.0] and m["eval_total_s"] == 40.0
         rows.append({"step": 9, "grad_norm": 0.5})
         assert study_report.run_mechanism(rows)["stalled_from"] is None
+        rows.append({"step": 10, "grad_norm": 0.0})  # 10 steps, tail 8-10: one zero is no stall
+        assert study_report.run_mechanism(rows)["stalled_from"] is None
+        rows += [{"step": 11, "grad_norm": 0.0}, {"step": 12, "grad_norm": 0.0}]
+        assert study_report.run_mechanism(rows)["stalled_from"] == 10  # tail 10-12: all zero
+
+    def test_lengths_and_whole_run_means_by_hand(self):
+        rows = []
+        for step in range(1, 9):  # last quarter: steps 7 and 8
+            rows.append({"step": step, "grad_norm": 1.0, "completion/length_mean": float(step),
+                         "completion/truncated_frac": 0.5 if step == 8 else 0.0,
+                         "advantage/uniform_abs_mean": 0.1 * step,
+                         "groups/zero_variance_frac": 0.25 if step < 5 else 0.75})  # fmt: skip
+        m = study_report.run_mechanism(rows)
+        assert m["tail_length_mean"] == pytest.approx(7.5)
+        assert m["tail_truncated_frac"] == pytest.approx(0.25)
+        assert m["all_uniform_adv_abs_mean"] == pytest.approx(0.45)  # 0.1 x mean(1..8)
+        assert m["tail_uniform_adv_abs_mean"] == pytest.approx(0.75)
+        assert m["all_zero_variance_frac"] == pytest.approx(0.5)
+
+    def test_per_variant_mechanism_over_finished_runs_only(self):
+        def mech(length, stalled, eval_s):
+            return {"tail_length_mean": length, "stalled_from": stalled, "eval_total_s": eval_s,
+                    **{k: None for _, k, _ in study_report.ARM_MECHANISM
+                       if k not in ("tail_length_mean", "eval_total_min", "wall_min")}}  # fmt: skip
+
+        runs = [
+            {"name": "a_s1", "variant": "a", "status": "finished", "wall_s": 600.0},
+            {"name": "a_s2", "variant": "a", "status": "finished", "wall_s": 1200.0},
+            {"name": "a_s3", "variant": "a", "status": "diverged", "wall_s": 60.0},
+            {"name": "b_s1", "variant": "b", "status": "finished", "wall_s": None},
+        ]
+        mechanism = {"a_s1": mech(8.0, None, 60.0), "a_s2": mech(12.0, 31, 180.0),
+                     "a_s3": mech(32.0, None, 0.0), "b_s1": mech(20.0, None, 0.0)}  # fmt: skip
+        arms = study_report.arm_mechanism(runs, mechanism, ["a", "b"])
+        a = arms["a"]
+        assert a["runs"] == 2 and a["stalled"] == 1  # the diverged run is left out
+        assert a["tail_length_mean"]["mean"] == pytest.approx(10.0)
+        assert a["tail_length_mean"]["n"] == 2
+        assert a["wall_min"]["mean"] == pytest.approx(15.0)
+        assert a["eval_total_min"]["mean"] == pytest.approx(2.0)
+        assert arms["b"]["wall_min"]["n"] == 0 and arms["b"]["tail_grad_norm"]["n"] == 0
 
 
 def _records(run):
