@@ -6,6 +6,8 @@
     python scripts/bench_compile.py --train_run=8 --compile_price_steps=1,0   # with / without
                                                       # padding to compiled lengths (shape_reuse)
     python scripts/bench_compile.py --train_run=8 --programs=20   # which programs the run built
+    python scripts/bench_compile.py --train_run=8 --xla_cache=warm  # a second run of the config:
+                                                      # XLA's on-disk cache filled by a first one
 
 For each model and program, in one process: trace, lower and compile seconds with the layers
 run by one scan (what the trainer compiles) and fully unrolled (`scan_unroll = num_layers`: the
@@ -166,6 +168,7 @@ class ProgramSeconds:
 
 def print_programs(rows: list[dict], top: int) -> None:
     """The `top` programs by compile seconds, the rest summed on one line."""
+    # builds: backend events, each an XLA compile or (warm cache) a load from disk
     print(f"  {'program':40s} {'builds':>6s} {'trace s':>8s} {'lower s':>8s} {'backend s':>9s}")
     for r in rows[:top]:
         print(
@@ -182,8 +185,33 @@ def print_programs(rows: list[dict], top: int) -> None:
         )
 
 
+class CacheLoads:
+    """Programs loaded from XLA's on-disk cache, and the seconds the loads took. JAX reports a
+    load both as its own event (counted here) and as the program's backend compile event (so
+    the compile totals already include it); a loaded program still costs its trace and
+    lowering."""
+
+    EVENT = "/jax/compilation_cache/cache_retrieval_time_sec"
+
+    def __init__(self):
+        self.seconds = 0.0
+        self.loads = 0
+        from jax import monitoring
+
+        monitoring.register_event_duration_secs_listener(self._on_event)
+
+    def _on_event(self, event: str, duration: float, **_) -> None:
+        if event == self.EVENT:
+            self.seconds += duration
+            self.loads += 1
+
+
 def bench_run(
-    steps: int, workdir: str, price: float | None = None, programs: ProgramSeconds | None = None
+    steps: int,
+    workdir: str,
+    price: float | None = None,
+    programs: ProgramSeconds | None = None,
+    loads: CacheLoads | None = None,
 ) -> dict:
     """The CPU default trained for `steps` steps in this process, checkpoints and evaluation off:
     JAX's compilation seconds over the whole run (setup included) against the summed step time
@@ -196,6 +224,7 @@ def bench_run(
     clock = compile_stats.CLOCK.start()
     before = clock.totals()
     programs_before = programs.snapshot() if programs else {}
+    loads_before = (loads.seconds, loads.loads) if loads else (0.0, 0)
     overrides = {"total_steps": steps, "checkpoint.every": 0, "eval.every": 0}
     if price is not None:
         overrides["batch.compile_price_steps"] = price
@@ -221,6 +250,8 @@ def bench_run(
         "compile_parts_s": compile_s,
         "compile_share": total / sum(step_s),
         "programs": programs.since(programs_before) if programs else [],
+        "cache_loads": loads.loads - loads_before[1] if loads else 0,
+        "cache_load_s": loads.seconds - loads_before[0] if loads else 0.0,
     }
 
 
@@ -247,16 +278,35 @@ def main():
         default=0,
         help="for --train_run: also list this many programs by compile seconds (the rest summed)",
     )
+    ap.add_argument(
+        "--xla_cache",
+        choices=("off", "warm"),
+        default="off",
+        help="for --train_run: off (every program compiled, as a config's first run) or warm "
+        "(XLA's on-disk cache, as the scripts use it, filled by an unmeasured run of the same "
+        "config first: a config's second run, a resumed run, a study's later runs)",
+    )
     args = ap.parse_args()
     from mmr_jax import compile_cache
 
-    # As scripts/train.py compiles on a CPU host (LLVM level 1), without the on-disk cache: every
-    # program here is compiled, none loaded.
+    # As scripts/train.py compiles on a CPU host (LLVM level 1). By default without the on-disk
+    # cache: every program here is compiled, none loaded.
     compile_cache.cpu_compile_flag()
     if args.train_run:
         prices = [float(p) for p in args.compile_price_steps.split(",") if p] or [None]
         programs = ProgramSeconds() if args.programs else None
-        runs = [bench_run(args.train_run, args.workdir, price, programs) for price in prices]
+        loads = None
+        if args.xla_cache == "warm":
+            import tempfile
+
+            folder = tempfile.mkdtemp(prefix="bench_compile_xla_")
+            compile_cache.enable({compile_cache.ENV: folder})  # the scripts' threshold (1 s)
+            loads = CacheLoads()
+        runs = []
+        for price in prices:
+            if loads is not None:
+                bench_run(args.train_run, args.workdir, price)  # fills the cache, not measured
+            runs.append(bench_run(args.train_run, args.workdir, price, programs, loads))
         for out in runs:
             parts = ", ".join(f"{k} {v:.1f} s" for k, v in out["compile_parts_s"].items())
             print(
@@ -264,6 +314,12 @@ def main():
                 f"{out['step_s_sum']:.1f} s of steps (first {out['first_step_s']:.1f} s); "
                 f"compilation {out['compile_s']:.1f} s ({parts}) = "
                 f"{100 * out['compile_share']:.0f}% of the step time"
+                + (
+                    f"; {out['cache_loads']} programs loaded from the cache in "
+                    f"{out['cache_load_s']:.1f} s (within backend)"
+                    if loads
+                    else ""
+                )
             )
             lens = zip(out["packed_len_needed"], out["packed_len"], strict=True)
             print(

@@ -1,6 +1,9 @@
 """`scripts/bench_compile.py`'s per-program compile seconds (`--programs`)."""
 
 import importlib.util
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -44,3 +47,48 @@ def test_programs_are_counted_by_name_and_build():
     assert "built_before" not in rows  # built before the snapshot, not since
     everything = {r["program"] for r in programs.since({})}
     assert {"counted_twice", "built_before"} <= everything
+
+
+_WARM = """
+import importlib.util, sys, tempfile
+import jax, jax.numpy as jnp
+spec = importlib.util.spec_from_file_location("bench_compile", sys.argv[1])
+bench = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(bench)
+jax.config.update("jax_compilation_cache_dir", tempfile.mkdtemp())
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+programs, loads = bench.ProgramSeconds(), bench.CacheLoads()
+
+@jax.jit
+def cached(x):
+    return jnp.sin(x) @ x.T
+
+x = jnp.ones((64, 64))
+cached(x).block_until_ready()
+print("loads after the first build", loads.loads)
+jax.clear_caches()
+cached(x).block_until_ready()
+row = {r["program"]: r for r in programs.since({})}["cached"]
+print("loads after the second", loads.loads)
+print("builds", row["builds"])
+print("load within backend", 0 < loads.seconds <= row["backend"])
+"""
+
+
+def test_a_warm_cache_load_is_counted_and_lies_within_the_backend_event(tmp_path):
+    """JAX reports a load from the on-disk cache as its own event and as the program's backend
+    compile event: the benchmark counts the loads and does not add them twice."""
+    script = tmp_path / "warm.py"
+    script.write_text(_WARM)
+    out = subprocess.run(
+        [sys.executable, str(script), str(testing.REPO / "scripts/bench_compile.py")],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    ).stdout
+    assert "loads after the first build 0" in out
+    assert "loads after the second 1" in out
+    assert "builds 2" in out  # the build and the load: one backend event each
+    assert "load within backend True" in out
