@@ -1,0 +1,301 @@
+"""A config's train step and decode step on this host's accelerator: time, throughput, MFU, memory.
+
+    python scripts/bench_gpu.py --configs=configs/grpo.py:1.5b,configs/grpo_7b.py
+    python scripts/bench_gpu.py --configs=configs/grpo.py:1.5b \\
+        --set=batch.max_completion_len=1024 --set=loss.minibatches=4 --steps=5 --json=out.json
+
+Each config runs in its own child process (so each one's device peak is its own), on random
+weights of its model's real shapes (the checkpoint is not read: `third_party/hf_configs` gives the
+architecture), at the config's dtypes, LoRA, remat policy, mesh and largest batch, exactly the
+programs `scripts/train.py --dry_run --dry_run_devices=N` compiles (`mmr_jax/compiled_dry_run`),
+here compiled for the real backend and run.
+
+Per config and program: compile seconds; XLA's memory analysis of the compiled program (per
+device) and the device's own peak bytes in use; the steady time of a call (median of `--steps`
+calls after one warm-up call). For the train step: tokens per second (prompt tokens once per
+group, as the shared-prompt layout computes them, plus every completion token) and MFU, the
+model FLOPs of the step over its time and the device's dense bf16 peak. Model FLOPs
+(`train_flops`) count the matmuls and causal attention, forward 2 FLOPs per multiply-add, the
+backward twice the forward for a full fine-tune and once for LoRA (activation gradients only;
+the adapters' own FLOPs are left out), and no remat recomputation: MFU in PaLM's sense, not the
+hardware's utilisation. For the decode step (one token for all B * G rows against the prompt
+cache and the rows' own cache, both full): rows per second, and the bytes its arguments hold
+(weights and caches, what one step must read) over its time, against the device's peak memory
+bandwidth.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+import time
+
+from absl import app, flags
+
+_REPO = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(_REPO))
+sys.path.insert(0, str(_REPO / "scripts"))
+
+_CONFIGS = flags.DEFINE_list(
+    "configs", ["configs/grpo.py:1.5b", "configs/grpo_7b.py"], "config files (path[:arg])"
+)
+_SET = flags.DEFINE_multi_string("set", [], "dotted config overrides for every config, key=value")
+_STEPS = flags.DEFINE_integer("steps", 5, "timed calls per program (median reported)")
+_PROGRAMS = flags.DEFINE_list("programs", ["train", "decode"], "train, decode")
+_JSON = flags.DEFINE_string("json", None, "also write the rows to this JSON file")
+_CHILD_TIMEOUT = flags.DEFINE_integer("child_timeout_s", 0, "stop a config after this (0: never)")
+_CHILD = flags.DEFINE_string("child", None, "internal: run one config here, print one JSON line")
+
+GIB = 2.0**30
+# Dense bf16 peak TFLOP/s and memory bandwidth TB/s (NVIDIA's data sheets, SXM parts).
+DEVICE_PEAKS = {
+    "H100": (989.0, 3.35),
+    "H200": (989.0, 4.8),
+    "A100": (312.0, 2.0),
+}
+
+
+def device_peaks(device_kind: str) -> tuple[float | None, float | None]:
+    """(bf16 TFLOP/s, TB/s) of a device kind ('NVIDIA H200' -> H200's); (None, None) if unknown."""
+    for name, peaks in DEVICE_PEAKS.items():
+        if name in device_kind.upper():
+            return peaks
+    return None, None
+
+
+def forward_flops_per_token(mcfg) -> int:
+    """Matmul FLOPs of one token's forward pass through every layer and the LM head."""
+    d, hd = mcfg.hidden_size, mcfg.head_dim
+    q, kv = mcfg.num_heads * hd, mcfg.num_kv_heads * hd
+    per_layer = d * q + 2 * d * kv + q * d + 3 * d * mcfg.intermediate_size
+    return 2 * (mcfg.num_layers * per_layer + d * mcfg.vocab_size)
+
+
+def attention_flops(mcfg, positions_attended: int) -> int:
+    """Forward FLOPs of scores and values (2 matmuls) over `positions_attended` summed over
+    the tokens of a step (causal: token i attends to i + 1 positions)."""
+    return mcfg.num_layers * 4 * mcfg.num_heads * mcfg.head_dim * positions_attended
+
+
+def step_tokens(prompts: int, generations: int, prompt_len: int, completion_len: int) -> int:
+    """Tokens a shared-prompt step computes: each prompt once, every completion token."""
+    return prompts * prompt_len + prompts * generations * completion_len
+
+
+def positions_attended(prompts: int, generations: int, prompt_len: int, completion_len: int):
+    """Sum over a step's tokens of the positions each attends to (causal, prompts shared)."""
+    p, t = prompt_len, completion_len
+    per_prompt = p * (p + 1) // 2
+    per_completion = t * p + t * (t + 1) // 2
+    return prompts * (per_prompt + generations * per_completion)
+
+
+def train_flops(mcfg, *, lora: bool, prompts, generations, prompt_len, completion_len) -> int:
+    """Model FLOPs of one train step (one optimiser pass over the batch): forward, and a
+    backward of 2x the forward (full) or 1x (LoRA: activation gradients only)."""
+    tokens = step_tokens(prompts, generations, prompt_len, completion_len)
+    attended = positions_attended(prompts, generations, prompt_len, completion_len)
+    forward = forward_flops_per_token(mcfg) * tokens + attention_flops(mcfg, attended)
+    return forward * (2 if lora else 3)
+
+
+def _load(spec: str, overrides: list[str]):
+    from mmr_jax import config_types
+
+    config = config_types.load_config_file(spec)
+    for item in overrides:
+        key, _, raw = item.partition("=")
+        *sections, leaf = key.split(".")
+        node = config
+        for section in sections:
+            node = node[section]
+        old = node[leaf]
+        node[leaf] = type(old)(raw) if not isinstance(old, bool) else raw.lower() == "true"
+    return config_types.from_config_dict(config)
+
+
+def random_on_device(args, seed: int = 0):
+    """Concrete arrays of the abstract arguments' shapes, dtypes and shardings, drawn on the
+    device (a 7B model's weights drawn on the host would take minutes and tens of GB)."""
+    import jax
+    import jax.numpy as jnp
+
+    leaves, treedef = jax.tree.flatten(args)
+    made = []
+    for i, x in enumerate(leaves):
+        key = jax.random.fold_in(jax.random.key(seed), i)
+
+        def make(key, x=x):
+            if jnp.issubdtype(x.dtype, jnp.floating):
+                return (0.02 * jax.random.normal(key, x.shape, jnp.float32)).astype(x.dtype)
+            if x.dtype == jnp.bool_:
+                return jnp.ones(x.shape, bool)
+            return jnp.zeros(x.shape, x.dtype)
+
+        made.append(jax.jit(make, out_shardings=x.sharding)(key))
+    return jax.tree.unflatten(treedef, made)
+
+
+def _progress(message: str) -> None:
+    print(f"  [{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def _device_peak_bytes() -> int | None:
+    import jax
+
+    stats = jax.local_devices()[0].memory_stats() or {}
+    return stats.get("peak_bytes_in_use")
+
+
+def run_config(spec: str, overrides: list[str], steps: int, programs: list[str]) -> dict:
+    """One config's rows (in this process)."""
+    import bench_compile
+    import jax
+
+    from mmr_jax import build, compiled_dry_run
+    from mmr_jax.models import config as model_config
+
+    cfg = _load(spec, overrides)
+    mesh = compiled_dry_run.config_mesh(cfg)
+    mcfg = model_config.ModelConfig.from_hf(build._hf_config(cfg.model.path))
+    device = jax.local_devices()[0]
+    tflops_peak, tbps_peak = device_peaks(device.device_kind)
+    b, g = cfg.batch.prompts, cfg.batch.generations
+    p, t = cfg.batch.max_prompt_len, cfg.batch.max_completion_len
+    result = {
+        "config": spec,
+        "overrides": overrides,
+        "device": device.device_kind,
+        "devices": len(jax.devices()),
+        "model": cfg.model.path,
+        "lora": bool(cfg.lora.enabled),
+        "remat": cfg.model.remat,
+        "dtype": f"{cfg.model.dtype}/{cfg.model.param_dtype}",
+        "shape": {"prompts": b, "generations": g, "prompt_len": p, "completion_len": t},
+        "minibatches": cfg.loss.minibatches,
+    }
+    for program in programs:
+        if program == "train":
+            fn, args = compiled_dry_run.train_step_program(cfg, mesh)
+            donated = (0,)
+        else:
+            fn, args = compiled_dry_run.decode_step_program(cfg, mesh)
+            donated = (6,)
+        _progress(f"{program}: compiling")
+        measured, compiled = compiled_dry_run.measure(program, fn, *args)
+        _progress(f"{program}: compiled in {measured.compile_s + measured.lower_s:.1f} s")
+        concrete = list(random_on_device(args))
+        t0 = time.perf_counter()
+        out = jax.block_until_ready(compiled(*concrete))  # warm-up: autotuning, allocation
+        first_s = time.perf_counter() - t0
+        for i in donated:  # consumed by the call: its output takes its place
+            concrete[i] = out[0] if i == 0 else out[1]
+        del out
+        _progress(f"{program}: first call {first_s:.2f} s")
+        step_s = bench_compile._steady(compiled, concrete, steps, donated)
+        row = {
+            "compile_s": measured.trace_s + measured.lower_s + measured.compile_s,
+            "first_call_s": first_s,
+            "step_s": step_s,
+            "xla_argument_gib": measured.argument_bytes / GIB,
+            "xla_temp_gib": measured.temp_bytes / GIB,
+            "xla_peak_gib": measured.peak_bytes / GIB,
+            "device_peak_gib": (_device_peak_bytes() or 0) / GIB or None,
+        }
+        if program == "train":
+            flops = train_flops(
+                mcfg,
+                lora=bool(cfg.lora.enabled),
+                prompts=b,
+                generations=g,
+                prompt_len=p,
+                completion_len=t,
+            )
+            row["tokens_per_s"] = step_tokens(b, g, p, t) / step_s
+            row["model_tflops_per_s"] = flops / step_s / 1e12 / result["devices"]
+            row["mfu"] = row["model_tflops_per_s"] / tflops_peak if tflops_peak else None
+        else:
+            row["rows_per_s"] = b * g / step_s
+            row["read_tb_per_s"] = measured.argument_bytes / step_s / 1e12
+            row["bandwidth_share"] = row["read_tb_per_s"] / tbps_peak if tbps_peak else None
+        result[program] = row
+        del concrete, compiled
+        jax.clear_caches()
+    return result
+
+
+def _fmt(x, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def format_table(results: list[dict]) -> str:
+    lines = []
+    for r in results:
+        if "error" in r:
+            lines.append(f"{r['config']}: FAILED: {r['error']}")
+            continue
+        s = r["shape"]
+        lines.append(
+            f"{r['config']} on {r['devices']} x {r['device']}: {r['model']} "
+            f"({'LoRA' if r['lora'] else 'full'}, {r['dtype']}, remat {r['remat']}), "
+            f"{s['prompts']} prompts x {s['generations']}, prompt {s['prompt_len']}, "
+            f"completion {s['completion_len']}, {r['minibatches']} minibatches"
+        )
+        lines.append(
+            f"  {'program':8s} {'compile s':>9s} {'1st call s':>10s} {'step s':>8s} "
+            f"{'tokens/s':>9s} {'TFLOP/s':>8s} {'MFU':>6s} {'rows/s':>8s} {'read TB/s':>9s} "
+            f"{'BW':>6s} {'XLA peak':>9s} {'dev peak':>9s}"
+        )
+        for program in ("train", "decode"):
+            row = r.get(program)
+            if row is None:
+                continue
+            lines.append(
+                f"  {program:8s} {row['compile_s']:9.1f} {row['first_call_s']:10.2f} "
+                f"{row['step_s']:8.3f} {_fmt(row.get('tokens_per_s'), '9.0f'):>9s} "
+                f"{_fmt(row.get('model_tflops_per_s'), '8.1f'):>8s} "
+                f"{_fmt(row.get('mfu'), '6.1%'):>6s} {_fmt(row.get('rows_per_s'), '8.0f'):>8s} "
+                f"{_fmt(row.get('read_tb_per_s'), '9.2f'):>9s} "
+                f"{_fmt(row.get('bandwidth_share'), '6.1%'):>6s} "
+                f"{row['xla_peak_gib']:8.2f}G {_fmt(row['device_peak_gib'], '8.2f'):>8s}G"
+            )
+    return "\n".join(lines)
+
+
+def main(argv):
+    del argv
+    if _CHILD.value:
+        result = run_config(_CHILD.value, _SET.value, _STEPS.value, _PROGRAMS.value)
+        print("RESULT " + json.dumps(result), flush=True)
+        return
+    results = []
+    for spec in _CONFIGS.value:
+        cmd = [sys.executable, __file__, f"--child={spec}", f"--steps={_STEPS.value}"]
+        cmd += [f"--programs={','.join(_PROGRAMS.value)}"] + [f"--set={s}" for s in _SET.value]
+        print(f"running {spec} ...", flush=True)
+        try:
+            proc = subprocess.run(
+                cmd, stdout=subprocess.PIPE, text=True, timeout=_CHILD_TIMEOUT.value or None
+            )
+        except subprocess.TimeoutExpired as e:
+            out = e.stdout.decode() if isinstance(e.stdout, bytes) else e.stdout or ""
+            proc = subprocess.CompletedProcess(cmd, -9, out, f"timed out after {e.timeout} s")
+        found = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+        if proc.returncode == 0 and found:
+            results.append(json.loads(found[-1][len("RESULT ") :]))
+        else:
+            # the child's stderr (its traceback) went to ours
+            why = proc.stderr or f"exit status {proc.returncode}"
+            results.append({"config": spec, "error": why})
+        print(format_table(results[-1:]), flush=True)
+    print("\n" + format_table(results), flush=True)
+    if _JSON.value:
+        pathlib.Path(_JSON.value).write_text(json.dumps(results, indent=1))
+    if any("error" in r for r in results):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    app.run(main)
