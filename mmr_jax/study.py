@@ -178,8 +178,14 @@ def run_study(
     *,
     train_fn: Callable | None = None,
     log: Callable[[str], None] = lambda s: console.info("%s", s),
+    drop_checkpoints: bool = False,
 ) -> list[RunSpec]:
-    """Runs (or resumes) every run of the grid in turn; returns the specs."""
+    """Runs (or resumes) every run of the grid in turn; returns the specs.
+
+    `drop_checkpoints`: delete a run's checkpoints once its end marker is written. The report
+    reads only each run's metrics, and the last checkpoint of every ended run would otherwise
+    stay on disk (1.4 GB a SmolLM2 run, 42 GB for a 30-run study).
+    """
     from mmr_jax import trainer
 
     train_fn = train_fn or trainer.train
@@ -204,11 +210,22 @@ def run_study(
         # the report's train_s sums time/step from the metrics instead).
         marker["wall_s"] = time.monotonic() - t0
         _write_json(folder / spec.name / RUN_FILE, marker)
+        if drop_checkpoints:
+            _drop_checkpoints(folder / spec.name, log)
         walls.append(marker["wall_s"])
         done += 1
         _release_run_memory()
     log(f"study: {done}/{len(specs)} runs done")
     return specs
+
+
+def _drop_checkpoints(workdir: pathlib.Path, log: Callable[[str], None]) -> None:
+    """Deletes an ended run's checkpoints folder (its metrics and markers stay)."""
+    path = workdir / checkpoint.CKPT_DIR
+    if path.is_dir():
+        size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+        shutil.rmtree(path)
+        log(f"study: dropped {path} ({size / 2**30:.2f} GiB; --keep_checkpoints keeps them)")
 
 
 def _release_run_memory() -> None:

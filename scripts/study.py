@@ -43,6 +43,12 @@ _ARCHIVE = flags.DEFINE_string(
     "After the report, copy the study without checkpoints to this folder "
     "(study files, ended runs' metrics); copying it back into an empty folder resumes there.",
 )
+_KEEP = flags.DEFINE_bool(
+    "keep_checkpoints",
+    False,
+    "Keep each ended run's last checkpoint (default: delete it once the run has ended; the "
+    "report reads only the runs' metrics).",
+)
 _BASE = flags.DEFINE_bool(
     "base_accuracy", False, "Evaluate the untrained checkpoint on the held-out set and exit."
 )
@@ -134,7 +140,11 @@ def main(argv):
         in_child = functools.partial(
             study.train_in_child, log_file=log_file, verbose=console.verbosity_given()
         )
-        study.run_study(config, train_fn=None if _IN_PROCESS.value else in_child)
+        study.run_study(
+            config,
+            train_fn=None if _IN_PROCESS.value else in_child,
+            drop_checkpoints=not _KEEP.value,
+        )
     else:
         _check_for_report(config.folder, study.resolved(config, specs))
     write_report(config, specs)

@@ -217,6 +217,27 @@ class TestConfigChecks:
         study.run_study(c, train_fn=fake_train, log=lines.append)
         assert calls == [] and lines[-1] == "study: 4/4 runs done"
 
+    @pytest.mark.parametrize("drop", [True, False])
+    def test_ended_runs_checkpoints_dropped_on_request(self, tmp_path, drop):
+        c = _tiny_study("ckpt", tmp_path / "s")
+
+        def fake_train(cfg, workdir):
+            step = pathlib.Path(workdir) / "checkpoints" / "2"
+            step.mkdir(parents=True)
+            (step / "weights").write_bytes(b"x" * 1000)
+            (pathlib.Path(workdir) / "metrics.jsonl").write_text("{}\n")
+            if cfg.reweighting == "mmr":
+                raise trainer.NonFiniteLossError("step 2: non-finite loss nan")
+
+        lines = []
+        study.run_study(c, train_fn=fake_train, log=lines.append, drop_checkpoints=drop)
+        for name in ("grpo_s1", "mmr_grpo_s1"):  # finished and diverged alike
+            run = tmp_path / "s" / name
+            assert (run / "checkpoints").exists() is not drop
+            assert (run / "metrics.jsonl").exists() and (run / study.RUN_FILE).exists()
+        dropped = [line for line in lines if "dropped" in line]
+        assert len(dropped) == (2 if drop else 0)
+
 
 class _Stopped(Exception):
     """Stands for a study stopped mid-run (Ctrl-C, a lost session)."""

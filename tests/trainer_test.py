@@ -56,27 +56,7 @@ def _target_reward(completions, answers, *, lengths=None):
 
 
 def _config(algo, ckpt, *, mmr=False, lora=False, steps=2, **overrides):
-    c = ALGOS[algo].get_config("smoke")
-    c.model.path = str(ckpt)
-    c.total_steps = steps
-    c.lora.enabled = lora
-    c.mmr.enabled = mmr
-    c.data.source = build.ARITHMETIC
-    c.data.system_prompt = ""
-    c.batch.max_prompt_len = 32
-    c.batch.max_completion_len = 16
-    c.optim.lr = 1e-3
-    c.optim.warmup_ratio = 0.0
-    c.rewards.weights = {"test_target": 1.0, "format": 0.0}
-    c.dynamic_sampling.filter_reward = "test_target"
-    c.checkpoint.every = 1
-    c.logging.samples = 0
-    for key, value in overrides.items():
-        node = c
-        *path, last = key.split(".")
-        for p in path:
-            node = node[p]
-        node[last] = value
+    c = testing.smoke_config(ALGOS[algo], ckpt, steps=steps, mmr=mmr, lora=lora, **overrides)
     return config_types.from_config_dict(c)
 
 

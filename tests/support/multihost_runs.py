@@ -19,7 +19,7 @@ import numpy as np
 
 from mmr_jax import build, metrics
 
-from support import multihost
+from support import multihost, testing
 
 # Host-side timings and throughput differ between runs; everything else must agree.
 UNTIMED = ("time/", "throughput/")
@@ -30,30 +30,10 @@ _ROUNDING_KEYS, _ROUNDING_ATOL = ("mismatch/",), 4 * float(np.spacing(np.float32
 
 
 def config(module, ckpt, *, steps=2, **overrides) -> dict:
-    """`module.get_config('smoke')` for `steps` steps on `ckpt`, with dotted `overrides`."""
-    c = module.get_config("smoke")
-    c.model.path = str(ckpt)
-    c.total_steps = steps
-    c.lora.enabled = False
-    c.mmr.enabled = True
-    c.data.source = build.ARITHMETIC
-    c.data.system_prompt = ""
-    c.batch.max_prompt_len = 32
-    c.batch.max_completion_len = 16
-    c.optim.lr = 1e-3
-    c.optim.warmup_ratio = 0.0
-    c.rewards.weights = {"test_target": 1.0, "format": 0.0}
-    c.dynamic_sampling.filter_reward = "test_target"
-    c.checkpoint.every = 1
-    c.logging.samples = 0
-    c.logging.tensorboard = False
-    c.mesh.shape = (1, 2, 1)  # the same mesh shape in both layouts: fsdp over 2 devices
-    for key, value in overrides.items():
-        node = c
-        *path, last = key.split(".")
-        for p in path:
-            node = node[p]
-        node[last] = value
+    """`testing.smoke_config` with MMR on, TensorBoard off and the same (data, fsdp, tensor)
+    mesh shape in both layouts (fsdp over 2 devices), then dotted `overrides`; as plain JSON."""
+    fixed = {"logging.tensorboard": False, "mesh.shape": (1, 2, 1)}
+    c = testing.smoke_config(module, ckpt, steps=steps, mmr=True, **{**fixed, **overrides})
     return json.loads(json.dumps(c.to_dict()))
 
 

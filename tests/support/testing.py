@@ -258,3 +258,30 @@ def persistent_xla_cache(min_compile_s: float = 1.0):
         else:
             os.environ["JAX_COMPILATION_CACHE_DIR"] = env
         compilation_cache.reset_cache()
+
+
+def smoke_config(
+    module, ckpt, *, steps: int = 2, mmr: bool = False, lora: bool = False, **overrides
+):
+    """`module.get_config('smoke')` (a variant's config module) for `steps` steps on the tiny
+    checkpoint `ckpt`: arithmetic problems, no system prompt, short rows, a reward a tiny random
+    model gets varied values of (`test_target`, registered by the tests that use it), a
+    checkpoint every step; then the dotted `overrides`. -> the ConfigDict."""
+    from mmr_jax import build, config_types
+
+    c = module.get_config("smoke")
+    c.model.path = str(ckpt)
+    c.total_steps = steps
+    c.lora.enabled = lora
+    c.mmr.enabled = mmr
+    c.data.source = build.ARITHMETIC
+    c.data.system_prompt = ""
+    c.batch.max_prompt_len = 32
+    c.batch.max_completion_len = 16
+    c.optim.lr = 1e-3
+    c.optim.warmup_ratio = 0.0
+    c.rewards.weights = {"test_target": 1.0, "format": 0.0}
+    c.dynamic_sampling.filter_reward = "test_target"
+    c.checkpoint.every = 1
+    c.logging.samples = 0
+    return config_types.set_keys(c, overrides)
