@@ -1,12 +1,14 @@
 """XLA's persistent compilation cache for the scripts: a step compiled once is loaded after that.
 
-A run compiles its train step once per length bucket and its sampler once per shape (15-30 s
-each for SmolLM2 on 2 CPU cores). With the cache on disk, a resumed run, the next run of a study
+A run compiles its train step once per length bucket (about 5 s for SmolLM2 on 2 CPU cores) and
+its sampler's programs once per shape (0.2-1.2 s each). With the cache on disk, a resumed run, the next run of a study
 and a rerun of the README job load those executables instead of compiling them again. The key
 is XLA's (the program, its compile options, the jax/jaxlib version and the device), so a stale
-entry is never used. On CPU a load is not much cheaper than the compile for the large programs:
-the CPU default's train step took 19 s from the cache against 21 s to compile (2026-11-25), so
-the cache mainly helps the small ones (and costs nothing to keep).
+entry is never used. Measured on the CPU default's 8-step run (`scripts/bench_compile.py
+--train_run=8 --programs=10`, 2026-11-26, 2 cores): cold, 21.0 s of compilation (the train step's
+two builds 11.0 s, the sampler's loops 7 s); a second run with the cache 5.5 s, of which 3.3 s
+tracing and lowering (paid either way) and 0.6 s loading 13 programs (the train step's two builds
+load in 0.4 s against 9.5 s to compile).
 
 `MMR_JAX_COMPILE_CACHE` chooses the folder (default ~/.cache/mmr_jax/xla); set it to "" (or
 "off") to switch the cache off.
@@ -15,7 +17,8 @@ On a host without a GPU plugin, `enable` also asks XLA for LLVM optimisation lev
 2 (`CPU_FLAG`, added to XLA_FLAGS unless they set a level): the CPU default's train step compiled
 in 23 s instead of 31 s with the same step time (4.8 s), and the sampler's decode step was
 unchanged (79 against 82 ms); the matmuls are library calls either way, only the small fused
-kernels are compiled less hard. It can only apply before JAX's backend starts.
+kernels are compiled less hard. Level 0 is no cheaper to compile (21.1 s against 21.0 s on the
+8-step run above) and its steps ran 1.7x slower. It can only apply before JAX's backend starts.
 """
 
 from __future__ import annotations
@@ -38,6 +41,11 @@ def folder(environ=os.environ) -> pathlib.Path | None:
 
 
 CPU_FLAG = "--xla_backend_optimization_level=1"
+# Programs that took at least this long to compile are cached. Not 1 s: the sampler's decode
+# loops, compactions, prefill and MMR each compile in 0.2-1.2 s on CPU and load in a fraction of
+# that; at 1 s a second run of the CPU default still compiled 7 s of them (bench_compile,
+# 2026-11-26). The many eager ops under 0.1 s stay out.
+MIN_COMPILE_S = 0.1
 _GPU_PLUGINS = ("jax_plugins", "jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm7_plugin")
 
 
@@ -57,7 +65,7 @@ def cpu_compile_flag(environ=os.environ) -> bool:
     return True
 
 
-def enable(environ=os.environ, *, min_compile_s: float = 1.0) -> pathlib.Path | None:
+def enable(environ=os.environ, *, min_compile_s: float = MIN_COMPILE_S) -> pathlib.Path | None:
     """Points JAX's persistent cache at `folder()` (programs compiling >= `min_compile_s`), and
     applies `cpu_compile_flag`."""
     import jax

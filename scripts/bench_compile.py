@@ -300,7 +300,7 @@ def main():
             import tempfile
 
             folder = tempfile.mkdtemp(prefix="bench_compile_xla_")
-            compile_cache.enable({compile_cache.ENV: folder})  # the scripts' threshold (1 s)
+            compile_cache.enable({compile_cache.ENV: folder})  # the scripts' threshold
             loads = CacheLoads()
         runs = []
         for price in prices:
