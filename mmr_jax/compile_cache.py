@@ -3,13 +3,14 @@
 A run compiles its train step once per length bucket (about 5 s for SmolLM2 on 2 CPU cores) and
 its sampler's programs once per shape (0.2-1.2 s each). With the cache on disk, a resumed run,
 the next run of a study and a rerun of the README job load those executables instead of
-compiling them again. The key
-is XLA's (the program, its compile options, the jax/jaxlib version and the device), so a stale
-entry is never used. Measured on the CPU default's 8-step run (`scripts/bench_compile.py
---train_run=8 --programs=10`, 2026-11-26, 2 cores): cold, 21.0 s of compilation (the train step's
-two builds 11.0 s, the sampler's loops 7 s); a second run with the cache 5.5 s, of which 3.3 s
-tracing and lowering (paid either way) and 0.6 s loading 13 programs (the train step's two builds
-load in 0.4 s against 9.5 s to compile).
+compiling them again. The key is XLA's (the program, its compile options, the jax/jaxlib version
+and the device), so a stale entry is never used.
+
+Measured on the CPU default's 8-step run (`scripts/bench_compile.py --train_run=8
+--programs=10`, 2026-11-26, 2 cores): cold, 21.0 s of compilation (the train step's two builds
+11.0 s, the sampler's loops 7 s); a second run with the cache 5.5 s, of which 3.3 s tracing and
+lowering (paid either way) and 0.6 s loading 13 programs (the train step's two builds load in
+0.4 s against 9.5 s to compile).
 
 `MMR_JAX_COMPILE_CACHE` chooses the folder (default ~/.cache/mmr_jax/xla); set it to "" (or
 "off") to switch the cache off.

@@ -26,6 +26,7 @@ bandwidth.
 
 from __future__ import annotations
 
+import ast
 import json
 import pathlib
 import subprocess
@@ -102,17 +103,18 @@ def train_flops(mcfg, *, lora: bool, prompts, generations, prompt_len, completio
 
 
 def _load(spec: str, overrides: list[str]):
+    """The config file's TrainConfig with `key=value` overrides (values as Python literals,
+    else strings: `batch.max_completion_len=1024`, `model.path=/ckpt`)."""
     from mmr_jax import config_types
 
-    config = config_types.load_config_file(spec)
-    for item in overrides:
-        key, _, raw = item.partition("=")
-        *sections, leaf = key.split(".")
-        node = config
-        for section in sections:
-            node = node[section]
-        old = node[leaf]
-        node[leaf] = type(old)(raw) if not isinstance(old, bool) else raw.lower() == "true"
+    def value(raw: str):
+        try:
+            return ast.literal_eval(raw)
+        except (ValueError, SyntaxError):
+            return raw
+
+    parsed = {k: value(v) for k, _, v in (item.partition("=") for item in overrides)}
+    config = config_types.set_keys(config_types.load_config_file(spec), parsed)
     return config_types.from_config_dict(config)
 
 
@@ -202,7 +204,7 @@ def run_config(spec: str, overrides: list[str], steps: int, programs: list[str])
             "xla_argument_gib": measured.argument_bytes / GIB,
             "xla_temp_gib": measured.temp_bytes / GIB,
             "xla_peak_gib": measured.peak_bytes / GIB,
-            "device_peak_gib": (_device_peak_bytes() or 0) / GIB or None,
+            "device_peak_gib": device_peak / GIB if (device_peak := _device_peak_bytes()) else None,
         }
         if program == "train":
             flops = train_flops(
