@@ -8,12 +8,20 @@
     python scripts/bench_compile.py --train_run=8 --programs=20   # which programs the run built
     python scripts/bench_compile.py --train_run=8 --xla_cache=warm  # a second run of the config:
                                                       # XLA's on-disk cache filled by a first one
+    python scripts/bench_compile.py --compare_options=xla_cpu_use_fusion_emitters=false --steps=9
+                                                      # XLA options against the defaults (SmolLM2)
 
 For each model and program, in one process: trace, lower and compile seconds with the layers
 run by one scan (what the trainer compiles) and fully unrolled (`scan_unroll = num_layers`: the
 straight-line program of an unscanned model, the baseline), XLA's per-device temporary memory,
 and, for SmolLM2 (which this machine can run), the steady time of a call once compiled (median
 of `--steps` calls on random weights and inputs of the config's shapes).
+
+With `--compare_options`: each SmolLM2 program (scanned) is traced and lowered once, then compiled
+twice, with the scripts' options and with these XLA compiler options added (`name=value`, comma
+separated; JAX passes them to XLA per program), and the two executables' calls alternate
+(ABAB..., so drift on a shared machine falls on both): compile seconds and median call time of
+each, and their ratios.
 
 Models: `smollm2` is configs/cpu_smollm2.py on one CPU device (the CPU default's shapes);
 `7b` is configs/grpo_7b.py compiled against abstract parameters for its mesh on 8 virtual CPU
@@ -111,6 +119,81 @@ def bench_model(name: str, steps: int) -> list[dict]:
             rows.append(row)
             print(_format_row(row), flush=True)
             jax.clear_caches()
+    return rows
+
+
+def parse_options(text: str) -> dict:
+    """'a=false,b=2' -> {'a': False, 'b': 2}: XLA compiler options as JAX's `compile` takes them."""
+    options = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            raise ValueError(f"an XLA option is name=value, got {item!r}")
+        low = value.strip().lower()
+        if low in ("true", "false"):
+            options[name.strip()] = low == "true"
+        else:
+            try:
+                options[name.strip()] = int(value)
+            except ValueError:
+                try:
+                    options[name.strip()] = float(value)
+                except ValueError:
+                    options[name.strip()] = value.strip()
+    return options
+
+
+def compare_options(name: str, steps: int, options: dict) -> list[dict]:
+    """Each program of `name` (scanned) compiled with and without `options`, timed ABAB."""
+    from mmr_jax import compiled_dry_run
+
+    path, devices = MODELS[name]
+    cfg = _load_config(path)
+    mesh = compiled_dry_run.config_mesh(cfg, devices=jax.devices()[:devices])
+    rows = []
+    for program in ("train step", "decode step"):
+        if program == "train step":
+            fn, args = compiled_dry_run.train_step_program(cfg, mesh)
+            donated = (0,)
+        else:
+            fn, args = compiled_dry_run.decode_step_program(cfg, mesh)
+            donated = (6,)
+        lowered = fn.trace(*args).lower()
+        compiled, compile_s = [], []
+        for opts in ({}, options):
+            t0 = time.perf_counter()
+            compiled.append(lowered.compile(compiler_options=opts or None))
+            compile_s.append(time.perf_counter() - t0)
+        inputs = [list(_random_like(args)) for _ in compiled]
+        times: list[list[float]] = [[], []]
+        for i in range(steps + 1):  # the first call of each is a warm-up, not counted
+            for k in (0, 1) if i % 2 == 0 else (1, 0):
+                t0 = time.perf_counter()
+                out = compiled[k](*inputs[k])
+                jax.block_until_ready(out)
+                if i:
+                    times[k].append(time.perf_counter() - t0)
+                for j in donated:  # as in _steady: the state first, the decode step's cache
+                    inputs[k][j] = out[0] if j == 0 else out[1]
+        default_s, option_s = (statistics.median(t) for t in times)
+        row = {
+            "model": name,
+            "program": program,
+            "options": options,
+            "compile_s": compile_s[0],
+            "compile_s_options": compile_s[1],
+            "steady_s": default_s,
+            "steady_s_options": option_s,
+            "calls": steps,
+        }
+        print(
+            f"{name:8s} {program:12s} compile {compile_s[0]:6.2f} s -> {compile_s[1]:6.2f} s "
+            f"({compile_s[1] / compile_s[0]:4.2f}x); call {default_s * 1e3:8.1f} ms -> "
+            f"{option_s * 1e3:8.1f} ms ({option_s / default_s:5.3f}x), median of {steps} each",
+            flush=True,
+        )
+        rows.append(row)
+        jax.clear_caches()
     return rows
 
 
@@ -279,6 +362,12 @@ def main():
         help="for --train_run: also list this many programs by compile seconds (the rest summed)",
     )
     ap.add_argument(
+        "--compare_options",
+        default="",
+        help="instead: XLA compiler options (name=value,...) against the defaults, per SmolLM2 "
+        "program, compiled and called in this process",
+    )
+    ap.add_argument(
         "--xla_cache",
         choices=("off", "warm"),
         default="off",
@@ -329,6 +418,15 @@ def main():
                 print_programs(out["programs"], args.programs)
         if args.json:
             pathlib.Path(args.json).write_text(json.dumps(runs, indent=2))
+        return
+    if args.compare_options:
+        options = parse_options(args.compare_options)
+        print(
+            f"smollm2 (configs/cpu_smollm2.py, scanned): the scripts' XLA options, then + {options}"
+        )
+        rows = compare_options("smollm2", args.steps, options)
+        if args.json:
+            pathlib.Path(args.json).write_text(json.dumps(rows, indent=2))
         return
     names = [m for m in args.models.split(",") if m]
     unknown = sorted(set(names) - set(MODELS))

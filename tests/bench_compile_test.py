@@ -7,6 +7,7 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import pytest
 
 from support import testing
 
@@ -92,3 +93,16 @@ def test_a_warm_cache_load_is_counted_and_lies_within_the_backend_event(tmp_path
     assert "loads after the second 1" in out
     assert "builds 2" in out  # the build and the load: one backend event each
     assert "load within backend True" in out
+
+
+def test_compare_options_parses_xla_options_by_type():
+    parse = _bench_compile().parse_options
+    assert parse("xla_cpu_use_fusion_emitters=false, xla_backend_optimization_level=1") == {
+        "xla_cpu_use_fusion_emitters": False,
+        "xla_backend_optimization_level": 1,
+    }
+    assert parse("a=TRUE,b=0.5,c=fast") == {"a": True, "b": 0.5, "c": "fast"}
+    assert parse("") == {}
+    for bad in ("xla_cpu_use_fusion_emitters", "=1"):
+        with pytest.raises(ValueError, match="name=value"):
+            parse(bad)
