@@ -230,6 +230,22 @@ def decode_step_program(cfg, mesh, *, unrolled: bool = False):
     return jax.jit(step, donate_argnums=(6,)), args
 
 
+# Per program: (the argument it donates, the output that takes its place in the next call): the
+# train step's state comes back as its new state, the decode step's own-rows cache as its update.
+DONATED = {"train": (0, 0), "decode": (6, 1)}
+
+
+def program(kind: str, cfg, mesh, *, unrolled: bool = False):
+    """('train' or 'decode') -> (jitted program, abstract args, `DONATED[kind]`)."""
+    if kind == "train":
+        fn, args = train_step_program(cfg, mesh, unrolled=unrolled)
+    elif kind == "decode":
+        fn, args = decode_step_program(cfg, mesh, unrolled=unrolled)
+    else:
+        raise ValueError(f"unknown program {kind!r}; expected one of {sorted(DONATED)}")
+    return fn, args, DONATED[kind]
+
+
 def compile_train_step(cfg: config_types.TrainConfig, mesh, *, remat: str | None = None):
     """The trainer's jitted train step, lowered and compiled on `mesh` for the largest batch."""
     step, args = train_step_program(cfg, mesh, remat=remat)

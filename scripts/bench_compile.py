@@ -76,8 +76,9 @@ def _random_like(args, seed=0):
     return jax.tree.map(make, args)
 
 
-def _steady(compiled, args, steps: int, donated: tuple[int, ...]) -> float:
-    """Median seconds of a call; donated arguments are replaced by the call's matching output."""
+def _steady(compiled, args, steps: int, donated: tuple[int, int]) -> float:
+    """Median seconds of a call; the donated argument is replaced by the call's matching output
+    (`donated`: argument index, output index; `compiled_dry_run.DONATED`)."""
     times = []
     args = list(args)
     for _ in range(steps):
@@ -85,8 +86,7 @@ def _steady(compiled, args, steps: int, donated: tuple[int, ...]) -> float:
         out = compiled(*args)
         jax.block_until_ready(out)
         times.append(time.perf_counter() - t0)
-        for i in donated:  # the train step returns the state first, the decode step the cache
-            args[i] = out[0] if i == 0 else out[1]
+        args[donated[0]] = out[donated[1]]
     return statistics.median(times)
 
 
@@ -99,12 +99,9 @@ def bench_model(name: str, steps: int) -> list[dict]:
     rows = []
     for program in ("train step", "decode step"):
         for unrolled in (False, True):
-            if program == "train step":
-                fn, args = compiled_dry_run.train_step_program(cfg, mesh, unrolled=unrolled)
-                donated = (0,)
-            else:
-                fn, args = compiled_dry_run.decode_step_program(cfg, mesh, unrolled=unrolled)
-                donated = (6,)
+            fn, args, donated = compiled_dry_run.program(
+                program.split()[0], cfg, mesh, unrolled=unrolled
+            )
             measured, compiled = compiled_dry_run.measure(program, fn, *args)
             row = {
                 "trace_s": measured.trace_s,
@@ -152,12 +149,7 @@ def compare_options(name: str, steps: int, options: dict) -> list[dict]:
     mesh = compiled_dry_run.config_mesh(cfg, devices=jax.devices()[:devices])
     rows = []
     for program in ("train step", "decode step"):
-        if program == "train step":
-            fn, args = compiled_dry_run.train_step_program(cfg, mesh)
-            donated = (0,)
-        else:
-            fn, args = compiled_dry_run.decode_step_program(cfg, mesh)
-            donated = (6,)
+        fn, args, donated = compiled_dry_run.program(program.split()[0], cfg, mesh)
         lowered = fn.trace(*args).lower()
         compiled, compile_s = [], []
         for opts in ({}, options):
@@ -173,8 +165,7 @@ def compare_options(name: str, steps: int, options: dict) -> list[dict]:
                 jax.block_until_ready(out)
                 if i:
                     times[k].append(time.perf_counter() - t0)
-                for j in donated:  # as in _steady: the state first, the decode step's cache
-                    inputs[k][j] = out[0] if j == 0 else out[1]
+                inputs[k][donated[0]] = out[donated[1]]
         default_s, option_s = (statistics.median(t) for t in times)
         row = {
             "model": name,

@@ -179,12 +179,7 @@ def run_config(spec: str, overrides: list[str], steps: int, programs: list[str])
         "minibatches": cfg.loss.minibatches,
     }
     for program in programs:
-        if program == "train":
-            fn, args = compiled_dry_run.train_step_program(cfg, mesh)
-            donated = (0,)
-        else:
-            fn, args = compiled_dry_run.decode_step_program(cfg, mesh)
-            donated = (6,)
+        fn, args, donated = compiled_dry_run.program(program, cfg, mesh)
         _progress(f"{program}: compiling")
         measured, compiled = compiled_dry_run.measure(program, fn, *args)
         _progress(f"{program}: compiled in {measured.compile_s + measured.lower_s:.1f} s")
@@ -192,8 +187,7 @@ def run_config(spec: str, overrides: list[str], steps: int, programs: list[str])
         t0 = time.perf_counter()
         out = jax.block_until_ready(compiled(*concrete))  # warm-up: autotuning, allocation
         first_s = time.perf_counter() - t0
-        for i in donated:  # consumed by the call: its output takes its place
-            concrete[i] = out[0] if i == 0 else out[1]
+        concrete[donated[0]] = out[donated[1]]  # consumed by the call: its output takes its place
         del out
         _progress(f"{program}: first call {first_s:.2f} s")
         step_s = bench_compile._steady(compiled, concrete, steps, donated)

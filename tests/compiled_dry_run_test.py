@@ -52,6 +52,16 @@ _SCRIPT = textwrap.dedent(
     fn, args = compiled_dry_run.decode_step_program(cfg, mesh)
     got = compiled_dry_run.compile_decode_step(cfg, mesh)
     out["decode"] = dict(args=got.argument_bytes, want=shard_bytes(args), alias=got.alias_bytes)
+
+    def layout(tree):  # what a call's donated argument must look like on the next call
+        leaves = [(list(x.shape), str(x.dtype)) for x in jax.tree.leaves(tree)]
+        return [str(jax.tree.structure(tree)), leaves]
+
+    out["donated"] = {}
+    for kind in ("train", "decode"):
+        fn, args, (arg, result) = compiled_dry_run.program(kind, cfg, mesh)
+        outputs = jax.eval_shape(fn, *args)
+        out["donated"][kind] = [layout(args[arg]), layout(outputs[result])]
     print("RESULT", json.dumps(out))
     """
 )
@@ -71,3 +81,14 @@ def test_compiled_steps_hold_the_shards_their_shardings_give(tmp_path):
     assert out["full"]["temp"] < out["none"]["temp"], out
     assert out["decode"]["args"] == out["decode"]["want"]
     assert out["decode"]["alias"] > 0  # the rows' cache is donated: updated in place
+    # The benchmarks call each program again with the donated argument replaced by the output
+    # `DONATED` names: it must be that argument's new value (same tree, shapes and dtypes).
+    for kind, (argument, output) in out["donated"].items():
+        assert argument == output, kind
+
+
+def test_program_names_are_checked():
+    from mmr_jax import compiled_dry_run
+
+    with pytest.raises(ValueError, match="unknown program 'prefill'"):
+        compiled_dry_run.program("prefill", cfg=None, mesh=None)
