@@ -7,6 +7,7 @@ key for key: a key missing on either side fails with the valid keys listed.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import json
 from collections.abc import Mapping
@@ -359,6 +360,24 @@ def load_config_file(spec: str):
     module = importlib.util.module_from_spec(module_spec)
     module_spec.loader.exec_module(module)
     return module.get_config(arg) if arg else module.get_config()
+
+
+def parse_assignments(items) -> dict[str, Any]:
+    """['a.b=1024', 'c=false', 'd=/ckpt'] -> {'a.b': 1024, 'c': False, 'd': '/ckpt'}: values as
+    Python literals (true / false in any case as bools), else strings; `name=value` is required."""
+    parsed = {}
+    for item in items:
+        name, sep, raw = (part.strip() for part in item.partition("="))
+        if not sep or not name:
+            raise ValueError(f"expected name=value, got {item!r}")
+        if raw.lower() in ("true", "false"):
+            parsed[name] = raw.lower() == "true"
+            continue
+        try:
+            parsed[name] = ast.literal_eval(raw)
+        except (ValueError, SyntaxError):
+            parsed[name] = raw
+    return parsed
 
 
 def set_keys(config, values: Mapping[str, Any]):

@@ -90,12 +90,19 @@ def _steady(compiled, args, steps: int, donated: tuple[int, int]) -> float:
     return statistics.median(times)
 
 
-def bench_model(name: str, steps: int) -> list[dict]:
+def _model(name: str):
+    """(config, mesh, device count) of a `MODELS` entry."""
     from mmr_jax import compiled_dry_run
 
     path, devices = MODELS[name]
     cfg = _load_config(path)
-    mesh = compiled_dry_run.config_mesh(cfg, devices=jax.devices()[:devices])
+    return cfg, compiled_dry_run.config_mesh(cfg, devices=jax.devices()[:devices]), devices
+
+
+def bench_model(name: str, steps: int) -> list[dict]:
+    from mmr_jax import compiled_dry_run
+
+    cfg, mesh, devices = _model(name)
     rows = []
     for program in ("train step", "decode step"):
         for unrolled in (False, True):
@@ -121,32 +128,20 @@ def bench_model(name: str, steps: int) -> list[dict]:
 
 def parse_options(text: str) -> dict:
     """'a=false,b=2' -> {'a': False, 'b': 2}: XLA compiler options as JAX's `compile` takes them."""
-    options = {}
-    for item in filter(None, (part.strip() for part in text.split(","))):
-        name, sep, value = item.partition("=")
-        if not sep or not name:
-            raise ValueError(f"an XLA option is name=value, got {item!r}")
-        low = value.strip().lower()
-        if low in ("true", "false"):
-            options[name.strip()] = low == "true"
-        else:
-            try:
-                options[name.strip()] = int(value)
-            except ValueError:
-                try:
-                    options[name.strip()] = float(value)
-                except ValueError:
-                    options[name.strip()] = value.strip()
-    return options
+    from mmr_jax import config_types
+
+    items = [part for part in text.split(",") if part.strip()]
+    try:
+        return config_types.parse_assignments(items)
+    except ValueError as e:
+        raise ValueError(f"an XLA option is name=value: {e}") from None
 
 
 def compare_options(name: str, steps: int, options: dict) -> list[dict]:
     """Each program of `name` (scanned) compiled with and without `options`, timed ABAB."""
     from mmr_jax import compiled_dry_run
 
-    path, devices = MODELS[name]
-    cfg = _load_config(path)
-    mesh = compiled_dry_run.config_mesh(cfg, devices=jax.devices()[:devices])
+    cfg, mesh, _ = _model(name)
     rows = []
     for program in ("train step", "decode step"):
         fn, args, donated = compiled_dry_run.program(program.split()[0], cfg, mesh)

@@ -26,7 +26,6 @@ bandwidth.
 
 from __future__ import annotations
 
-import ast
 import json
 import pathlib
 import subprocess
@@ -107,13 +106,7 @@ def _load(spec: str, overrides: list[str]):
     else strings: `batch.max_completion_len=1024`, `model.path=/ckpt`)."""
     from mmr_jax import config_types
 
-    def value(raw: str):
-        try:
-            return ast.literal_eval(raw)
-        except (ValueError, SyntaxError):
-            return raw
-
-    parsed = {k: value(v) for k, _, v in (item.partition("=") for item in overrides)}
+    parsed = config_types.parse_assignments(overrides)
     config = config_types.set_keys(config_types.load_config_file(spec), parsed)
     return config_types.from_config_dict(config)
 

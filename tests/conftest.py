@@ -12,9 +12,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # (2026-11-26): tests/shared_prompt_test.py + sampler_test.py took 196 s before, and 147 s now
 # with advantages_test.py added. Not level 0 with the loop emitters (the two files in 89 s): that
 # pair computes NaN for a gradient that is 0 under every other setting tried (advantages_test's
-# degenerate groups). The
-# scripts keep XLA's emitters: their train step runs 12% slower without them
-# (`scripts/bench_compile.py --compare_options=...`, README). The tests' tolerances hold either way.
+# degenerate groups). The scripts keep XLA's emitters: their train step runs 12% slower without
+# them (`scripts/bench_compile.py --compare_options=...`, README). The tests' tolerances hold
+# either way.
 os.environ.setdefault(
     "XLA_FLAGS", "--xla_backend_optimization_level=1 --xla_cpu_use_fusion_emitters=false"
 )
