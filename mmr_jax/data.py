@@ -36,6 +36,26 @@ EVAL_SYSTEM_PROMPT = (
 )
 
 _LOCAL_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+# The data folder (eval/ and train/ JSONL) is ../shared/data beside the checkout unless this is set.
+DATA_ENV = "MMR_JAX_SHARED_DATA"
+
+
+class DataNotFoundError(FileNotFoundError):
+    """A problem file or data folder that is not there; the message says how to get it."""
+
+
+def missing_data_message(path: str | os.PathLike) -> str:
+    """'<path> does not exist' and the two ways to get the data folder (docs/data.md)."""
+    path = os.path.abspath(os.fspath(path))
+    parts = path.split(os.sep)
+    # .../<data folder>/{eval,train}[/<file>]: suggest building that very folder.
+    kind = next((i for i in range(len(parts) - 1, 0, -1) if parts[i] in ("eval", "train")), None)
+    out = (os.sep.join(parts[:kind]) or os.sep) if kind else "<folder>"
+    return (
+        f"{path} does not exist. Get the data: `python scripts/prepare_data.py --out={out}` "
+        f"builds it from the public Hugging Face datasets, or place the offline data folder at "
+        f"../shared/data beside the checkout (or set ${DATA_ENV} to it); see docs/data.md."
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,7 +73,7 @@ def _load_rows(source: str, split: str):
     ext = os.path.splitext(source)[1].lower()
     if ext in _LOCAL_FORMATS:
         if not os.path.exists(source):
-            raise FileNotFoundError(f"problem file {source!r} does not exist")
+            raise DataNotFoundError(f"problem file: {missing_data_message(source)}")
         return datasets.load_dataset(_LOCAL_FORMATS[ext], data_files=source, split="train")
     return datasets.load_dataset(source, split=split)
 
@@ -84,7 +104,8 @@ def load_problems(
 
     Rows are numbered from 0 in file order. A missing or empty problem/answer raises ValueError
     naming the source, row and field; numeric answers (e.g. AIME integers) become strings. A row
-    without `id_field` gets the id '<row index>'.
+    without `id_field` gets the id '<row index>'. A local file that is not there raises
+    DataNotFoundError naming it and how to get the data.
     """
     source = os.fspath(source)
     rows = _load_rows(source, split)

@@ -254,7 +254,12 @@ def write_json(result: EvalResult, path: str | os.PathLike, **metadata) -> None:
 def load_benchmarks(
     data_dir: str | os.PathLike, names: Sequence[str] = BENCHMARKS, *, max_problems: int = 0
 ) -> dict[str, list[data.Problem]]:
-    """`<data_dir>/<name>.jsonl` for each name; the first `max_problems` of each (0 = all)."""
+    """`<data_dir>/<name>.jsonl` for each name; the first `max_problems` of each (0 = all).
+
+    A missing folder or file raises `data.DataNotFoundError` saying how to get the data.
+    """
+    if not os.path.isdir(data_dir):
+        raise data.DataNotFoundError(f"benchmark folder: {data.missing_data_message(data_dir)}")
     out = {}
     for name in names:
         problems = data.load_problems(os.path.join(os.fspath(data_dir), f"{name}.jsonl"))

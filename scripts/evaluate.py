@@ -6,6 +6,8 @@
 Prints a table (per benchmark and average); writes `eval.json` with per-problem records. With
 `run_dir`: one JSON per step, `eval_summary.json` with the peak step, and `pass1_vs_step.png`.
 Library logs go to `<output dir>/evaluate.log` (`--verbosity=0` shows them on the console too).
+The benchmarks are `<config.data_dir>/<name>.jsonl`; when they are missing it exits with one line
+saying how to get them (`scripts/prepare_data.py` or the offline folder, docs/data.md).
 With several processes (`--coordinator_address/--num_processes/--process_id` or
 `--distributed=auto`, docs/multihost.md) each samples and grades its share of every prompt batch
 with its own copy of the checkpoint (or its own vLLM server: `--config.url` may list one per
@@ -24,7 +26,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from mmr_jax import compile_cache, console, distributed, evaluation
+from mmr_jax import compile_cache, console, data, distributed, evaluation
 from mmr_jax.models import sharding
 from mmr_jax.rewards import grading
 
@@ -101,9 +103,12 @@ def main(argv):
         config.engine,
         log_file,
     )
-    problems = evaluation.load_benchmarks(
-        config.data_dir, tuple(config.benchmarks), max_problems=config.max_problems
-    )
+    try:
+        problems = evaluation.load_benchmarks(
+            config.data_dir, tuple(config.benchmarks), max_problems=config.max_problems
+        )
+    except data.DataNotFoundError as e:  # one line saying what is missing and how to get it
+        sys.exit(f"evaluate: {e}")
     grader = grading.Grader(workers=config.grader_workers, timeout_s=config.grader_timeout_s)
     meta = dict(config=config.to_dict())
     try:

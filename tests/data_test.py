@@ -1,6 +1,8 @@
-"""Tests for mmr_jax.data: loading and schema checks, prompts, PromptIterator, arithmetic."""
+"""Tests for mmr_jax.data: loading and schema checks, prompts, PromptIterator, arithmetic; the
+data folder's helpers (missing data named, `testing.require_shared_data`, the frozen tiny BPE)."""
 
 import json
+import re
 
 import pytest
 
@@ -8,7 +10,7 @@ from mmr_jax import data
 
 from support import testing
 
-EVAL_DIR = testing.default_shared_data() / "eval"
+EVAL_FILES = {"math500": 500, "aime24": 30, "amc23": 40, "minerva_math": 272, "olympiadbench": 675}
 
 
 def _write_jsonl(path, rows):
@@ -22,13 +24,10 @@ def tokenizer(tmp_path_factory):
 
 
 class TestLoadProblems:
-    @pytest.mark.parametrize(
-        "name,rows",
-        [("math500", 500), ("aime24", 30), ("amc23", 40), ("minerva_math", 272),
-         ("olympiadbench", 675)],
-    )  # fmt: skip
+    @pytest.mark.parametrize("name,rows", EVAL_FILES.items())
     def test_eval_files(self, name, rows):
-        problems = data.load_problems(EVAL_DIR / f"{name}.jsonl")
+        root = testing.require_shared_data(f"eval/{name}.jsonl")
+        problems = data.load_problems(root / "eval" / f"{name}.jsonl")
         assert len(problems) == rows
         assert all(p.problem.strip() and p.answer.strip() and p.id for p in problems)
         assert len({p.id for p in problems}) == rows
@@ -63,6 +62,73 @@ class TestLoadProblems:
     def test_missing_file(self, tmp_path):
         with pytest.raises(FileNotFoundError, match="nope.jsonl"):
             data.load_problems(tmp_path / "nope.jsonl")
+
+    def test_missing_data_file_says_how_to_get_it(self, tmp_path):
+        path = tmp_path / "data" / "eval" / "math500.jsonl"
+        with pytest.raises(data.DataNotFoundError) as e:
+            data.load_problems(path)
+        message = str(e.value)
+        assert f"{path} does not exist" in message
+        assert f"python scripts/prepare_data.py --out={tmp_path / 'data'}`" in message
+        assert "../shared/data" in message and "$MMR_JAX_SHARED_DATA" in message
+
+    def test_trainer_data_paths_name_missing_data(self, tmp_path, tokenizer):
+        """The trainer's problems (`data.source`) and benchmarks (`eval.data_dir`)."""
+        from configs import base
+        from mmr_jax import build, config_types
+
+        c = base.get_config()
+        c.data.source = str(tmp_path / "d" / "train" / "gsm8k_train.jsonl")
+        c.eval.source, c.eval.data_dir = "benchmarks", str(tmp_path / "d" / "eval")
+        cfg = config_types.from_config_dict(c)
+        with pytest.raises(data.DataNotFoundError, match=re.escape(f"--out={tmp_path / 'd'}`")):
+            build.load_prompts(cfg, tokenizer)
+        with pytest.raises(data.DataNotFoundError, match=r"d.eval does not exist"):
+            build.eval_problems(cfg)
+
+
+class TestRequireSharedData:
+    def test_present(self, tmp_path, monkeypatch):
+        (tmp_path / "eval").mkdir()
+        (tmp_path / "eval" / "a.jsonl").write_text("")
+        monkeypatch.setenv("MMR_JAX_SHARED_DATA", str(tmp_path))
+        assert testing.require_shared_data("eval/a.jsonl") == tmp_path
+
+    @pytest.mark.parametrize("ci", ["", "true"])
+    def test_missing_skips_or_fails_under_ci(self, tmp_path, monkeypatch, ci):
+        (tmp_path / "eval").mkdir()
+        monkeypatch.setenv("MMR_JAX_SHARED_DATA", str(tmp_path))
+        monkeypatch.setenv("CI", ci)
+        outcome = pytest.fail.Exception if ci else pytest.skip.Exception
+        with pytest.raises(outcome) as e:
+            testing.require_shared_data("eval/a.jsonl")
+        line = str(e.value)
+        assert "\n" not in line and f"{tmp_path / 'eval' / 'a.jsonl'} does not exist" in line
+        assert f"prepare_data.py --out={tmp_path}`" in line
+
+    def test_no_folder_names_the_folder(self, tmp_path, monkeypatch):
+        monkeypatch.setenv("MMR_JAX_SHARED_DATA", str(tmp_path / "none"))
+        monkeypatch.delenv("CI", raising=False)
+        with pytest.raises(pytest.skip.Exception, match="none.eval does not exist"):
+            testing.require_shared_data()
+
+
+class TestTinyTokenizer:
+    def test_needs_no_data_folder(self, tmp_path, monkeypatch):
+        monkeypatch.setenv("MMR_JAX_SHARED_DATA", str(tmp_path / "none"))
+        tok = testing.make_tiny_tokenizer(tmp_path / "tok")
+        assert len(tok) == 512
+        assert tok.convert_ids_to_tokens([0, 1, 2, 3]) == testing.SPECIAL_TOKENS
+        assert tok.decode(tok("What is 12 + 35?")["input_ids"]) == "What is 12 + 35?"
+
+    def test_frozen_bpe_is_the_one_trained_on_the_data(self):
+        import tokenizers
+
+        root = testing.require_shared_data("train/gsm8k_train.jsonl")
+        trained = testing.train_tiny_bpe(testing.tokenizer_corpus(root))
+        frozen = tokenizers.Tokenizer.from_file(str(testing.TINY_BPE))
+        assert trained.get_vocab() == frozen.get_vocab()
+        assert json.loads(trained.to_str()) == json.loads(frozen.to_str())
 
 
 class TestBuildPrompt:

@@ -159,17 +159,26 @@ class TestEvaluate:
         assert strict.average["pass@1"] == 0.5
 
     def test_load_benchmarks(self):
-        problems = evaluation.load_benchmarks(
-            testing.default_shared_data() / "eval", ("aime24", "amc23"), max_problems=3
-        )
+        root = testing.require_shared_data("eval/aime24.jsonl", "eval/amc23.jsonl")
+        problems = evaluation.load_benchmarks(root / "eval", ("aime24", "amc23"), max_problems=3)
         assert {k: len(v) for k, v in problems.items()} == {"aime24": 3, "amc23": 3}
+
+    def test_load_benchmarks_names_missing_data(self, tmp_path):
+        with pytest.raises(data.DataNotFoundError) as e:
+            evaluation.load_benchmarks(tmp_path / "data" / "eval", ("aime24",))
+        assert f"{tmp_path / 'data' / 'eval'} does not exist" in str(e.value)
+        assert f"prepare_data.py --out={tmp_path / 'data'}`" in str(e.value)
+        (tmp_path / "data" / "eval").mkdir(parents=True)
+        with pytest.raises(data.DataNotFoundError, match=r"eval.aime24\.jsonl does not exist"):
+            evaluation.load_benchmarks(tmp_path / "data" / "eval", ("aime24",))
 
     @pytest.mark.parametrize(
         "max_problems",
         [pytest.param(0, marks=pytest.mark.slow, id="all"), pytest.param(40, id="40")],
     )
     def test_gold_answers_of_the_benchmarks_parse(self, max_problems):
-        eval_dir = testing.default_shared_data() / "eval"
+        files = [f"eval/{b}.jsonl" for b in evaluation.BENCHMARKS]
+        eval_dir = testing.require_shared_data(*files) / "eval"
         problems = evaluation.load_benchmarks(eval_dir, max_problems=max_problems)
         golds = sorted({p.answer for ps in problems.values() for p in ps})
         grades = grading.Grader(workers=0).grade([""] * len(golds), golds)
@@ -178,12 +187,32 @@ class TestEvaluate:
 
 
 class TestEndToEnd:
+    def test_script_names_missing_data(self, tmp_path):
+        """No benchmark folder: evaluate.py exits 1 with the line saying how to get the data."""
+        import pathlib
+        import subprocess
+        import sys
+
+        root = pathlib.Path(__file__).resolve().parents[1]
+        missing = tmp_path / "data" / "eval"
+        cmd = [
+            sys.executable, str(root / "scripts" / "evaluate.py"),
+            f"--config={root / 'configs' / 'eval.py'}", f"--config.data_dir={missing}",
+            f"--config.checkpoint={tmp_path / 'ckpt'}", f"--config.output_dir={tmp_path / 'out'}",
+        ]  # fmt: skip
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 1, proc.stderr[-3000:]
+        last = proc.stderr.strip().splitlines()[-1]
+        assert last == f"evaluate: benchmark folder: {data.missing_data_message(missing)}"
+        assert f"prepare_data.py --out={tmp_path / 'data'}`" in last
+
     def test_script_on_a_tiny_model_and_five_problems(self, tmp_path):
         """scripts/evaluate.py through the real embedded sampler; records graded again here."""
         import pathlib
         import subprocess
         import sys
 
+        eval_dir = testing.require_shared_data("eval/math500.jsonl") / "eval"
         # MATH-500 prompts run to ~800 tokens with the tiny 512-token vocabulary.
         ckpt = testing.make_tiny_checkpoint(tmp_path / "ckpt", max_position_embeddings=2048)
         root = pathlib.Path(__file__).resolve().parents[1]
@@ -194,14 +223,13 @@ class TestEndToEnd:
             f"--config.checkpoint={ckpt}", f"--config.output_dir={out}",
             "--config.benchmarks=('math500',)", "--config.max_problems=5", "--config.n=2",
             "--config.ks=(1,2)", "--config.max_new_tokens=8", "--config.grader_workers=0",
-            "--config.keep_completions=True",
+            "--config.keep_completions=True", f"--config.data_dir={eval_dir}",
         ]  # fmt: skip
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, proc.stderr[-3000:]
         [path] = list(out.glob("*.json"))
         result = json.loads(path.read_text())
         records = result["records"]
-        eval_dir = testing.default_shared_data() / "eval"
         problems = evaluation.load_benchmarks(eval_dir, ["math500"], max_problems=5)["math500"]
         gold = {p.id: p.answer for p in problems}
         assert sorted(r["id"] for r in records) == sorted(gold)

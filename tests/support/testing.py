@@ -1,8 +1,10 @@
 """Offline fixtures for tests and benchmarks: an on-the-fly tokenizer and random checkpoints.
 
-Nothing here downloads: the tokenizer is a byte-level BPE trained on a few hundred lines of the
-shared math data (or built-in text), and checkpoints are random transformers models written with
-`save_pretrained`, so the JAX model can be compared with transformers on exactly the same weights.
+Nothing here downloads and nothing needs the data folder: the tokenizer is a byte-level BPE
+stored in `tiny_bpe.json` (trained once on a few hundred lines of the shared math data, see
+`train_tiny_bpe`), and checkpoints are random transformers models written with `save_pretrained`,
+so the JAX model can be compared with transformers on exactly the same weights. Tests that read the
+data folder get it through `require_shared_data`, which skips (fails under CI=true) without it.
 """
 
 from __future__ import annotations
@@ -15,6 +17,9 @@ import os
 import pathlib
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
+# The tiny tokenizer's BPE (tokenizers JSON): `train_tiny_bpe(tokenizer_corpus(<data>))`, frozen so
+# that every test gets the same 512-token vocabulary with or without the data folder.
+TINY_BPE = pathlib.Path(__file__).with_name("tiny_bpe.json")
 # XLA's persistent compilation cache of the test modules that run whole trainings.
 XLA_CACHE_DIR = os.environ.get("JAX_COMPILATION_CACHE_DIR") or (
     f"/tmp/mmr_jax_test_xla_cache_{os.getuid()}"
@@ -37,36 +42,24 @@ CHAT_TEMPLATE = (
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<pad>"]
 
 
-def _training_lines(shared_data: str | os.PathLike | None, limit: int = 400) -> list[str]:
+def tokenizer_corpus(shared_data: str | os.PathLike, limit: int = 400) -> list[str]:
+    """The lines `tiny_bpe.json` was trained on: built-in text, then the first `limit` GSM8K
+    problems and solutions of `<shared_data>/train/gsm8k_train.jsonl`."""
     lines = list(_FALLBACK_TEXT)
-    path = pathlib.Path(shared_data or default_shared_data()) / "train" / "gsm8k_train.jsonl"
-    if path.exists():
-        with open(path, encoding="utf-8") as f:
-            for i, line in enumerate(f):
-                if i >= limit:
-                    break
-                row = json.loads(line)
-                lines.append(row["problem"])
-                lines.append(row.get("solution", "") + " \\boxed{" + row["answer"] + "}")
+    path = pathlib.Path(shared_data) / "train" / "gsm8k_train.jsonl"
+    with open(path, encoding="utf-8") as f:
+        for i, line in enumerate(f):
+            if i >= limit:
+                break
+            row = json.loads(line)
+            lines.append(row["problem"])
+            lines.append(row.get("solution", "") + " \\boxed{" + row["answer"] + "}")
     return lines
 
 
-def default_shared_data() -> pathlib.Path:
-    """`../shared/data` beside the checkout, or $MMR_JAX_SHARED_DATA."""
-    env = os.environ.get("MMR_JAX_SHARED_DATA")
-    if env:
-        return pathlib.Path(env)
-    return REPO.parent / "shared" / "data"
-
-
-def make_tiny_tokenizer(out_dir: str | os.PathLike, *, vocab_size: int = 512, shared_data=None):
-    """Trains a byte-level BPE tokenizer and saves it as a transformers tokenizer folder.
-
-    Token ids: 0 <|endoftext|> (eos), 1 <|im_start|>, 2 <|im_end|>, 3 <pad>.
-    Returns the loaded `PreTrainedTokenizerFast`.
-    """
+def train_tiny_bpe(lines: list[str], vocab_size: int = 512):
+    """A byte-level BPE `tokenizers.Tokenizer` trained on `lines` (how `tiny_bpe.json` was made)."""
     import tokenizers
-    import transformers
     from tokenizers import decoders, models, pre_tokenizers, trainers
 
     tok = tokenizers.Tokenizer(models.BPE())
@@ -78,9 +71,49 @@ def make_tiny_tokenizer(out_dir: str | os.PathLike, *, vocab_size: int = 512, sh
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(_training_lines(shared_data), trainer=trainer)
+    tok.train_from_iterator(lines, trainer=trainer)
+    return tok
+
+
+def default_shared_data() -> pathlib.Path:
+    """`../shared/data` beside the checkout, or $MMR_JAX_SHARED_DATA."""
+    env = os.environ.get("MMR_JAX_SHARED_DATA")
+    if env:
+        return pathlib.Path(env)
+    return REPO.parent / "shared" / "data"
+
+
+def require_shared_data(*relative: str) -> pathlib.Path:
+    """The data folder (`default_shared_data()`), if it holds every `relative` path.
+
+    Otherwise skips the test with one line naming what is missing and how to get it, except
+    under CI=true, where it fails: CI has the folder, so a skip there would hide a broken setup.
+    """
+    import pytest
+
+    from mmr_jax import data
+
+    root = default_shared_data()
+    missing = next((root / r for r in relative if not (root / r).exists()), None)
+    if root.is_dir() and missing is None:
+        return root
+    message = "no shared data: " + data.missing_data_message(missing or root / "eval")
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"CI must have the data folder: {message}", pytrace=False)
+    pytest.skip(message)
+
+
+def make_tiny_tokenizer(out_dir: str | os.PathLike):
+    """Saves the tiny BPE (`tiny_bpe.json`) as a transformers tokenizer folder.
+
+    Token ids: 0 <|endoftext|> (eos), 1 <|im_start|>, 2 <|im_end|>, 3 <pad>; 512 tokens.
+    Returns the loaded `PreTrainedTokenizerFast`.
+    """
+    import tokenizers
+    import transformers
+
     fast = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tok,
+        tokenizer_object=tokenizers.Tokenizer.from_file(str(TINY_BPE)),
         eos_token="<|im_end|>",
         bos_token=None,
         pad_token="<pad>",
