@@ -3,13 +3,17 @@
     python scripts/serve.py --model=checkpoints/smollm2-135m-instruct --port=8000
     curl localhost:8000/v1/completions -d '{"model": "checkpoints/smollm2-135m-instruct",
          "prompt": "What is 2 + 3?", "max_tokens": 32, "temperature": 0}'
+    curl -N localhost:8000/v1/chat/completions -d '{"model": "checkpoints/smollm2-135m-instruct",
+         "messages": [{"role": "user", "content": "What is 2 + 3?"}], "stream": true}'
 
-Serves one checkpoint for evaluation on a CPU or TPU host, and speaks the routes the vLLM rollout
-client uses (/v1/completions, /v1/models, /health, /collective_rpc, /reset_prefix_cache,
-/v1/load_lora_adapter, /v1/unload_lora_adapter), so the trainer's `rollout.engine='vllm'` path runs
-against it unchanged. The weight routes take paths on this host: bind to localhost or a private
-network. See mmr_jax/rollout/server.py for what is and is not supported. Request and library
-logs go to --log_file; the console shows the address and warnings (`--verbosity=0`: everything).
+Serves one checkpoint on a CPU or TPU host to the official `openai` client (models.list,
+completions and chat completions, streamed or not, with log-probs and usage; docs/serving.md),
+and speaks the routes the vLLM rollout client uses (/v1/completions, /v1/models, /health,
+/collective_rpc, /reset_prefix_cache, /v1/load_lora_adapter, /v1/unload_lora_adapter), so the
+trainer's `rollout.engine='vllm'` path runs against it unchanged. The weight routes take paths on
+this host: bind to localhost or a private network. See mmr_jax/rollout/server.py for what is and
+is not supported. Request and library logs go to --log_file; the console shows the address and
+warnings (`--verbosity=0`: everything).
 """
 
 from __future__ import annotations
@@ -32,6 +36,12 @@ _HOST = flags.DEFINE_string("host", "127.0.0.1", "bind address")
 _PORT = flags.DEFINE_integer("port", 8000, "port (0 = any free port)")
 _MAX_LEN = flags.DEFINE_integer("max_model_len", None, "prompt + completion limit")
 _SEED = flags.DEFINE_integer("seed", 0, "seeds requests that do not give one")
+_DEFAULT_MAX_TOKENS = flags.DEFINE_integer(
+    "default_max_tokens",
+    None,
+    "chat completion limit when a request sets no max_tokens (default: the context's room, as "
+    "OpenAI; the sampler's cache and cost grow with it)",
+)
 _MIN_PROMPTS = flags.DEFINE_integer("min_batch_bucket", 1, "smallest padded prompt count")
 _LOG_FILE = flags.DEFINE_string(
     "log_file", None, "request and library logs (default: mmr_jax_serve_<pid>.log in the temp dir)"
@@ -52,7 +62,9 @@ def main(argv):
         max_model_len=_MAX_LEN.value,
         buckets=layout.Buckets(min_prompts=_MIN_PROMPTS.value),
     )
-    srv = server.OpenAIServer(backend, host=_HOST.value, port=_PORT.value)
+    srv = server.OpenAIServer(
+        backend, host=_HOST.value, port=_PORT.value, default_max_tokens=_DEFAULT_MAX_TOKENS.value
+    )
     print(f"serving {backend.model_name!r} at {srv.url}", flush=True)  # clients parse this line
     print(f"logs: {log_file}", flush=True)
     try:

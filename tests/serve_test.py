@@ -196,6 +196,24 @@ class TestServeScript:
             other = testing.make_tiny_checkpoint(tmp_path / "other", seed=7)
             engine.load_weights_dir(other, version=1)
             _assert_same(engine.generate(PROMPTS, GREEDY), _greedy(models.from_pretrained(other)))
+            _check_openai_chat(line.split()[-1])
         finally:
             proc.terminate()
             proc.wait(timeout=30)
+
+
+def _check_openai_chat(url):
+    """The official `openai` client against the script: chat streamed equals chat not streamed."""
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    messages = [{"role": "user", "content": "What is 2 + 3?"}]
+    kw = dict(model="tiny", messages=messages, max_tokens=8, temperature=0)
+    whole = client.chat.completions.create(**kw)
+    chunks = list(
+        client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw)
+    )
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == whole.choices[0].message.content and chunks[-1].usage == whole.usage
+    assert whole.usage.completion_tokens in range(1, 9)
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.chat.completions.create(model="nope", messages=messages)

@@ -135,8 +135,8 @@ class TestVllmEngineGenerate:
 
     def test_unsupported_request_is_a_clear_400(self, fake):
         _, srv = fake
-        with pytest.raises(vllm_client.ServerError, match="stop strings are not supported") as e:
-            _client(srv.url).completions({"model": "fake", "prompt": [1], "stop": ["x"]})
+        with pytest.raises(vllm_client.ServerError, match="echo is not supported") as e:
+            _client(srv.url).completions({"model": "fake", "prompt": [1], "echo": True})
         assert e.value.status == 400
 
     @pytest.mark.parametrize(

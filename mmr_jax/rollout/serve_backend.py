@@ -9,12 +9,14 @@ Weight routes behave as vLLM's do for the rollout client:
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import pathlib
 import threading
 from collections.abc import Sequence
 
+import jax
 import numpy as np
 from flax import nnx
 
@@ -101,6 +103,14 @@ def build_lora_model(base_model, config: dict, tensors: dict[str, dict[str, np.n
     return model
 
 
+@functools.partial(jax.jit, static_argnames=("graphdef", "k"))
+def _top_k(graphdef, state, tokens_BxT, mask_BxT, temperature, *, k: int):
+    """The k most likely next tokens after each position: (ids, log-probs) [B, T, k]."""
+    logits = nnx.merge(graphdef, state)(tokens_BxT, attention_mask_BxT=mask_BxT)
+    logps, ids = jax.lax.top_k(jax.nn.log_softmax(logits / temperature, axis=-1), k)
+    return ids, logps
+
+
 class EmbeddedBackend:
     """A checkpoint served by the embedded sampler (implements `server.Backend`).
 
@@ -159,7 +169,7 @@ class EmbeddedBackend:
         ignore_eos: bool = False,
     ) -> base.RolloutBatch:
         with self._lock:
-            decoder = self.engine.model if model == self.model_name else self._adapter_model(model)
+            decoder = self._decoder(model)
             seed = self.engine.next_seed()
             return sampler.sample(
                 decoder,
@@ -171,6 +181,42 @@ class EmbeddedBackend:
                 buckets=self.engine.buckets,
                 max_len=self.max_model_len,
             )
+
+    def top_logprobs(
+        self,
+        sequences: Sequence[tuple[Sequence[int], Sequence[int]]],
+        k: int,
+        *,
+        temperature: float,
+        model: str,
+    ) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Per (prompt, completion): the k most likely tokens at each completion position, as
+        (ids int32 [T, k], log-probs float32 [T, k]) of log softmax(logits / temperature), most
+        likely first. One teacher-forced forward pass per sequence (one at a time, so the logits
+        [1, length, V] stay small), its length bucketed as the sampler's prompts are."""
+        out = []
+        with self._lock:
+            graphdef, state = nnx.split(self._decoder(model))
+            for prompt, completion in sequences:
+                row = list(prompt) + list(completion)
+                length = layout.length_bucket(len(row), self.engine.buckets.min_prompt_len)
+                tokens = np.full((1, length), self.engine.pad_id, np.int32)
+                tokens[0, : len(row)] = row
+                mask = np.arange(length)[None] < len(row)
+                ids, logps = _top_k(graphdef, state, tokens, mask, np.float32(temperature), k=k)
+                at = slice(len(prompt) - 1, len(row) - 1)  # the logits that predict `completion`
+                out.append((np.asarray(ids[0, at]), np.asarray(logps[0, at])))
+        return out
+
+    def chat_prompt(self, messages: list[dict]) -> list[int]:
+        """The prompt ids of `messages`: the chat template rendered with the assistant's
+        generation prompt, then tokenized without added special tokens (as vLLM does)."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError(f"the tokenizer of {self.model_name!r} has no chat template")
+        text = self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True
+        )
+        return self.encode(text, add_special_tokens=False)
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
@@ -185,6 +231,9 @@ class EmbeddedBackend:
 
     def adapters(self) -> dict[str, str]:
         return {name: entry[0] for name, entry in self._adapters.items()}
+
+    def _decoder(self, model: str):
+        return self.engine.model if model == self.model_name else self._adapter_model(model)
 
     def _adapter_model(self, name: str):
         if name not in self._adapter_models:

@@ -1,19 +1,31 @@
 """OpenAI-compatible HTTP server with vLLM's request/response shapes, over any `Backend`.
 
-Routes (those of vLLM 0.33 that the rollout client, weight sync and evaluation use):
+Routes:
   GET  /health, /v1/models
   POST /v1/completions            token-id or text prompts, n, seed, max_tokens, temperature, top_p,
-                                  top_k, stop_token_ids, ignore_eos, logprobs, return_token_ids,
+                                  top_k, stop, stop_token_ids, ignore_eos, logprobs (0-20),
+                                  stream (+ stream_options.include_usage), return_token_ids,
                                   return_tokens_as_token_ids; choices prompt-major (index b * n + i)
+  POST /v1/chat/completions       messages (text) through the tokenizer's chat template with the
+                                  generation prompt; n, seed, max_tokens / max_completion_tokens,
+                                  temperature, top_p, top_k, stop, logprobs + top_logprobs (0-20),
+                                  stream (+ stream_options.include_usage)
   POST /collective_rpc            {"method", "args", "kwargs"} -> {"results": [one per worker]}
   POST /reset_prefix_cache        -> {"success": true}
   POST /v1/load_lora_adapter      {"lora_name", "lora_path"}
   POST /v1/unload_lora_adapter    {"lora_name"}
-Not supported (HTTP 400): streaming, echo, stop strings, best_of > 1, beam search, and any
-sampling control this sampler does not apply when set to a value that would change the output
-(repetition/presence/frequency penalties, min_p, logit_bias, min_tokens): a request is answered
-as asked or refused, never answered as if a parameter were absent. `logprobs=k` returns the
-sampled token's log-prob only (top_logprobs holds that one entry), whatever k.
+Bodies and stream chunks: `openai_format`; request parsing and what is refused: `openai_params`
+(echo, best_of > 1, beam search, tools, and any sampling control this sampler does not apply when
+set to a value that would change the output are HTTP 400: a request is answered as asked or
+refused, never answered as if a parameter were absent). Errors are OpenAI's shape,
+{"error": {"message", "type", "param", "code"}}: unknown model 404 `model_not_found`, a prompt
+over the context 400 `context_length_exceeded`, malformed JSON or bad parameters 400.
+
+Streaming (`stream=true`) sends server-sent events after the whole batch is generated: the
+sampler's decode loop runs on the device under one jit, so tokens are not seen as they are made.
+Stop strings are applied to the finished text (the sampler still runs to a stop token or
+max_tokens). Log-probs follow `base`'s convention (after temperature, before top-k/top-p); with k
+alternatives (k > 0) the server runs one extra forward pass over prompt + completion for them.
 
 Stdlib only (`http.server.ThreadingHTTPServer`); the backend serialises generation itself.
 Start in-process with `OpenAIServer(backend, port=0).start()`; `.url` gives the bound address.
@@ -26,22 +38,19 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Sequence
-from http import HTTPStatus
+from collections.abc import Iterable, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Protocol
 
-from mmr_jax.rollout import base
+import numpy as np
+
+from mmr_jax.rollout import base, openai_choices, openai_params
+from mmr_jax.rollout import openai_format as fmt
 
 log = logging.getLogger(__name__)
 
-
-class HTTPError(Exception):
-    """An error answered as vLLM does: {"error": {"message", "type", "param", "code"}}."""
-
-    def __init__(self, status: int, message: str, *, param: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param = status, message, param
+HTTPError = fmt.HTTPError
+parse_completion_request = openai_params.parse_completion_request
 
 
 class Backend(Protocol):
@@ -60,6 +69,17 @@ class Backend(Protocol):
         ignore_eos: bool,
     ) -> base.RolloutBatch: ...
 
+    def top_logprobs(
+        self,
+        sequences: Sequence[tuple[Sequence[int], Sequence[int]]],
+        k: int,
+        *,
+        temperature: float,
+        model: str,
+    ) -> list[tuple[np.ndarray, np.ndarray]]: ...
+
+    def chat_prompt(self, messages: list[dict]) -> list[int]: ...
+
     def encode(self, text: str, *, add_special_tokens: bool) -> list[int]: ...
 
     def decode(self, ids: Sequence[int]) -> str: ...
@@ -75,168 +95,28 @@ class Backend(Protocol):
     def collective_rpc(self, method: str, args: list, kwargs: dict) -> Any: ...
 
 
-_UNSUPPORTED = {
-    "stream": "streaming",
-    "echo": "echo",
-    "use_beam_search": "beam search",
-    "suffix": "suffix",
-    "prompt_embeds": "prompt_embeds",
-}
+class _Stream:
+    """A route's reply sent as server-sent events (already encoded)."""
 
-# Sampling controls the embedded sampler does not apply: accepted only at their neutral value.
-_NEUTRAL = {
-    "best_of": (None, 1),
-    "repetition_penalty": (None, 1, 1.0),
-    "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0),
-    "min_p": (None, 0, 0.0),
-    "logit_bias": (None, {}),
-    "min_tokens": (None, 0),
-}
+    def __init__(self, events: Iterable[bytes]):
+        self.events = events
 
 
-def _seed(body: dict) -> int | None:
-    seed = body.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise HTTPError(400, f"seed must be an integer, got {seed!r}", param="seed")
-    return seed
+def _sse(chunks: Iterable[dict]) -> _Stream:
+    def events():
+        for chunk in chunks:
+            yield fmt.sse(chunk)
+        yield fmt.SSE_DONE
 
-
-def _prompts(body: dict, backend: Backend) -> list[list[int]]:
-    prompt = body.get("prompt")
-    add_special = bool(body.get("add_special_tokens", True))
-    if isinstance(prompt, str):
-        prompt = [prompt]
-    if not isinstance(prompt, list) or not prompt:
-        raise HTTPError(
-            400, "prompt must be a string, a list of strings or token ids", param="prompt"
-        )
-    if all(isinstance(t, int) for t in prompt):
-        prompt = [prompt]
-    out = []
-    for p in prompt:
-        if isinstance(p, str):
-            out.append(backend.encode(p, add_special_tokens=add_special))
-        elif isinstance(p, list) and all(isinstance(t, int) and t >= 0 for t in p):
-            out.append(list(p))
-        else:
-            raise HTTPError(400, "mixed or invalid prompt list", param="prompt")
-        if not out[-1]:
-            raise HTTPError(400, "empty prompt", param="prompt")
-    return out
-
-
-def parse_completion_request(
-    body: dict, backend: Backend
-) -> tuple[list[list[int]], base.SamplingParams]:
-    """(prompt ids, SamplingParams) of a /v1/completions body; HTTPError 400 when invalid."""
-    for key, what in _UNSUPPORTED.items():
-        if body.get(key):
-            raise HTTPError(400, f"{what} is not supported by this server", param=key)
-    for key, neutral in _NEUTRAL.items():
-        if body.get(key) not in neutral:
-            raise HTTPError(400, f"{key}={body[key]!r} is not supported by this server", param=key)
-    if body.get("stop"):
-        raise HTTPError(400, "stop strings are not supported; use stop_token_ids", param="stop")
-    prompts = _prompts(body, backend)
-    temperature = body.get("temperature")
-    top_k = body.get("top_k")
-    try:
-        params = base.SamplingParams(
-            max_new_tokens=int(body.get("max_tokens") or 16),
-            temperature=1.0 if temperature is None else float(temperature),
-            top_p=float(body.get("top_p") if body.get("top_p") is not None else 1.0),
-            top_k=0 if top_k is None or int(top_k) < 0 else int(top_k),
-            n=int(body.get("n") or 1),
-            stop_token_ids=tuple(body.get("stop_token_ids") or ()),
-            seed=_seed(body),
-        )
-    except (TypeError, ValueError) as e:
-        raise HTTPError(400, f"invalid sampling parameters: {e}") from e
-    longest = max(len(p) for p in prompts)
-    if longest + params.max_new_tokens > backend.max_model_len:
-        raise HTTPError(
-            400,
-            f"This model's maximum context length is {backend.max_model_len} tokens; the request "
-            f"has {longest} prompt tokens and max_tokens={params.max_new_tokens}",
-            param="max_tokens",
-        )
-    return prompts, params
-
-
-def _logprobs_obj(backend, ids, logps, as_ids: bool) -> dict:
-    tokens = [f"token_id:{t}" for t in ids] if as_ids else backend.token_strings(ids)
-    offsets, pos = [], 0
-    for s in tokens:
-        offsets.append(pos)
-        pos += len(s)
-    return {
-        "text_offset": offsets,
-        "token_logprobs": [float(x) for x in logps],
-        "tokens": tokens,
-        "top_logprobs": [{s: float(x)} for s, x in zip(tokens, logps, strict=True)],
-    }
-
-
-def completion_response(
-    body: dict,
-    backend: Backend,
-    prompts,
-    params: base.SamplingParams,
-    batch: base.RolloutBatch,
-    model: str,
-) -> dict:
-    """The vLLM /v1/completions reply for `batch` (choices prompt-major)."""
-    choices = []
-    eos = set(backend.eos_token_ids)
-    for b, prompt in enumerate(prompts):
-        for i in range(params.n):
-            ids = batch.completion_ids(b, i)
-            logps = batch.logprobs[b, i, : len(ids)].tolist()
-            reason = batch.finish_reasons[b][i]
-            stop_reason = None
-            text_ids = ids
-            if reason == base.FINISH_STOP and ids:
-                text_ids = ids[:-1]
-                if ids[-1] not in eos:
-                    stop_reason = ids[-1]
-            choice = {
-                "index": len(choices),
-                "text": backend.decode(text_ids),
-                "logprobs": None,
-                "finish_reason": reason,
-                "stop_reason": stop_reason,
-                "token_ids": ids if body.get("return_token_ids") else None,
-                "prompt_logprobs": None,
-                "prompt_token_ids": prompt if body.get("return_token_ids") else None,
-            }
-            if body.get("logprobs") is not None:
-                choice["logprobs"] = _logprobs_obj(
-                    backend, ids, logps, bool(body.get("return_tokens_as_token_ids"))
-                )
-            choices.append(choice)
-    prompt_tokens = sum(len(p) for p in prompts)
-    completion_tokens = int(batch.mask.sum())
-    return {
-        "id": f"cmpl-{uuid.uuid4().hex}",
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": choices,
-        "usage": {
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-        },
-    }
+    return _Stream(events())
 
 
 class _Handler(BaseHTTPRequestHandler):
     server: _HTTPServer
     protocol_version = "HTTP/1.1"
 
-    def log_message(self, fmt, *args):
-        log.debug("%s %s", self.address_string(), fmt % args)
+    def log_message(self, fmt_, *args):
+        log.debug("%s %s", self.address_string(), fmt_ % args)
 
     def _send(self, status: int, payload: Any = None, text: str | None = None) -> None:
         data = b"" if payload is None else json.dumps(payload).encode()
@@ -249,15 +129,33 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(data)
 
+    def _send_stream(self, stream: _Stream) -> None:
+        """Server-sent events in HTTP/1.1 chunked transfer encoding, one chunk per event."""
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream; charset=utf-8")
+        self.send_header("Cache-Control", "no-cache")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        try:
+            for event in stream.events:
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(event), event))
+                self.wfile.flush()
+            self.wfile.write(b"0\r\n\r\n")
+        except (BrokenPipeError, ConnectionResetError):
+            log.info("client left during a stream")
+            self.close_connection = True
+
     def _body(self) -> dict:
         n = int(self.headers.get("Content-Length") or 0)
         raw = self.rfile.read(n) if n else b""
         try:
             body = json.loads(raw or b"{}")
-        except json.JSONDecodeError as e:
-            raise HTTPError(400, f"JSON decode error: {e}") from e
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise HTTPError(
+                400, f"We could not parse the JSON body of your request: {e}", code="invalid_json"
+            ) from e
         if not isinstance(body, dict):
-            raise HTTPError(400, "request body must be a JSON object")
+            raise HTTPError(400, "request body must be a JSON object", code="invalid_json")
         return body
 
     def _dispatch(self, method: str) -> None:
@@ -265,31 +163,21 @@ class _Handler(BaseHTTPRequestHandler):
         handler = self.server.app.routes.get((method, route))
         try:
             if handler is None:
-                raise HTTPError(404, f"no route {method} {route}")
+                raise HTTPError(404, f"Invalid URL ({method} {route})")
             body = self._body() if method == "POST" else {}
             status, payload, text = handler(body)
         except HTTPError as e:
-            status, text = e.status, None
-            payload = {
-                "error": {
-                    "message": e.message,
-                    "type": HTTPStatus(e.status).phrase.replace(" ", "") + "Error",
-                    "param": e.param,
-                    "code": e.status,
-                }
-            }
+            status, payload, text = e.status, e.payload(), None
         except Exception as e:
             log.exception("error serving %s %s", method, route)
             status, text = 500, None
-            payload = {
-                "error": {
-                    "message": f"{type(e).__name__}: {e}",
-                    "type": "InternalServerError",
-                    "param": None,
-                    "code": 500,
-                }
-            }
-        self._send(status, payload, text)
+            payload = fmt.error_payload(
+                f"{type(e).__name__}: {e}", kind="server_error", param=None, code=None
+            )
+        if isinstance(payload, _Stream):
+            self._send_stream(payload)
+        else:
+            self._send(status, payload, text)
 
     def do_GET(self):
         self._dispatch("GET")
@@ -304,10 +192,18 @@ class _HTTPServer(ThreadingHTTPServer):
 
 
 class OpenAIServer:
-    """The routes above over `backend`, on (host, port); port 0 picks a free port."""
+    """The routes above over `backend`, on (host, port); port 0 picks a free port.
+    `default_max_tokens`: a chat request's limit when it sets none (None: the context's room)."""
 
-    def __init__(self, backend: Backend, *, host: str = "127.0.0.1", port: int = 0):
-        self.backend = backend
+    def __init__(
+        self,
+        backend: Backend,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        default_max_tokens: int | None = None,
+    ):
+        self.backend, self.default_max_tokens = backend, default_max_tokens
         self._http = _HTTPServer((host, port), _Handler)
         self._http.app = self
         self._thread: threading.Thread | None = None
@@ -315,6 +211,7 @@ class OpenAIServer:
             ("GET", "/health"): lambda body: (200, None, None),
             ("GET", "/v1/models"): self._models,
             ("POST", "/v1/completions"): self._completions,
+            ("POST", "/v1/chat/completions"): self._chat,
             ("POST", "/collective_rpc"): self._collective_rpc,
             ("POST", "/reset_prefix_cache"): lambda body: (200, {"success": True}, None),
             ("POST", "/v1/load_lora_adapter"): self._load_lora,
@@ -372,15 +269,60 @@ class OpenAIServer:
         b = self.backend
         if name is None or name == b.model_name or name in b.adapters():
             return name or b.model_name
-        raise HTTPError(404, f"The model `{name}` does not exist.", param="model")
+        raise HTTPError(
+            404, f"The model `{name}` does not exist.", param="model", code="model_not_found"
+        )
+
+    def _generate(self, request: openai_params.Request, model: str, *, as_ids: bool = False):
+        """(choices, the reply's common fields) of `request`, generated in full."""
+        batch = self.backend.generate(
+            request.prompts, request.params, model=model, ignore_eos=request.ignore_eos
+        )
+        tops = None
+        if request.logprobs:
+            n = request.params.n
+            sequences = [
+                (request.prompts[r // n], batch.completion_ids(r // n, r % n))
+                for r in range(len(request.prompts) * n)
+            ]
+            temperature = request.params.temperature or 1.0  # greedy: untempered, as the sampler
+            tops = self.backend.top_logprobs(
+                sequences, request.logprobs, temperature=temperature, model=model
+            )
+        choices = openai_choices.build_choices(self.backend, request, batch, tops, as_ids=as_ids)
+        meta = {
+            "created": int(time.time()),
+            "model": model,
+            "prompt_tokens": sum(len(p) for p in request.prompts),
+            "logprobs": request.logprobs is not None,
+        }
+        return choices, meta
 
     def _completions(self, body):
         model = self._resolve_model(body.get("model"))
-        prompts, params = parse_completion_request(body, self.backend)
-        batch = self.backend.generate(
-            prompts, params, model=model, ignore_eos=bool(body.get("ignore_eos"))
+        request = openai_params.parse_completion_request(body, self.backend)
+        as_ids = bool(body.get("return_tokens_as_token_ids"))
+        choices, meta = self._generate(request, model, as_ids=as_ids)
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        if request.stream:
+            chunks = fmt.completion_chunks(
+                choices, rid=rid, include_usage=request.include_usage, **meta
+            )
+            return 200, _sse(chunks), None
+        token_ids = bool(body.get("return_token_ids"))
+        return 200, fmt.completion_response(choices, rid=rid, token_ids=token_ids, **meta), None
+
+    def _chat(self, body):
+        model = self._resolve_model(body.get("model"))
+        request = openai_params.parse_chat_request(
+            body, self.backend, default_max_tokens=self.default_max_tokens
         )
-        return 200, completion_response(body, self.backend, prompts, params, batch, model), None
+        choices, meta = self._generate(request, model)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        if request.stream:
+            chunks = fmt.chat_chunks(choices, rid=rid, include_usage=request.include_usage, **meta)
+            return 200, _sse(chunks), None
+        return 200, fmt.chat_response(choices, rid=rid, **meta), None
 
     def _collective_rpc(self, body):
         method = body.get("method")

@@ -1,0 +1,136 @@
+"""openai_params: what a completion or chat body asks, and the 400s for what cannot be answered."""
+
+import pytest
+
+from mmr_jax.rollout import openai_params
+from mmr_jax.rollout.openai_format import HTTPError
+
+
+class _Backend:
+    max_model_len = 64
+
+    def __init__(self):
+        self.rendered = []
+
+    def encode(self, text, *, add_special_tokens=True):
+        return [ord(c) for c in text]
+
+    def chat_prompt(self, messages):
+        self.rendered.append(messages)
+        return [1] * (4 * len(messages))
+
+
+def _chat(**kw):
+    return {"model": "m", "messages": [{"role": "user", "content": "hi"}], **kw}
+
+
+class TestParseCompletionRequest:
+    def test_values(self):
+        r = openai_params.parse_completion_request(
+            {
+                "prompt": "ab",
+                "n": 2,
+                "max_tokens": 5,
+                "temperature": 0,
+                "seed": 3,
+                "stop": "x",
+                "logprobs": 2,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            },
+            _Backend(),
+        )
+        assert r.prompts == [[97, 98]] and r.params.n == 2 and r.params.max_new_tokens == 5
+        assert r.params.temperature == 0 and r.params.seed == 3 and r.stop == ("x",)
+        assert r.logprobs == 2 and r.stream and r.include_usage
+
+    def test_defaults(self):
+        r = openai_params.parse_completion_request({"prompt": [5, 6]}, _Backend())
+        assert r.params.max_new_tokens == 16 and r.logprobs is None and not r.stream
+        assert r.stop == () and not r.include_usage
+
+    @pytest.mark.parametrize(
+        "extra,match",
+        [
+            ({"logprobs": 21}, "logprobs must be in"),
+            ({"logprobs": True}, "logprobs must be an integer"),
+            ({"stop": ["a", "b", "c", "d", "e"]}, "at most 4"),
+            ({"stop": [""]}, "stop must be"),
+            ({"stream": "yes"}, "stream must be a boolean"),
+            ({"stream_options": {"include_usage": True}}, "only allowed when stream"),
+            ({"n": 0}, "n must be >= 1"),
+            ({"temperature": -1}, "temperature must be >= 0"),
+            ({"max_tokens": 60}, "maximum context length is 64"),
+            ({"echo": True}, "echo is not supported"),
+        ],
+    )
+    def test_refused(self, extra, match):
+        with pytest.raises(HTTPError, match=match) as e:
+            openai_params.parse_completion_request({"prompt": [1] * 8, **extra}, _Backend())
+        assert e.value.status == 400
+
+    def test_context_error_has_openais_code(self):
+        with pytest.raises(HTTPError) as e:
+            openai_params.parse_completion_request(
+                {"prompt": [1] * 60, "max_tokens": 5}, _Backend()
+            )
+        assert e.value.code == "context_length_exceeded" and e.value.param == "prompt"
+
+
+class TestParseChatRequest:
+    def test_template_prompt_and_default_max_tokens(self):
+        backend = _Backend()
+        msgs = [
+            {"role": "system", "content": "s"},
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+            },
+        ]
+        r = openai_params.parse_chat_request({"messages": msgs}, backend)
+        assert backend.rendered == [
+            [{"role": "system", "content": "s"}, {"role": "user", "content": "ab"}]
+        ]
+        assert r.prompts == [[1] * 8] and r.params.max_new_tokens == 64 - 8
+        assert r.logprobs is None
+
+    def test_default_max_tokens_caps_only_requests_without_one(self):
+        def parse(body):
+            return openai_params.parse_chat_request(body, _Backend(), default_max_tokens=10)
+
+        assert parse(_chat()).params.max_new_tokens == 10
+        assert parse(_chat(max_tokens=30)).params.max_new_tokens == 30
+
+    def test_max_completion_tokens_and_logprobs(self):
+        r = openai_params.parse_chat_request(
+            _chat(max_completion_tokens=7, logprobs=True, top_logprobs=3), _Backend()
+        )
+        assert r.params.max_new_tokens == 7 and r.logprobs == 3
+        r = openai_params.parse_chat_request(_chat(logprobs=True), _Backend())
+        assert r.logprobs == 0
+
+    @pytest.mark.parametrize(
+        "extra,match",
+        [
+            ({"top_logprobs": 2}, "requires logprobs"),
+            ({"logprobs": True, "top_logprobs": 21}, "top_logprobs must be in"),
+            ({"tools": [{"type": "function"}]}, "tools is not supported"),
+            ({"response_format": {"type": "json_object"}}, "response_format"),
+            ({"messages": []}, "messages must be a non-empty list"),
+            ({"messages": [{"content": "x"}]}, "must be an object with a role"),
+            ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "only text"),
+            ({"max_tokens": 61}, "maximum context length"),
+            ({"presence_penalty": 0.5}, "presence_penalty"),
+        ],
+    )
+    def test_refused(self, extra, match):
+        with pytest.raises(HTTPError, match=match) as e:
+            openai_params.parse_chat_request(_chat(**extra), _Backend())
+        assert e.value.status == 400
+
+    def test_template_error_is_a_400(self):
+        backend = _Backend()
+        backend.chat_prompt = lambda m: (_ for _ in ()).throw(ValueError("roles must alternate"))
+        with pytest.raises(HTTPError, match="roles must alternate") as e:
+            openai_params.parse_chat_request(_chat(), backend)
+        assert e.value.status == 400 and e.value.param == "messages"
