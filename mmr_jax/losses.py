@@ -20,10 +20,19 @@ then its numerator / global denominator, so the sum over microbatches of losses 
 equals the full-batch loss (and gradient) exactly; DAPO's token mean uses the global token count.
 Without `normaliser` the microbatch's own denominator is used (right for a single batch).
 
-Rollout/trainer mismatch (end of the module): `mismatch_stats` measures how far the rollout
-engine's log-probs of the sampled tokens are from the trainer's, and truncated importance sampling
-(`tis_weights`, passed to `policy_loss`) reweights each token's policy-gradient term by
-min(pi_trainer / pi_engine, cap) to correct for it.
+Importance-sampling level (`IS_LEVELS`, TRL's `importance_sampling_level`, verl's `loss_mode`):
+
+    'token'           ratio_t = exp(logp_t - old_logp_t)                          (PPO, GRPO)
+    'sequence'        s = exp(mean_t (logp_t - old_logp_t)) on every token of the sequence,
+                      clipped per sequence; its gradient flows through the mean    (GSPO)
+    'sequence_token'  s_t = sg[s] * exp(logp_t - sg[logp_t]): the value of s, with the gradient
+                      of each token's own log-prob                                 (GSPO-token)
+
+(Zheng et al. 2025, "Group Sequence Policy Optimization", eqs. 5-7 and 13-14.) With the
+sequence-level advantages used here, GSPO and GSPO-token have the same loss and gradient.
+
+The rollout/trainer mismatch (the engine's log-probs against the trainer's) is measured and
+corrected in `mismatch`; its importance weights enter `policy_loss` as `is_weights_BxT`.
 """
 
 import chex
@@ -32,6 +41,7 @@ import jax.numpy as jnp
 
 AGGREGATIONS = ("seq_mean_token_mean", "token_mean", "seq_mean_token_sum_norm")
 KL_ESTIMATORS = ("k1", "k2", "k3")
+IS_LEVELS = ("token", "sequence", "sequence_token")
 
 
 def kl_divergence(logps: jax.Array, ref_logps: jax.Array, *, estimator: str = "k3") -> jax.Array:
@@ -88,6 +98,36 @@ def _numerator(loss_BxT: jax.Array, m_BxT: jax.Array, aggregation: str) -> jax.A
     return jnp.sum(loss_BxT * m_BxT)
 
 
+def log_importance_ratio(
+    logps_BxT: jax.Array, old_logps_BxT: jax.Array, mask_BxT: jax.Array, *, level: str = "token"
+) -> jax.Array:
+    """log of the policy ratio each token's surrogate uses, at `level` (module docstring).
+
+    Args:
+      logps_BxT: [B, T] log-probs under the current policy (the gradient flows from here).
+      old_logps_BxT: [B, T] log-probs under the old policy (no gradient).
+      mask_BxT: [B, T] bool or {0, 1}, True = a completion token; the sequence levels average
+        over these only.
+      level: one of IS_LEVELS.
+
+    Returns:
+      [B, T] float log-ratios, 0 at masked positions (with zero gradient there).
+    """
+    chex.assert_equal_shape([logps_BxT, old_logps_BxT, mask_BxT])
+    valid = mask_BxT.astype(bool)
+    logps = jnp.where(valid, logps_BxT, 0.0)
+    d = logps - jnp.where(valid, jax.lax.stop_gradient(old_logps_BxT), 0.0)
+    if level == "token":
+        return d
+    if level not in IS_LEVELS:
+        raise ValueError(f"unknown importance sampling level {level!r}; known: {IS_LEVELS}")
+    n_B = jnp.maximum(jnp.sum(valid, axis=-1), 1).astype(d.dtype)
+    seq_Bx1 = (jnp.sum(d, axis=-1) / n_B)[:, None]
+    if level == "sequence_token":  # value of the sequence's, gradient of each token's log-prob
+        seq_Bx1 = jax.lax.stop_gradient(seq_Bx1) + (logps - jax.lax.stop_gradient(logps))
+    return jnp.where(valid, seq_Bx1, 0.0)
+
+
 def _masked_stats(x: jax.Array, valid: jax.Array, m: jax.Array, n: jax.Array) -> dict:
     return {
         "mean": jnp.sum(x * m) / n,
@@ -111,6 +151,7 @@ def policy_loss(
     max_completion_len: int | None = None,
     normaliser: jax.Array | float | None = None,
     is_weights_BxT: jax.Array | None = None,
+    importance_sampling_level: str = "token",
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Clipped surrogate (PPO / GRPO / DAPO) with KL penalty, aggregated as `aggregation` says.
 
@@ -132,14 +173,17 @@ def policy_loss(
       kl_estimator: 'k1', 'k2' or 'k3'.
       max_completion_len: Dr.GRPO's constant length; defaults to T.
       normaliser: global denominator for exact gradient accumulation (module docstring).
-      is_weights_BxT: [B, T] rollout/trainer importance weights (`tis_weights`), no gradient;
-        they multiply the clipped policy-gradient term only, not the KL penalty (as verl's TIS,
-        whose KL loss is a separate term). None = no correction (the loss is unchanged).
+      is_weights_BxT: [B, T] rollout/trainer importance weights (`mismatch.tis_weights`), no
+        gradient; they multiply the clipped policy-gradient term only, not the KL penalty (as
+        verl's TIS, whose KL loss is a separate term). None = no correction (loss unchanged).
+      importance_sampling_level: one of IS_LEVELS: 'token' (the surrogate above), 'sequence'
+        (GSPO) or 'sequence_token' (GSPO-token); the KL penalty stays per token.
 
     Returns:
       (loss, metrics): scalar loss = numerator / (normaliser or denominator); metrics hold
       loss_numerator, loss_denominator, num_tokens, clip_frac_low, clip_frac_high (token means of
-      where the clip binds), kl (token mean; 0 without reference) and ratio_mean/min/max.
+      where the clip binds: at the sequence levels every token of a clipped sequence counts),
+      kl (token mean; 0 without reference) and ratio_mean/min/max (over tokens).
     """
     chex.assert_rank([logps_BxT, advantages_B], [2, 1])
     b, t = logps_BxT.shape
@@ -155,7 +199,7 @@ def policy_loss(
     old = jnp.where(valid, jax.lax.stop_gradient(old_logps_BxT), 0.0)
     adv = advantages_B[:, None]
 
-    ratio = jnp.exp(logps - old)
+    ratio = jnp.exp(log_importance_ratio(logps, old, valid, level=importance_sampling_level))
     clipped = jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high)
     loss_BxT = -jnp.minimum(ratio * adv, clipped * adv)
     if is_weights_BxT is not None:
@@ -190,119 +234,3 @@ def policy_loss(
         "ratio_max": stats["max"],
     }
     return loss, metrics
-
-
-# Rollout/trainer mismatch. The engine that sampled (embedded sampler, vLLM) and the trainer compute
-# the same policy's log-probs with different kernels, so they differ in the low bits (fp32) or more
-# (bf16, another backend). Statistics are kept as sums / counts / extrema, which combine exactly
-# over minibatches (`combine_mismatch_stats`) and are turned into means only at the end.
-MISMATCH_REDUCERS = {
-    "num_tokens": "sum",
-    "abs_diff_sum": "sum",  # sum |trainer - engine|
-    "abs_diff_max": "max",
-    "ratio_dev_sum": "sum",  # sum (r - 1), r = exp(trainer - engine): r - 1 keeps fp32 precision
-    "ratio_dev_sq_sum": "sum",  # sum (r - 1)^2
-    "ratio_min": "min",
-    "ratio_max": "max",
-    "capped": "sum",  # tokens with r > tis_cap (only when a cap is set)
-}
-
-
-def tis_weights(
-    old_logps_BxT: jax.Array, engine_logps_BxT: jax.Array, mask_BxT: jax.Array, *, cap: float
-) -> jax.Array:
-    """Truncated importance sampling weights w = min(exp(old - engine), cap), no gradient.
-
-    Token-level, as verl (`tis_imp_ratio_cap`) and TRL (`vllm_importance_sampling_cap`) define it:
-    `old` is the trainer's log-prob of the sampled token under the pre-update policy, `engine` the
-    sampler's; only the upper side is capped (a small ratio cannot blow up the variance).
-
-    Args:
-      old_logps_BxT: [B, T] trainer log-probs of the sampled tokens (pre-update policy).
-      engine_logps_BxT: [B, T] the rollout engine's log-probs of the same tokens.
-      mask_BxT: [B, T] bool or {0, 1}, True = a completion token.
-      cap: the truncation C >= 1 (below 1 it would scale down tokens where both agree).
-
-    Returns:
-      [B, T] float weights, 0 at masked positions.
-    """
-    chex.assert_equal_shape([old_logps_BxT, engine_logps_BxT, mask_BxT])
-    if not cap >= 1:
-        raise ValueError(f"TIS cap must be >= 1, got {cap}")
-    valid = mask_BxT.astype(bool)
-    d = jnp.where(valid, old_logps_BxT - engine_logps_BxT, 0.0)
-    w = jnp.minimum(jnp.exp(d), cap)
-    return jax.lax.stop_gradient(jnp.where(valid, w, 0.0))
-
-
-def mismatch_stats(
-    trainer_logps_BxT: jax.Array,
-    engine_logps_BxT: jax.Array,
-    mask_BxT: jax.Array,
-    *,
-    tis_cap: float = 0.0,
-) -> dict[str, jax.Array]:
-    """Sufficient statistics of the trainer/engine log-prob mismatch on the masked tokens.
-
-    Args:
-      trainer_logps_BxT: [B, T] trainer log-probs of the sampled tokens.
-      engine_logps_BxT: [B, T] the rollout engine's log-probs of the same tokens.
-      mask_BxT: [B, T] bool or {0, 1}, True = a token that counts.
-      tis_cap: when > 0, also count the tokens whose ratio exceeds it ('capped').
-
-    Returns:
-      float32 scalars keyed as `MISMATCH_REDUCERS` (no gradient); min / max are +inf / -inf
-      without any token. Combine with `combine_mismatch_stats`, finish with `mismatch_metrics`.
-    """
-    chex.assert_equal_shape([trainer_logps_BxT, engine_logps_BxT, mask_BxT])
-    valid = mask_BxT.astype(bool)
-    m = valid.astype(jnp.float32)
-    d = jax.lax.stop_gradient(
-        jnp.where(valid, trainer_logps_BxT - engine_logps_BxT, 0.0).astype(jnp.float32)
-    )
-    dev = jnp.expm1(d)  # r - 1
-    ratio = 1.0 + dev
-    out = {
-        "num_tokens": jnp.sum(m),
-        "abs_diff_sum": jnp.sum(jnp.abs(d) * m),
-        "abs_diff_max": jnp.max(jnp.where(valid, jnp.abs(d), -jnp.inf)),
-        "ratio_dev_sum": jnp.sum(dev * m),
-        "ratio_dev_sq_sum": jnp.sum(jnp.square(dev) * m),
-        "ratio_min": jnp.min(jnp.where(valid, ratio, jnp.inf)),
-        "ratio_max": jnp.max(jnp.where(valid, ratio, -jnp.inf)),
-    }
-    if tis_cap > 0:
-        out["capped"] = jnp.sum((jnp.exp(d) > tis_cap) * m)
-    return out
-
-
-def combine_mismatch_stats(stats_M: dict[str, jax.Array]) -> dict[str, jax.Array]:
-    """[M] stacked `mismatch_stats` of M disjoint minibatches -> the statistics of their union."""
-    reduce = {"sum": jnp.sum, "max": jnp.max, "min": jnp.min}
-    return {k: reduce[MISMATCH_REDUCERS[k]](v, axis=0) for k, v in stats_M.items()}
-
-
-def mismatch_metrics(stats: dict[str, jax.Array]) -> dict[str, jax.Array]:
-    """`mismatch_stats` (possibly combined) -> the logged metrics.
-
-    mismatch/logp_abs_mean, mismatch/logp_abs_max: mean and max of |trainer - engine|;
-    mismatch/ratio_mean, _std (population), _min, _max of r = exp(trainer - engine);
-    tis/clipped_frac: share of tokens with r > cap (when the stats were taken with a cap).
-    Without any token: 0 for the differences, 1 for the ratio (no mismatch measured).
-    """
-    n = stats["num_tokens"]
-    has = n > 0
-    n1 = jnp.maximum(n, 1.0)
-    mean_dev = stats["ratio_dev_sum"] / n1
-    var = jnp.maximum(stats["ratio_dev_sq_sum"] / n1 - jnp.square(mean_dev), 0.0)
-    out = {
-        "mismatch/logp_abs_mean": stats["abs_diff_sum"] / n1,
-        "mismatch/logp_abs_max": jnp.where(has, stats["abs_diff_max"], 0.0),
-        "mismatch/ratio_mean": 1.0 + mean_dev,
-        "mismatch/ratio_std": jnp.sqrt(var),
-        "mismatch/ratio_min": jnp.where(has, stats["ratio_min"], 1.0),
-        "mismatch/ratio_max": jnp.where(has, stats["ratio_max"], 1.0),
-    }
-    if "capped" in stats:
-        out["tis/clipped_frac"] = stats["capped"] / n1
-    return out

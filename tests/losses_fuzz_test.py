@@ -1,12 +1,13 @@
 """Property-based tests of mmr_jax.losses (issue 19): the policy loss over fuzzed batches.
 
 Cases: [B, T] = [8, 12] batches (fewer rows and tokens by masking), float32 or bfloat16, every
-aggregation, no KL or k1/k2/k3, log-probs down to about -60 with policy/old differences up to 5
-nats, advantages of magnitude 1e-30 to 1e30 (ratio * A stays far from overflow: finite input the
-objective can represent). Properties: finite loss, metrics and gradient; zero gradient on masked
-tokens; garbage (NaN, inf, 1e30) at masked positions changes nothing, bit for bit; the loss
-matches a float64 reference; summing minibatch losses and gradients over `train_step._split`
-minibatches with the full batch's `loss_denominator` as normaliser gives the full batch's.
+aggregation, no KL or k1/k2/k3, token ratios or GSPO's sequence ratios (issue 37), log-probs
+down to about -60 with policy/old differences up to 5 nats, advantages of magnitude 1e-30 to
+1e30 (ratio * A stays far from overflow: finite input the objective can represent).
+Properties: finite loss, metrics and gradient; zero gradient on masked tokens; garbage (NaN,
+inf, 1e30) at masked positions changes nothing, bit for bit; the loss matches a float64
+reference; summing minibatch losses and gradients over `train_step._split` minibatches with the
+full batch's `loss_denominator` as normaliser gives the full batch's.
 """
 
 import functools
@@ -26,19 +27,25 @@ KLS = (None, "k1", "k2", "k3")
 BETA = 0.1
 
 
-VARIANTS = [(a, kl) for a in losses.AGGREGATIONS for kl in KLS]
+# (aggregation, KL estimator, importance sampling level): every token-level variant, and GSPO
+# (no KL: its paper's setting) and GSPO-token (with k3) over every aggregation.
+VARIANTS = [(a, kl, "token") for a in losses.AGGREGATIONS for kl in KLS] + [
+    (a, kl, level)
+    for a in losses.AGGREGATIONS
+    for kl, level in ((None, "sequence"), ("k3", "sequence_token"))
+]
 
 
 def _loss_grad_all(logps, old, adv, mask, ref, eps_low, eps_high, mcl, normalisers, *, variants):
-    """{'aggregation/kl': (loss, metrics, grad wrt logps)} for every variant on one batch: one
-    compiled program per dtype and shape instead of one per variant (compiles dominate).
+    """{'aggregation/kl/level': (loss, metrics, grad wrt logps)} for every variant on one batch:
+    one compiled program per dtype and shape instead of one per variant (compiles dominate).
     normalisers: None, or [3] float32, the normaliser of each aggregation (AGGREGATIONS order)."""
     out = {}
-    for aggregation, kl in variants:
+    for aggregation, kl, level in variants:
         i = losses.AGGREGATIONS.index(aggregation)
         normaliser = None if normalisers is None else normalisers[i]
 
-        def f(x, aggregation=aggregation, kl=kl, normaliser=normaliser):
+        def f(x, aggregation=aggregation, kl=kl, normaliser=normaliser, level=level):
             return losses.policy_loss(
                 x,
                 old,
@@ -52,17 +59,20 @@ def _loss_grad_all(logps, old, adv, mask, ref, eps_low, eps_high, mcl, normalise
                 kl_estimator=kl or "k3",
                 max_completion_len=mcl,
                 normaliser=normaliser,
+                importance_sampling_level=level,
             )
 
         (loss, metrics), grad = jax.value_and_grad(f, has_aux=True)(logps)
-        out[f"{aggregation}/{kl}"] = (loss, metrics, grad)
+        out[f"{aggregation}/{kl}/{level}"] = (loss, metrics, grad)
     return out
 
 
 _LOSS_GRAD = jax.jit(functools.partial(_loss_grad_all, variants=VARIANTS))
 # Accumulation depends on the aggregation, not on the KL estimator: one KL variant keeps the
 # vmapped program (compiled per minibatch count) small.
-ACC_VARIANTS = [(a, kl) for a in losses.AGGREGATIONS for kl in (None, "k3")]
+ACC_VARIANTS = [(a, kl, "token") for a in losses.AGGREGATIONS for kl in (None, "k3")] + [
+    (a, None, "sequence") for a in losses.AGGREGATIONS
+]
 # Minibatches as the train step forms them (`_split`): each gets the full batch's normaliser.
 _MINIBATCH_LOSS_GRAD = jax.jit(
     jax.vmap(
@@ -102,7 +112,7 @@ def _args(arrays, mask):
     return arrays["logps"], arrays["old"], arrays["adv"], mask, arrays["ref"]
 
 
-def _reference(arrays, mask, scalars, aggregation, kl):
+def _reference(arrays, mask, scalars, aggregation, kl, level="token"):
     """float64 (loss, error scale) from the module docstring's formulas. The scale sums each
     token's pieces times (1 + the log-probs it subtracts): exp(logp - old) and the KL inherit
     the rounding of those differences, relative to the log-probs' magnitudes."""
@@ -110,6 +120,10 @@ def _reference(arrays, mask, scalars, aggregation, kl):
     adv = arrays["adv"].astype(np.float64)[:, None]
     eps_low, eps_high, mcl = scalars
     ratio = np.exp(lp - old)
+    if level != "token":  # GSPO: exp of the mean log-ratio of each sequence's valid tokens
+        n = np.maximum(mask.sum(-1, keepdims=True), 1)
+        ratio = np.exp(np.sum(np.where(mask, lp - old, 0.0), -1, keepdims=True) / n)
+        ratio = np.broadcast_to(ratio, lp.shape)
     term = -np.minimum(ratio * adv, np.clip(ratio, 1 - eps_low, 1 + eps_high) * adv)
     mag = np.abs(ratio * adv) * (1 + np.abs(lp) + np.abs(old))
     if kl is not None:
@@ -141,8 +155,8 @@ def _prop_loss(args, dtype):
              for k, v in arrays.items()}  # fmt: skip
     got_dirty = jax.device_get(_LOSS_GRAD(*_args(dirty, mask), *scalars, None))
     tol = 4 * (B * T) * fuzz_cases.eps(dtype)  # a sum of up to B * T terms in the input dtype
-    for aggregation, kl in VARIANTS:
-        loss, metrics, grad = got[f"{aggregation}/{kl}"]
+    for aggregation, kl, level in VARIANTS:
+        loss, metrics, grad = got[f"{aggregation}/{kl}/{level}"]
         loss, grad = np.float64(loss), np.asarray(grad).astype(np.float64)
         assert np.isfinite(loss) and np.all(np.isfinite(grad))
         assert not np.any(grad[~mask]), "gradient on a masked token"
@@ -154,9 +168,9 @@ def _prop_loss(args, dtype):
         assert all(np.isfinite(v) for v in metrics.values()), metrics
         if kl in ("k2", "k3"):
             assert metrics["kl"] >= 0, "k2 and k3 estimate KL with terms >= 0"
-        want, scale = _reference(arrays, mask, scalars, aggregation, kl)
-        assert abs(loss - want) <= tol * scale + 1e-300, (aggregation, kl, loss, want, scale)
-        loss2, _, grad2 = got_dirty[f"{aggregation}/{kl}"]
+        want, scale = _reference(arrays, mask, scalars, aggregation, kl, level)
+        assert abs(loss - want) <= tol * scale + 1e-300, (aggregation, kl, level, loss, want)
+        loss2, _, grad2 = got_dirty[f"{aggregation}/{kl}/{level}"]
         assert loss2 == loss and np.array_equal(grad2, grad), "masked garbage leaked"
     fuzz_cases.count("loss_finite_and_grad")
 
@@ -177,11 +191,11 @@ def _prop_accumulation(args, m):
         for a in losses.AGGREGATIONS
     ])  # fmt: skip
     parts = jax.device_get(_MINIBATCH_LOSS_GRAD(*split, *scalars, normalisers))
-    for aggregation, kl in ACC_VARIANTS:
-        key = f"{aggregation}/{kl}"
+    for aggregation, kl, level in ACC_VARIANTS:
+        key = f"{aggregation}/{kl}/{level}"
         loss_m, _, grad_m = parts[key]
         full_loss, _, full_grad = full[key]
-        _, scale = _reference(arrays, mask, scalars, aggregation, kl)
+        _, scale = _reference(arrays, mask, scalars, aggregation, kl, level)
         # Both sums add the same terms in different orders; each token's gradient is the same
         # product (its weight, the shared normaliser), so it agrees to rounding.
         err = abs(np.sum(np.float64(loss_m)) - np.float64(full_loss))

@@ -171,154 +171,157 @@ class PolicyLossTest(chex.TestCase):
             losses.policy_loss(LOGPS, OLD, ADV[:1], MASK, aggregation="token_mean", **CLIP)
 
 
-# Rollout/trainer mismatch on the same two sequences. d = trainer - engine per token:
-#   seq 0: [0.1, 1.0, (masked: 5.0)], seq 1: [-0.2, 0.0, 0.5]  -> 5 tokens.
-#   |d| mean = (0.1 + 1 + 0.2 + 0 + 0.5) / 5 = 0.36, max 1.0 (the masked 5.0 must not count).
-#   r = exp(d) = [e^0.1, e^1], [e^-0.2, 1, e^0.5]; with cap 2 the TIS weights are
-#   [e^0.1, 2, 0 (masked)], [e^-0.2, 1, e^0.5], and 1 of 5 tokens (e^1 = 2.718) is capped.
-D = jnp.array([[0.1, 1.0, 5.0], [-0.2, 0.0, 0.5]])
-ENGINE = OLD - D
-VALID_D = [0.1, 1.0, -0.2, 0.0, 0.5]
+# GSPO on the same two sequences, eps 0.2. Sequence ratio s = exp(mean of the valid log-ratios):
+#   seq 0: ratios [1, 1.5] (the masked 7 must not count): s0 = sqrt(1.5) = 1.2247 > 1.2 with
+#          A = +1: clipped to 1.2, token loss -1.2 on both tokens, zero gradient.
+#   seq 1: ratios [1, 0.5, 1.1]: s1 = 0.55^(1/3) = 0.8193 inside [0.8, 1.2]; A = -2: token loss
+#          -min(-2 s1, -2 s1) = 2 s1 = 1.6386 on its 3 tokens.
+S0, S1 = math.sqrt(1.5), 0.55 ** (1 / 3)
 
 
-class TruncatedImportanceSamplingTest(chex.TestCase):
-    def test_weights_hand_worked(self):
-        w = losses.tis_weights(OLD, ENGINE, MASK, cap=2.0)
-        e = math.exp
-        want = [[e(0.1), 2.0, 0.0], [e(-0.2), 1.0, e(0.5)]]
-        np.testing.assert_allclose(w, want, rtol=1e-6)
-        # A cap above every ratio leaves the plain ratios.
-        w10 = losses.tis_weights(OLD, ENGINE, MASK, cap=10.0)
-        np.testing.assert_allclose(w10, [[e(0.1), e(1.0), 0.0], [e(-0.2), 1.0, e(0.5)]], rtol=1e-6)
+def _loop_gspo_grad(lp, old, adv, mask, *, eps_low, eps_high, aggregation, max_len):
+    """d loss / d logps of GSPO, one sequence at a time (float64 numpy, no autodiff).
 
+    Unclipped, each token's loss is -s A with ds / dlogp_t = s / n (s = exp(mean_t of the n
+    log-ratios)); clipped, it is constant. The aggregation scales a sequence's n equal token
+    losses: by 1 / (n * #sequences) (seq-mean-token-mean), 1 / #tokens, or 1 / (B * max_len).
+    """
+    b = lp.shape[0]
+    grad = np.zeros_like(lp)
+    n_seq, n_tok = sum(mask[i].any() for i in range(b)), mask.sum()
+    for i in range(b):
+        n = mask[i].sum()
+        if n == 0:
+            continue
+        s = math.exp(sum(lp[i, t] - old[i, t] for t in range(lp.shape[1]) if mask[i, t]) / n)
+        if (adv[i] > 0 and s > 1 + eps_high) or (adv[i] < 0 and s < 1 - eps_low):
+            continue
+        per_token = {
+            "seq_mean_token_mean": 1 / (n * n_seq),
+            "token_mean": 1 / n_tok,
+            "seq_mean_token_sum_norm": 1 / (b * max_len),
+        }[aggregation]
+        for t in range(lp.shape[1]):
+            if mask[i, t]:
+                grad[i, t] = n * per_token * (-adv[i] * s / n)
+    return grad
+
+
+class GspoTest(chex.TestCase):
     @chex.variants(with_jit=True, without_jit=True)
-    def test_loss_hand_worked(self):
-        # token_mean per-token losses (module comment): [-1, -1.2, _], [2, 1.6, 2.2].
-        e = math.exp
-        want = (-1 * e(0.1) - 1.2 * 2.0 + 2 * e(-0.2) + 1.6 * 1.0 + 2.2 * e(0.5)) / 5
-        w = losses.tis_weights(OLD, ENGINE, MASK, cap=2.0)
-        fn = self.variant(
-            lambda w: losses.policy_loss(
-                LOGPS, OLD, ADV, MASK, aggregation="token_mean", is_weights_BxT=w, **CLIP
-            )[0]
-        )
-        np.testing.assert_allclose(fn(w), want, rtol=1e-6)
+    @parameterized.named_parameters(
+        ("seq_mean", "seq_mean_token_mean", (-1.2 + 2 * S1) / 2),
+        ("token_mean", "token_mean", (2 * -1.2 + 3 * 2 * S1) / 5),
+    )
+    def test_hand_worked(self, aggregation, want):
+        for level in ("sequence", "sequence_token"):
+            fn = self.variant(
+                lambda lp, old, a, m, level=level: losses.policy_loss(
+                    lp, old, a, m, aggregation=aggregation, importance_sampling_level=level, **CLIP
+                )
+            )
+            loss, metrics = fn(LOGPS, OLD, ADV, MASK)
+            np.testing.assert_allclose(loss, want, rtol=1e-6)
+            np.testing.assert_allclose(metrics["clip_frac_high"], 2 / 5, rtol=1e-6)  # seq 0
+            np.testing.assert_array_equal(metrics["clip_frac_low"], 0.0)
+            np.testing.assert_allclose(metrics["ratio_mean"], (2 * S0 + 3 * S1) / 5, rtol=1e-6)
+            np.testing.assert_allclose(metrics["ratio_min"], S1, rtol=1e-6)
+            np.testing.assert_allclose(metrics["ratio_max"], S0, rtol=1e-6)
 
-    def test_weights_scale_the_gradient_per_token_not_the_kl(self):
-        w = losses.tis_weights(OLD, ENGINE, MASK, cap=2.0)
-        ref = OLD - 0.3
+    def test_log_ratio_hand_worked(self):
+        got = losses.log_importance_ratio(LOGPS, OLD, MASK, level="sequence")
+        want = [[math.log(S0)] * 2 + [0.0], [math.log(S1)] * 3]
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+        with pytest.raises(ValueError, match="unknown importance sampling level 'seq'"):
+            losses.log_importance_ratio(LOGPS, OLD, MASK, level="seq")
 
-        def loss(x, w, beta):
+    @parameterized.parameters(*losses.AGGREGATIONS)
+    def test_gradient_against_a_plain_loop(self, aggregation):
+        rng = np.random.default_rng(7)
+        b, t = 8, 6
+        with jax.enable_x64(True):
+            old = -rng.random((b, t)) * 3
+            # Ratios within a few percent of 1 with eps 0.02 / 0.03: some sequences clip.
+            lp = old + rng.normal(size=(b, t)) * 0.05
+            adv = rng.normal(size=b)
+            mask = rng.random((b, t)) < np.linspace(0.2, 0.95, b)[:, None]
+            mask[0] = False  # a sequence without a token
+            kw = dict(eps_low=0.02, eps_high=0.03, aggregation=aggregation)
+            want = _loop_gspo_grad(lp, old, adv, mask, max_len=t, **kw)
+            assert (want == 0).sum() > (~mask).sum() and (want != 0).any()  # some clip
+            for level in ("sequence", "sequence_token"):
+                grad = jax.jit(
+                    jax.grad(
+                        lambda x, level=level: losses.policy_loss(
+                            x, old, adv, mask, importance_sampling_level=level, **kw
+                        )[0]
+                    )
+                )(jnp.asarray(lp))
+                np.testing.assert_allclose(grad, want, rtol=1e-12, atol=1e-15, err_msg=level)
+
+    @parameterized.parameters("sequence", "sequence_token")
+    def test_one_token_per_completion_is_the_token_form(self, level):
+        rng = np.random.default_rng(2)
+        b, t = 6, 4
+        old = jnp.asarray(-rng.random((b, t)) * 3, jnp.float32)
+        lp = old + jnp.asarray(rng.normal(size=(b, t)) * 0.3, jnp.float32)
+        adv = jnp.asarray(rng.normal(size=b), jnp.float32)
+        mask = jnp.asarray(np.eye(b, t, k=0, dtype=bool) | np.eye(b, t, k=-4, dtype=bool))
+        assert (np.asarray(mask).sum(-1) == 1).all()
+
+        def f(x, lvl):
             return losses.policy_loss(
-                x,
+                x, old, adv, mask, aggregation="token_mean", importance_sampling_level=lvl, **CLIP
+            )
+
+        (tok, tok_m), g_tok = jax.value_and_grad(f, has_aux=True)(lp, "token")
+        (seq, seq_m), g_seq = jax.value_and_grad(f, has_aux=True)(lp, level)
+        assert float(tok_m["clip_frac_low"] + tok_m["clip_frac_high"]) > 0  # clipping exercised
+        np.testing.assert_allclose(seq, tok, rtol=1e-6)
+        np.testing.assert_allclose(g_seq, g_tok, rtol=1e-6, atol=1e-8)
+        for k in tok_m:
+            np.testing.assert_allclose(seq_m[k], tok_m[k], rtol=1e-6, err_msg=k)
+
+    @parameterized.parameters("sequence", "sequence_token")
+    def test_masked_tokens_get_zero_gradient(self, level):
+        bad = LOGPS.at[0, 2].set(jnp.inf)  # garbage at the masked position must not leak
+
+        def loss(lp):
+            return losses.policy_loss(
+                lp,
                 OLD,
                 ADV,
                 MASK,
                 aggregation="token_mean",
-                is_weights_BxT=w,
-                ref_logps_BxT=ref,
-                beta=beta,
+                importance_sampling_level=level,
                 **CLIP,
-            )
+            )[0]
 
-        g_plain = jax.grad(lambda x: loss(x, None, 0.0)[0])(LOGPS)
-        g_tis = jax.grad(lambda x: loss(x, w, 0.0)[0])(LOGPS)
-        np.testing.assert_allclose(g_tis, w * g_plain, rtol=1e-6, atol=1e-7)
-        # The KL penalty adds the same amount with and without weights (verl: separate term).
-        kl_plain = loss(LOGPS, None, 0.1)[0] - loss(LOGPS, None, 0.0)[0]
-        kl_tis = loss(LOGPS, w, 0.1)[0] - loss(LOGPS, w, 0.0)[0]
-        # Differences of O(1) fp32 losses agree to a few ulp; a weighted KL would give 0.0136.
-        np.testing.assert_allclose(kl_tis, kl_plain, atol=1e-6)
-        assert abs(float(kl_plain)) > 1e-3
+        value, grad = jax.jit(jax.value_and_grad(loss))(bad)
+        np.testing.assert_allclose(value, (2 * -1.2 + 3 * 2 * S1) / 5, rtol=1e-6)
+        # Seq 0 is clipped (zero gradient); seq 1: -A s1 / 5 on each token = 2 s1 / 5.
+        np.testing.assert_allclose(grad, [[0.0, 0.0, 0.0], [2 * S1 / 5] * 3], rtol=1e-6)
 
-    def test_off_is_todays_loss(self):
-        kw = dict(aggregation="seq_mean_token_mean", ref_logps_BxT=OLD - 0.3, beta=0.1, **CLIP)
-        base, base_m = losses.policy_loss(LOGPS, OLD, ADV, MASK, **kw)
-        ones, ones_m = losses.policy_loss(
-            LOGPS, OLD, ADV, MASK, is_weights_BxT=jnp.ones_like(OLD), **kw
-        )
-        assert float(base) == float(ones)
-        assert all(float(base_m[k]) == float(ones_m[k]) for k in base_m)
+    @parameterized.parameters(*losses.AGGREGATIONS)
+    def test_on_policy_gradient_is_grpos(self, aggregation):
+        # On the first pass (old = stop_gradient(logps)) s = 1 exactly and the gradient is the
+        # plain policy gradient, as GRPO's (TRL: "equivalent to no modification" on-policy).
+        rng = np.random.default_rng(4)
+        lp = jnp.asarray(-rng.random((5, 7)) * 3, jnp.float32)
+        adv = jnp.asarray(rng.normal(size=5), jnp.float32)
+        mask = jnp.asarray(rng.random((5, 7)) < 0.7).at[:, 0].set(True)
 
-    @parameterized.parameters(0.0, 0.9, -2.0)
-    def test_cap_below_one_raises(self, cap):
-        # A cap below 1 would scale down tokens where trainer and engine agree (w = 1).
-        with pytest.raises(ValueError, match="cap must be >= 1"):
-            losses.tis_weights(OLD, ENGINE, MASK, cap=cap)
-        losses.tis_weights(OLD, ENGINE, MASK, cap=1.0)
+        def f(x, level):
+            return losses.policy_loss(
+                x,
+                jax.lax.stop_gradient(x),
+                adv,
+                mask,
+                aggregation=aggregation,
+                importance_sampling_level=level,
+                **CLIP,
+            )[0]
 
-
-class MismatchStatsTest(chex.TestCase):
-    @chex.variants(with_jit=True, without_jit=True)
-    def test_hand_worked(self):
-        stats = self.variant(lambda a, b, m: losses.mismatch_stats(a, b, m, tis_cap=2.0))(
-            OLD, ENGINE, MASK
-        )
-        got = losses.mismatch_metrics(stats)
-        r = [math.exp(x) for x in VALID_D]
-        mean = sum(r) / 5
-        std = math.sqrt(sum((x - mean) ** 2 for x in r) / 5)
-        want = {
-            "mismatch/logp_abs_mean": 0.36,
-            "mismatch/logp_abs_max": 1.0,
-            "mismatch/ratio_mean": mean,
-            "mismatch/ratio_std": std,
-            "mismatch/ratio_min": math.exp(-0.2),
-            "mismatch/ratio_max": math.exp(1.0),
-            "tis/clipped_frac": 0.2,
-        }
-        assert set(got) == set(want)
-        for k, v in want.items():
-            np.testing.assert_allclose(got[k], v, rtol=1e-6, err_msg=k)
-        assert "tis/clipped_frac" not in losses.mismatch_metrics(
-            losses.mismatch_stats(OLD, ENGINE, MASK)
-        )
-
-    def test_small_spread_keeps_fp32_precision(self):
-        # fp32 engines differ from the trainer by ~1e-6; the std of r must not drown in 1 + x.
-        rng = np.random.default_rng(0)
-        d = rng.normal(size=(6, 40)) * 1e-6
-        mask = rng.random((6, 40)) < 0.8
-        got = losses.mismatch_metrics(
-            losses.mismatch_stats(
-                jnp.asarray(d, jnp.float32), jnp.zeros((6, 40), jnp.float32), jnp.asarray(mask)
-            )
-        )
-        r = np.exp(d[mask])
-        np.testing.assert_allclose(got["mismatch/ratio_std"], r.std(), rtol=1e-3)
-        np.testing.assert_allclose(got["mismatch/logp_abs_mean"], np.abs(d[mask]).mean(), rtol=1e-5)
-
-    def test_minibatch_accumulation_equals_full_batch(self):
-        rng = np.random.default_rng(3)
-        b, t, m = 8, 6, 4
-        trainer = jnp.asarray(-rng.random((b, t)) * 4, jnp.float32)
-        engine = trainer + jnp.asarray(rng.normal(size=(b, t)) * 0.4, jnp.float32)
-        mask = jnp.asarray(rng.random((b, t)) < np.linspace(0.1, 0.9, b)[:, None])
-        full = losses.mismatch_metrics(losses.mismatch_stats(trainer, engine, mask, tis_cap=1.3))
-        split = lambda x: x.reshape(m, b // m, t)
-        stacked = jax.vmap(lambda a, e, k: losses.mismatch_stats(a, e, k, tis_cap=1.3))(
-            split(trainer), split(engine), split(mask)
-        )
-        acc = losses.mismatch_metrics(losses.combine_mismatch_stats(stacked))
-        assert set(acc) == set(full)
-        for k in full:
-            np.testing.assert_allclose(acc[k], full[k], rtol=1e-6, err_msg=k)
-        # Against numpy on the masked tokens.
-        d = np.asarray(trainer - engine)[np.asarray(mask)]
-        np.testing.assert_allclose(full["mismatch/ratio_std"], np.exp(d).std(), rtol=1e-5)
-        np.testing.assert_allclose(full["mismatch/ratio_max"], np.exp(d).max(), rtol=1e-6)
-        np.testing.assert_allclose(full["tis/clipped_frac"], np.mean(np.exp(d) > 1.3), rtol=1e-6)
-
-    def test_no_tokens_gives_neutral_values(self):
-        got = losses.mismatch_metrics(
-            losses.mismatch_stats(OLD, ENGINE, jnp.zeros_like(MASK), tis_cap=2.0)
-        )
-        assert {k: float(v) for k, v in got.items()} == {
-            "mismatch/logp_abs_mean": 0.0,
-            "mismatch/logp_abs_max": 0.0,
-            "mismatch/ratio_mean": 1.0,
-            "mismatch/ratio_std": 0.0,
-            "mismatch/ratio_min": 1.0,
-            "mismatch/ratio_max": 1.0,
-            "tis/clipped_frac": 0.0,
-        }
+        g_tok = jax.grad(f)(lp, "token")
+        for level in ("sequence", "sequence_token"):
+            np.testing.assert_allclose(jax.grad(f)(lp, level), g_tok, rtol=1e-6, atol=1e-9)

@@ -1,0 +1,255 @@
+"""Rollout/trainer mismatch: its correction (importance weights) and its measurement.
+
+Shape legend: B sequences (completions) in the (micro)batch, T completion tokens.
+
+The engine that sampled (embedded sampler, vLLM) and the trainer compute the same policy's
+log-probs with different kernels, so they differ in the low bits (fp32) or more (bf16, another
+backend). With d_t = trainer_logp_t - engine_logp_t on the loss tokens of one sequence:
+
+    level      log-ratio of token t           anchors
+    token      d_t                             TRL token_*, verl rollout_is='token'
+    sequence   sum_t d_t   (one per sequence)  TRL sequence_*, verl rollout_is='sequence'
+    geometric  mean_t d_t  (one per sequence)  verl rollout_rs='geometric'
+
+and r = exp(log-ratio). 'truncate' weights the policy-gradient term by min(r, cap) (truncated
+importance sampling, TIS); 'mask' by r where low <= r <= cap and 0 elsewhere (the token, or the
+whole sequence, is rejected), as TRL's `vllm_importance_sampling_mode` and verl's rollout
+rejection sampling. `TIS_MODES` names the six `level_kind` pairs.
+
+Measurement: `mismatch_stats` keeps per-minibatch sufficient statistics (counts, sums, extrema,
+and the ratio's mean and M2 = sum of squared deviations from it), which `combine_mismatch_stats`
+merges exactly (Chan et al.'s parallel update for mean and M2) and `mismatch_metrics` finishes.
+The spread is never E[r^2] - E[r]^2: that difference cancels catastrophically in fp32 when the
+spread is small against the mean (issue 40: r ~ 0.007 +- 0.008 lost 2e-4 of the std).
+"""
+
+import math
+
+import chex
+import jax
+import jax.numpy as jnp
+
+TIS_LEVELS = ("token", "sequence", "geometric")
+TIS_MODES = tuple(f"{level}_{kind}" for level in TIS_LEVELS for kind in ("truncate", "mask"))
+
+# How `combine_mismatch_stats` merges each statistic over minibatches; 'chan': jointly with
+# num_tokens, ratio_log_mean and ratio_m2 (parallel mean / M2 update).
+MISMATCH_REDUCERS = {
+    "num_tokens": "sum",
+    "abs_diff_sum": "sum",  # sum |trainer - engine|
+    "abs_diff_max": "max",
+    # The mean of r = exp(trainer - engine) is exp(shift + offset), kept in two parts so that
+    # neither loses the low bits of the other: shift is the largest trainer - engine (exact),
+    # offset = log mean exp(d - shift) <= 0; both 0 without tokens.
+    "ratio_log_shift": "chan",
+    "ratio_log_offset": "chan",
+    "ratio_m2": "chan",  # sum (r - mean r)^2
+    "ratio_min": "min",
+    "ratio_max": "max",
+    "capped": "sum",  # tokens whose TIS weight was truncated at the cap ('truncate' modes)
+    "masked": "sum",  # tokens whose TIS weight was set to 0 ('mask' modes)
+}
+
+
+def check_tis(*, cap: float, mode: str, low: float) -> None:
+    """Raises ValueError unless (cap, mode, low) is a valid correction (module docstring)."""
+    if mode not in TIS_MODES:
+        raise ValueError(f"unknown TIS mode {mode!r}; known: {TIS_MODES}")
+    if not (cap >= 1 and math.isfinite(cap)):  # also refuses NaN
+        # A cap below 1 would scale down (or reject) tokens on which both agree (r = 1).
+        raise ValueError(f"TIS cap must be finite and >= 1, got {cap}")
+    if not 0 <= low < 1:
+        raise ValueError(f"TIS lower bound must lie in [0, 1), got {low}")
+    if low > 0 and mode.endswith("_truncate"):
+        raise ValueError(f"a TIS lower bound ({low}) only applies to the '_mask' modes, not {mode}")
+
+
+def tis_log_ratio(
+    old_logps_BxT: jax.Array, engine_logps_BxT: jax.Array, mask_BxT: jax.Array, *, level: str
+) -> jax.Array:
+    """[B, T] log of the importance ratio of each token at `level` (a sequence's on each of its
+    tokens), 0 at masked positions; no gradient."""
+    chex.assert_equal_shape([old_logps_BxT, engine_logps_BxT, mask_BxT])
+    valid = mask_BxT.astype(bool)
+    d = jax.lax.stop_gradient(jnp.where(valid, old_logps_BxT - engine_logps_BxT, 0.0))
+    if level == "token":
+        return d
+    seq_B = jnp.sum(d, axis=-1)
+    if level == "geometric":
+        seq_B = seq_B / jnp.maximum(jnp.sum(valid, axis=-1), 1).astype(d.dtype)
+    elif level != "sequence":
+        raise ValueError(f"unknown TIS level {level!r}; known: {TIS_LEVELS}")
+    return jnp.where(valid, seq_B[:, None], 0.0)
+
+
+def _weights(log_ratio_BxT, valid_BxT, *, cap, mode, low):
+    """(weights, capped, masked) [B, T] from log-ratios; exp never overflows (r > cap is
+    decided on the log scale)."""
+    kind = mode.rsplit("_", 1)[1]
+    log_cap = math.log(cap)
+    r = jnp.exp(jnp.minimum(log_ratio_BxT, log_cap))  # = min(r, cap)
+    above = valid_BxT & (log_ratio_BxT > log_cap)
+    if kind == "truncate":
+        return jnp.where(valid_BxT, r, 0.0), above, jnp.zeros_like(above)
+    below = valid_BxT & (log_ratio_BxT < (math.log(low) if low > 0 else -jnp.inf))
+    out = above | below
+    return jnp.where(valid_BxT & ~out, r, 0.0), jnp.zeros_like(out), out
+
+
+def tis_weights(
+    old_logps_BxT: jax.Array,
+    engine_logps_BxT: jax.Array,
+    mask_BxT: jax.Array,
+    *,
+    cap: float,
+    mode: str = "token_truncate",
+    low: float = 0.0,
+) -> jax.Array:
+    """Importance weights correcting for the rollout/trainer mismatch, no gradient.
+
+    'token_truncate' is verl's `tis_imp_ratio_cap` and TRL's default: w_t = min(exp(d_t), cap).
+    The other modes (module docstring) take the ratio per sequence (sum or mean of its d_t)
+    and/or reject out-of-bounds ratios instead of truncating them.
+
+    Args:
+      old_logps_BxT: [B, T] trainer log-probs of the sampled tokens (pre-update policy).
+      engine_logps_BxT: [B, T] the rollout engine's log-probs of the same tokens.
+      mask_BxT: [B, T] bool or {0, 1}, True = a completion token.
+      cap: the truncation C >= 1, or the mask's upper bound.
+      mode: one of TIS_MODES.
+      low: the mask's lower bound in [0, 1) ('_mask' modes only; 0 = none).
+
+    Returns:
+      [B, T] float weights, 0 at masked positions and on rejected tokens / sequences.
+    """
+    check_tis(cap=cap, mode=mode, low=low)
+    lr = tis_log_ratio(old_logps_BxT, engine_logps_BxT, mask_BxT, level=mode.rsplit("_", 1)[0])
+    return _weights(lr, mask_BxT.astype(bool), cap=cap, mode=mode, low=low)[0]
+
+
+def _log_mean_exp(shift, offset, counts):
+    """(top, log(sum c exp(shift + offset - top) / sum c)) over entries with count c > 0: the
+    log of the count-weighted mean of exp(shift + offset) as an exact shift and an offset.
+
+    Through expm1 when the terms lie near their maximum (ratios ~ 1 apart by 1e-7 keep their
+    low bits), through exp when they are spread (each term keeps its relative precision).
+    (0, 0) when no entry has a count.
+    """
+    has = counts > 0
+    n = jnp.maximum(jnp.sum(counts), 1.0)
+    top = jnp.max(jnp.where(has, shift, -jnp.inf))
+    top = jnp.where(jnp.isfinite(top), top, 0.0)
+    z = jnp.where(has, (shift - top) + offset, 0.0)
+    near = jnp.sum(counts * jnp.expm1(z)) / n  # mean exp(z) - 1: counts sum to n exactly
+    far = jnp.sum(counts * jnp.exp(z)) / n
+    return top, jnp.where(near > -0.5, jnp.log1p(near), jnp.log(jnp.maximum(far, 1e-38)))
+
+
+def _deviation(shift, offset, mean_shift, mean_offset):
+    """exp(shift + offset) - exp(mean_shift + mean_offset), accurate when the two are close."""
+    return jnp.exp(mean_shift + mean_offset) * jnp.expm1(
+        (shift - mean_shift) + offset - mean_offset
+    )
+
+
+def mismatch_stats(
+    trainer_logps_BxT: jax.Array,
+    engine_logps_BxT: jax.Array,
+    mask_BxT: jax.Array,
+    *,
+    tis_cap: float = 0.0,
+    tis_mode: str = "token_truncate",
+    tis_low: float = 0.0,
+) -> dict[str, jax.Array]:
+    """Sufficient statistics of the trainer/engine log-prob mismatch on the masked tokens.
+
+    Args:
+      trainer_logps_BxT: [B, T] trainer log-probs of the sampled tokens.
+      engine_logps_BxT: [B, T] the rollout engine's log-probs of the same tokens.
+      mask_BxT: [B, T] bool or {0, 1}, True = a token that counts.
+      tis_cap: unless 0, also count the tokens the correction `tis_mode` (with `tis_low`)
+        truncates ('capped') or rejects ('masked'), as `tis_weights` does.
+
+    Returns:
+      float32 scalars keyed as `MISMATCH_REDUCERS` (no gradient); min / max are +inf / -inf
+      without any token. Combine with `combine_mismatch_stats`, finish with `mismatch_metrics`.
+    """
+    chex.assert_equal_shape([trainer_logps_BxT, engine_logps_BxT, mask_BxT])
+    valid = mask_BxT.astype(bool)
+    m = valid.astype(jnp.float32)
+    d = jax.lax.stop_gradient(
+        jnp.where(valid, trainer_logps_BxT - engine_logps_BxT, 0.0).astype(jnp.float32)
+    )
+    ratio = jnp.exp(d)
+    shift, offset = _log_mean_exp(d, 0.0, m)
+    dev = jnp.where(valid, _deviation(d, 0.0, shift, offset), 0.0)  # r - mean r
+    out = {
+        "num_tokens": jnp.sum(m),
+        "abs_diff_sum": jnp.sum(jnp.abs(d) * m),
+        "abs_diff_max": jnp.max(jnp.where(valid, jnp.abs(d), -jnp.inf)),
+        "ratio_log_shift": shift,
+        "ratio_log_offset": offset,
+        "ratio_m2": jnp.sum(jnp.square(dev)),
+        "ratio_min": jnp.min(jnp.where(valid, ratio, jnp.inf)),
+        "ratio_max": jnp.max(jnp.where(valid, ratio, -jnp.inf)),
+    }
+    if tis_cap != 0:  # NaN or a negative cap is an error, not "off"
+        check_tis(cap=tis_cap, mode=tis_mode, low=tis_low)
+        level = tis_mode.rsplit("_", 1)[0]
+        lr = tis_log_ratio(trainer_logps_BxT, engine_logps_BxT, mask_BxT, level=level)
+        _, capped, masked = _weights(
+            lr.astype(jnp.float32), valid, cap=tis_cap, mode=tis_mode, low=tis_low
+        )
+        out["capped"] = jnp.sum(capped * m)
+        out["masked"] = jnp.sum(masked * m)
+    return out
+
+
+def combine_mismatch_stats(stats_M: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """[M] stacked `mismatch_stats` of M disjoint minibatches -> the statistics of their union.
+
+    Mean and M2 merge as Chan, Golub & LeVeque's parallel update: with n_i tokens, means mu_i and
+    M2_i, mu = sum n_i mu_i / n and M2 = sum_i M2_i + sum_i n_i (mu_i - mu)^2.
+    """
+    reduce = {"sum": jnp.sum, "max": jnp.max, "min": jnp.min}
+    out = {
+        k: reduce[MISMATCH_REDUCERS[k]](v, axis=0)
+        for k, v in stats_M.items()
+        if MISMATCH_REDUCERS[k] != "chan"
+    }
+    if "ratio_m2" in stats_M:
+        n_M = stats_M["num_tokens"]
+        shift_M, offset_M = stats_M["ratio_log_shift"], stats_M["ratio_log_offset"]
+        shift, offset = _log_mean_exp(shift_M, offset_M, n_M)
+        dev_M = jnp.where(n_M > 0, _deviation(shift_M, offset_M, shift, offset), 0.0)
+        out["ratio_log_shift"], out["ratio_log_offset"] = shift, offset
+        out["ratio_m2"] = jnp.sum(stats_M["ratio_m2"]) + jnp.sum(n_M * jnp.square(dev_M))
+    return out
+
+
+def mismatch_metrics(stats: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """`mismatch_stats` (possibly combined) -> the logged metrics.
+
+    mismatch/logp_abs_mean, mismatch/logp_abs_max: mean and max of |trainer - engine|;
+    mismatch/ratio_mean, _std (population), _min, _max of r = exp(trainer - engine);
+    tis/clipped_frac, tis/masked_frac: share of tokens whose weight the correction truncated /
+    rejected (when the stats were taken with a cap).
+    Without any token: 0 for the differences and shares, 1 for the ratio (no mismatch measured).
+    """
+    n = stats["num_tokens"]
+    has = n > 0
+    n1 = jnp.maximum(n, 1.0)
+    out = {
+        "mismatch/logp_abs_mean": stats["abs_diff_sum"] / n1,
+        "mismatch/logp_abs_max": jnp.where(has, stats["abs_diff_max"], 0.0),
+        "mismatch/ratio_mean": jnp.where(
+            has, jnp.exp(stats["ratio_log_shift"] + stats["ratio_log_offset"]), 1.0
+        ),
+        "mismatch/ratio_std": jnp.sqrt(stats["ratio_m2"] / n1),
+        "mismatch/ratio_min": jnp.where(has, stats["ratio_min"], 1.0),
+        "mismatch/ratio_max": jnp.where(has, stats["ratio_max"], 1.0),
+    }
+    if "capped" in stats:
+        out["tis/clipped_frac"] = stats["capped"] / n1
+        out["tis/masked_frac"] = stats["masked"] / n1
+    return out
