@@ -67,7 +67,7 @@ _SCRIPT = textwrap.dedent(
         class batch:
             prompts, max_prompt_len, max_completion_len = 2, 16, 8
         class model:
-            path = sys.argv[1]
+            path, init = sys.argv[1], "pretrained"
         seed = 0
 
     class Policy:

@@ -138,3 +138,108 @@ class TestExport:
         )
         diff = np.abs(np.asarray(_forward(model, _tokens())) - _torch_logits(hf, _tokens())).max()
         assert diff <= 1e-4, diff
+
+
+def _lora_step_loss(ckpt, *, dtype, frozen_dtype):
+    """Loss and grad norm of one jitted LoRA train step (random B) on a fixed full-row batch."""
+    import optax
+
+    from mmr_jax import build, train_step
+
+    lora = lora_lib.LoraConfig(rank=4, alpha=8, dropout=0.0)
+    model = models.from_pretrained(
+        ckpt, dtype=dtype, lora=lora, rngs=nnx.Rngs(0), frozen_dtype=frozen_dtype
+    )
+    _randomise_b(model)
+    policy = build.split_model(model)
+    n, length, t = 4, 14, 6
+    rng = np.random.default_rng(0)
+    completion = jnp.asarray(np.arange(t)[None] < np.array([6, 4, 2, 5])[:, None])
+    batch = train_step.Batch(
+        tokens=jnp.asarray(rng.integers(4, 250, (n, length)), jnp.int32),
+        attention_mask=jnp.concatenate([jnp.ones((n, length - t), bool), completion], axis=1),
+        completion_mask=completion,
+        advantages=jnp.asarray([1.0, -1.0, 0.5, -0.5], jnp.float32),
+    )
+    cfg = train_step.StepConfig(
+        minibatches=2,
+        iterations=1,
+        temperature=1.0,
+        eps_low=0.2,
+        eps_high=0.2,
+        aggregation="token_mean",
+        beta=0.0,
+        kl_estimator="k3",
+        max_completion_len=t,
+    )
+    opt = optax.sgd(0.1)
+    step = train_step.jit_train_step(
+        graphdef=policy.graphdef, optimizer=opt, schedule=lambda _: 0.1, cfg=cfg
+    )
+    state = train_step.TrainState(
+        step=jnp.zeros([], jnp.int32),
+        params=policy.params,
+        opt_state=opt.init(policy.params),
+        rng=jax.random.key_data(jax.random.key(0)),
+    )
+    _, metrics = step(state, batch, policy.frozen, policy.rest)
+    return float(metrics["loss"]), float(metrics["grad_norm"]), float(metrics["entropy"])
+
+
+def _nbytes(tree):
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
+class TestFrozenDtype:
+    """`frozen_dtype`: the frozen base under LoRA stored in bf16, the adapters in fp32."""
+
+    def test_param_dtypes(self, ckpt):
+        lora = lora_lib.LoraConfig(rank=4, alpha=8)
+        model = models.from_pretrained(ckpt, lora=lora, frozen_dtype=jnp.bfloat16)
+        dtypes = {
+            "/".join(map(str, p)): v.get_value().dtype
+            for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))
+        }
+        for name, dtype in dtypes.items():
+            wide = name.endswith(("lora_a", "lora_b", "bias")) or "norm" in name
+            assert dtype == (jnp.float32 if wide else jnp.bfloat16), (name, dtype)
+        assert dtypes["embed_tokens/embedding"] == jnp.bfloat16
+        assert dtypes["layers/self_attn/q_proj/kernel"] == jnp.bfloat16
+        # no LoRA: everything is trained, so nothing is frozen and frozen_dtype is ignored
+        full = models.from_pretrained(ckpt, frozen_dtype=jnp.bfloat16)
+        assert {v.dtype for v in jax.tree.leaves(nnx.state(full, nnx.Param))} == {
+            np.dtype("float32")
+        }
+
+    def test_bf16_compute_step_is_unchanged(self, ckpt):
+        """In bf16 compute the base is cast to bf16 at use anyway: storing it in bf16 gives the
+        same step (same rounding of the same fp32 values), to bf16 tolerance and in fact exactly."""
+        ref = _lora_step_loss(ckpt, dtype=jnp.bfloat16, frozen_dtype=None)
+        got = _lora_step_loss(ckpt, dtype=jnp.bfloat16, frozen_dtype=jnp.bfloat16)
+        np.testing.assert_allclose(got, ref, rtol=2.0**-8)
+        assert got == ref
+
+    def test_fp32_compute_step_within_bf16_rounding(self, ckpt):
+        """fp32 compute over a bf16-stored base: the weights differ by one bf16 rounding (2^-9
+        relative), so loss, grad norm and entropy agree to 2^-8 relative."""
+        ref = _lora_step_loss(ckpt, dtype=jnp.float32, frozen_dtype=None)
+        got = _lora_step_loss(ckpt, dtype=jnp.float32, frozen_dtype=jnp.bfloat16)
+        np.testing.assert_allclose(got, ref, rtol=2.0**-8, atol=1e-6)
+        assert got != ref  # the weights did change: the comparison is not vacuous
+
+    def test_argument_memory_halves(self, ckpt):
+        """Frozen state bytes (eval_shape, no weights) halve; trainable bytes are unchanged."""
+        from mmr_jax.models import config as config_lib
+        from mmr_jax.models import loading
+
+        cfg = config_lib.ModelConfig.from_hf(ckpt)
+        lora = lora_lib.LoraConfig(rank=4, alpha=8)
+
+        def sizes(frozen_dtype):
+            m = loading.abstract_model(cfg, lora=lora, frozen_dtype=frozen_dtype)
+            _, trainable, frozen, _ = nnx.split(m, nnx.LoRAParam, nnx.Param, ...)
+            return _nbytes(trainable), _nbytes(frozen)
+
+        (t32, f32), (t16, f16) = sizes(None), sizes(jnp.bfloat16)
+        assert t16 == t32
+        assert 0.5 * f32 < f16 < 0.52 * f32  # all but the norms and biases (kept fp32) halve

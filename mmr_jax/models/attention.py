@@ -114,3 +114,53 @@ def attend_shared_prompt_decode(q, pk, pv, k, v, pmask, write_index, layer):
         return decode_attention.attend_shared_prompt(*args, write_index + 1, layer)
 
     return jax.lax.platform_dependent(*args, cpu=kernel, default=pure_jax)
+
+
+def attend_shared_prompt_step(q, k_new, v_new, pk, pv, k, v, pmask, mask_S):
+    """`attend_shared_prompt` (T = 1) where each row's newest key/value is not in its cache yet.
+
+    Shapes: q [R, 1, N, D]; prompt keys pk [B, K, D, P], values pv [B, K, P, D]; own keys k
+    [R, K, D, S], values v [R, K, S, D]; k_new, v_new [R, 1, K, D]. Row r = b * n + i attends to
+    prompt b's slots where `pmask` [B, P] holds, to its own slots where `mask_S` [S] holds, and
+    to its new key/value under one softmax, taken in parts (one max, one sum; no concatenated
+    score row). The caches are only read, so a decode step can read them in its layer scan and
+    write every layer's new slot once after it (`Decoder.forward_cached_shared_prompt`). fp32
+    scores and outputs. Returns [R, 1, N*D].
+    """
+    r, t, nh, d = q.shape
+    b, kh, _, p = pk.shape
+    n, g = r // b, nh // kh
+    f32, scale = jnp.float32, d**-0.5
+    q = q.reshape(b, n, kh, g, d).astype(f32)
+    q_prompt = jnp.transpose(q, (0, 2, 1, 3, 4)).reshape(b, kh, n * g, d)
+    s_prompt = jnp.sum(q_prompt[..., None] * pk[:, :, None].astype(f32), axis=3)
+    s_prompt = jnp.where(pmask[:, None, None, :], s_prompt * scale, MASK_VALUE)  # [B, K, n*G, P]
+    q_own = q.reshape(r, kh, g, d)
+    s_own = jnp.sum(q_own[..., None] * k[:, :, None].astype(f32), axis=3)
+    s_own = jnp.where(mask_S[None, None, None, :], s_own * scale, MASK_VALUE)  # [R, K, G, S]
+    k_new = k_new.reshape(r, kh, 1, d).astype(f32)  # [R, 1, K, D] -> [R, K, 1, D]
+    s_new = jnp.sum(q_own * k_new, axis=-1, keepdims=True) * scale  # [R, K, G, 1]
+    m_prompt = jnp.max(s_prompt, axis=-1).reshape(b, kh, n, g)
+    m_prompt = jnp.transpose(m_prompt, (0, 2, 1, 3)).reshape(r, kh, g, 1)
+    m = jnp.maximum(jnp.maximum(m_prompt, jnp.max(s_own, axis=-1, keepdims=True)), s_new)
+    m_by_prompt = jnp.transpose(m.reshape(b, n, kh, g), (0, 2, 1, 3)).reshape(b, kh, n * g, 1)
+    e_prompt = jnp.exp(s_prompt - m_by_prompt)
+    e_own, e_new = jnp.exp(s_own - m), jnp.exp(s_new - m)
+    o_prompt = jnp.einsum("bkms,bksd->bkmd", e_prompt, pv.astype(f32))
+    o_prompt = jnp.transpose(o_prompt.reshape(b, kh, n, g, d), (0, 2, 1, 3, 4)).reshape(r, kh, g, d)
+    z_prompt = jnp.sum(e_prompt, axis=-1).reshape(b, kh, n, g)
+    z_prompt = jnp.transpose(z_prompt, (0, 2, 1, 3)).reshape(r, kh, g, 1)
+    o_own = jnp.einsum("rkgs,rksd->rkgd", e_own, v.astype(f32))
+    o_new = e_new * v_new.reshape(r, kh, 1, d).astype(f32)
+    z = z_prompt + jnp.sum(e_own, axis=-1, keepdims=True) + e_new
+    o = (o_prompt + o_own + o_new) / z
+    return o.astype(v.dtype).reshape(r, t, nh * d)
+
+
+def attend_shared_prompt_step_decode(q, k_new, v_new, pk, pv, k, v, pmask, write_index, layer):
+    """`attend_shared_prompt_step` of layer `layer` (traced) of the stacked split caches
+    ([L, ...], read only), for a decode step whose new token goes to own slot `write_index`:
+    the own slots before it are valid."""
+    own_mask_S = jnp.arange(k.shape[-1], dtype=jnp.int32) < write_index
+    per_layer = [kv_cache.layer(a, layer) for a in (pk, pv, k, v)]
+    return attend_shared_prompt_step(q, k_new, v_new, *per_layer, pmask, own_mask_S)

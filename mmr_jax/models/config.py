@@ -29,6 +29,10 @@ _ROPE_KEYS_LLAMA3 = (
 REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable")
 
 
+# Backends of the training forwards' attention (`attention_impl.dot_product`).
+ATTENTION_IMPLS = ("auto", "xla", "unfused", "cudnn", "pallas_tpu")
+
+
 def remat_policy_name(value) -> str:
     """The remat policy named by a config value (bools, the old form: True = full, False = none)."""
     if isinstance(value, bool):
@@ -65,9 +69,14 @@ class ModelConfig:
     model_type: str = "llama"
     remat: str = "none"  # remat policy of the scanned layer (REMAT_POLICIES)
     scan_unroll: int = 1  # lax.scan's unroll over the layers (num_layers: an unrolled program)
+    attention_impl: str = "xla"  # training forwards' attention backend (attention_impl.py)
 
     def __post_init__(self):
         object.__setattr__(self, "remat", remat_policy_name(self.remat))
+        if self.attention_impl not in ATTENTION_IMPLS:
+            raise ValueError(
+                f"unknown attention_impl {self.attention_impl!r}; expected one of {ATTENTION_IMPLS}"
+            )
         if not 1 <= self.scan_unroll <= max(self.num_layers, 1):
             raise ValueError(
                 f"scan_unroll must be in [1, {self.num_layers}], got {self.scan_unroll}"

@@ -19,7 +19,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from mmr_jax.models import attention, kv_cache, layers
+from mmr_jax.kernels import decode_attention
+from mmr_jax.models import attention, attention_impl, kv_cache, layers
 from mmr_jax.models import config as config_lib
 from mmr_jax.models import lora as lora_lib
 
@@ -28,7 +29,7 @@ def _split_key(key, i):
     return None if key is None else jax.random.fold_in(key, i)
 
 
-def _dense(name, din, dout, bias, *, dtype, param_dtype, lora, key, index):
+def _dense(name, din, dout, bias, *, dtype, param_dtype, frozen_dtype, lora, key, index):
     use = lora if lora is not None and lora.targets(name) else None
     return layers.Dense(
         din,
@@ -36,14 +37,18 @@ def _dense(name, din, dout, bias, *, dtype, param_dtype, lora, key, index):
         use_bias=bias,
         dtype=dtype,
         param_dtype=param_dtype,
+        kernel_dtype=frozen_dtype,
         lora=use,
         key=jax.random.fold_in(key, index),
     )
 
 
 class Attention(nnx.Module):
-    def __init__(self, cfg: config_lib.ModelConfig, *, dtype, param_dtype, lora, key):
-        kw = dict(dtype=dtype, param_dtype=param_dtype, lora=lora, key=key)
+    def __init__(
+        self, cfg: config_lib.ModelConfig, *, dtype, param_dtype, lora, key, frozen_dtype=None
+    ):
+        kw = dict(dtype=dtype, param_dtype=param_dtype, frozen_dtype=frozen_dtype)
+        kw.update(lora=lora, key=key)
 
         h, d = cfg.hidden_size, cfg.head_dim
         self.q_proj = _dense("q_proj", h, cfg.num_heads * d, cfg.attention_bias, index=0, **kw)
@@ -74,8 +79,11 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-    def __init__(self, cfg: config_lib.ModelConfig, *, dtype, param_dtype, lora, key):
-        kw = dict(dtype=dtype, param_dtype=param_dtype, lora=lora, key=key)
+    def __init__(
+        self, cfg: config_lib.ModelConfig, *, dtype, param_dtype, lora, key, frozen_dtype=None
+    ):
+        kw = dict(dtype=dtype, param_dtype=param_dtype, frozen_dtype=frozen_dtype)
+        kw.update(lora=lora, key=key)
         h, i = cfg.hidden_size, cfg.intermediate_size
         self.gate_proj = _dense("gate_proj", h, i, False, index=4, **kw)
         self.up_proj = _dense("up_proj", h, i, False, index=5, **kw)
@@ -94,18 +102,21 @@ class MLP(nnx.Module):
 
 
 class Block(nnx.Module):
-    def __init__(self, cfg: config_lib.ModelConfig, *, dtype, param_dtype, lora, key):
+    def __init__(
+        self, cfg: config_lib.ModelConfig, *, dtype, param_dtype, lora, key, frozen_dtype=None
+    ):
         kw = dict(dtype=dtype, param_dtype=param_dtype)
         self.input_layernorm = layers.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, **kw)
-        self.self_attn = Attention(cfg, lora=lora, key=key, **kw)
+        self.self_attn = Attention(cfg, lora=lora, key=key, frozen_dtype=frozen_dtype, **kw)
         self.post_attention_layernorm = layers.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, **kw)
-        self.mlp = MLP(cfg, lora=lora, key=key, **kw)
+        self.mlp = MLP(cfg, lora=lora, key=key, frozen_dtype=frozen_dtype, **kw)
 
-    def __call__(self, x_BxTxH, cos, sin, mask_BxTxS, disable_lora, key):
-        """Full-sequence block (keys = the T tokens themselves)."""
+    def __call__(self, x_BxTxH, cos, sin, mask, disable_lora, key, *, impl="xla", dense=None):
+        """Full-sequence block (keys = the T tokens themselves): `mask` an `attention_impl.Mask`
+        (`dense` its [B, T, T] form, made once outside the layer scan), `impl` the backend."""
         h = self.input_layernorm(x_BxTxH)
         q, k, v = self.self_attn.qkv(h, cos, sin, disable_lora=disable_lora, key=key)
-        o = attention.attend(q, k, v, mask_BxTxS)
+        o = attention_impl.dot_product(q, k, v, mask, implementation=impl, dense=dense)
         x = x_BxTxH + self.self_attn.out(o, disable_lora=disable_lora, key=key)
         return x + self.mlp(self.post_attention_layernorm(x), disable_lora=disable_lora, key=key)
 
@@ -126,7 +137,7 @@ def scan_layers(layers_module, fn, carry, xs=None, *, remat="none", unroll=1):
     layer once, not once per layer. `xs` (a pytree with a leading layer axis, or None) is sliced
     with it. `remat` names a `REMAT_POLICIES` entry applied to the scanned body (the backward pass
     keeps what the policy saves of each layer); `unroll` is `lax.scan`'s (num_layers unrolls it
-    into the straight-line program of an unscanned model: used by scripts/bench_compile.py).
+    into the straight-line program of an unscanned model: used by benchmarks/bench_compile.py).
     Returns (carry, ys).
     """
     graphdef, state = nnx.split(layers_module)
@@ -152,6 +163,10 @@ class Decoder(nnx.Module):
       dtype: compute dtype (jnp.float32 or jnp.bfloat16).
       param_dtype: storage dtype of the parameters (fp32 master weights).
       lora: adapters on `lora.target_modules`, or None.
+      frozen_dtype: with `lora`, the storage dtype of the frozen weight matrices (projection
+        kernels, embedding, LM head; e.g. bf16: half the memory, and with a bf16 compute dtype
+        the same values, since they are cast to it at use); norms, biases and the adapters stay
+        in `param_dtype`. None (or no LoRA): `param_dtype`.
       rngs: parameter init (and LoRA dropout) randomness.
     """
 
@@ -162,25 +177,28 @@ class Decoder(nnx.Module):
         dtype=jnp.float32,
         param_dtype=jnp.float32,
         lora: lora_lib.LoraConfig | None = None,
+        frozen_dtype=None,
         rngs: nnx.Rngs,
     ):
         self.config, self.dtype, self.lora_config = cfg, dtype, lora
         kw = dict(dtype=dtype, param_dtype=param_dtype)
+        frozen = param_dtype if lora is None or frozen_dtype is None else frozen_dtype
+        fkw = dict(dtype=dtype, param_dtype=frozen)  # the frozen matrices outside the layers
         # One draw from `rngs`, then fold_in per module: cheap to trace under nnx.eval_shape.
         key = rngs.params()
         embed_key, head_key = jax.random.fold_in(key, 10**6), jax.random.fold_in(key, 10**6 + 1)
-        self.embed_tokens = layers.Embed(cfg.vocab_size, cfg.hidden_size, key=embed_key, **kw)
+        self.embed_tokens = layers.Embed(cfg.vocab_size, cfg.hidden_size, key=embed_key, **fkw)
         # One Block whose variables carry a leading layer axis (layer i drawn from fold_in(key, i)).
         layer_keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(cfg.num_layers))
-        self.layers = nnx.vmap(lambda k: Block(cfg, lora=lora, key=k, **kw), in_axes=0, out_axes=0)(
-            layer_keys
-        )
+        self.layers = nnx.vmap(
+            lambda k: Block(cfg, lora=lora, key=k, frozen_dtype=frozen, **kw), in_axes=0, out_axes=0
+        )(layer_keys)
         self.norm = layers.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, **kw)
         self.lm_head = nnx.data(
             None
             if cfg.tie_word_embeddings
             else layers.Dense(
-                cfg.hidden_size, cfg.vocab_size, use_bias=False, lora=None, key=head_key, **kw
+                cfg.hidden_size, cfg.vocab_size, use_bias=False, lora=None, key=head_key, **fkw
             )
         )
         self.inv_freq = tuple(
@@ -216,13 +234,15 @@ class Decoder(nnx.Module):
         attention_mask_BxT = attention_mask_BxT.astype(jnp.bool_)
         if positions_BxT is None:
             positions_BxT = jnp.maximum(jnp.cumsum(attention_mask_BxT, axis=-1) - 1, 0)
-        causal = jnp.tril(jnp.ones((t, t), jnp.bool_))
-        mask = causal[None] & attention_mask_BxT[:, None, :]
+        mask = attention_impl.causal(attention_mask_BxT)
+        impl = self.config.attention_impl
+        dense = None if impl == "pallas_tpu" else mask.dense()
         cos, sin = layers.rope_cos_sin(positions_BxT, self.inv_freq)
         key = self._dropout_key()
 
         def layer(block, x, i, _):
-            return block(x, cos, sin, mask, disable_lora, _split_key(key, i)), None
+            out = block(x, cos, sin, mask, disable_lora, _split_key(key, i), impl=impl, dense=dense)
+            return out, None
 
         x, _ = self.scan(layer, self.embed_tokens(tokens_BxT), remat=self.config.remat)
         return self.norm(x)
@@ -337,6 +357,10 @@ class Decoder(nnx.Module):
         (`attention.attend_shared_prompt`).
         `kernels_t` (`weight_major_kernels()`, made outside this jit) runs the linear layers
         weight-major (`layers.weight_major_matmul`): faster on CPU, same values up to rounding.
+        The layer scan only reads the caches and `cache` gets every layer's new slot in one write
+        after it (`_decode_step_layers`), so a donated or loop-carried cache is updated in place;
+        with fp32 on CPU the C++ attention kernel, which reads the new slot from the cache, runs
+        instead with the write inside the scan (in place on XLA:CPU).
         Returns fp32 logits [R, 1, V] and the updated `cache`.
         """
         chex.assert_shape([tokens_Rx1, positions_Rx1], (None, 1))
@@ -344,20 +368,26 @@ class Decoder(nnx.Module):
             raise ValueError("forward_cached_shared_prompt takes split caches (kv_cache.split)")
         write_index = jnp.asarray(write_index, jnp.int32)
         pmask = prompt_mask_BxP.astype(jnp.bool_)
+        kw = dict(disable_lora=disable_lora, kernels_t=kernels_t)
+        f32 = (self.dtype, prompt_cache.k.dtype, prompt_cache.v.dtype, cache.k.dtype, cache.v.dtype)
+        if all(x == jnp.float32 for x in f32) and decode_attention.usable():
+            # The CPU kernel reads each layer's new slot from the cache: the scan writes it
+            # there first (the cache is the scan's carry; in place on XLA:CPU, see the tests).
+            def attend(q, ck, cv, i):
+                return attention.attend_shared_prompt_decode(
+                    q, prompt_cache.k, prompt_cache.v, ck, cv, pmask, write_index, i
+                )
 
-        def attend(q, ck, cv, i):
-            return attention.attend_shared_prompt_decode(
-                q, prompt_cache.k, prompt_cache.v, ck, cv, pmask, write_index, i
-            )
+            return self._decode_layers(tokens_Rx1, positions_Rx1, cache, write_index, attend, **kw)
 
-        return self._decode_layers(
-            tokens_Rx1,
-            positions_Rx1,
-            cache,
-            write_index,
-            attend,
-            disable_lora=disable_lora,
-            kernels_t=kernels_t,
+        def attend_step(q, k_new, v_new, i):
+            return attention.attend_shared_prompt_step_decode(
+                q, k_new, v_new, prompt_cache.k, prompt_cache.v, cache.k, cache.v, pmask,
+                write_index, i,
+            )  # fmt: skip
+
+        return self._decode_step_layers(
+            tokens_Rx1, positions_Rx1, cache, write_index, attend_step, **kw
         )
 
     def weight_major_kernels(self) -> dict:
@@ -376,6 +406,34 @@ class Decoder(nnx.Module):
         if self.lm_head is not None:
             out["lm_head"] = self.lm_head.kernel[...].T
         return out
+
+    def _decode_step_layers(
+        self, tokens_BxT, positions_BxT, cache, write_index, attend, *, disable_lora, kernels_t=None
+    ):
+        """The scanned layers over new tokens with the cache read only: layer i's new k/v come
+        out of the scan (its ys, [L, B, T, K, D]: a token's worth) and one write after the scan
+        puts every layer's in slot `write_index` (`kv_cache.write_all_layers`). A scan that
+        carried the stacked cache and wrote into it per layer made XLA copy or convert the whole
+        stacked cache at every layer (the H200 profile's concatenations, issue 35).
+        `attend(q, k_new, v_new, i)` attends layer i's cache plus the new key/value."""
+        cos, sin = layers.rope_cos_sin(positions_BxT, self.inv_freq)
+
+        def layer(block, x, i, kt):
+            h = block.input_layernorm(x)
+            q, k, v = block.self_attn.qkv(
+                h, cos, sin, disable_lora=disable_lora, key=None, kernels_t=kt
+            )
+            o = attend(q, k, v, i)
+            x = x + block.self_attn.out(o, disable_lora=disable_lora, key=None, kernels_t=kt)
+            h = block.post_attention_layernorm(x)
+            x = x + block.mlp(h, disable_lora=disable_lora, kernels_t=kt)
+            return x, (k, v)
+
+        layer_kt = None if kernels_t is None else kernels_t["layers"]
+        x, (k_new, v_new) = self.scan(layer, self.embed_tokens(tokens_BxT), layer_kt)
+        head_t = None if kernels_t is None else kernels_t.get("lm_head")
+        logits = self._decode_logits(self.norm(x), head_t)
+        return logits, kv_cache.write_all_layers(cache, k_new, v_new, write_index)
 
     def _decode_layers(
         self, tokens_BxT, positions_BxT, cache, write_index, attend, *, disable_lora, kernels_t=None

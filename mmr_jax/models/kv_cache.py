@@ -1,7 +1,9 @@
 """Key/value cache for decoding: k and v stacked over the layers (leading axis L).
 
-The decoder scans its layers (`decoder.scan_layers`); the cache is the scan's carry, and layer i
-writes its new keys/values into slice i in place and reads slice i back.
+The decoder scans its layers (`decoder.scan_layers`). In the prefill the cache is the scan's carry
+and layer i writes its new keys/values into slice i in place and reads slice i back. In the
+sampler's decode step the scan only reads the cache; every layer's new key/value comes out of
+the scan and one write puts them all in place (`write_all_layers`): no copy of the cache a step.
 
 Legend: L layers, B batch, S cache slots, K kv heads, D head dim.
 """
@@ -82,6 +84,27 @@ def write_values(v, layer_index, new_BxTxKxD, write_index, *, split: bool):
     start = (jnp.asarray(layer_index, jnp.int32), zero, zero, jnp.asarray(write_index, jnp.int32))
     new = jnp.swapaxes(new_BxTxKxD, 1, 2)[None].astype(v.dtype)  # [1, B, K, T, D]
     return jax.lax.dynamic_update_slice(v, new, (*start, zero))
+
+
+def write_all_layers(cache: KVCache, k_new_LxBxTxKxD, v_new_LxBxTxKxD, write_index) -> KVCache:
+    """Every layer's new keys/values [L, B, T, K, D] written at slots [write_index, + T).
+
+    One dynamic-update-slice per k and v over all L layers: a decode step whose layer scan only
+    reads the cache writes its new token this way once, after the scan, so the stacked cache (a
+    donated buffer or the decode loop's carry) is updated in place and never copied.
+    """
+    w, zero = jnp.asarray(write_index, jnp.int32), jnp.zeros((), jnp.int32)
+    if cache.is_split:
+        k_new = jnp.transpose(k_new_LxBxTxKxD, (0, 1, 3, 4, 2))  # [L, B, K, D, T]
+        v_new = jnp.swapaxes(v_new_LxBxTxKxD, 2, 3)  # [L, B, K, T, D]
+        k_start, v_start = (zero, zero, zero, zero, w), (zero, zero, zero, w, zero)
+    else:
+        k_new, v_new = k_new_LxBxTxKxD, v_new_LxBxTxKxD
+        k_start = v_start = (zero, zero, w, zero, zero)
+    return cache.replace(
+        k=jax.lax.dynamic_update_slice(cache.k, k_new.astype(cache.k.dtype), k_start),
+        v=jax.lax.dynamic_update_slice(cache.v, v_new.astype(cache.v.dtype), v_start),
+    )
 
 
 def split(cache: KVCache) -> KVCache:

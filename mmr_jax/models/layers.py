@@ -42,8 +42,10 @@ def weight_major_matmul(x, w_OxI, preferred_element_type=None):
 class Dense(nnx.Module):
     """y = x @ kernel + bias (+ scale * dropout(x) @ lora_a @ lora_b when LoRA is on).
 
-    kernel is [in, out] (the transpose of a HF Linear weight); lora_a [in, r], lora_b [r, out]
-    (`nnx.LoRAParam`, B zero-initialised so a fresh adapter leaves the base unchanged).
+    kernel is [in, out] (the transpose of a HF Linear weight), stored in `kernel_dtype` (default
+    `param_dtype`: bf16 for a frozen base under LoRA); bias, lora_a [in, r] and lora_b [r, out]
+    (`nnx.LoRAParam`, B zero-initialised so a fresh adapter leaves the base unchanged) in
+    `param_dtype`.
     """
 
     def __init__(
@@ -56,10 +58,12 @@ class Dense(nnx.Module):
         param_dtype,
         lora: lora_lib.LoraConfig | None,
         key: jax.Array,
+        kernel_dtype=None,
     ):
         k_kernel, k_lora = jax.random.split(key)
         init = jax.nn.initializers.normal(0.02)
-        self.kernel = nnx.Param(init(k_kernel, (din, dout), param_dtype))
+        kernel_dtype = param_dtype if kernel_dtype is None else kernel_dtype
+        self.kernel = nnx.Param(init(k_kernel, (din, dout), param_dtype).astype(kernel_dtype))
         self.bias = nnx.data(nnx.Param(jnp.zeros((dout,), param_dtype)) if use_bias else None)
         self.dtype = dtype
         a = b = None
@@ -148,15 +152,21 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> np.ndarr
 def rope_cos_sin(positions_BxT, inv_freq):
     """cos, sin [B, T, D] (fp32) for rotate-half RoPE at integer positions."""
     freqs = positions_BxT.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)[None, None, :]
-    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    b, t, half = freqs.shape
+    emb = jnp.broadcast_to(freqs[:, :, None, :], (b, t, 2, half)).reshape(b, t, 2 * half)
     return jnp.cos(emb), jnp.sin(emb)
 
 
 def apply_rope(x_BxTxNxD, cos, sin):
-    """Rotates x (HF `rotate_half` layout) in fp32 and casts back to x's dtype."""
+    """Rotates x (HF `rotate_half` layout) in fp32 and casts back to x's dtype.
+
+    rotate_half(x) = [-x2, x1] is taken as x viewed [..., 2, D/2], halves reversed, first
+    negated: elementwise work that fuses, where concatenating slices made the backward pad.
+    """
     x = x_BxTxNxD.astype(jnp.float32)
-    half = x.shape[-1] // 2
-    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    *lead, d = x.shape
+    sign = jnp.asarray([-1.0, 1.0], jnp.float32).reshape((1,) * len(lead) + (2, 1))
+    rotated = (jnp.flip(x.reshape(*lead, 2, d // 2), axis=-2) * sign).reshape(x.shape)
     out = x * cos[:, :, None, :] + rotated * sin[:, :, None, :]
     return out.astype(x_BxTxNxD.dtype)
 
@@ -173,7 +183,9 @@ def merged_params(model: nnx.Module) -> list[tuple[tuple, jax.Array]]:
         if isinstance(module, Dense) and module.lora_a is not None:
             kernel = module.kernel[...]
             delta = (module.lora_a[...] @ module.lora_b[...]) * module.lora_scale
-            merged[(*path, "kernel")] = kernel + delta.astype(kernel.dtype)
+            # in the wider of the two dtypes: a bf16 frozen base keeps the fp32 adapter's delta
+            wide = jnp.promote_types(kernel.dtype, delta.dtype)
+            merged[(*path, "kernel")] = kernel.astype(wide) + delta.astype(wide)
     return [
         (path, merged.get(path, var.get_value()))
         for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param))

@@ -128,13 +128,11 @@ def abstract_model(
     dtype=jnp.float32,
     param_dtype=jnp.float32,
     lora: lora_lib.LoraConfig | None = None,
+    frozen_dtype=None,
 ) -> decoder.Decoder:
     """The decoder with ShapeDtypeStruct leaves (no memory allocated)."""
-    return nnx.eval_shape(
-        lambda: decoder.Decoder(
-            cfg, dtype=dtype, param_dtype=param_dtype, lora=lora, rngs=nnx.Rngs(0)
-        )
-    )
+    kw = dict(dtype=dtype, param_dtype=param_dtype, lora=lora, frozen_dtype=frozen_dtype)
+    return nnx.eval_shape(lambda: decoder.Decoder(cfg, rngs=nnx.Rngs(0), **kw))
 
 
 def _place(shape, dtype, sharding, read):
@@ -267,6 +265,8 @@ def from_pretrained(
     lora: lora_lib.LoraConfig | None = None,
     rngs: nnx.Rngs | None = None,
     remat: str | bool = "none",
+    frozen_dtype=None,
+    attention_impl: str = "xla",
 ) -> decoder.Decoder:
     """Loads a HF checkpoint (config.json + safetensors) as a `Decoder` in eval mode.
 
@@ -277,8 +277,12 @@ def from_pretrained(
       lora: add adapters (B = 0, so the model starts equal to the base).
       rngs: randomness for lora_a (its `params` stream).
       remat: the remat policy of the scanned layer (`config.REMAT_POLICIES`).
+      frozen_dtype: with `lora`, the storage dtype of the frozen base (`decoder.Decoder`).
+      attention_impl: the training forwards' attention backend (`config.ATTENTION_IMPLS`).
     """
     path = hub.resolve_checkpoint(path)
-    cfg = config_lib.ModelConfig.from_hf(path, remat=remat)
-    abstract = abstract_model(cfg, dtype=dtype, param_dtype=param_dtype, lora=lora)
+    cfg = config_lib.ModelConfig.from_hf(path, remat=remat, attention_impl=attention_impl)
+    abstract = abstract_model(
+        cfg, dtype=dtype, param_dtype=param_dtype, lora=lora, frozen_dtype=frozen_dtype
+    )
     return load_weights(abstract, path, mesh=mesh, rngs=rngs)

@@ -71,25 +71,32 @@ def token_logprobs(
 
 
 def _chunked(model, h_BxNxH, targets_BxN, chunk, temperature, return_entropy):
-    """_scores over sequence chunks with rematerialisation; returns two [B, N] arrays."""
-    b, n, hd = h_BxNxH.shape
-    pad = (-n) % chunk
-    h = jnp.pad(h_BxNxH, ((0, 0), (0, pad), (0, 0)))
-    tg = jnp.pad(targets_BxN, ((0, 0), (0, pad)))
-    k = (n + pad) // chunk
-    h = h.reshape(b, k, chunk, hd).swapaxes(0, 1)  # [K, B, C, H]
-    tg = tg.reshape(b, k, chunk).swapaxes(0, 1)
+    """_scores over sequence chunks with rematerialisation; returns two [B, N] arrays.
+
+    Each chunk is a slice of `h` taken inside the loop (no padded or transposed copy of the
+    hidden states); a last partial chunk runs on its own. `jax.checkpoint` on the chunk keeps
+    only [B, N] results for the backward pass, which recomputes each chunk's logits.
+    """
+    b, n, _ = h_BxNxH.shape
+    full = n // chunk
 
     @jax.checkpoint
     def one(hc, tc):
         return _scores(model.logits_from_hidden(hc), tc, temperature, return_entropy)
 
-    def body(carry, xs):
-        return carry, one(*xs)
+    def body(i):
+        start = i * chunk
+        hc = jax.lax.dynamic_slice_in_dim(h_BxNxH, start, chunk, axis=1)
+        tc = jax.lax.dynamic_slice_in_dim(targets_BxN, start, chunk, axis=1)
+        return one(hc, tc)
 
-    _, (logp, ent) = jax.lax.scan(body, None, (h, tg))
-    logp = logp.swapaxes(0, 1).reshape(b, k * chunk)[:, :n]
-    ent = ent.swapaxes(0, 1).reshape(b, k * chunk)[:, :n]
+    logp_KxBxC, ent_KxBxC = jax.lax.map(body, jnp.arange(full, dtype=jnp.int32))
+    logp = jnp.moveaxis(logp_KxBxC, 0, 1).reshape(b, full * chunk)  # [B, N]: no vocab axis
+    ent = jnp.moveaxis(ent_KxBxC, 0, 1).reshape(b, full * chunk)
+    if full * chunk < n:
+        tail = one(h_BxNxH[:, full * chunk :], targets_BxN[:, full * chunk :])
+        logp = jnp.concatenate([logp, tail[0]], axis=1)
+        ent = jnp.concatenate([ent, tail[1]], axis=1)
     return logp, ent
 
 

@@ -5,12 +5,16 @@ the whole sequence is computed at once, for log-probs and their gradients:
 
   prompts [B, P] (left-padded) run causally over themselves, as the full-row forward does;
   completions [R, T] (right-padded), R = B * n (row r = b * n + i belongs to prompt b), attend
-  under one softmax to their prompt's keys/values (broadcast over its n rows, never repeated in
-  memory) and to their own causal keys/values, at positions continuing from the prompt's length.
+  under one softmax to their prompt's keys/values and to their own causal keys/values, at
+  positions continuing from the prompt's length: one fused attention call
+  (`attention_impl.dot_product`, backend `model.config.attention_impl`) over each row's keys
+  [prompt ; own], where only the prompt's keys and values are repeated per row, inside attention
+  (`completion_keys`); the prompt's activations go through the projections and MLP once.
 
 So each row sees exactly the keys and values it sees as the full row [prompt, completion], and
-the gradient that reaches the prompt is the sum over its n rows (the einsum contracts them): loss
-and gradients equal those of the n full rows, with the prompt's work done once instead of n times.
+the gradient that reaches the prompt is the sum over its n rows (the repeat's transpose sums
+them): loss and gradients equal those of the n full rows, with the prompt's work done once
+instead of n times.
 
 LoRA dropout: a prompt's tokens draw one dropout mask for the group (the full-row forward draws
 one per row), so with dropout > 0 the two paths are different (equally valid) samples.
@@ -25,7 +29,7 @@ import chex
 import jax
 import jax.numpy as jnp
 
-from mmr_jax.models import attention, layers
+from mmr_jax.models import attention, attention_impl, layers
 from mmr_jax.models import decoder as decoder_lib
 
 _MASK_VALUE = attention.MASK_VALUE  # finite: fully masked rows give a uniform softmax, not NaN
@@ -34,7 +38,9 @@ _MASK_VALUE = attention.MASK_VALUE  # finite: fully masked rows give a uniform s
 def attend_completions(
     q_RxTxNxD, pk_BxPxKxD, pv_BxPxKxD, k_RxTxKxD, v_RxTxKxD, pmask_BxP, own_RxTxT
 ):
-    """Completion queries over [their prompt's keys, their own keys] under one fp32 softmax.
+    """Completion queries over [their prompt's keys, their own keys] under one fp32 softmax:
+    the unfused form (score matrices concatenated), kept as the parity reference of the fused
+    path (`completion_keys` + `attention_impl.dot_product`).
 
     Row r = b * n + i attends to prompt b's keys where `pmask_BxP[b]` holds and to its own key s
     where `own_RxTxT[r, t, s]` holds (causal and not padding). The prompt part is a product per
@@ -63,15 +69,36 @@ def attend_completions(
     return (o_prompt.reshape(r, t, kh, g, d) + o_own).reshape(r, t, nh * d)
 
 
-def _block(block, xp, xc, rope_p, rope_c, mask_p, pmask, own, disable_lora, key):
+def completion_keys(pk_BxPxKxD, k_RxTxKxD):
+    """Each row's keys (or values) [R, P + T, K, D]: its prompt's, then its own.
+
+    Only keys and values are repeated per row (K*D numbers a token, against the N*(P+T)
+    scores a token of the unfused form, whose prompt and own parts were concatenated).
+    """
+    b, r = pk_BxPxKxD.shape[0], k_RxTxKxD.shape[0]
+    rows = jnp.repeat(pk_BxPxKxD.astype(k_RxTxKxD.dtype), r // b, axis=0)
+    return jnp.concatenate([rows, k_RxTxKxD], axis=1)
+
+
+def _block(block, xp, xc, rope_p, rope_c, masks, disable_lora, key, impl):
     """One decoder block over the prompts [B, P, H] and the completions [R, T, H]."""
     attn = block.self_attn
     # separate dropout draws for the two parts
     kp, kc = decoder_lib._split_key(key, 0), decoder_lib._split_key(key, 1)
     qp, k_p, v_p = attn.qkv(block.input_layernorm(xp), *rope_p, disable_lora=disable_lora, key=kp)
     qc, k_c, v_c = attn.qkv(block.input_layernorm(xc), *rope_c, disable_lora=disable_lora, key=kc)
-    op = attention.attend(qp, k_p, v_p, mask_p)  # the prompts alone: the full-row attention
-    oc = attend_completions(qc, k_p, v_p, k_c, v_c, pmask, own)
+    (mask_p, dense_p), (mask_c, dense_c) = masks
+    # the prompts alone: the full-row attention
+    op = attention_impl.dot_product(qp, k_p, v_p, mask_p, implementation=impl, dense=dense_p)
+    if attention_impl.resolve(impl, qc.dtype, qc.shape[-1]) == "unfused":
+        p = k_p.shape[1]
+        pvalid = mask_c.kv_valid_BxS[:: qc.shape[0] // k_p.shape[0], :p]  # [B, P]
+        oc = attend_completions(qc, k_p, v_p, k_c, v_c, pvalid, dense_c[:, :, p:])
+    else:
+        kc_all, vc_all = completion_keys(k_p, k_c), completion_keys(v_p, v_c)
+        oc = attention_impl.dot_product(
+            qc, kc_all, vc_all, mask_c, implementation=impl, dense=dense_c
+        )
     xp = xp + attn.out(op, disable_lora=disable_lora, key=kp)
     xc = xc + attn.out(oc, disable_lora=disable_lora, key=kc)
     mlp, norm = block.mlp, block.post_attention_layernorm
@@ -94,11 +121,16 @@ def hidden(model, prompt_BxP, prompt_mask_BxP, tokens_RxT, mask_RxT, *, disable_
     chex.assert_rank([tokens_RxT, mask_RxT], 2)
     chex.assert_equal_shape([tokens_RxT, mask_RxT])
     t = tokens_RxT.shape[1]
-    cmask = mask_RxT.astype(jnp.bool_)
-    own = jnp.tril(jnp.ones((t, t), jnp.bool_))[None] & cmask[:, None, :]
     offsets = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], tokens_RxT.shape)
     return _hidden(
-        model, prompt_BxP, prompt_mask_BxP, tokens_RxT, offsets, own, disable_lora=disable_lora
+        model,
+        prompt_BxP,
+        prompt_mask_BxP,
+        tokens_RxT,
+        offsets,
+        mask_RxT.astype(jnp.bool_),
+        None,
+        disable_lora=disable_lora,
     )
 
 
@@ -115,22 +147,36 @@ def packed_hidden(
     """
     chex.assert_rank([tokens_BxL, segments_BxL, offsets_BxL], 2)
     chex.assert_equal_shape([tokens_BxL, segments_BxL, offsets_BxL])
-    length = tokens_BxL.shape[1]
     seg = segments_BxL.astype(jnp.int32)
-    same = (seg[:, :, None] == seg[:, None, :]) & (seg[:, None, :] >= 0)
-    own = same & jnp.tril(jnp.ones((length, length), jnp.bool_))[None]
+    same = seg[:, :, None] == seg[:, None, :]
     return _hidden(
-        model, prompt_BxP, prompt_mask_BxP, tokens_BxL, offsets_BxL, own, disable_lora=disable_lora
+        model,
+        prompt_BxP,
+        prompt_mask_BxP,
+        tokens_BxL,
+        offsets_BxL,
+        seg >= 0,
+        same,
+        disable_lora=disable_lora,
     )
 
 
 def _hidden(
-    model, prompt_BxP, prompt_mask_BxP, tokens_RxT, offsets_RxT, own_RxTxT, *, disable_lora
+    model,
+    prompt_BxP,
+    prompt_mask_BxP,
+    tokens_RxT,
+    offsets_RxT,
+    valid_RxT,
+    same_RxTxT,
+    *,
+    disable_lora,
 ):
     """The blocks over prompts [B, P] and completion rows [R, T] (R a multiple of B).
 
     Completion token (r, t) sits at position len(prompt of r) + `offsets_RxT[r, t]` and attends
-    to its prompt and to its own row's keys s where `own_RxTxT[r, t, s]`.
+    to its prompt and to its own row's keys s <= t where `valid_RxT[r, s]` (and
+    `same_RxTxT[r, t, s]`, when given: packed completions' segments).
     """
     chex.assert_rank([prompt_BxP, prompt_mask_BxP], 2)
     chex.assert_equal_shape([prompt_BxP, prompt_mask_BxP])
@@ -142,8 +188,13 @@ def _hidden(
     plen = pmask.sum(-1).astype(jnp.int32)  # [B]
     pos_p = jnp.maximum(jnp.cumsum(pmask, axis=-1) - 1, 0)
     pos_c = jnp.repeat(plen, r // b)[:, None] + offsets_RxT.astype(jnp.int32)
-    causal_p = jnp.tril(jnp.ones((p, p), jnp.bool_))
-    mask_p = causal_p[None] & pmask[:, None, :]
+    impl = model.config.attention_impl
+    mask_p = attention_impl.causal(pmask)
+    mask_c = attention_impl.prompt_then_causal(
+        jnp.repeat(pmask, r // b, axis=0), valid_RxT, same_RxTxT
+    )
+    # the dense masks once, outside the layer scan (splash takes none)
+    masks = tuple((m, None if impl == "pallas_tpu" else m.dense()) for m in (mask_p, mask_c))
     rope_p = layers.rope_cos_sin(pos_p, model.inv_freq)
     rope_c = layers.rope_cos_sin(pos_c, model.inv_freq)
     key = model._dropout_key()
@@ -151,7 +202,7 @@ def _hidden(
     def layer(block, carry, i, _):
         xp, xc = carry
         layer_key = decoder_lib._split_key(key, i)
-        args = (rope_p, rope_c, mask_p, pmask, own_RxTxT, disable_lora, layer_key)
+        args = (rope_p, rope_c, masks, disable_lora, layer_key, impl)
         return _block(block, xp, xc, *args), None
 
     carry = (model.embed_tokens(prompt_BxP), model.embed_tokens(tokens_RxT))

@@ -7,7 +7,8 @@ loop hands over once at most half its rows are live: those rows go on alone in a
 size (`compact`: each takes its own copy of its prompt's cache, its keys, own cache and outputs
 so far; `resume`), and again, down to 4 rows, so a call compiles at most log2(R / 4) extra
 loops, each once per shape. (SmolLM2 decode step at 32 rows 121 ms, at 8 rows 60 ms; halving,
-not quartering, gave 1.22x on the CPU default's rollouts against 1.03x: scripts/bench_rollout.py.)
+not quartering, gave 1.22x on the CPU default's rollouts against 1.03x:
+benchmarks/bench_rollout.py.)
 Rows keep their random keys, so the tokens are those of the uncompacted loop, up to rounding.
 
 Legend: B prompts, n samples per prompt, R = B * n rows, P prompt slots, N new-token slots.
@@ -115,11 +116,14 @@ def compact(rows: Rows, keep_S, real_S, *, n: int) -> Rows:
     )
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "greedy", "use_filter"))
+@functools.partial(
+    jax.jit, static_argnames=("graphdef", "greedy", "use_filter"), donate_argnames=("rows",)
+)
 def resume(
     graphdef, state, kernels_t, rows, max_new_tokens, min_live, sampling, *, greedy, use_filter
 ):
-    """The decode loop resumed on compacted `rows` (one row per prompt); `sampling` as `run`'s."""
+    """The decode loop resumed on compacted `rows` (one row per prompt; donated: the loop's
+    caches are updated in place, not copied first); `sampling` as `run`'s."""
     model = nnx.merge(graphdef, state)
     return run(model, kernels_t, rows, max_new_tokens, min_live, sampling, greedy, use_filter)
 

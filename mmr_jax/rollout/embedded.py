@@ -1,9 +1,12 @@
 """`EmbeddedEngine`: the in-process rollout engine over a JAX `Decoder` (CPU, TPU, or any GPU
-without a vLLM server). Generation is `sampler.sample`; weight sync is an `nnx.update`."""
+without a vLLM server). Generation is `sampler.sample`; weight sync is an `nnx.update`, and the
+sampler reads a copy of the weights in the compute dtype (`sampler.sampling_weights`) made on
+the first call after each sync: one cast per weight version, none per decode step."""
 
 from __future__ import annotations
 
 import os
+import weakref
 from collections.abc import Sequence
 
 import jax
@@ -67,6 +70,9 @@ class EmbeddedEngine:
         self.pad_id = pad_id
         self.buckets = buckets
         self.version = 0
+        # `sampler.sampling_weights` of the model's current arrays, and weak references to
+        # those arrays: a copy made on use and kept while the model holds the same arrays.
+        self._weights, self._weights_of = None, ()
         self._rng = np.random.default_rng(seed)
         self.max_len = getattr(getattr(model, "config", None), "max_position_embeddings", None)
 
@@ -90,6 +96,7 @@ class EmbeddedEngine:
     ) -> base.RolloutBatch:
         seed = self.next_seed()
         self.last_loop_stats = sampler.LoopStats()  # what this call's decode loops did
+        self._weights = self._sampling_weights()
         return sampler.sample(
             self.model,
             [list(map(int, p)) for p in prompt_ids],
@@ -103,7 +110,21 @@ class EmbeddedEngine:
             compact=self.compact,
             first_row=first_row,
             stats=self.last_loop_stats,
+            weights=self._weights,
         )
+
+    def _sampling_weights(self) -> nnx.State:
+        """The compute-dtype weights, made again only when the model holds other arrays (after
+        `sync_weights`, or an `nnx.update` of `self.model` such as the server's reload): one
+        cast per weight version, not per call or decode step."""
+        leaves = jax.tree.leaves(nnx.state(self.model))
+        same = len(leaves) == len(self._weights_of) and all(
+            ref() is leaf for ref, leaf in zip(self._weights_of, leaves, strict=True)
+        )
+        if self._weights is None or not same:
+            self._weights = sampler.sampling_weights(self.model)
+            self._weights_of = tuple(weakref.ref(leaf) for leaf in leaves)
+        return self._weights
 
     def sync_weights(self, model: nnx.Module, *, version: int) -> None:
         """Copies `model`'s weights in (LoRA merged when this engine's model has no adapters)."""
@@ -115,3 +136,4 @@ class EmbeddedEngine:
                     raise ValueError("sync_weights: the trainer's model and the engine's differ")
             nnx.update(self.model, src)
         self.version = version
+        self._weights, self._weights_of = None, ()  # the copy of the old weights is stale

@@ -21,6 +21,12 @@ transposed to [out, in] once per call (`weight_major`, `layers.weight_major_matm
 matmul packs its right-hand operand every call, which in the plain x @ W is all the weights (SmolLM2
 8 x 4: a decode step 116 -> 90 ms). The copy lasts the call; other platforms keep x @ W.
 
+Weights. The prefill and the decode loop read the weights in the compute dtype, cast once per
+weight version (`sampling_weights`; the engine keeps the copy between weight syncs), not at
+every step. The decode step's layer scan only reads the KV caches and writes every layer's new
+slot once after it (`Decoder.forward_cached_shared_prompt`): the caches, carried by the while
+loop, are updated in place, never copied (tests/decode_inplace_test.py checks the compiled HLO).
+
 Sampling. logits / temperature, then (when asked) top-k and then top-p over the top-k-renormalised
 distribution, as vLLM applies them; temperature 0 is greedy (argmax). The reported log-prob is
 log softmax(logits / temperature)[token] *before* the top-k/top-p truncation (temperature 1 when
@@ -133,6 +139,33 @@ def weight_major(state) -> bool:
     return all(d.platform == "cpu" for d in leaf.devices())
 
 
+def sampling_weights(model: nnx.Module) -> nnx.State:
+    """`model`'s state with every floating-point array in its compute dtype (`model.dtype`).
+
+    The decoder casts its fp32 master weights to the compute dtype where it uses them; in the
+    decode loop that was a cast of every weight at every step (12% of the 1.5B decode step's
+    device time on an H200, issue 35). Sampling from this copy, made once per weight version
+    (`EmbeddedEngine` keeps it until the next `sync_weights`), the casts in the step are no-ops
+    and every value is the same (a cast commutes with the gather and matmul operands it feeds).
+    When the compute dtype is the storage dtype this is the model's own state, not a copy.
+    """
+    state = nnx.state(model)
+    dtype = getattr(model, "dtype", None)
+    if dtype is None or all(
+        x.dtype == dtype or not jnp.issubdtype(x.dtype, jnp.floating)
+        for x in jax.tree.leaves(state)
+    ):
+        return state
+    return _cast_floating(state, jnp.dtype(dtype))
+
+
+@functools.partial(jax.jit, static_argnames=("dtype",))
+def _cast_floating(state, dtype):
+    """Floating-point leaves cast to `dtype` (on their devices, with their shardings)."""
+    cast = lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
+    return jax.tree.map(cast, state)
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef",))
 def _weight_major_kernels(graphdef, state):
     """`Decoder.weight_major_kernels` as the outputs of a jit, so laid out [out, in] in memory."""
@@ -239,6 +272,7 @@ def sample(
     compact: bool = True,
     first_row: int = 0,
     stats: LoopStats | None = None,
+    weights: nnx.State | None = None,
 ) -> base.RolloutBatch:
     """Samples `params.n` completions for each prompt with a `Decoder`; see the module docstring.
 
@@ -260,6 +294,8 @@ def sample(
       first_row: row index (for the random keys) of the first prompt's first sample: a process
         sampling its share of a batch passes its offset, so it draws what one process would.
       stats: a `LoopStats` to fill with what the decode loops did (tests, benchmarks).
+      weights: `sampling_weights(model)`, made once per weight version by the caller; None:
+        made here, for this call.
     Returns:
       A `RolloutBatch` with T = the longest completion.
     """
@@ -287,7 +323,8 @@ def sample(
     n = params.n
     row_ids = np.arange(bp * n, dtype=np.int32)
     greedy = params.temperature == 0.0
-    graphdef, state = nnx.split(model)
+    graphdef = nnx.graphdef(model)
+    state = sampling_weights(model) if weights is None else weights
     if mesh is None:
         rows = scalar = jnp.asarray
     else:

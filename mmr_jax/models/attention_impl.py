@@ -1,0 +1,174 @@
+"""Training-forward attention through one fused call, with the backend named in the config.
+
+`dot_product` is grouped-query attention in `jax.nn.dot_product_attention`'s [B, T, N, D] layout
+(keys/values [B, S, K, D], K < N heads natively), so that no transpose of q, k or v sits
+between the projections and the attention, and no score matrix is written by our code:
+
+  'xla'         jax.nn.dot_product_attention(implementation='xla'): the CPU default and the
+                numerics reference (scores and softmax fp32, probabilities cast to v's dtype,
+                as `attention.attend`).
+  'cudnn'       cuDNN's fused flash attention (GPU; bf16/fp16, head dim a multiple of 8).
+  'pallas_tpu'  the Pallas splash-attention kernel (TPU; runs in interpret mode elsewhere).
+  'unfused'     the einsum forms this replaced (`attention.attend`, and over a shared prompt
+                `shared_prompt.attend_completions`: score matrices concatenated, no per-row
+                keys); on CPU they measured a few % faster than 'xla' (docs/attention.md).
+  'auto'        'cudnn' on a GPU when the dtype and head dim allow it, else 'unfused'.
+
+Which keys a query sees is a `Mask`: a static [T, S] pattern (causal, or prompt-then-causal),
+a per-row validity of the keys [B, S] (padding), and optionally a per-row [B, T, S] extra
+condition (packed completions' segments). XLA and cuDNN get the dense mask; splash gets the
+static pattern and the validity as segment ids (it takes no dense mask).
+
+Legend: B rows, T queries, S keys, N heads, K kv heads, G = N / K, D head dim.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mmr_jax.models import attention
+from mmr_jax.models import config as config_lib
+
+IMPLEMENTATIONS = config_lib.ATTENTION_IMPLS
+
+
+class Mask(NamedTuple):
+    """Query t of row b sees key s iff static[t, s] and kv_valid[b, s] (and extra[b, t, s])."""
+
+    static_TxS: np.ndarray  # bool, a host constant (splash compiles it into its kernel)
+    kv_valid_BxS: jax.Array  # bool
+    extra_BxTxS: jax.Array | None = None  # bool, or None
+
+    def dense(self) -> jax.Array:
+        """The [B, T, S] bool mask."""
+        m = jnp.asarray(self.static_TxS)[None] & self.kv_valid_BxS[:, None, :]
+        return m if self.extra_BxTxS is None else m & self.extra_BxTxS
+
+    @property
+    def is_causal(self) -> bool:
+        """Whether the static pattern is the square lower triangle (cuDNN can skip the rest)."""
+        t, s = self.static_TxS.shape
+        return t == s and bool(np.array_equal(self.static_TxS, np.tril(np.ones((t, s), bool))))
+
+
+def causal(kv_valid_BxT: jax.Array) -> Mask:
+    """Self-attention of T tokens: causal, over the keys where `kv_valid_BxT` holds."""
+    t = kv_valid_BxT.shape[1]
+    return Mask(np.tril(np.ones((t, t), bool)), kv_valid_BxT.astype(jnp.bool_))
+
+
+def prompt_then_causal(pvalid_BxP, own_valid_BxT, extra_BxTxT=None) -> Mask:
+    """T completion queries over keys [P prompt ; T own]: every valid prompt key, and the own
+    keys causally (where `extra_BxTxT` holds too, when given); keys [B, P + T]."""
+    p, t = pvalid_BxP.shape[1], own_valid_BxT.shape[1]
+    static = np.concatenate([np.ones((t, p), bool), np.tril(np.ones((t, t), bool))], axis=1)
+    valid = jnp.concatenate([pvalid_BxP.astype(jnp.bool_), own_valid_BxT.astype(jnp.bool_)], 1)
+    extra = None
+    if extra_BxTxT is not None:
+        b = extra_BxTxT.shape[0]
+        extra = jnp.concatenate([jnp.ones((b, t, p), jnp.bool_), extra_BxTxT], axis=2)
+    return Mask(static, valid, extra)
+
+
+def resolve(implementation: str, dtype, head_dim: int) -> str:
+    """The backend `implementation` names here ('auto': by platform, dtype and head dim)."""
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(
+            f"unknown attention implementation {implementation!r}; expected one of "
+            f"{IMPLEMENTATIONS}"
+        )
+    if implementation != "auto":
+        return implementation
+    cudnn_ok = jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) and head_dim % 8 == 0
+    return "cudnn" if jax.default_backend() == "gpu" and cudnn_ok else "unfused"
+
+
+def dot_product(
+    q_BxTxNxD, k_BxSxKxD, v_BxSxKxD, mask: Mask, *, implementation: str = "xla", dense=None
+):
+    """softmax(q k^T / sqrt(D) where mask) v per head; returns [B, T, N*D] in v's dtype.
+
+    `dense`: `mask.dense()` computed once by the caller (e.g. outside the layer scan); made
+    here when None. Fully masked queries (left padding) get a uniform softmax, not NaN.
+    """
+    b, t, n, d = q_BxTxNxD.shape
+    impl = resolve(implementation, q_BxTxNxD.dtype, d)
+    if impl == "pallas_tpu":
+        o = _splash(q_BxTxNxD, k_BxSxKxD, v_BxSxKxD, mask)
+    elif impl == "unfused":
+        return attention.attend(
+            q_BxTxNxD, k_BxSxKxD, v_BxSxKxD, mask.dense() if dense is None else dense
+        )
+    else:
+        dense = mask.dense() if dense is None else dense
+        q, k, v = q_BxTxNxD, k_BxSxKxD, v_BxSxKxD
+        if impl == "cudnn":
+            q, k, v, dense = _even_lengths(q, k, v, dense)
+        o = jax.nn.dot_product_attention(
+            q,
+            k,
+            v,
+            mask=dense[:, None],
+            # cuDNN skips the blocks above the diagonal; XLA's mask already holds causality.
+            is_causal=impl == "cudnn" and mask.is_causal,
+            implementation=impl,
+        )[:, :t]
+    return o.reshape(b, t, n * d)
+
+
+def _even_lengths(q_BxTxNxD, k_BxSxKxD, v_BxSxKxD, dense_BxTxS):
+    """Pads T and S to even lengths (cuDNN's training kernels with a mask require it; the
+    completions' T = bucket - 1 is odd): a query that sees key 0 (its output is dropped) and a
+    key nobody sees. One token of q, k and v, and only when a length is odd."""
+    t, s = q_BxTxNxD.shape[1], k_BxSxKxD.shape[1]
+    pt, ps = t % 2, s % 2
+    if not (pt or ps):
+        return q_BxTxNxD, k_BxSxKxD, v_BxSxKxD, dense_BxTxS
+
+    def pad(x, n):
+        return jnp.pad(x, ((0, 0), (0, n)) + ((0, 0),) * (x.ndim - 2))
+
+    dense = jnp.pad(dense_BxTxS, ((0, 0), (0, pt), (0, ps)))
+    if pt:
+        dense = dense.at[:, t, 0].set(True)
+    return pad(q_BxTxNxD, pt), pad(k_BxSxKxD, ps), pad(v_BxSxKxD, ps), dense
+
+
+def _splash(q_BxTxNxD, k_BxSxKxD, v_BxSxKxD, mask: Mask):
+    """`dot_product` through Pallas splash attention (one MQA kernel per kv head and row).
+
+    Splash takes no dense mask: the static pattern is compiled into the kernel and padding
+    enters as segment ids (queries 0, keys 0 where valid, else 1). Off TPU it runs in Pallas'
+    interpret mode (slow; for tests).
+    """
+    if mask.extra_BxTxS is not None:
+        raise NotImplementedError(
+            "attention_impl='pallas_tpu' takes a static pattern and key padding only; the "
+            "packed-completion layout (per-row segments) needs 'xla' or 'cudnn'"
+        )
+    from jax.experimental.pallas.ops.tpu import splash_attention as splash
+
+    b, t, n, d = q_BxTxNxD.shape
+    kh = k_BxSxKxD.shape[2]
+    kernel = splash.make_splash_mqa_single_device(
+        splash.MultiHeadMask([splash.NumpyMask(mask.static_TxS)] * (n // kh)),
+        interpret=jax.default_backend() != "tpu",
+    )
+    q = (q_BxTxNxD * jnp.asarray(d**-0.5, q_BxTxNxD.dtype)).reshape(b, t, kh, n // kh, d)
+    q_BxKxGxTxD = jnp.transpose(q, (0, 2, 3, 1, 4))
+    k_BxKxSxD = jnp.swapaxes(k_BxSxKxD, 1, 2)
+    v_BxKxSxD = jnp.swapaxes(v_BxSxKxD, 1, 2)
+    seg = splash.SegmentIds(
+        q=jnp.zeros((b, t), jnp.int32), kv=jnp.where(mask.kv_valid_BxS, 0, 1).astype(jnp.int32)
+    )
+
+    def one(q, k, v, seg):  # q [K, G, T, D], k/v [K, S, D]
+        return jax.vmap(functools.partial(kernel, segment_ids=seg))(q, k, v)
+
+    o = jax.vmap(one)(q_BxKxGxTxD, k_BxKxSxD, v_BxKxSxD, seg)  # [B, K, G, T, D]
+    return jnp.transpose(o, (0, 3, 1, 2, 4)).astype(v_BxSxKxD.dtype)
