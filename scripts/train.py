@@ -88,28 +88,61 @@ def main(argv):
     if not _WORKDIR.value:
         raise app.UsageError("--workdir is required (except with --dry_run)")
     if _EXPORT_HF.value:
-        trainer.export_hf(cfg, _WORKDIR.value, _EXPORT_HF.value, step=_EXPORT_STEP.value)
+        _run(
+            lambda: trainer.export_hf(
+                cfg, _WORKDIR.value, _EXPORT_HF.value, step=_EXPORT_STEP.value
+            ),
+            log_file=_EXPORT_HF.value,
+        )
         return
     primary = distributed.is_primary()
     name = "train.log" if primary else f"train.process{jax.process_index()}.log"
     log_file = os.path.join(_WORKDIR.value, name)
-    try:
+
+    def train():
+        checkpoint.check_local_path(_WORKDIR.value)  # before the log file makes 'gs:/...'
         console.setup(log_file, stdout=primary)  # process 0 alone prints
         logging.info("config %s -> %s", cfg.name, _WORKDIR.value)
         logging.info("XLA compilation cache: %s", compile_cache.enable())
         trainer.train(cfg, _WORKDIR.value, overwrite=_OVERWRITE.value)
-    except distributed.PeerLostError as e:
-        # Skips JAX's exit barrier, which would wait for the dead process.
-        print(f"ERROR: PeerLostError: {e}", file=sys.stderr, flush=True)
-        os._exit(3)
-    except distributed.DistributedError as e:
-        sys.exit(f"ERROR: {type(e).__name__}: {e}")
-    except OSError as e:
-        if isinstance(e, checkpoint.WorkdirWriteError):
-            sys.exit(f"ERROR: {e}")
-        if e.errno in checkpoint.WRITE_ERRNOS:
-            sys.exit(f"ERROR: {checkpoint.write_error(e, log_file, 'the log file')}")
-        raise
+
+    _run(train, log_file=log_file)
+
+
+def _run(fn, *, log_file: str) -> None:
+    """Runs `fn`; an error ends the process with a named message. With several processes every
+    error leaves at once, skipping JAX's exit barrier (which would hold this process while its
+    peers wait for it in a collective): the peers stop with `PeerLostError` (docs/multihost.md)."""
+    try:
+        fn()
+    except Exception as e:
+        code, message = _error_exit(e, log_file)
+        if jax.process_count() > 1:
+            if code == distributed.failures.EXIT_FAILED:
+                distributed.announce(e)  # when the trainer did not (an error before it)
+                logging.exception("process %d failed", jax.process_index())
+            distributed.exit_now(code, f"{message} (process {jax.process_index()})")
+        if message is None:
+            raise
+        sys.exit(message)
+
+
+def _error_exit(e: Exception, log_file: str) -> tuple[int, str | None]:
+    """(exit code, message) of an error; a None message: an unexpected error, its traceback
+    shown (one process) or logged (several)."""
+    if isinstance(e, distributed.PeerLostError):
+        return distributed.failures.EXIT_PEER_LOST, f"ERROR: PeerLostError: {e}"
+    if isinstance(e, distributed.DistributedError):
+        return 1, f"ERROR: {type(e).__name__}: {e}"
+    if isinstance(e, checkpoint.WorkdirSchemeError):
+        return 1, f"ERROR: WorkdirSchemeError: {e}"
+    if isinstance(e, checkpoint.WorkdirWriteError):
+        return 1, f"ERROR: {e}"
+    if isinstance(e, OSError) and e.errno in checkpoint.WRITE_ERRNOS:
+        return 1, f"ERROR: {checkpoint.write_error(e, log_file, 'the log file')}"
+    if jax.process_count() > 1:
+        return distributed.failures.EXIT_FAILED, f"ERROR: {type(e).__name__}: {e}"
+    return 1, None
 
 
 if __name__ == "__main__":

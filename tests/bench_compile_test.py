@@ -1,6 +1,5 @@
-"""`scripts/bench_compile.py`'s per-program compile seconds (`--programs`)."""
+"""`benchmarks/bench_compile.py`'s per-program compile seconds (`--programs`)."""
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -9,16 +8,11 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from support import testing
+from mmr_jax import bench_harness
 
 
 def _bench_compile():
-    spec = importlib.util.spec_from_file_location(
-        "bench_compile", testing.REPO / "scripts/bench_compile.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return bench_harness.load("bench_compile")
 
 
 def test_programs_are_counted_by_name_and_build():
@@ -83,7 +77,7 @@ def test_a_warm_cache_load_is_counted_and_lies_within_the_backend_event(tmp_path
     script = tmp_path / "warm.py"
     script.write_text(_WARM)
     out = subprocess.run(
-        [sys.executable, str(script), str(testing.REPO / "scripts/bench_compile.py")],
+        [sys.executable, str(script), str(bench_harness.BENCHMARKS / "bench_compile.py")],
         capture_output=True,
         text=True,
         check=True,

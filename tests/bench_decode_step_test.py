@@ -4,11 +4,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mmr_jax import models
+from mmr_jax import bench_harness, models
 
 from support import testing
 
-bench = testing.load_script("bench_decode_step")
+bench = bench_harness.load("bench_decode_step")
 
 
 @pytest.mark.parametrize("tied", [True, False])

@@ -1,4 +1,4 @@
-"""`scripts/bench_gpu.py`'s model-FLOPs arithmetic (MFU's numerator) and device peaks."""
+"""`benchmarks/bench_gpu.py`'s model-FLOPs arithmetic (MFU's numerator) and device peaks."""
 
 import dataclasses
 import math
@@ -6,14 +6,13 @@ import math
 import pytest
 from flax import nnx
 
+from mmr_jax import bench_harness
 from mmr_jax.models import config as model_config
 from mmr_jax.models import loading
 
-from support import testing
-
 
 def _bench_gpu():
-    return testing.load_script("bench_gpu")
+    return bench_harness.load("bench_gpu")
 
 
 TINY = model_config.ModelConfig(

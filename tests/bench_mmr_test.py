@@ -3,11 +3,9 @@
 import numpy as np
 import pytest
 
-from mmr_jax import mmr
+from mmr_jax import bench_harness, mmr
 
-from support import testing
-
-bench = testing.load_script("bench_mmr")
+bench = bench_harness.load("bench_mmr")
 
 
 @pytest.mark.parametrize("g", [1, 2, 6, 16])

@@ -4,9 +4,11 @@ import json
 
 import numpy as np
 
+from mmr_jax import bench_harness
+
 from support import testing
 
-bench = testing.load_script("bench_train_step")
+bench = bench_harness.load("bench_train_step")
 
 
 def test_all_paths_same_first_step_and_report(tmp_path):

@@ -2,16 +2,17 @@
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 
 import pytest
 
-from mmr_jax import build, config_types, data
+from mmr_jax import bench_harness, build, config_types, data
 
 from support import testing
 
-bench = testing.load_script("bench_trl")
+bench = bench_harness.load("bench_trl")
 
 
 @pytest.fixture(scope="module")
@@ -146,16 +147,41 @@ def test_trl_config_generates_once_per_update_of_b_times_g(cfg, tmp_path):
     assert not c.activation_checkpointing and not c.gradient_checkpointing
 
 
+def worker_env() -> dict:
+    """The TRL worker's environment, built rather than inherited: nothing that this pytest process
+    carries (JAX / XLA options, a compilation-cache folder, PYTHONPATH, thread counts another test
+    set) reaches the worker, so it runs the same whatever ran before it on this pytest worker."""
+    env = {k: os.environ[k] for k in ("PATH", "HOME", "TMPDIR", "LANG", "USER") if k in os.environ}
+    return env | {
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "OMP_NUM_THREADS": "1",
+        "JAX_PLATFORMS": "cpu",
+        "MMR_JAX_COMPILE_CACHE": "off",
+    }
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="trl not installed (.[bench])")
 def test_trl_worker_runs_the_job_and_reports_its_phases(tmp_path):
     # The whole TRL side on a tiny random checkpoint: the worker itself raises unless every step
-    # made exactly one reward call of B x G completions.
+    # made exactly one reward call of B x G completions. One torch thread: under `-n 2` the other
+    # pytest worker holds the second core. TRL's output_dir (the JSON's folder) is a folder of
+    # its own, not the checkpoint's. A failure shows the worker's exit status and output.
     model = testing.make_tiny_checkpoint(tmp_path / "tiny")
-    out = tmp_path / "trl.json"
-    argv = [sys.executable, bench.__file__]
-    argv += ["--worker=trl", f"--worker_out={out}", f"--model_path={model}", "--steps=2"]
-    subprocess.run(argv, check=True, cwd=bench.ROOT, capture_output=True)
+    out = tmp_path / "run" / "trl.json"
+    out.parent.mkdir()
+    argv = [sys.executable, bench.__file__, "--worker=trl", f"--worker_out={out}"]
+    argv += [f"--model_path={model}", "--steps=2", "--threads=1"]
+    proc = subprocess.run(
+        argv, cwd=bench.ROOT, env=worker_env(), capture_output=True, text=True, timeout=1200
+    )
+    if proc.returncode != 0:
+        pytest.fail(
+            f"TRL worker exit {proc.returncode}:\n{proc.stdout[-2000:]}\n{proc.stderr[-6000:]}"
+        )
     r = json.loads(out.read_text())
     assert len(r["step_s"]) == len(r["phases"]) == len(r["completion_len"]) == 2
     for step_s, phases, trl_s in zip(r["step_s"], r["phases"], r["trl_step_time"], strict=True):

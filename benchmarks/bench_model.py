@@ -1,7 +1,7 @@
 """Forward+backward tokens/s of our JAX decoder vs transformers (torch), same CPU, same batch.
 
-    python scripts/bench_model.py          # tiny random model + SmolLM2-135M if prepared
-    python scripts/bench_model.py --models tiny --batch 4 --seq 256 --iters 5 --json
+    python benchmarks/bench_model.py          # tiny random model + SmolLM2-135M if prepared
+    python benchmarks/bench_model.py --models tiny --batch 4 --seq 256 --iters 5 --json
 
 Both sides compute the same loss, the sum of per-token log-probs of the batch (log_softmax of the
 logits, gathered at the next tokens), and its gradient with respect to every parameter (full
@@ -15,13 +15,12 @@ import argparse
 import json
 import os
 import pathlib
-import statistics
 import sys
 import tempfile
-import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))  # `support`
+from mmr_jax import bench_harness as harness
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SMOLLM2 = ROOT / "checkpoints" / "smollm2-135m-instruct"
@@ -36,18 +35,9 @@ TINY = dict(
 
 
 def _time(fn, iters: int, warmup: int) -> tuple[float, float]:
-    """(first call seconds, median seconds of `iters` timed calls)."""
-    t0 = time.perf_counter()
-    fn()
-    first = time.perf_counter() - t0
-    for _ in range(warmup - 1):
-        fn()
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return first, statistics.median(times)
+    """(first call seconds, median seconds of `iters` timed calls after `warmup - 1` more)."""
+    t = harness.timed(fn, steps=iters, warmup=max(warmup - 1, 0))
+    return t.first_s, t.median_s
 
 
 def bench_jax(path, tokens_np, iters, warmup, remat=False):

@@ -1,7 +1,7 @@
 """Anchor benchmark: TRL's GRPOTrainer and our trainer on the same work, seconds per step.
 
-    python scripts/bench_trl.py                              # trl, ours (MMR on), ours_nommr
-    python scripts/bench_trl.py --sides=trl,ours_nommr --steps=8 --warmup=2 --json=bench_trl.json
+    python benchmarks/bench_trl.py                              # trl, ours (MMR on), ours_nommr
+    python benchmarks/bench_trl.py --sides=trl,ours_nommr --steps=8 --warmup=2 --json=bench_trl.json
 
 Both sides run the config's job (default configs/cpu_smollm2.py, the CPU default) for --steps
 steps, each in its own subprocess, back to back (--rounds > 1 interleaves them):

@@ -1,8 +1,8 @@
 """Step time of 1 process x 2 devices against 2 processes x 1 device (same mesh (1, 2, 1)), and the
 time the 2-process run spends in host-side cross-process collectives per step.
 
-    python scripts/bench_multihost.py                      # the CPU default (SmolLM2), 4 steps
-    python scripts/bench_multihost.py --steps=6 --out=/tmp/bench_multihost.json
+    python benchmarks/bench_multihost.py                      # the CPU default (SmolLM2), 4 steps
+    python benchmarks/bench_multihost.py --steps=6 --out=/tmp/bench_multihost.json
 
 Both layouts run the same config as real processes on this machine (tests/support/multihost.py:
 a localhost coordinator, gloo collectives). Step 1 compiles, so the figures are medians over the
@@ -24,6 +24,7 @@ from absl import app, flags
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "tests")]
+from mmr_jax import bench_harness as harness  # noqa: E402
 from mmr_jax import config_types, metrics  # noqa: E402
 
 from support import multihost  # noqa: E402
@@ -83,7 +84,7 @@ def main(argv):
         fmt = lambda v: f"{v:16.2f}" if v is not None else f"{'-':>16s}"
         print(f"{k:24s}{fmt(a)}{fmt(b)}")
     if _OUT.value:
-        pathlib.Path(_OUT.value).write_text(json.dumps({"1x2": one, "2x1": two}, indent=1))
+        harness.write_json(_OUT.value, {"1x2": one, "2x1": two})
 
 
 if __name__ == "__main__":

@@ -1,10 +1,10 @@
 """Benchmark MMR reweighting: jitted + vmapped JAX vs two NumPy loops and a PyTorch port of the
 released per-micro-batch loop, in one run.
 
-    python scripts/bench_mmr.py                # B x G x D = {32,256,1024} x {6,16,64} x {384,512}
-    python scripts/bench_mmr.py --quick        # B x G x D = {32,256} x {6,16} x {512}
-    python scripts/bench_mmr.py --json out.json
-    python scripts/bench_mmr.py --forms_only   # the cosine's forms alone (seconds; issue 27 #9)
+    python benchmarks/bench_mmr.py            # B x G x D = {32,256,1024} x {6,16,64} x {384,512}
+    python benchmarks/bench_mmr.py --quick    # B x G x D = {32,256} x {6,16} x {512}
+    python benchmarks/bench_mmr.py --json out.json
+    python benchmarks/bench_mmr.py --forms_only   # the cosine's forms alone (seconds; issue 27 #9)
 
 Baselines, all per group in a Python loop over groups:
   plain  Algorithm 1 as the paper writes it (best_sim recomputed over S each step: O(G^3)).

@@ -1,14 +1,14 @@
 """Compile time of the train step and the decode step: layers scanned against unrolled.
 
-    python scripts/bench_compile.py                       # SmolLM2 (1 device) and 7B (8 devices)
-    python scripts/bench_compile.py --models=smollm2 --steps=5 --json=bench_compile.json
-    python scripts/bench_compile.py --train_run=8     # compilation's share of a CPU-default run
-    python scripts/bench_compile.py --train_run=8 --compile_price_steps=1,0   # with / without
+    python benchmarks/bench_compile.py                       # SmolLM2 (1 device) and 7B (8 devices)
+    python benchmarks/bench_compile.py --models=smollm2 --steps=5 --json=bench_compile.json
+    python benchmarks/bench_compile.py --train_run=8     # compilation's share of a CPU-default run
+    python benchmarks/bench_compile.py --train_run=8 --compile_price_steps=1,0   # with / without
                                                       # padding to compiled lengths (shape_reuse)
-    python scripts/bench_compile.py --train_run=8 --programs=20   # which programs the run built
-    python scripts/bench_compile.py --train_run=8 --xla_cache=warm  # a second run of the config:
+    python benchmarks/bench_compile.py --train_run=8 --programs=20   # which programs the run built
+    python benchmarks/bench_compile.py --train_run=8 --xla_cache=warm  # a second run of the config:
                                                       # XLA's on-disk cache filled by a first one
-    python scripts/bench_compile.py --compare_options=xla_cpu_use_fusion_emitters=false --steps=9
+    python benchmarks/bench_compile.py --compare_options=xla_cpu_use_fusion_emitters=false --steps=9
                                                       # XLA options against the defaults (SmolLM2)
 
 For each model and program, in one process: trace, lower and compile seconds with the layers
@@ -41,6 +41,7 @@ import time
 import jax
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from mmr_jax import bench_harness as harness
 
 MODELS = {
     # name: (config file, devices)
@@ -76,20 +77,6 @@ def _random_like(args, seed=0):
     return jax.tree.map(make, args)
 
 
-def _steady(compiled, args, steps: int, donated: tuple[int, int]) -> float:
-    """Median seconds of a call; the donated argument is replaced by the call's matching output
-    (`donated`: argument index, output index; `compiled_dry_run.DONATED`)."""
-    times = []
-    args = list(args)
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        out = compiled(*args)
-        jax.block_until_ready(out)
-        times.append(time.perf_counter() - t0)
-        args[donated[0]] = out[donated[1]]
-    return statistics.median(times)
-
-
 def _model(name: str):
     """(config, mesh, device count) of a `MODELS` entry."""
     from mmr_jax import compiled_dry_run
@@ -119,7 +106,9 @@ def bench_model(name: str, steps: int) -> list[dict]:
             row.update(model=name, program=program, layers="unrolled" if unrolled else "scanned")
             row["steady_s"] = None
             if steps and devices == 1:
-                row["steady_s"] = _steady(compiled, _random_like(args), steps, donated)
+                row["steady_s"] = harness.steady_calls(
+                    compiled, _random_like(args), steps=steps, donated=donated
+                ).median_s
             rows.append(row)
             print(_format_row(row), flush=True)
             jax.clear_caches()
@@ -403,7 +392,7 @@ def main():
             if args.programs:
                 print_programs(out["programs"], args.programs)
         if args.json:
-            pathlib.Path(args.json).write_text(json.dumps(runs, indent=2))
+            harness.write_json(args.json, runs)
         return
     if args.compare_options:
         options = parse_options(args.compare_options)
@@ -412,7 +401,7 @@ def main():
         )
         rows = compare_options("smollm2", args.steps, options)
         if args.json:
-            pathlib.Path(args.json).write_text(json.dumps(rows, indent=2))
+            harness.write_json(args.json, rows)
         return
     names = [m for m in args.models.split(",") if m]
     unknown = sorted(set(names) - set(MODELS))
@@ -437,7 +426,7 @@ def main():
                 line += f", steady step {s['steady_s'] / u['steady_s']:5.2f}x the unrolled time"
             print(line)
     if args.json:
-        pathlib.Path(args.json).write_text(json.dumps(rows, indent=2))
+        harness.write_json(args.json, rows)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """The training rollout with and without decode-loop compaction, in one process, interleaved.
 
-    python scripts/bench_rollout.py                          # configs/cpu_smollm2.py's rollout
-    python scripts/bench_rollout.py --batches=8 --rounds=3 --json=out.json
+    python benchmarks/bench_rollout.py                          # configs/cpu_smollm2.py's rollout
+    python benchmarks/bench_rollout.py --batches=8 --rounds=3 --json=out.json
 
 The work is the trainer's rollout for the config (default the CPU default: SmolLM2-135M-Instruct,
 4 arithmetic prompts x 8 completions, 32 new tokens at most, T = 0.7, EOS on): the config's

@@ -1,7 +1,7 @@
 """A config's train step and decode step on this host's accelerator: time, throughput, MFU, memory.
 
-    python scripts/bench_gpu.py --configs=configs/grpo.py:1.5b,configs/grpo_7b.py
-    python scripts/bench_gpu.py --configs=configs/grpo.py:1.5b \\
+    python benchmarks/bench_gpu.py --configs=configs/grpo.py:1.5b,configs/grpo_7b.py
+    python benchmarks/bench_gpu.py --configs=configs/grpo.py:1.5b \\
         --set=batch.max_completion_len=1024 --set=loss.minibatches=4 --steps=5 --json=out.json
 
 Each config runs in its own child process (so each one's device peak is its own), on random
@@ -26,17 +26,14 @@ bandwidth.
 
 from __future__ import annotations
 
-import json
 import pathlib
-import subprocess
 import sys
-import time
 
 from absl import app, flags
 
 _REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(_REPO))
-sys.path.insert(0, str(_REPO / "scripts"))
+from mmr_jax import bench_harness as harness  # noqa: E402
 
 _CONFIGS = flags.DEFINE_list(
     "configs", ["configs/grpo.py:1.5b", "configs/grpo_7b.py"], "config files (path[:arg])"
@@ -111,42 +108,11 @@ def _load(spec: str, overrides: list[str]):
     return config_types.from_config_dict(config)
 
 
-def random_on_device(args, seed: int = 0):
-    """Concrete arrays of the abstract arguments' shapes, dtypes and shardings, drawn on the
-    device (a 7B model's weights drawn on the host would take minutes and tens of GB)."""
-    import jax
-    import jax.numpy as jnp
-
-    leaves, treedef = jax.tree.flatten(args)
-    made = []
-    for i, x in enumerate(leaves):
-        key = jax.random.fold_in(jax.random.key(seed), i)
-
-        def make(key, x=x):
-            if jnp.issubdtype(x.dtype, jnp.floating):
-                return (0.02 * jax.random.normal(key, x.shape, jnp.float32)).astype(x.dtype)
-            if x.dtype == jnp.bool_:
-                return jnp.ones(x.shape, bool)
-            return jnp.zeros(x.shape, x.dtype)
-
-        made.append(jax.jit(make, out_shardings=x.sharding)(key))
-    return jax.tree.unflatten(treedef, made)
-
-
-def _progress(message: str) -> None:
-    print(f"  [{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
-
-
-def _device_peak_bytes() -> int | None:
-    import jax
-
-    stats = jax.local_devices()[0].memory_stats() or {}
-    return stats.get("peak_bytes_in_use")
+random_on_device = harness.random_on_device  # (kept: other code imports it from here)
 
 
 def run_config(spec: str, overrides: list[str], steps: int, programs: list[str]) -> dict:
     """One config's rows (in this process)."""
-    import bench_compile
     import jax
 
     from mmr_jax import build, compiled_dry_run
@@ -173,17 +139,14 @@ def run_config(spec: str, overrides: list[str], steps: int, programs: list[str])
     }
     for program in programs:
         fn, args, donated = compiled_dry_run.program(program, cfg, mesh)
-        _progress(f"{program}: compiling")
+        harness.progress(f"{program}: compiling")
         measured, compiled = compiled_dry_run.measure(program, fn, *args)
-        _progress(f"{program}: compiled in {measured.compile_s + measured.lower_s:.1f} s")
+        harness.progress(f"{program}: compiled in {measured.compile_s + measured.lower_s:.1f} s")
         concrete = list(random_on_device(args))
-        t0 = time.perf_counter()
-        out = jax.block_until_ready(compiled(*concrete))  # warm-up: autotuning, allocation
-        first_s = time.perf_counter() - t0
-        concrete[donated[0]] = out[donated[1]]  # consumed by the call: its output takes its place
-        del out
-        _progress(f"{program}: first call {first_s:.2f} s")
-        step_s = bench_compile._steady(compiled, concrete, steps, donated)
+        # The first call (autotuning, allocation) apart; the donated state is carried over.
+        timing = harness.steady_calls(compiled, concrete, steps=steps, donated=donated)
+        first_s, step_s = timing.first_s, timing.median_s
+        harness.progress(f"{program}: first call {first_s:.2f} s, step {step_s:.3f} s")
         row = {
             "compile_s": measured.trace_s + measured.lower_s + measured.compile_s,
             "first_call_s": first_s,
@@ -191,7 +154,7 @@ def run_config(spec: str, overrides: list[str], steps: int, programs: list[str])
             "xla_argument_gib": measured.argument_bytes / GIB,
             "xla_temp_gib": measured.temp_bytes / GIB,
             "xla_peak_gib": measured.peak_bytes / GIB,
-            "device_peak_gib": device_peak / GIB if (device_peak := _device_peak_bytes()) else None,
+            "device_peak_gib": peak / GIB if (peak := harness.jax_peak_bytes()) else None,
         }
         if program == "train":
             flops = train_flops(
@@ -256,32 +219,24 @@ def format_table(results: list[dict]) -> str:
 def main(argv):
     del argv
     if _CHILD.value:
-        result = run_config(_CHILD.value, _SET.value, _STEPS.value, _PROGRAMS.value)
-        print("RESULT " + json.dumps(result), flush=True)
+        harness.emit(run_config(_CHILD.value, _SET.value, _STEPS.value, _PROGRAMS.value))
         return
     results = []
     for spec in _CONFIGS.value:
-        cmd = [sys.executable, __file__, f"--child={spec}", f"--steps={_STEPS.value}"]
-        cmd += [f"--programs={','.join(_PROGRAMS.value)}"] + [f"--set={s}" for s in _SET.value]
+        args = [
+            f"--child={spec}",
+            f"--steps={_STEPS.value}",
+            f"--programs={','.join(_PROGRAMS.value)}",
+        ]
+        args += [f"--set={s}" for s in _SET.value]
         print(f"running {spec} ...", flush=True)
-        try:
-            proc = subprocess.run(
-                cmd, stdout=subprocess.PIPE, text=True, timeout=_CHILD_TIMEOUT.value or None
-            )
-        except subprocess.TimeoutExpired as e:
-            out = e.stdout.decode() if isinstance(e.stdout, bytes) else e.stdout or ""
-            proc = subprocess.CompletedProcess(cmd, -9, out, f"timed out after {e.timeout} s")
-        found = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-        if proc.returncode == 0 and found:
-            results.append(json.loads(found[-1][len("RESULT ") :]))
-        else:
-            # the child's stderr (its traceback) went to ours
-            why = proc.stderr or f"exit status {proc.returncode}"
-            results.append({"config": spec, "error": why})
+        result = harness.run_child(
+            harness.self_argv(__file__, *args), timeout_s=_CHILD_TIMEOUT.value
+        )
+        results.append(result if "error" not in result else {"config": spec, **result})
         print(format_table(results[-1:]), flush=True)
+        harness.write_json(_JSON.value, results)  # after every config: a timeout keeps the rest
     print("\n" + format_table(results), flush=True)
-    if _JSON.value:
-        pathlib.Path(_JSON.value).write_text(json.dumps(results, indent=1))
     if any("error" in r for r in results):
         sys.exit(1)
 
