@@ -60,6 +60,17 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # step's compiled memory is 55 GiB a device instead of 80 (--dry_run --dry_run_devices=8).
     # Sequences no longer than the chunk run whole, so short runs are unchanged.
     c.model.logprob_chunk = 512
+    # Attention of the training forwards (mmr_jax/models/attention_impl.py, docs/attention.md):
+    # auto (cudnn on a GPU in bf16, else unfused), xla, unfused (the einsum forms), cudnn,
+    # pallas_tpu.
+    c.model.attention_impl = "auto"
+    # Storage dtype of the frozen base weights under LoRA ('' = param_dtype): bfloat16 halves
+    # them, and with a bfloat16 compute dtype gives the same values (cast to it at use anyway).
+    c.model.frozen_dtype = ""
+    # 'pretrained': the weights and tokenizer at model.path. 'random': random weights of its
+    # architecture (its config.json, or third_party/hf_configs/<name>.json) and a byte-level
+    # tokenizer built in memory: for timing and memory without a checkpoint, never for learning.
+    c.model.init = "pretrained"
 
     c.lora = ml_collections.ConfigDict()
     c.lora.enabled = False  # train only adapters; the reference policy is the base, adapters off
@@ -112,6 +123,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.rollout.top_p = 1.0  # nucleus sampling (1 = off)
     c.rollout.top_k = 0  # top-k sampling (0 = off)
     c.rollout.sync_dir = ""  # vLLM weight-sync folder ('' = <workdir>/sync)
+    # 1: step t+1's completions are sampled while step t trains, with the weights of step t-1
+    # (one-step off-policy; loss.tis_cap corrects the gap; docs/off_policy.md). 0 = today's loop.
+    c.rollout.off_policy_lag = 0
 
     c.rewards = ml_collections.ConfigDict()
     # Weighted sum of registered reward functions; 0-weight functions are still logged.
@@ -138,6 +152,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.loss.iterations = 1  # passes over each batch (mu); >1 needs old log-probs
     c.loss.minibatches = 8  # gradient-accumulation minibatches per pass (48 / 8 = 6 per device)
     c.loss.tis_cap = 0.0  # truncated IS: weight min(pi_trainer / pi_engine, cap) per token; 0 = off
+    # Rollout/trainer correction (mmr_jax/mismatch.py, docs/algorithms.md), when tis_cap > 0:
+    # {token, sequence (sum), geometric (mean)}_{truncate (min(r, cap)), mask (0 outside bounds)}.
+    c.loss.tis_mode = "token_truncate"
+    c.loss.tis_mask_low = 0.0  # '_mask' modes: also reject r below this (0 = no lower bound)
+    # Policy ratio: 'token' (GRPO), 'sequence' (GSPO), 'sequence_token' (GSPO-token).
+    c.loss.importance_sampling_level = "token"
 
     c.mmr = ml_collections.ConfigDict()
     c.mmr.enabled = False  # MMR reweighting of rewards before advantages (MMR-GRPO)
@@ -244,7 +264,9 @@ def shrink_for_cpu(c: ml_collections.ConfigDict) -> None:
     c.total_steps = 4
     c.batch.prompts = 2
     c.batch.generations = 4
-    c.batch.max_prompt_len = 128
+    # GSM8K with the training system prompt runs 146-300+ tokens in SmolLM2's tokenizer: at 128
+    # every prompt was dropped and a smoke run stopped before its first step.
+    c.batch.max_prompt_len = 256
     c.batch.max_completion_len = 32
     c.loss.minibatches = 2
     c.mmr.embedding_model = "hashing"

@@ -18,7 +18,7 @@ from flax import nnx
 
 from mmr_jax import config_types, data, distributed, rollout, tasks, train_step
 from mmr_jax.models import config as model_config
-from mmr_jax.models import hub, loading, sharding
+from mmr_jax.models import hub, loading, random_init, sharding
 from mmr_jax.models import lora as lora_lib
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -70,17 +70,52 @@ def split_model(model: nnx.Module) -> Policy:
 
 
 def load_policy(cfg: config_types.TrainConfig, mesh=None) -> Policy:
-    """Loads `cfg.model.path` (with adapters when LoRA is on)."""
+    """Loads `cfg.model.path` (with adapters when LoRA is on); with `model.init='random'`,
+    random weights of its architecture (`random_init.random_model`)."""
+    dtypes = dict(dtype=DTYPES[cfg.model.dtype], param_dtype=DTYPES[cfg.model.param_dtype])
+    dtypes["frozen_dtype"] = DTYPES.get(cfg.model.frozen_dtype)  # '' -> None: param_dtype
+    if cfg.model.init == "random":
+        mcfg = model_config.ModelConfig.from_hf(
+            _hf_config(cfg.model.path),
+            remat=cfg.model.remat,
+            attention_impl=cfg.model.attention_impl,
+        )
+        model = random_init.random_model(
+            mcfg, mesh=mesh, lora=lora_config(cfg), seed=cfg.seed, **dtypes
+        )
+        return split_model(model)
     model = loading.from_pretrained(
         cfg.model.path,
-        dtype=DTYPES[cfg.model.dtype],
-        param_dtype=DTYPES[cfg.model.param_dtype],
         mesh=mesh,
         lora=lora_config(cfg),
         rngs=nnx.Rngs(cfg.seed),
         remat=cfg.model.remat,
+        attention_impl=cfg.model.attention_impl,
+        **dtypes,
     )
     return split_model(model)
+
+
+def load_tokenizer(cfg: config_types.TrainConfig):
+    """The checkpoint's tokenizer; with `model.init='random'`, a byte-level one of the
+    architecture's vocabulary size built in memory (`random_init.byte_tokenizer`)."""
+    if cfg.model.init == "random":
+        vocab = model_config.ModelConfig.from_hf(_hf_config(cfg.model.path)).vocab_size
+        return random_init.byte_tokenizer(vocab)
+    import transformers
+
+    # A hub id is fetched once (here); the config keeps the id, as vLLM serves it under that name.
+    return transformers.AutoTokenizer.from_pretrained(hub.resolve_checkpoint(cfg.model.path))
+
+
+def weights_note(cfg: config_types.TrainConfig) -> str:
+    """What the run's weights are, for its console header: random ones said plainly."""
+    if cfg.model.init == "random":
+        return (
+            f"RANDOM WEIGHTS (model.init=random) of {cfg.model.path}'s architecture and a "
+            "byte-level tokenizer: for timing and memory, not learning"
+        )
+    return f"weights {cfg.model.path}"
 
 
 def make_optimizer(cfg: config_types.TrainConfig):
@@ -140,6 +175,9 @@ def step_config(cfg: config_types.TrainConfig) -> train_step.StepConfig:
         max_completion_len=cfg.batch.max_completion_len,
         logprob_chunk=cfg.model.logprob_chunk,
         tis_cap=cfg.loss.tis_cap,
+        tis_mode=cfg.loss.tis_mode,
+        tis_mask_low=cfg.loss.tis_mask_low,
+        importance_sampling_level=cfg.loss.importance_sampling_level,
     )
 
 
@@ -152,9 +190,12 @@ def make_engine(cfg: config_types.TrainConfig, policy: Policy, tokenizer, workdi
     from mmr_jax.rollout import embedded, layout, stops
 
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    # Resolved once (a hub id too): both engines stop on the same ids, vLLM serves the same files.
-    local = hub.resolve_checkpoint(cfg.model.path)
-    stop_ids = stops.stop_token_ids(local, tokenizer)
+    if cfg.model.init == "random":  # no checkpoint folder: the built tokenizer's EOS
+        local, stop_ids = None, (int(tokenizer.eos_token_id),)
+    else:
+        # Resolved once (a hub id too): both engines stop on the same ids; vLLM serves its files.
+        local = hub.resolve_checkpoint(cfg.model.path)
+        stop_ids = stops.stop_token_ids(local, tokenizer)
     if cfg.rollout.engine == "embedded":
         # Training prompts padded to one shape: the sampler compiles once, not per prompt length.
         buckets = layout.Buckets(

@@ -10,8 +10,17 @@ Orbax writes each step into a temporary folder and renames it when complete, so 
 mid-save leaves the previous checkpoints intact; only the last `keep` are kept. A step folder that
 fails to restore (truncated or missing files) is moved aside to `<step>.unreadable` and the one
 before it is restored; with several processes a step is taken only when every process read it,
-and process 0 alone moves one aside. A write that fails (full disk, read-only folder) raises
-`WorkdirWriteError` naming the path; what was already saved is left as it was.
+and process 0 alone moves one aside. A transient read error (an I/O error or timeout of the
+filesystem or bucket, `is_transient`) is retried with backoff, and if it persists stops the run
+with `CheckpointReadError`: the step is not moved aside and the metrics are not cut back to an
+older one. A write that fails (full disk, read-only folder) raises `WorkdirWriteError` naming the
+path; what was already saved is left as it was.
+
+Orbax internals relied on (orbax-checkpoint 0.12, pinned in setup.cfg;
+tests/checkpoint_retry_test.py fails if one changes): the name of the barrier that ends
+`Checkpointer.restore` (`ORBAX_RESTORE_BARRIER`), and that it runs inside
+`orbax.checkpoint.multihost.sync_global_processes` (`_in_barrier`). The barrier's prefix and
+processes are the `MultiprocessingOptions` this module gives the manager (public API).
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ import os
 import pathlib
 import re
 import shutil
+import time
 import traceback
 from collections.abc import Mapping
 from typing import Any
@@ -54,8 +64,30 @@ class WorkdirWriteError(OSError):
         return str(self.strerror)
 
 
+class WorkdirSchemeError(ValueError):
+    """The workdir is a URL (gs://, s3://, ...): the run's files are written to local or mounted
+    filesystems only (a bucket mounted with gcsfuse is a local path)."""
+
+
+def check_local_path(path, what: str = "--workdir") -> None:
+    """Raises `WorkdirSchemeError` for a URL, which `pathlib` would take for a local folder
+    named 'gs:' (issue 36, item 6)."""
+    m = re.match(r"^([A-Za-z][A-Za-z0-9+.-]*)://", os.fspath(path))
+    if m:
+        raise WorkdirSchemeError(
+            f"{what}={os.fspath(path)!r}: {m.group(1)}:// paths are not supported; the run "
+            "writes its checkpoints, metrics, logs and exports with local file operations. "
+            "Mount the bucket (e.g. gcsfuse) and give the mounted path."
+        )
+
+
 class CheckpointRestoreError(RuntimeError):
     """No checkpoint of the run could be restored."""
+
+
+class CheckpointReadError(CheckpointRestoreError):
+    """A checkpoint could not be read for a transient reason (I/O error, timeout), even after
+    retries; it was left in place."""
 
 
 # errno values that mean "this path cannot take the write", as opposed to a bug.
@@ -63,7 +95,52 @@ WRITE_ERRNOS = frozenset({errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, 
 UNREADABLE_SUFFIX = ".unreadable"
 # The barrier that ends orbax's `Checkpointer.restore` (orbax 0.12); a process whose read failed
 # joins it (`Checkpointer._join_restore_barrier`).
-_ORBAX_RESTORE_BARRIER = "Checkpointer:restore"
+ORBAX_RESTORE_BARRIER = "Checkpointer:restore"
+# The orbax barrier function a restore's barrier runs in (a peer died there, not a read failed).
+ORBAX_BARRIER_FUNCTIONS = ("sync_global_devices", "sync_global_processes")
+# The manager's multi-process options, given explicitly so that the restore barrier's key and
+# processes are known without reading orbax's private attributes.
+MULTIPROCESSING = ocp.options.MultiprocessingOptions(
+    primary_host=0, active_processes=None, barrier_sync_key_prefix=None
+)
+# errno values of a read that may succeed when tried again (network filesystems, buckets).
+TRANSIENT_ERRNOS = frozenset({
+    errno.EIO, errno.ETIMEDOUT, errno.EAGAIN, errno.EINTR, errno.EBUSY, errno.ESTALE,
+    errno.ECONNRESET, errno.ECONNABORTED, errno.ECONNREFUSED, errno.ENETUNREACH,
+    errno.EHOSTUNREACH,
+})  # fmt: skip
+# tensorstore / gRPC status words of the same (their errors are ValueErrors with text).
+_TRANSIENT_WORDS = ("DEADLINE_EXCEEDED", "UNAVAILABLE", "RESOURCE_EXHAUSTED")
+READ_RETRY_S = (1.0, 4.0, 16.0)  # waits before each retry of a transient read error
+
+
+def restore_barrier_key(async_save: bool) -> str:
+    """The key of the barrier that ends orbax's restore, as orbax 0.12 forms it: its
+    AsyncCheckpointer (async_save) turns a None prefix into '' (key '_Checkpointer:restore')."""
+    prefix = MULTIPROCESSING.barrier_sync_key_prefix
+    if async_save and prefix is None:
+        prefix = ""
+    return ocp.multihost.unique_barrier_key(ORBAX_RESTORE_BARRIER, prefix=prefix)
+
+
+def is_transient(err: BaseException) -> bool:
+    """Whether `err` (or an error it was raised from) is a read that may succeed when retried:
+    an OSError with a `TRANSIENT_ERRNOS` errno, a timeout or a connection error, or tensorstore's
+    report of one. Anything else (missing or bad metadata, a file that does not deserialise, a
+    shape that does not fit) means the checkpoint itself is broken."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, (TimeoutError, ConnectionError)):
+            return True
+        if isinstance(err, OSError) and err.errno in TRANSIENT_ERRNOS:
+            return True
+        text = str(err)
+        m = re.search(r"os_error_code='(\d+)'", text)
+        if (m and int(m.group(1)) in TRANSIENT_ERRNOS) or any(w in text for w in _TRANSIENT_WORDS):
+            return True
+        err = err.__cause__ or err.__context__
+    return False
 
 
 def write_error(err: BaseException, path, what: str, *, kept: str = "") -> WorkdirWriteError:
@@ -90,15 +167,27 @@ class Checkpointer:
       keep: number of most recent checkpoints kept (None = all).
       keep_period: also keep steps divisible by this (0 = off).
       async_save: write in a background thread; `wait()` or the next save joins it.
+      read_retry_s: waits before each retry of a transient read error (default `READ_RETRY_S`).
     """
 
-    def __init__(self, directory, *, keep: int | None = 3, keep_period: int = 0, async_save=True):
+    def __init__(
+        self,
+        directory,
+        *,
+        keep: int | None = 3,
+        keep_period: int = 0,
+        async_save=True,
+        read_retry_s: tuple[float, ...] | None = None,
+    ):
         self.directory = pathlib.Path(directory).absolute()
+        self.read_retry_s = tuple(READ_RETRY_S if read_retry_s is None else read_retry_s)
+        self.async_save = bool(async_save)
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep or None,
             keep_period=keep_period or None,
             create=True,
             enable_async_checkpointing=async_save,
+            multiprocessing_options=MULTIPROCESSING,
         )
         self._saving = None  # step of the write in flight, for error messages
         with self._writing():
@@ -136,8 +225,7 @@ class Checkpointer:
             return out["state"], dict(out["meta"])
         unreadable = []  # newest first: (step, error)
         for candidate in reversed(self._steps_everywhere()):
-            out, err = self._attempt(candidate, abstract, args)
-            err = _agreed_failure(candidate, err)  # a step some process cannot read is skipped
+            out, err = self._attempt_with_retries(candidate, abstract, args)
             if err is not None:
                 unreadable.append((candidate, err))
                 continue
@@ -163,6 +251,34 @@ class Checkpointer:
             )
         return steps
 
+    def _attempt_with_retries(self, step: int, abstract, args):
+        """(restored, None) or (None, error) for `step`, agreed by every process; a transient
+        error on any process is retried by all (`read_retry_s`), and raised as
+        `CheckpointReadError` when it persists (nothing moved aside)."""
+        for attempt in range(len(self.read_retry_s) + 1):
+            out, err = self._attempt(step, abstract, args)
+            err, transient = _agreed_failure(step, err)  # a step some process cannot read
+            if err is None or not transient:
+                return out, err
+            if attempt == len(self.read_retry_s):
+                raise CheckpointReadError(
+                    f"checkpoint step {step} in {self.directory} could not be read after "
+                    f"{attempt + 1} tries ({type(err).__name__}: {str(err)[:300]}); it looks "
+                    "transient (I/O error or timeout), so it was left in place. Re-run when the "
+                    "storage answers again: the run resumes from it."
+                ) from err
+            wait = self.read_retry_s[attempt]
+            logging.warning(
+                "checkpoint step %d: transient read error (%s: %s); retry %d in %.1f s",
+                step,
+                type(err).__name__,
+                str(err)[:200],
+                attempt + 1,
+                wait,
+            )
+            time.sleep(wait)
+        raise AssertionError("unreachable")
+
     def _attempt(self, step: int, abstract, args) -> tuple[Any, BaseException | None]:
         """(restored, None) or (None, error) for `step` on this process."""
         try:
@@ -176,12 +292,8 @@ class Checkpointer:
         """Orbax's restore ends in a barrier where the processes that read the step wait; one
         whose read failed joins it (the same key, as orbax 0.12 forms it), so that every process
         runs the same collectives next."""
-        inner = self._manager._checkpointer  # orbax's own: the prefix and processes it syncs
-        key = ocp.multihost.unique_barrier_key(
-            _ORBAX_RESTORE_BARRIER, prefix=getattr(inner, "_barrier_sync_key_prefix", None)
-        )
         ocp.multihost.sync_global_processes(
-            key, processes=getattr(inner, "_active_processes", None)
+            restore_barrier_key(self.async_save), processes=MULTIPROCESSING.active_processes
         )
 
     def _restore_step(self, step: int, abstract, args):
@@ -242,19 +354,25 @@ class Checkpointer:
 def _in_barrier(err: BaseException) -> bool:
     """Whether `err` came out of a cross-process barrier (a peer died) rather than a read."""
     frames = traceback.extract_tb(err.__traceback__)
-    return any(f.name in ("sync_global_devices", "sync_global_processes") for f in frames)
+    return any(f.name in ORBAX_BARRIER_FUNCTIONS for f in frames)
 
 
-def _agreed_failure(step: int, err: BaseException | None) -> BaseException | None:
-    """This process's `err` for `step`, or an error naming the processes that could not read it
-    (None when every process read it): every process takes the same decision."""
-    failed = distributed.allgather(np.array([err is not None], np.int32))[:, 0]
-    if err is not None or not failed.any():
-        return err
+_READ, _BROKEN, _TRANSIENT = 0, 1, 2  # a process's outcome of reading a step
+
+
+def _agreed_failure(step: int, err: BaseException | None) -> tuple[BaseException | None, bool]:
+    """(this process's `err` for `step`, or an error naming the processes that could not read it;
+    whether any process's failure was transient). (None, False) when every process read it:
+    every process takes the same decision."""
+    mine = _READ if err is None else _TRANSIENT if is_transient(err) else _BROKEN
+    outcomes = distributed.allgather(np.array([mine], np.int32))[:, 0]
+    transient = bool((outcomes == _TRANSIENT).any())
+    if err is not None or not outcomes.any():
+        return err, transient
     return CheckpointRestoreError(
-        f"step {step} is unreadable on process(es) {np.flatnonzero(failed).tolist()} "
+        f"step {step} is unreadable on process(es) {np.flatnonzero(outcomes).tolist()} "
         "(their logs say why)"
-    )
+    ), transient
 
 
 class _WriteGuard:
@@ -325,6 +443,7 @@ def prepare_workdir(workdir, config: Mapping[str, Any], *, overwrite: bool = Fal
     A workdir holding another config's run is refused with the differing keys listed, unless
     `overwrite`, which deletes any existing run's checkpoints, metrics and metadata first.
     """
+    check_local_path(workdir)
     workdir = pathlib.Path(workdir)
     run_file = workdir / RUN_FILE
     config = json.loads(json.dumps(config))

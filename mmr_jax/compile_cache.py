@@ -6,7 +6,7 @@ the next run of a study and a rerun of the README job load those executables ins
 compiling them again. The key is XLA's (the program, its compile options, the jax/jaxlib version
 and the device), so a stale entry is never used.
 
-Measured on the CPU default's 8-step run (`scripts/bench_compile.py --train_run=8
+Measured on the CPU default's 8-step run (`benchmarks/bench_compile.py --train_run=8
 --programs=10`, 2026-11-26, 2 cores): cold, 21.0 s of compilation (the train step's two builds
 11.0 s, the sampler's loops 7 s); a second run with the cache 5.5 s, of which 3.3 s tracing and
 lowering (paid either way) and 0.6 s loading 13 programs (the train step's two builds load in

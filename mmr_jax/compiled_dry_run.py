@@ -75,7 +75,7 @@ def abstract_policy(
 ):
     """(policy, model config, (params, frozen, rest)) of the config's model, abstract, sharded on
     `mesh`. `unrolled`: the layers' scan fully unrolled (what an unscanned model compiles; for
-    scripts/bench_compile.py)."""
+    benchmarks/bench_compile.py)."""
     mcfg = model_config.ModelConfig.from_hf(
         build._hf_config(cfg.model.path), remat=remat or cfg.model.remat
     )

@@ -23,6 +23,9 @@ class ModelConfig:
     param_dtype: str = "float32"
     remat: str = "full"  # remat policy of the scanned layer (models.config.REMAT_POLICIES)
     logprob_chunk: int = 512
+    attention_impl: str = "auto"  # training forwards' attention (models.config.ATTENTION_IMPLS)
+    frozen_dtype: str = ""  # frozen base weights under LoRA ('' = param_dtype)
+    init: str = "pretrained"  # or "random": random weights of the architecture at path
 
     def __post_init__(self):
         # Configs stored before policies had names say True / False (= full / none).
@@ -75,6 +78,7 @@ class RolloutConfig:
     top_p: float = 1.0
     top_k: int = 0
     sync_dir: str = ""
+    off_policy_lag: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,6 +105,9 @@ class LossConfig:
     iterations: int = 1
     minibatches: int = 8
     tis_cap: float = 0.0
+    tis_mode: str = "token_truncate"
+    tis_mask_low: float = 0.0
+    importance_sampling_level: str = "token"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -218,10 +225,20 @@ class ConfigError(ValueError):
 
 _CHOICES = {
     ("rollout", "engine"): ("embedded", "vllm"),
+    ("rollout", "off_policy_lag"): (0, 1),
     ("model", "remat"): model_config.REMAT_POLICIES,
+    ("model", "attention_impl"): model_config.ATTENTION_IMPLS,
+    ("model", "frozen_dtype"): ("", "float32", "bfloat16", "float16"),
+    ("model", "init"): ("pretrained", "random"),
     ("advantage", "estimator"): ("grpo", "dr_grpo"),
     ("loss", "aggregation"): ("seq_mean_token_mean", "token_mean", "seq_mean_token_sum_norm"),
     ("loss", "kl_estimator"): ("k1", "k2", "k3"),
+    ("loss", "importance_sampling_level"): ("token", "sequence", "sequence_token"),
+    ("loss", "tis_mode"): tuple(
+        f"{level}_{kind}"
+        for level in ("token", "sequence", "geometric")
+        for kind in ("truncate", "mask")
+    ),
     ("mmr", "scope"): ("group", "batch"),
     ("rewards", "cosine_form"): ("tokens", "released"),
     ("eval", "source"): ("benchmarks", "arithmetic", "task"),
@@ -317,14 +334,30 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         )
     if cfg.batch.min_bucket_len < 1:
         raise ConfigError(f"batch.min_bucket_len={cfg.batch.min_bucket_len} must be >= 1")
-    if cfg.loss.tis_cap < 0 or 0 < cfg.loss.tis_cap < 1:
+    loss = cfg.loss
+    if not (loss.tis_cap == 0 or 1 <= loss.tis_cap < float("inf")):  # also refuses NaN
         # w = min(pi_trainer / pi_engine, cap): a cap below 1 would scale down tokens on which
         # both agree (w = 1), which is no truncation of the importance weight.
         raise ConfigError(
-            f"loss.tis_cap={cfg.loss.tis_cap} must be 0 (off) or >= 1 (verl/TRL use 2)"
+            f"loss.tis_cap={loss.tis_cap} must be 0 (off) or finite and >= 1 (verl/TRL use 2)"
         )
+    if not 0 <= loss.tis_mask_low < 1:  # also refuses NaN
+        raise ConfigError(f"loss.tis_mask_low={loss.tis_mask_low} must lie in [0, 1)")
+    if loss.tis_mask_low > 0 and not (loss.tis_cap > 0 and loss.tis_mode.endswith("_mask")):
+        raise ConfigError(
+            f"loss.tis_mask_low={loss.tis_mask_low} needs a '_mask' loss.tis_mode and "
+            f"loss.tis_cap > 0 (got tis_mode={loss.tis_mode!r}, tis_cap={loss.tis_cap})"
+        )
+    if loss.tis_mode != "token_truncate" and loss.tis_cap == 0:
+        raise ConfigError(f"loss.tis_mode={loss.tis_mode!r} needs loss.tis_cap >= 1 (0 = off)")
     if cfg.loss.iterations < 1 or cfg.total_steps < 1:
         raise ConfigError("loss.iterations and total_steps must be >= 1")
+    if cfg.model.init == "random" and cfg.rollout.engine != "embedded":
+        raise ConfigError(
+            "model.init='random' needs rollout.engine='embedded' (a vLLM server loads model.path)"
+        )
+    if cfg.model.init == "random" and cfg.checkpoint.export_hf:
+        raise ConfigError("model.init='random' has no tokenizer files to export: export_hf=False")
     if not any(cfg.rewards.weights.values()):
         raise ConfigError(f"rewards.weights={dict(cfg.rewards.weights)} has no non-zero weight")
     ds = cfg.dynamic_sampling

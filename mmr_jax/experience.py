@@ -63,9 +63,9 @@ class Groups:
         )
 
 
-def _pad_time(x: np.ndarray, t: int) -> np.ndarray:
+def _pad_time(x: np.ndarray, t: int, value=0) -> np.ndarray:
     pad = [(0, 0)] * (x.ndim - 1) + [(0, t - x.shape[-1])]
-    return np.pad(x, pad)
+    return np.pad(x, pad, constant_values=value)
 
 
 def concat(groups: Sequence[Groups]) -> Groups:
@@ -123,7 +123,8 @@ def generate_and_score(
     mine = distributed.share_slices(len(prompt_ids))[jax.process_index()]
     local = None if batch is None else score(batch, mine)
     t0 = time.perf_counter()
-    groups = _gather(local, tokenizer, prompt_ids, answers, sampling, weights, encoder)
+    pad_id = getattr(engine, "pad_id", 0)
+    groups = _gather(local, tokenizer, prompt_ids, answers, sampling, weights, encoder, pad_id)
     _add_time(timings, "rollout", t0)  # the round ends when every process holds every group
     return groups
 
@@ -162,7 +163,11 @@ def _score(
     t2 = time.perf_counter()
     emb = None
     if encoder is not None:
-        emb = np.asarray(encoder.encode(flat_texts), np.float32).reshape(b, g, -1)
+        # One call per group: an encoder pads a text with the others of its call, which changes
+        # its embedding in the last bits; a group never spans processes, so per-group calls give
+        # the same embeddings on any number of processes (issue 39).
+        emb = np.stack([np.asarray(encoder.encode(row), np.float32) for row in texts])
+        emb = emb.reshape(b, g, -1)
     _add_time(timings, "embeddings", t2)
     return Groups(
         prompt_ids=[list(p) for p in prompt_ids],
@@ -182,11 +187,13 @@ def _score(
 
 
 def _gather(
-    local: Groups | None, tokenizer, prompt_ids, answers, sampling, weights, encoder
+    local: Groups | None, tokenizer, prompt_ids, answers, sampling, weights, encoder, pad_id=0
 ) -> Groups:
     """Every process's scored share (`local`: this process's, None when empty) as the round's
     B groups, in prompt order: completions, rewards, validity and embeddings in one collective
-    (`distributed.gather_rows`). Texts of the other processes' groups are decoded when read."""
+    (`distributed.gather_rows`). Texts of the other processes' groups are decoded when read.
+    Tokens are padded in time with the engine's `pad_id`, as one engine pads the whole batch
+    (the same tokens as one process, padding included)."""
     g, max_len = sampling.n, sampling.max_new_tokens
     specs = {
         **distributed.shares.rollout_specs(g, max_len),
@@ -199,7 +206,7 @@ def _gather(
     fields = None
     if local is not None:
         fields = {
-            "tokens": _pad_time(local.tokens, max_len),
+            "tokens": _pad_time(local.tokens, max_len, pad_id),
             "mask": _pad_time(local.mask, max_len),
             "logprobs": _pad_time(local.sampler_logps, max_len),
             "truncated": local.truncated,

@@ -65,7 +65,7 @@ def cosine_similarity(embeddings: jax.Array, *, mask: jax.Array | None = None) -
     squared row norm is finite and well above the smallest normal number; only otherwise (huge,
     tiny or zero rows) are the cosines recomputed from max-abs scaled rows. Scaling on every call
     cost a pass over [..., G, D] and ~1.5x the MMR kernel's time (issue 27 item 9; measured by
-    scripts/bench_mmr.py, which times both forms).
+    benchmarks/bench_mmr.py, which times both forms).
 
     mask: [..., G] bool, True = a real row. Rows masked out take no part in choosing the path,
     so garbage there changes no real row's cosines; their own rows and columns may then be

@@ -17,7 +17,7 @@ import time
 import numpy as np
 from absl import logging
 
-from mmr_jax import batch_layout, config_types, experience, faults, rewards, train_step
+from mmr_jax import batch_layout, config_types, distributed, experience, faults, rewards, train_step
 from mmr_jax.rollout import base as rollout_base
 
 
@@ -191,6 +191,7 @@ def make_batch(
     pad_id: int,
     timings: dict,
     packed_length=None,
+    mesh=None,
 ) -> tuple[train_step.Batch, dict]:
     """Reweighting and advantages, the layout, and the ref / old log-probs the loss needs.
 
@@ -198,6 +199,9 @@ def make_batch(
     `ref_params` the reference policy's (full fine-tune with beta > 0; else None: the base is the
     adapters switched off), `logp_fn` the jitted `train_step.logprobs_fn`. `packed_length` maps
     the packed row length the batch needs to the one it runs at (`shape_reuse`; None: as needed).
+    `mesh`: the run's; the batch becomes global arrays with rows split over its (data, fsdp)
+    axes, each device holding only its rows (`distributed.global_batch`; a collective with
+    several processes). None: one device.
     """
     t0 = time.perf_counter()
     reweighted, adv, lam = _advantages(cfg, groups)
@@ -219,7 +223,7 @@ def make_batch(
             host["packed"] = batch_layout.pad_packed(host["packed"], length, pad_id=pad_id)
         info["batch/packed_len_needed"] = float(needed)
     check_engine_logps(host["sampler_logps"], host["completion_mask"], cfg.rollout.engine)
-    dev = experience.to_device(host)
+    dev = distributed.global_batch(host, mesh)
     t = host["completion_mask"].shape[1]
     kw = dict(
         graphdef=policy.eval_graphdef,

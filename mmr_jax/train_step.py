@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from mmr_jax import losses
+from mmr_jax import losses, mismatch
 from mmr_jax.models import logprobs as logprobs_lib
 
 
@@ -73,6 +73,9 @@ class StepConfig:
     max_completion_len: int
     logprob_chunk: int = 0
     tis_cap: float = 0.0  # truncated importance sampling cap (0 = off); needs sampler_logps
+    tis_mode: str = "token_truncate"  # mismatch.TIS_MODES
+    tis_mask_low: float = 0.0  # lower bound of the '_mask' modes (0 = none)
+    importance_sampling_level: str = "token"  # losses.IS_LEVELS: 'sequence' = GSPO
 
 
 def make_optimizer(
@@ -239,11 +242,18 @@ def _minibatch_loss(
     # that LoRA dropout noise (absent from the clean old_logps) never enters the ratio or the
     # clip; later passes compare the updated policy with the pre-update one.
     ratio_ref = same if mb.old_logps is None else jnp.where(iteration == 0, same, mb.old_logps)
-    tis = None  # rollout/trainer mismatch correction (issue 16): w = min(exp(old - engine), cap)
+    tis = None  # rollout/trainer mismatch correction (issues 16, 37): `mismatch.tis_weights`
     if cfg.tis_cap > 0:
         if mb.sampler_logps is None:
             raise ValueError("loss.tis_cap > 0 needs the engine's log-probs (Batch.sampler_logps)")
-        tis = losses.tis_weights(behaviour, mb.sampler_logps, mb.completion_mask, cap=cfg.tis_cap)
+        tis = mismatch.tis_weights(
+            behaviour,
+            mb.sampler_logps,
+            mb.completion_mask,
+            cap=cfg.tis_cap,
+            mode=cfg.tis_mode,
+            low=cfg.tis_mask_low,
+        )
     loss, aux = losses.policy_loss(
         logps,
         ratio_ref,
@@ -258,6 +268,7 @@ def _minibatch_loss(
         max_completion_len=cfg.max_completion_len,
         normaliser=normaliser,
         is_weights_BxT=tis,
+        importance_sampling_level=cfg.importance_sampling_level,
     )
     mask = mb.completion_mask
     tokens = jnp.maximum(mask.sum(), 1)
@@ -272,12 +283,19 @@ def _minibatch_loss(
         "tokens": mask.sum().astype(jnp.float32),
     }
     if mb.sampler_logps is not None:  # trainer (pre-update) vs engine log-probs: sums, see _reduce
-        stats = losses.mismatch_stats(behaviour, mb.sampler_logps, mask, tis_cap=cfg.tis_cap)
+        stats = mismatch.mismatch_stats(
+            behaviour,
+            mb.sampler_logps,
+            mask,
+            tis_cap=cfg.tis_cap,
+            tis_mode=cfg.tis_mode,
+            tis_low=cfg.tis_mask_low,
+        )
         out.update({MISMATCH_STATS + k: v for k, v in stats.items()})
     return loss, out
 
 
-MISMATCH_STATS = "mismatch_stats/"  # raw sums / extrema, combined exactly, then made metrics
+MISMATCH_STATS = "mismatch_stats/"  # sufficient statistics, combined exactly, then made metrics
 
 
 def _reduce(name: str, values_M: jax.Array, tokens_M: jax.Array) -> jax.Array:
@@ -286,9 +304,6 @@ def _reduce(name: str, values_M: jax.Array, tokens_M: jax.Array) -> jax.Array:
     The ratio's extrema of minibatches without a token are +-inf (`losses.policy_loss`); they
     drop out of the min / max, and `_neutral_ratio` replaces them when no minibatch had one.
     """
-    if name.startswith(MISMATCH_STATS):
-        key = name.removeprefix(MISMATCH_STATS)
-        return losses.combine_mismatch_stats({key: values_M})[key]
     if name == "ratio/min":
         return values_M.min()
     if name == "ratio/max":
@@ -350,7 +365,16 @@ def train_step(
         grad_norm = optax.global_norm(grads)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
-        metrics = {k: _reduce(k, v, aux["tokens"]) for k, v in aux.items()}
+        metrics = {
+            k: _reduce(k, v, aux["tokens"])
+            for k, v in aux.items()
+            if not k.startswith(MISMATCH_STATS)
+        }
+        # Mismatch statistics merge jointly (mean and M2 by Chan's update), not key by key.
+        prefix = len(MISMATCH_STATS)
+        stats = {k[prefix:]: v for k, v in aux.items() if k.startswith(MISMATCH_STATS)}
+        stats = mismatch.combine_mismatch_stats(stats)
+        metrics.update({MISMATCH_STATS + k: v for k, v in stats.items()})
         metrics["grad_norm"] = grad_norm
         return (params, opt_state), metrics
 
@@ -361,7 +385,7 @@ def train_step(
     names = [k for k in metrics if k.startswith(MISMATCH_STATS)]
     if names:
         stats = {k.removeprefix(MISMATCH_STATS): metrics.pop(k) for k in names}
-        metrics.update(losses.mismatch_metrics(stats))
+        metrics.update(mismatch.mismatch_metrics(stats))
     metrics["clip/frac"] = metrics["clip/low_frac"] + metrics["clip/high_frac"]
     metrics["lr"] = schedule(state.step * cfg.iterations)
     new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)

@@ -34,7 +34,8 @@ from mmr_jax import (
     step_batch,
     train_step,
 )
-from mmr_jax.models import hub, sharding
+from mmr_jax.models import sharding
+from mmr_jax.rollout import prefetch as rollout_prefetch
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -60,6 +61,8 @@ class Run:
     writer: metrics.MetricWriter
     prompts_dropped: int = 0  # training problems over batch.max_prompt_len (build.load_prompts)
     lengths: shape_reuse.LengthChooser | None = None  # packed steps, batch.reuse_compiled_lengths
+    mesh: Any = None  # the global mesh: the step's batch is split over its (data, fsdp) axes
+    prefetch: rollout_prefetch.OffPolicyRollouts | None = None  # rollout.off_policy_lag=1
 
 
 def _abstract(tree):
@@ -77,16 +80,14 @@ def _ckpt_tree(state: train_step.TrainState) -> dict:
 
 def setup(cfg: config_types.TrainConfig, workdir, *, overwrite: bool = False) -> Run:
     """Builds the run, resuming from the latest checkpoint in `workdir` when there is one."""
-    import transformers
-
     from mmr_jax import embeddings
 
+    checkpoint.check_local_path(workdir)  # on every process, before any collective
     distributed.check_same_config(cfg.to_dict())  # before anything is built or written
     distributed.check_batch_split(cfg.batch.prompts)
     prepare = lambda: checkpoint.prepare_workdir(workdir, cfg.to_dict(), overwrite=overwrite)
     workdir = os.fspath(distributed.primary_first(prepare, "to prepare the workdir") or workdir)
-    # A hub id is fetched once (here); the config keeps the id, as vLLM serves it under that name.
-    tokenizer = transformers.AutoTokenizer.from_pretrained(hub.resolve_checkpoint(cfg.model.path))
+    tokenizer = build.load_tokenizer(cfg)  # model.init=random: built in memory, no download
     prompt_ids, answers, prompts_dropped = build.load_prompts(cfg, tokenizer)
     prompts = data.PromptIterator(
         list(zip(prompt_ids, answers, strict=True)), cfg.batch.prompts, cfg.seed
@@ -164,6 +165,7 @@ def setup(cfg: config_types.TrainConfig, workdir, *, overwrite: bool = False) ->
             if step_batch.layout(cfg) == "packed" and cfg.batch.compile_price_steps > 0
             else None
         ),
+        mesh=mesh,
     )
 
 
@@ -189,9 +191,9 @@ def _make_engine(cfg: config_types.TrainConfig, policy, tokenizer, workdir, mesh
 def _header(cfg: config_types.TrainConfig, workdir: str, resume_step: int | None) -> None:
     devices = jax.devices()
     console.info(
-        "%s | model %s | %d process(es), %d %s device(s) | workdir %s | %s",
+        "%s | %s | %d process(es), %d %s device(s) | workdir %s | %s",
         cfg.name,
-        cfg.model.path,
+        build.weights_note(cfg),
         jax.process_count(),
         len(devices),
         devices[0].platform,
@@ -229,6 +231,7 @@ def make_batch(run: Run, groups: experience.Groups, timings: dict) -> tuple[trai
         pad_id=getattr(run.engine, "pad_id", 0),
         timings=timings,
         packed_length=None if run.lengths is None else run.lengths.choose,
+        mesh=run.mesh,
     )
 
 
@@ -251,7 +254,9 @@ def _log(run: Run, step: int, host: dict, progress: metrics.Progress) -> None:
 
 
 def save(run: Run, step: int) -> None:
-    meta = {"step": step, "data": run.prompts.state()}
+    # Off-policy: the position before the prefetched step's prompts (a resume samples it again).
+    data_state = run.prompts.state() if run.prefetch is None else run.prefetch.data_state
+    meta = {"step": step, "data": data_state}
     if run.lengths is not None:  # a resume makes the same length choices (shape_reuse)
         meta["packed_lengths"] = run.lengths.state()
     run.checkpointer.save(step, _ckpt_tree(run.state), meta)
@@ -264,9 +269,11 @@ def save(run: Run, step: int) -> None:
         console.info("exported step %d -> %s", step, out)
 
 
-def _export(cfg: config_types.TrainConfig, model, out_dir, step: int | None = None) -> None:
+def _export(
+    cfg: config_types.TrainConfig, model, out_dir, step: int | None = None, mesh=None
+) -> None:
     if jax.process_count() > 1:  # whole weights gathered on every process; process 0 writes
-        model = distributed.local_model(model)
+        model = distributed.local_model(model, mesh)
         if not distributed.is_primary():
             return
     dtype = build.DTYPES[cfg.model.dtype]
@@ -303,6 +310,7 @@ def train(cfg: config_types.TrainConfig, workdir, *, overwrite: bool = False) ->
     """Trains to `cfg.total_steps`, resuming from `workdir`; returns the last step's metrics."""
     run = setup(cfg, workdir, overwrite=overwrite)
     start = int(run.state.step)
+    run.prefetch = rollout_prefetch.for_run(run, collect)  # rollout.off_policy_lag=1
     save_now = metrics.Periodic(cfg.checkpoint.every, last=cfg.total_steps)
     eval_now = metrics.Periodic(cfg.eval.every, last=cfg.total_steps, at_last=cfg.eval.every > 0)
     progress = metrics.Progress(cfg.total_steps, start)
@@ -313,7 +321,10 @@ def train(cfg: config_types.TrainConfig, workdir, *, overwrite: bool = False) ->
         compile_stats.CLOCK.start().lap()  # from here, each step's compilation
         for step in range(start + 1, cfg.total_steps + 1):
             t_step, timings = time.perf_counter(), {}
-            groups, info = collect(run, step, timings)
+            if run.prefetch is None:
+                groups, info = collect(run, step, timings)
+            else:  # step's groups (sampled while step - 1 trained); step + 1's rollout starts
+                groups, info = run.prefetch.groups(step, step - 1, timings)
             batch, batch_info = make_batch(run, groups, timings)
             info.update(batch_info)
             t0 = time.perf_counter()
@@ -327,8 +338,12 @@ def train(cfg: config_types.TrainConfig, workdir, *, overwrite: bool = False) ->
                 pending = None
             jax.block_until_ready(run.state.step)  # so that time/train is the update's own time
             t1 = time.perf_counter()
-            run.engine.sync_weights(run.policy.model(run.state.params), version=step)
-            timings["sync"] = time.perf_counter() - t1
+            params, t_sync = run.state.params, t1
+            if run.prefetch is not None:  # the engine is free; its weights outlive a donation
+                run.prefetch.wait(timings)
+                t_sync, params = time.perf_counter(), rollout_prefetch.own(run.engine, params)
+            run.engine.sync_weights(run.policy.model(params), version=step)
+            timings["sync"] = time.perf_counter() - t_sync
             if jax.process_count() > 1:  # rollout gathers and weight copies of this step
                 timings["collectives"] = distributed.collective_seconds()
             timings["train"] = t1 - t0
@@ -379,32 +394,77 @@ def _log_eval(step: int, info: dict) -> None:
     console.info("eval step %d: %s", step, scores)
 
 
+# A process of several that fails joins its checkpoint write in flight this long at most: its
+# peers wait in a collective until it exits (`distributed.failures`).
+CLOSE_WAIT_S = 60.0
+
+
 def _close(run: Run) -> None:
-    """Joins the checkpoint write in flight; when an error is already on its way, keeps that one."""
+    """Joins the checkpoint write in flight; when an error is already on its way, keeps that one.
+
+    With several processes a failing one first announces its error to its peers
+    (`distributed.announce`), and joins the write for at most `CLOSE_WAIT_S`; the caller then
+    leaves without JAX's exit barrier (`distributed.exit_now`, scripts/train.py)."""
     import sys
 
-    failing = sys.exc_info()[1] is not None
+    error = sys.exc_info()[1]
+    failing, several = error is not None, jax.process_count() > 1
+    if failing and several and distributed.peer_lost(error) is None:
+        distributed.announce(error)  # before anything that could wait for the peers
     try:
-        run.checkpointer.close()
+        if failing and several:
+            _close_bounded(run.checkpointer, CLOSE_WAIT_S)
+        else:
+            run.checkpointer.close()
     except Exception as e:  # a failed write: reported, the first error kept
         if not failing:
             raise
         logging.warning("closing the checkpointer after an error: %s", e)
     finally:
         run.writer.close()
+        if run.prefetch is not None:  # before the engine: a rollout in flight is dropped
+            run.prefetch.close()
         if hasattr(run.engine, "close"):  # a vLLM server the run launched stops with it
             run.engine.close()
 
 
+def _close_bounded(ckpt: checkpoint.Checkpointer, seconds: float) -> None:
+    """`ckpt.close()` in a thread joined for at most `seconds` (then abandoned: Orbax never takes
+    an unfinished step's temporary folder for a checkpoint)."""
+    import threading
+
+    errors = []
+
+    def close():
+        try:
+            ckpt.close()
+        except Exception as e:  # reported below, in this thread
+            errors.append(e)
+
+    thread = threading.Thread(target=close, name="checkpoint-close", daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        logging.warning("checkpoint write not finished after %.0f s; abandoned", seconds)
+    elif errors:
+        logging.warning("closing the checkpointer after an error: %s", errors[0])
+
+
 def export_hf(cfg: config_types.TrainConfig, workdir, out_dir, *, step: int | None = None) -> str:
-    """Writes checkpoint `step` (default: latest) of `workdir` as a HF folder (PEFT under LoRA)."""
-    policy = build.load_policy(cfg)
+    """Writes checkpoint `step` (default: latest) of `workdir` as a HF folder (PEFT under LoRA).
+
+    With several processes every process restores its shards of the global arrays onto the
+    run's mesh and joins the gather; process 0 writes."""
+    checkpoint.check_local_path(workdir)
+    checkpoint.check_local_path(out_dir, "--export_hf")
+    mesh = build.make_mesh(cfg) if jax.process_count() > 1 else None
+    policy = build.load_policy(cfg, mesh)
     optimizer, _ = build.make_optimizer(cfg)
-    state = build.init_state(cfg, policy.params, optimizer)
+    state = build.init_state(cfg, policy.params, optimizer, mesh)
     ckpt = checkpoint.Checkpointer(os.path.join(os.fspath(workdir), checkpoint.CKPT_DIR), keep=None)
     restored = ckpt.restore(_abstract(_ckpt_tree(state)), step=step)
     ckpt.close()
     if restored is None:
         raise FileNotFoundError(f"no checkpoint in {workdir}")
-    _export(cfg, policy.model(restored[0]["params"]), out_dir)
+    _export(cfg, policy.model(restored[0]["params"]), out_dir, mesh=mesh)
     return os.fspath(out_dir)

@@ -9,10 +9,10 @@ import pytest
 from absl import flags
 from ml_collections import config_flags
 
-from mmr_jax import config_types
+from mmr_jax import build, config_types, losses, mismatch
 
 CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "configs"
-VARIANTS = ["grpo", "dr_grpo", "dapo", "dapo_nods", "grpo_7b", "cpu_smollm2", "base"]
+VARIANTS = ["grpo", "dr_grpo", "dapo", "dapo_nods", "grpo_7b", "cpu_smollm2", "base", "gspo"]
 
 
 def _load(name, arg=None, overrides=()):
@@ -67,6 +67,38 @@ class TestVariants:
         assert cfg.advantage.estimator == "dr_grpo"
         assert cfg.loss.aggregation == "seq_mean_token_sum_norm"
 
+    def test_gspo(self):
+        # The paper's v2 settings (TRL paper index): sequence ratio, clip 3e-4 / 4e-4, no KL.
+        cfg = config_types.from_config_dict(_load("gspo"))
+        assert cfg.loss.importance_sampling_level == "sequence"
+        assert (cfg.loss.eps_low, cfg.loss.eps_high, cfg.loss.beta) == (3e-4, 4e-4, 0.0)
+        assert cfg.loss.aggregation == "seq_mean_token_mean" and cfg.loss.iterations == 2
+        step = build.step_config(cfg)  # reaches the train step
+        assert step.importance_sampling_level == "sequence" and step.eps_high == 4e-4
+        mmr = _load("gspo", "8b,smoke", ["--config.mmr.enabled=True"])
+        typed = config_types.from_config_dict(mmr)
+        assert typed.reweighting == "mmr" and typed.loss.importance_sampling_level == "sequence"
+        assert typed.total_steps <= 4 and typed.lora.enabled
+        token = _load("gspo", None, ["--config.loss.importance_sampling_level=sequence_token"])
+        assert config_types.from_config_dict(token).loss.importance_sampling_level == (
+            "sequence_token"
+        )
+
+    def test_tis_modes_reach_the_step(self):
+        over = ["--config.loss.tis_cap=3.0", "--config.loss.tis_mode=sequence_mask"]
+        cfg = config_types.from_config_dict(
+            _load("grpo", None, [*over, "--config.loss.tis_mask_low=0.5"])
+        )
+        step = build.step_config(cfg)
+        assert (step.tis_cap, step.tis_mode, step.tis_mask_low) == (3.0, "sequence_mask", 0.5)
+
+    def test_choices_are_the_modules(self):
+        # config_types spells the choices out (it imports no JAX); they must stay the modules'.
+        choices = config_types._CHOICES
+        assert choices[("loss", "tis_mode")] == mismatch.TIS_MODES
+        assert choices[("loss", "importance_sampling_level")] == losses.IS_LEVELS
+        assert choices[("loss", "aggregation")] == losses.AGGREGATIONS
+
     def test_overrides(self):
         cfg = _load("grpo_7b", None, ["--config.mmr.enabled=True", "--config.mmr.lam=0.7"])
         typed = config_types.from_config_dict(cfg)
@@ -104,7 +136,16 @@ class TestBadInput:
             (("mmr", "lam", 1.5), "mmr.lam"),
             (("loss", "minibatches", 5), "minibatches"),
             (("loss", "tis_cap", -1.0), "loss.tis_cap"),
-            (("loss", "tis_cap", 0.9), r"loss.tis_cap=0.9 must be 0 \(off\) or >= 1"),
+            (("loss", "tis_cap", 0.9), r"loss.tis_cap=0.9 must be 0 \(off\) or finite and >= 1"),
+            # Issue 36 item 9: NaN passed every comparison and silently turned TIS off.
+            (("loss", "tis_cap", float("nan")), "loss.tis_cap=nan must be 0"),
+            (("loss", "tis_cap", float("inf")), "loss.tis_cap=inf must be 0"),
+            (("loss", "tis_mode", "token_clip"), "loss.tis_mode='token_clip'; expected one of"),
+            (("loss", "tis_mode", "sequence_mask"), "needs loss.tis_cap >= 1"),
+            (("loss", "tis_mask_low", float("nan")), r"tis_mask_low=nan must lie in \[0, 1\)"),
+            (("loss", "tis_mask_low", 1.0), r"tis_mask_low=1.0 must lie in \[0, 1\)"),
+            (("loss", "tis_mask_low", 0.5), "needs a '_mask' loss.tis_mode"),
+            (("loss", "importance_sampling_level", "seq"), "importance_sampling_level='seq'"),
             (("batch", "pack_max_len", 3582), "pack_max_len=3582 must be 0 .* at least"),
             (("batch", "pack_max_len", -1), "pack_max_len"),
         ],

@@ -13,7 +13,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # with advantages_test.py added. Not level 0 with the loop emitters (the two files in 89 s): that
 # pair computes NaN for a gradient that is 0 under every other setting tried (advantages_test's
 # degenerate groups). The scripts keep XLA's emitters: their train step runs 12% slower without
-# them (`scripts/bench_compile.py --compare_options=...`, README). The tests' tolerances hold
+# them (`benchmarks/bench_compile.py --compare_options=...`, README). The tests' tolerances hold
 # either way.
 os.environ.setdefault(
     "XLA_FLAGS", "--xla_backend_optimization_level=1 --xla_cpu_use_fusion_emitters=false"
@@ -21,8 +21,14 @@ os.environ.setdefault(
 # The scripts the tests start keep no compilation cache in ~/.cache (compile_cache_test sets one).
 os.environ.setdefault("MMR_JAX_COMPILE_CACHE", "off")
 
+import jax
 import pytest
 from hypothesis import HealthCheck, settings
+
+# Implicit rank promotion is an error in every test. Eleven modules set it at import, and a run
+# imports every module it collects before its first test: a whole run had it on everywhere, a
+# single file only if it set it, so a test could pass alone and fail in the whole run.
+jax.config.update("jax_numpy_rank_promotion", "raise")
 
 # Property-based tests (tests/*_fuzz_test.py). 'ci', the default, is reproducible: derandomised
 # (the same cases every run) with no example database. 'deep' draws 10x more cases, fresh each run:
@@ -45,6 +51,32 @@ settings.load_profile(HYPOTHESIS_PROFILE)
 
 def pytest_addoption(parser):
     parser.addoption("--runslow", action="store_true", default=False, help="run tests marked slow")
+    # Other test orders, to find tests that pass or fail depending on what ran before them
+    # (docs/testing.md). Whole modules move; the tests of a module keep their order.
+    parser.addoption(
+        "--reverse-order", action="store_true", default=False, help="run the modules in reverse"
+    )
+    parser.addoption(
+        "--module-order-seed", type=int, default=None, help="run the modules shuffled by this seed"
+    )
+
+
+def _module_order(config, items):
+    """`items` with their modules reversed (--reverse-order) or shuffled (--module-order-seed)."""
+    import random
+
+    seed, reverse = config.getoption("--module-order-seed"), config.getoption("--reverse-order")
+    if seed is None and not reverse:
+        return items
+    modules = {}
+    for item in items:
+        modules.setdefault(item.nodeid.split("::")[0], []).append(item)
+    order = list(modules)
+    if seed is not None:
+        random.Random(seed).shuffle(order)
+    if reverse:
+        order.reverse()
+    return [item for name in order for item in modules[name]]
 
 
 def _has_cuda() -> bool:
@@ -68,6 +100,35 @@ def pytest_collection_modifyitems(config, items):
                 has_cuda = _has_cuda()
             if not has_cuda:
                 item.add_marker(skip_gpu)
+    items[:] = _module_order(config, items)
+
+
+# Global state a test leaves changed (support/global_state.py) is restored and reported as an
+# error of the module's last test: what a module changes it must put back, so that no test's
+# outcome depends on the modules run before it on the same worker. Checked where a module's
+# fixtures are all torn down, against the state before the first test.
+_BASELINE = {}
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    if not _BASELINE:
+        from support import global_state
+
+        _BASELINE.update(global_state.snapshot())
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    result = yield
+    if _BASELINE and (nextitem is None or nextitem.path != item.path):
+        from support import global_state
+
+        changed = global_state.restore(_BASELINE)
+        if changed:
+            what = "; ".join(changed)
+            pytest.fail(f"{item.path.name} left global state changed (restored): {what}", False)
+    return result
 
 
 @pytest.fixture(scope="session")

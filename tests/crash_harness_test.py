@@ -1,9 +1,11 @@
 """Crash anywhere, resume to the same run: scripts/train.py SIGKILLed again and again on a tiny
 model, each time resumed with the same command, ends where an uninterrupted run ends."""
 
+import os
 import pathlib
 import shlex
 import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -88,14 +90,41 @@ class TestCrashAnywhere:
         ],
     )
     def test_random_kills(self, tmp_path, tiny_llama_dir, algorithm, overrides, seed):
+        # 3 kills a chain (5 before): each kill costs one more start of train.py (imports,
+        # tracing: most of a run; its steps take 0.1 s). (after_step, fraction) of seed 0: (3,
+        # .27), (2, .04), (0, .81); of seed 1: (1, .95), (2, .14), (3, .31): kills within a step
+        # and kills after a resume's header (a resume past after_step), in both chains. Each
+        # phase is killed in turn by test_kill_in_each_phase.
         total = 7
-        kills = crash_harness.random_kills(np.random.default_rng(seed), 5, total)
+        kills = crash_harness.random_kills(np.random.default_rng(seed), 3, total)
         outcomes = _chain(
             tmp_path, tiny_llama_dir, algorithm, {"total_steps": total, **overrides}, kills
         )
-        assert [o.killed for o in outcomes] == [True] * 5 + [False], [
+        assert [o.killed for o in outcomes] == [True] * 3 + [False], [
             (o.kill, o.returncode, o.last_step_line) for o in outcomes
         ]
+
+
+# A stand-in for scripts/train.py's console: the header, then step 1, a slow step 2 (as one that
+# compiles), then fast steps, each line as train.py prints it.
+_STEPS = """
+import sys, time
+print("mmr_jax | workdir /x | new run", flush=True)
+for step, pause in enumerate([0.0, 3.0, 0.3, 0.3, 0.3, 0.3], start=1):
+    time.sleep(pause)
+    print(f"  step {step}/6 | loss 0.1", flush=True)
+"""
+
+
+class TestKillTiming:
+    def test_a_slow_timed_step_does_not_carry_the_kill_past_the_run(self):
+        """The delay is a fraction of the step timed, 0.5 x 3 s after step 2 here, longer than
+        the four 0.3 s steps left: the kill is aimed again from each later step, so the run is
+        killed within a step, not after it ended."""
+        kill = crash_harness.Kill(after_step=1, fraction=0.5)
+        out = crash_harness.run_once([sys.executable, "-c", _STEPS], dict(os.environ), kill)
+        assert out.killed, out.output
+        assert 3 <= out.last_step_line < 6, out.output
 
 
 class TestFaultHook:

@@ -11,6 +11,7 @@ missing venv is a failure (CI builds it with scripts/setup_vllm_env.sh).
 """
 
 import dataclasses
+import json
 import os
 import shutil
 import signal
@@ -210,7 +211,11 @@ def _prefix_hits(client) -> float:
 def test_sync_resets_the_prefix_cache(engine, real_server, tmp_path):
     # The CPU backend caches whole 128-token blocks: a 300-token prompt fills two.
     client, ckpt, _, _ = real_server
-    prompt = [[(7 * i) % 500 + 4 for i in range(300)]]
+    # Ids 4..vocab - 9 (4..503 of the tiny tokenizer's 512). A fixed 504 failed with "HTTP 400:
+    # Token id 502 is out of vocabulary" when the tiny tokenizer had 387 tokens (trained without
+    # the data folder, before tests/support/tiny_bpe.json).
+    vocab = json.loads((ckpt / "config.json").read_text())["vocab_size"]
+    prompt = [[(7 * i) % (vocab - 12) + 4 for i in range(300)]]
     params = base.SamplingParams(max_new_tokens=2, temperature=0.0)
     engine.generate(prompt, params)
     h0 = _prefix_hits(client)

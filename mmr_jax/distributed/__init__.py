@@ -15,6 +15,10 @@ Every process runs the same code on one global mesh (`jax.devices()` spans all p
   - `collectives`: host-side all-gathers and what is built on them: process-local copies of
     global arrays (`local_copy`), metrics reduced over processes (`reduce_metrics`), decisions
     taken by process 0 (`primary_value`, `primary_first`), and `PeerLostError` for a dead peer;
+  - `global_arrays`: the step's batch as global arrays, rows split over (data, fsdp) as the dry
+    run compiles it (`global_batch`), after checking every process built the same one;
+  - `failures`: a process that raises stops every process in bounded time, each with a named
+    error (`announce`, `announced`, `exit_now`);
   - `errors`: the named errors.
 
 On CPU, local processes with a localhost coordinator and gloo collectives are a real cluster
@@ -43,6 +47,13 @@ from mmr_jax.distributed.errors import (
     ProcessIdError,
     RolloutUrlError,
 )
+from mmr_jax.distributed.failures import announce, announced, exit_now
+from mmr_jax.distributed.global_arrays import (
+    BatchMismatchError,
+    check_same_batch,
+    global_batch,
+    row_sharding,
+)
 from mmr_jax.distributed.shares import (
     ShareEngine,
     gather_rollouts,
@@ -66,11 +77,12 @@ from mmr_jax.distributed.startup import (
 )
 
 __all__ = [
-    "MODES", "BatchSplitError", "ConfigMismatchError", "CoordinatorUnreachableError",
-    "DistributedError", "Options", "PeerLostError", "ProcessIdError", "RolloutUrlError",
-    "ShareEngine", "allgather", "barrier", "check_batch_split", "check_same_config",
-    "collective_seconds", "config_digest", "define_flags", "gather_rollouts", "gather_rows",
-    "initialize", "is_primary", "local_copy", "local_model", "options_from_flags", "peer_lost",
-    "primary_first", "primary_value", "reduce_metrics", "rollout_url", "share", "share_slices",
+    "BatchMismatchError", "BatchSplitError", "ConfigMismatchError", "CoordinatorUnreachableError",
+    "DistributedError", "MODES", "Options", "PeerLostError", "ProcessIdError", "RolloutUrlError",
+    "ShareEngine", "allgather", "announce", "announced", "barrier", "check_batch_split",
+    "check_same_batch", "check_same_config", "collective_seconds", "config_digest", "define_flags",
+    "exit_now", "gather_rollouts", "gather_rows", "global_batch", "initialize", "is_primary",
+    "local_copy", "local_model", "options_from_flags", "peer_lost", "primary_first",
+    "primary_value", "reduce_metrics", "rollout_url", "row_sharding", "share", "share_slices",
     "start", "validate", "wait_for_coordinator",
 ]  # fmt: skip

@@ -62,10 +62,14 @@ def peer_lost(e: BaseException) -> PeerLostError | None:
     text = str(e)
     if jax.process_count() == 1 or not any(s in text for s in _LOST_PEER):
         return None
+    from mmr_jax.distributed import failures
+
+    cause = failures.announced()  # a peer that raised says why; a killed one says nothing
     return PeerLostError(
         f"process {jax.process_index()}: a collective with the other processes failed "
-        f"({text[:300]}); another process of the run has most likely died. Stop every "
-        "process and re-run the same command: the run resumes from its last checkpoint."
+        f"({text[:300]}); "
+        + (f"{cause}. " if cause else "another process of the run has most likely died. ")
+        + "Fix the cause and re-run the same command: the run resumes from its last checkpoint."
     )
 
 
@@ -103,11 +107,17 @@ def local_copy(tree, mesh: jax.sharding.Mesh | None = None):
     defaults to the mesh of the first leaf with a `NamedSharding`.
     """
     if mesh is None:
-        mesh = next(
+        meshes = [
             x.sharding.mesh
             for x in jax.tree.leaves(tree)
             if isinstance(getattr(x, "sharding", None), jax.sharding.NamedSharding)
-        )
+        ]
+        if not meshes:
+            raise DistributedError(
+                "local_copy: no leaf is a global array on a mesh (NamedSharding) and no mesh was "
+                "given; build the arrays on the run's mesh (build.make_mesh) first"
+            )
+        mesh = meshes[0]
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     device = jax.local_devices()[0]
     t0 = time.perf_counter()

@@ -117,11 +117,13 @@ def rollout_specs(n: int, max_len: int) -> dict[str, Spec]:
     }
 
 
-def rollout_fields(batch: rollout_base.RolloutBatch, max_len: int) -> dict[str, np.ndarray]:
-    """`batch` as `rollout_specs` fields (time padded to `max_len`)."""
+def rollout_fields(
+    batch: rollout_base.RolloutBatch, max_len: int, pad_id: int = 0
+) -> dict[str, np.ndarray]:
+    """`batch` as `rollout_specs` fields (time padded to `max_len`, tokens with `pad_id`)."""
     pad = [(0, 0), (0, 0), (0, max_len - batch.tokens.shape[-1])]
     return {
-        "tokens": np.pad(batch.tokens, pad),
+        "tokens": np.pad(batch.tokens, pad, constant_values=pad_id),
         "mask": np.pad(batch.mask, pad),
         "logprobs": np.pad(batch.logprobs, pad),
         "truncated": np.asarray(batch.finish_reasons) == rollout_base.FINISH_LENGTH,
@@ -142,14 +144,19 @@ def rollout_from_rows(rows: Mapping[str, np.ndarray]) -> rollout_base.RolloutBat
 
 
 def gather_rollouts(
-    local: rollout_base.RolloutBatch | None, *, sizes: Sequence[int], n: int, max_len: int
+    local: rollout_base.RolloutBatch | None,
+    *,
+    sizes: Sequence[int],
+    n: int,
+    max_len: int,
+    pad_id: int = 0,
 ) -> rollout_base.RolloutBatch:
     """The `RolloutBatch` of every process's share, concatenated in process order.
 
     `sizes[p]`: the prompt count of process p (known to all: `share`); `local` is None where it is
     0. Every share is padded to the largest count and `max_len` tokens (`gather_rows`).
     """
-    fields = None if local is None else rollout_fields(local, max_len)
+    fields = None if local is None else rollout_fields(local, max_len, pad_id)
     return rollout_from_rows(gather_rows(fields, sizes=sizes, specs=rollout_specs(n, max_len)))
 
 
@@ -191,7 +198,9 @@ class ShareEngine:
         """Every process's completions of `prompt_ids` (a collective)."""
         local = self.generate_local(prompt_ids, params)
         sizes = [s.stop - s.start for s in share_slices(len(prompt_ids))]
-        return gather_rollouts(local, sizes=sizes, n=params.n, max_len=params.max_new_tokens)
+        return gather_rollouts(
+            local, sizes=sizes, n=params.n, max_len=params.max_new_tokens, pad_id=self.pad_id
+        )
 
     def sync_weights(self, model: nnx.Module, *, version: int) -> None:
         self.engine.sync_weights(collectives.local_model(model, self.mesh), version=version)

@@ -43,7 +43,13 @@ class Options:
 
 
 def options_from_flags(
-    *, distributed: str, coordinator_address, num_processes, process_id, timeout_s: int = 120
+    *,
+    distributed: str,
+    coordinator_address,
+    num_processes,
+    process_id,
+    timeout_s: int = 120,
+    heartbeat_s: int = 30,
 ) -> Options:
     """--distributed=auto|off, or explicit flags (all three or none); raises on a partial set."""
     given = [coordinator_address, num_processes, process_id]
@@ -53,7 +59,7 @@ def options_from_flags(
         if any(v is not None for v in given):
             raise ValueError("--distributed=auto takes no --coordinator_address/--num_processes/"
                              "--process_id (JAX reads them from the cluster)")  # fmt: skip
-        return Options(mode="auto", timeout_s=timeout_s)
+        return Options(mode="auto", timeout_s=timeout_s, heartbeat_s=heartbeat_s)
     if all(v is None for v in given):
         return Options()
     if any(v is None for v in given):
@@ -61,7 +67,10 @@ def options_from_flags(
             "--coordinator_address, --num_processes and --process_id go together; got "
             f"{coordinator_address!r}, {num_processes!r}, {process_id!r}"
         )
-    opts = Options("explicit", coordinator_address, int(num_processes), int(process_id), timeout_s)
+    opts = Options(
+        "explicit", coordinator_address, int(num_processes), int(process_id), timeout_s,
+        heartbeat_s,
+    )  # fmt: skip
     validate(opts)
     return opts
 
@@ -84,6 +93,10 @@ def define_flags() -> dict:
         timeout_s=flags.DEFINE_integer(
             "distributed_timeout_s", 120, "Start-up: seconds to wait for the coordinator and "
             "the other processes."
+        ),
+        heartbeat_s=flags.DEFINE_integer(
+            "distributed_heartbeat_s", 30, "A process silent this long is taken as dead and "
+            "JAX stops every process (raise it on hosts so loaded that a process stalls)."
         ),
     )  # fmt: skip
 
@@ -148,7 +161,9 @@ def initialize(opts: Options) -> bool:
         return False
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # no effect on GPU / TPU
     if opts.mode == "auto":
-        jax.distributed.initialize(initialization_timeout=opts.timeout_s)
+        jax.distributed.initialize(
+            initialization_timeout=opts.timeout_s, heartbeat_timeout_seconds=opts.heartbeat_s
+        )
         return True
     validate(opts)
     if opts.process_id != 0:  # process 0 runs the coordinator; the others wait for it, bounded

@@ -34,6 +34,10 @@ from collections.abc import Sequence
 CORRECT, WRONG, GOLD_INVALID, TIMEOUT = "correct", "wrong", "gold_invalid", "timeout"
 
 
+class GradingWorkerError(RuntimeError):
+    """A grading worker subprocess could not be started (or restarted)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Grade:
     """The verdict on one (completion, gold) pair: one of CORRECT, WRONG, GOLD_INVALID, TIMEOUT."""
@@ -155,7 +159,13 @@ class _Worker:
         ready = multiprocessing.connection.wait([self], timeout=timeout_s)
         if not ready or self.proc.stdout.readline().strip() != "ready":
             self.kill()
-            raise RuntimeError(f"grading worker did not start within {timeout_s} s")
+            raise GradingWorkerError(
+                f"grading worker did not start within {timeout_s} s (exit code "
+                f"{self.proc.returncode})"
+            )
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
 
     def send(self, completion: str, answer: str) -> None:
         self.proc.stdin.write(json.dumps([completion, answer]) + "\n")
@@ -205,19 +215,39 @@ class Grader:
             return [grade_one(c, a, timeout_s=timeout) for c, a in pairs]
         return [Grade(s) for s in self._grade_in_workers(list(completions), list(answers))]
 
+    def _restart(self, i: int, why: str) -> None:
+        """Replaces worker i (killed first) by a fresh one."""
+        old = self._pool[i]
+        code = old.proc.poll()
+        logging.warning("grading worker %d %s (exit code %s); restarting it", i, why, code)
+        old.kill()
+        self._pool[i] = _Worker(self.timeout_s)
+        self._pool[i].wait_ready()
+
     def _grade_in_workers(self, completions: list[str], answers: list[str]) -> list[str]:
         new = [_Worker(self.timeout_s) for _ in range(self.workers - len(self._pool))]
         for w in new:
             w.wait_ready()
         self._pool += new
+        for i, w in enumerate(self._pool):  # one that died between batches (killed, OOM)
+            if not w.alive():
+                self._restart(i, "exited while idle")
         results: list[str | None] = [None] * len(completions)
         todo = list(range(len(completions)))[::-1]
         while todo or any(w.task is not None for w in self._pool):
-            for w in self._pool:
+            for i, w in enumerate(self._pool):
                 if w.task is None and todo:
-                    w.task, w.started = todo.pop(), time.monotonic()
-                    w.send(completions[w.task], answers[w.task])
+                    task = todo.pop()
+                    try:
+                        w.send(completions[task], answers[task])
+                    except (BrokenPipeError, ConnectionResetError):  # it died just now
+                        todo.append(task)  # the row goes to the fresh worker
+                        self._restart(i, "exited before taking a row")
+                        continue
+                    w.task, w.started = task, time.monotonic()
             busy = [w for w in self._pool if w.task is not None]
+            if not busy:  # a restarted worker takes the row on the next pass
+                continue
             wait = max(0.0, min(w.started for w in busy) + self.hard_timeout_s - time.monotonic())
             ready = multiprocessing.connection.wait(busy, timeout=wait)
             for i, w in enumerate(self._pool):

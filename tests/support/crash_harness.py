@@ -53,7 +53,9 @@ class Kill:
 
     The outside kill comes `fraction` of a step's time after the console shows step
     `after_step` (or the next one, when this process has not yet timed a step) done, or
-    `fraction` of a second after the header when the run resumes past `after_step`."""
+    `fraction` of a second after the header when the run resumes past `after_step`. A step's
+    time is that of the last step shown: when another step shows before the kill (the step
+    timed was slower, e.g. it compiled), the kill is aimed again from that step."""
 
     hook: str | None = None
     after_step: int = 0
@@ -109,6 +111,7 @@ def run_once(cmd, env, kill: Kill | None, timeout: float = 600) -> Outcome:
     # dt: the time between the last two progress lines (None until two were seen).
     lines, seen = [], {"step": 0, "t": None, "dt": None}
     fired = threading.Event()
+    timer: list[threading.Timer] = []  # the armed kill
 
     def reader():
         for line in proc.stdout:
@@ -121,14 +124,22 @@ def run_once(cmd, env, kill: Kill | None, timeout: float = 600) -> Outcome:
                 seen["step"] = _resumed(line)
             else:
                 continue
-            if kill is None or kill.hook or fired.is_set() or seen["step"] < kill.after_step:
+            if kill is None or kill.hook or seen["step"] < kill.after_step:
                 continue
             if m and seen["dt"] is None:
                 continue  # the first step's time is mostly compiling: wait for the next line
+            if fired.is_set():
+                if not m:
+                    continue
+                # Another step ended before the kill: the step timed was slower than this one
+                # (it compiled, on a cold cache or a busy machine), so a delay from it can
+                # outlast the run. Aim again, from this step's time.
+                timer.pop().cancel()
             fired.set()
             # After the header, the first step compiles for well over a second.
             delay = kill.fraction * (seen["dt"] if m else 1.0)
-            threading.Timer(delay, _kill, (proc,)).start()
+            timer.append(threading.Timer(delay, _kill, (proc,)))
+            timer[-1].start()
 
     t = threading.Thread(target=reader, daemon=True)
     t.start()

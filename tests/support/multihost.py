@@ -1,4 +1,4 @@
-"""Real multi-process JAX runs on one CPU machine, for tests and scripts/bench_multihost.py.
+"""Real multi-process JAX runs on one CPU machine, for tests and benchmarks/bench_multihost.py.
 
 `launch` starts N Python processes that form one JAX cluster (a coordinator on localhost, gloo
 collectives), each with `devices` CPU devices, and runs this file's `worker` in each: start-up
@@ -46,6 +46,9 @@ def launch(
     workdir.parent.mkdir(parents=True, exist_ok=True)
     port = port or free_port()
     env = dict(os.environ, JAX_PLATFORMS="cpu", **(extra_env or {}))
+    # The device count alone, not the tests' XLA_FLAGS (tests/conftest.py) with it: with those,
+    # a 2-process run resumed after a kill is not bit for bit the uninterrupted one (Adam's nu of
+    # the replicated norm weights differs; tests/multihost_test.py TestFaults, 2026-11-26).
     env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "tests"), env.get("PYTHONPATH", "")])
     procs = []
@@ -126,7 +129,9 @@ def worker(argv: list[str]) -> int:
     parser.add_argument("--coordinator_address")
     parser.add_argument("--num_processes", type=int)
     parser.add_argument("--process_id", type=int)
-    parser.add_argument("--timeout_s", type=int, default=60)
+    # Start-up only (every process registered): generous, the processes import JAX side by side
+    # on 2 cores beside the rest of a test run.
+    parser.add_argument("--timeout_s", type=int, default=300)
     args = parser.parse_args(argv)
 
     from mmr_jax import distributed

@@ -1,0 +1,54 @@
+"""`scripts/train.py --export_hf` with the distributed flags (issue 36, item 9): every process
+restores its shards onto the run's mesh and joins the gather, process 0 writes the same HF folder
+as one process does (it ended in a bare StopIteration: no global array to find a mesh on)."""
+
+import pathlib
+import sys
+
+import numpy as np
+import pytest
+import safetensors.numpy
+
+from support import testing, train_script
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "configs"))
+import grpo  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+
+def _ok(procs, timeout=900):
+    for p in procs:
+        p.wait(timeout=timeout)
+    for p in procs:
+        assert p.returncode == 0, train_script.output(p)[-3000:]
+
+
+def test_export_on_two_processes_equals_one(tmp_path, tiny_llama_dir):
+    cfg = testing.smoke_config(
+        grpo,
+        tiny_llama_dir,
+        steps=1,
+        **{
+            "logging.tensorboard": False,
+            "mesh.shape": (1, 2, 1),
+            "rewards.weights": {"accuracy": 1.0, "format": 0.0},
+            "dynamic_sampling.filter_reward": "accuracy",
+        },
+    ).to_dict()
+    work = tmp_path / "run"
+    _ok(train_script.launch(cfg, work, processes=1, devices=2))
+    one, two = tmp_path / "hf_one", tmp_path / "hf_two"
+    _ok(train_script.launch(cfg, work, processes=1, devices=2, extra_args=(f"--export_hf={one}",)))
+    procs = train_script.launch(
+        cfg, work, processes=2, devices=1, extra_args=(f"--export_hf={two}",)
+    )
+    _ok(procs)
+    assert "StopIteration" not in train_script.output(procs[0])
+    a = safetensors.numpy.load_file(one / "model.safetensors")
+    b = safetensors.numpy.load_file(two / "model.safetensors")
+    assert sorted(a) == sorted(b) and a
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+    assert sorted(p.name for p in one.iterdir()) == sorted(p.name for p in two.iterdir())

@@ -1,0 +1,85 @@
+"""scripts/train.py itself on several local CPU processes (the real entry point, its exit paths
+included), for tests/fail_fast_test.py.
+
+    procs = train_script.launch(config_dict, workdir, processes=2, per_process_env=[{}, {...}])
+
+The config (a plain dict, e.g. `testing.smoke_config(...).to_dict()`) is written as JSON with a
+config file that reads it, so that `--config=` takes it as any configs/*.py file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+from support import multihost
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+_CONFIG_FILE = """import json
+import ml_collections
+
+
+def get_config(arg=None):
+    del arg
+    return ml_collections.ConfigDict(json.loads(open({path!r}).read()))
+"""
+
+
+def config_file(config: dict, folder) -> pathlib.Path:
+    """A configs/*.py-style file returning `config` (JSON next to it)."""
+    folder = pathlib.Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    data = folder / "config.json"
+    data.write_text(json.dumps(config))
+    path = folder / "config_json.py"
+    path.write_text(_CONFIG_FILE.format(path=str(data)))
+    return path
+
+
+def launch(
+    config: dict,
+    workdir,
+    *,
+    processes: int,
+    devices: int = 1,
+    per_process_env: list[dict] | None = None,
+    extra_args: tuple[str, ...] = (),
+) -> list[subprocess.Popen]:
+    """Starts `processes` runs of scripts/train.py forming one cluster (outputs to
+    `<workdir>/../<name>.process<i>.out`, path in `proc.out_path`)."""
+    workdir = pathlib.Path(workdir)
+    cfg_file = config_file(config, workdir.parent / f"{workdir.name}.config")
+    port = multihost.free_port()
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    env["MMR_JAX_COMPILE_CACHE"] = "off"  # no state shared with other runs
+    procs = []
+    for i in range(processes):
+        args = [
+            sys.executable,
+            "-u",
+            str(REPO / "scripts" / "train.py"),
+            f"--config={cfg_file}",
+            f"--workdir={workdir}",
+            *extra_args,
+        ]
+        if processes > 1:
+            args += [
+                f"--coordinator_address=localhost:{port}",
+                f"--num_processes={processes}",
+                f"--process_id={i}",
+            ]
+        out = open(workdir.parent / f"{workdir.name}.process{i}.out", "w")
+        proc_env = {**env, **(per_process_env[i] if per_process_env else {})}
+        procs.append(
+            subprocess.Popen(args, env=proc_env, stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
+        )
+        procs[-1].out_path = out.name
+    return procs
+
+
+def output(proc: subprocess.Popen) -> str:
+    return pathlib.Path(proc.out_path).read_text()
