@@ -115,7 +115,7 @@ def weights_note(cfg: config_types.TrainConfig) -> str:
             f"RANDOM WEIGHTS (model.init=random) of {cfg.model.path}'s architecture and a "
             "byte-level tokenizer: for timing and memory, not learning"
         )
-    return f"weights {cfg.model.path}"
+    return f"model {cfg.model.path}"
 
 
 def make_optimizer(cfg: config_types.TrainConfig):

@@ -31,7 +31,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("multihost")]
 STEPS = 3
 
 
-@pytest.fixture(scope="module")
+# Session scope: the two runs take ~5 minutes, and xdist's loadgroup can interleave this module's
+# tests with the group's other modules, which tore a module-scoped fixture down and rebuilt it
+# (measured: 346 s + 335 s of setup in one full run).
+@pytest.fixture(scope="session")
 def smollm2_config():
     prepare = testing.load_script("prepare_smollm2")
     if not prepare.is_complete(prepare.DEFAULT_OUT):
@@ -48,7 +51,7 @@ def smollm2_config():
     return json.loads(json.dumps(c.to_dict()))
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def runs(tmp_path_factory, smollm2_config):
     """Workdirs of the 1 x 2 and 2 x 1 runs (one after the other: 2 cores)."""
     base = tmp_path_factory.mktemp("cpu_default")
@@ -80,7 +83,34 @@ def test_same_batches_every_step(runs):
             np.testing.assert_array_equal(got["advantages"], ref["advantages"])
 
 
+def _sampler_gap(runs, step: int) -> float:
+    """max |engine log-prob, one process - two processes| over the step's completion tokens."""
+    ref = batch_dump.load(runs["one"], step)
+    got = batch_dump.load(runs["two"], step, 0)
+    return float(np.max(np.abs(got["sampler_logps"] - ref["sampler_logps"]) * ref["mask"]))
+
+
 def test_same_metrics(runs):
-    """Every metric of the 3 steps within the multi-process tests' fp32 tolerance."""
+    """Every metric of the 3 steps within the multi-process tests' fp32 tolerance, but the
+    mismatch metrics, within the bound their inputs allow.
+
+    The two runs sample with differently sharded weights (fsdp over 2 devices in one process,
+    whole weights on each of 2 processes), so the engine's log-probs of the same tokens differ
+    by rounding (up to ~2.5e-5 measured). The mismatch metrics compare them with the trainer's:
+    a max or mean of |trainer - engine| moves by at most the largest engine difference delta, and
+    the ratio exp(trainer - engine) (and its mean, std, extrema) by at most r_max * expm1(delta).
+    The tolerance is that bound from the step's own dumped log-probs, not a constant.
+    """
     one, two = (multihost_runs.metrics_of(runs[k]) for k in ("one", "two"))
-    multihost_runs.assert_same(one, two)
+
+    def without(rows):
+        return [{k: v for k, v in r.items() if not k.startswith("mismatch/")} for r in rows]
+
+    multihost_runs.assert_same(without(one), without(two))
+    for ra, rb in zip(one, two, strict=True):
+        delta = _sampler_gap(runs, ra["step"])
+        r_max = max(ra["mismatch/ratio_max"], rb["mismatch/ratio_max"])
+        bound = 2 * r_max * np.expm1(delta) + 4e-6  # + fp32 rounding of the metric itself
+        for k in (k for k in ra if k.startswith("mismatch/")):
+            assert abs(ra[k] - rb[k]) <= bound, (ra["step"], k, ra[k], rb[k], delta)
+        assert delta < 1e-4, delta  # rounding, not a different policy

@@ -30,7 +30,9 @@ _config, _run, _ok = multihost_runs.config, multihost_runs.run, multihost_runs.o
 _metrics, _assert_same = multihost_runs.metrics_of, multihost_runs.assert_same
 
 
-@pytest.fixture(scope="module")
+# Session scope (here and below): xdist's loadgroup can interleave this module's tests with the
+# group's other modules, which tore module-scoped runs down and rebuilt them in a full run.
+@pytest.fixture(scope="session")
 def grpo_reference(tmp_path_factory, tiny_llama_dir):
     """(config, workdir) of 3 GRPO+MMR steps on 1 process x 2 devices: the reference run."""
     cfg = _config(grpo, tiny_llama_dir, steps=3, **{"checkpoint.export_hf": True})
@@ -39,7 +41,7 @@ def grpo_reference(tmp_path_factory, tiny_llama_dir):
     return cfg, one
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def grpo_two(tmp_path_factory, grpo_reference):
     """The workdir of the same run on 2 processes x 1 device, uninterrupted."""
     cfg, _ = grpo_reference
@@ -48,7 +50,7 @@ def grpo_two(tmp_path_factory, grpo_reference):
     return two
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def killed_two(tmp_path_factory, grpo_reference):
     """(workdir, seconds process 0 took to stop) of the 2-process run whose process 1 was killed
     in step 3's update; checkpoints 1 and 2 are complete. Tests resume copies of it."""

@@ -82,6 +82,7 @@ def _install(workdir: str) -> None:
             total=groups.total,
             embeddings=groups.embeddings if groups.embeddings is not None else np.zeros(0),
             advantages=multihost_utils.process_allgather(batch.advantages, tiled=True),
+            sampler_logps=groups.sampler_logps if groups.sampler_logps is not None else np.zeros(0),
         )
         return batch, info
 
