@@ -15,6 +15,7 @@ The global-array placement on its own is tests/global_batch_test.py.
 """
 
 import json
+import os
 import pathlib
 import sys
 
@@ -27,7 +28,18 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "configs"))
 import cpu_smollm2  # noqa: E402
 
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("multihost")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.xdist_group("multihost"),
+    # Opt-in: two real SmolLM2 runs (up to 7.6 GB resident) beside the other xdist worker's tests
+    # were killed by the kernel's OOM killer in a full run on the 24 GiB machine (2026-11-26); run
+    # alone they pass (5 passed in 3.5 min with console_test): MMR_JAX_CPU_DEFAULT_MULTIHOST=1.
+    pytest.mark.skipif(
+        os.environ.get("MMR_JAX_CPU_DEFAULT_MULTIHOST") != "1",
+        reason="the CPU-default N-processes contract (2 real SmolLM2 runs, ~4 min, up to 7.6 GB): "
+        "run with MMR_JAX_CPU_DEFAULT_MULTIHOST=1, alone on the machine",
+    ),
+]
 STEPS = 3
 
 
