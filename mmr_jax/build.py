@@ -56,7 +56,15 @@ def lora_config(cfg: config_types.TrainConfig) -> lora_lib.LoraConfig | None:
 
 
 def make_mesh(cfg: config_types.TrainConfig):
-    return sharding.make_mesh(*cfg.mesh.shape)
+    """The config's mesh over every process's devices (hybrid on several hosts by default)."""
+    mesh = sharding.make_mesh(*cfg.mesh.shape, layout=cfg.mesh.layout)
+    logging.info(
+        "mesh %s (layout %s, %d process(es))",
+        dict(mesh.shape),
+        cfg.mesh.layout,
+        jax.process_count(),
+    )
+    return mesh
 
 
 def split_model(model: nnx.Module) -> Policy:
@@ -212,9 +220,11 @@ def make_engine(cfg: config_types.TrainConfig, policy: Policy, tokenizer, workdi
             buckets=buckets,
             mesh=mesh if data_parallel and mesh.size > 1 else None,
         )
-    # One server for every process, or one per process (`rollout_url`); with several processes
-    # each writes its weight versions to a folder of its own, which its server reads.
-    url = distributed.rollout_url(cfg.rollout.url, jax.process_count(), jax.process_index())
+    # One server per process (`rollout_url`: a server shared by processes that each reload their
+    # weights there is refused); each writes its weight versions to a folder its server reads.
+    url = distributed.rollout_url(
+        cfg.rollout.url, jax.process_count(), jax.process_index(), syncs_weights=True
+    )
     server = None
     sync_dir = cfg.rollout.sync_dir or os.path.join(os.fspath(workdir), "sync")
     process = f"process{jax.process_index()}" if jax.process_count() > 1 else ""

@@ -6,7 +6,9 @@ Layout of a workdir:
     <workdir>/checkpoints/<step>/state   params (or LoRA adapters), optimiser state, RNG key data
     <workdir>/checkpoints/<step>/meta    JSON: step, data-iterator position, anything host-side
 
-Orbax writes each step into a temporary folder and renames it when complete, so a process killed
+The workdir may be a bucket (`gs://...`): every path is an `epath.Path` (`run_paths`), which Orbax
+takes natively. Orbax writes each step into a temporary folder and renames it when complete (on a
+bucket: writes it in place and marks it complete with a commit file), so a process killed
 mid-save leaves the previous checkpoints intact; only the last `keep` are kept. A step folder that
 fails to restore (truncated or missing files) is moved aside to `<step>.unreadable` and the one
 before it is restored; with several processes a step is taken only when every process read it,
@@ -31,7 +33,7 @@ import json
 import os
 import pathlib
 import re
-import shutil
+import tempfile
 import time
 import traceback
 from collections.abc import Mapping
@@ -41,8 +43,9 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
+from etils import epath
 
-from mmr_jax import checkpoint_layout, distributed, faults
+from mmr_jax import checkpoint_layout, distributed, faults, run_paths
 
 RUN_FILE = "run.json"
 CKPT_DIR = "checkpoints"
@@ -62,23 +65,6 @@ class WorkdirWriteError(OSError):
 
     def __str__(self) -> str:
         return str(self.strerror)
-
-
-class WorkdirSchemeError(ValueError):
-    """The workdir is a URL (gs://, s3://, ...): the run's files are written to local or mounted
-    filesystems only (a bucket mounted with gcsfuse is a local path)."""
-
-
-def check_local_path(path, what: str = "--workdir") -> None:
-    """Raises `WorkdirSchemeError` for a URL, which `pathlib` would take for a local folder
-    named 'gs:' (issue 36, item 6)."""
-    m = re.match(r"^([A-Za-z][A-Za-z0-9+.-]*)://", os.fspath(path))
-    if m:
-        raise WorkdirSchemeError(
-            f"{what}={os.fspath(path)!r}: {m.group(1)}:// paths are not supported; the run "
-            "writes its checkpoints, metrics, logs and exports with local file operations. "
-            "Mount the bucket (e.g. gcsfuse) and give the mounted path."
-        )
 
 
 class CheckpointRestoreError(RuntimeError):
@@ -179,7 +165,7 @@ class Checkpointer:
         async_save=True,
         read_retry_s: tuple[float, ...] | None = None,
     ):
-        self.directory = pathlib.Path(directory).absolute()
+        self.directory = run_paths.as_path(directory, absolute=True)  # or a bucket
         self.read_retry_s = tuple(READ_RETRY_S if read_retry_s is None else read_retry_s)
         self.async_save = bool(async_save)
         options = ocp.CheckpointManagerOptions(
@@ -311,7 +297,7 @@ class Checkpointer:
 
         def move():
             if dst.exists():
-                shutil.rmtree(dst)
+                dst.rmtree()
             src.rename(dst)  # kept, not deleted: a person may want to look at it
 
         distributed.primary_first(move, f"to move checkpoint step {step} aside")
@@ -437,14 +423,15 @@ def _differences(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[str]:
     return diffs
 
 
-def prepare_workdir(workdir, config: Mapping[str, Any], *, overwrite: bool = False) -> pathlib.Path:
-    """Creates `workdir` or checks that it holds a run of the same `config` (a plain dict).
+def prepare_workdir(workdir, config: Mapping[str, Any], *, overwrite: bool = False) -> epath.Path:
+    """Creates `workdir` (a local path or a bucket URL, `run_paths`) or checks that it holds a run
+    of the same `config` (a plain dict).
 
     A workdir holding another config's run is refused with the differing keys listed, unless
     `overwrite`, which deletes any existing run's checkpoints, metrics and metadata first.
     """
-    check_local_path(workdir)
-    workdir = pathlib.Path(workdir)
+    run_paths.check(workdir)
+    workdir = run_paths.as_path(workdir)
     run_file = workdir / RUN_FILE
     config = json.loads(json.dumps(config))
     if run_file.exists():
@@ -461,14 +448,18 @@ def prepare_workdir(workdir, config: Mapping[str, Any], *, overwrite: bool = Fal
             for name in (CKPT_DIR, "metrics.jsonl", "tb", RUN_FILE):
                 path = workdir / name
                 if path.is_dir():
-                    shutil.rmtree(path)
+                    path.rmtree()
                 elif path.exists():
                     path.unlink()
-    tmp = run_file.with_suffix(".tmp")
+    text = json.dumps({"config": config}, indent=2, sort_keys=True)
     try:
         workdir.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps({"config": config}, indent=2, sort_keys=True))
-        tmp.replace(run_file)  # atomic on POSIX
+        if run_paths.is_remote(workdir):  # an object is written whole: no temporary needed
+            run_file.write_text(text)
+        else:
+            tmp = run_file.with_suffix(".tmp")
+            tmp.write_text(text)
+            tmp.replace(run_file)  # atomic on POSIX
     except OSError as e:
         if e.errno not in WRITE_ERRNOS:
             raise
@@ -478,32 +469,40 @@ def prepare_workdir(workdir, config: Mapping[str, Any], *, overwrite: bool = Fal
 
 def read_run_config(workdir) -> dict:
     """The config dict stored in `workdir/run.json`."""
-    return json.loads((pathlib.Path(workdir) / RUN_FILE).read_text())["config"]
+    return json.loads((run_paths.as_path(workdir) / RUN_FILE).read_text())["config"]
 
 
 def export_model(
     model, out_dir, *, base_path: str, dtype, lora: bool, step: int | None = None
-) -> pathlib.Path:
+) -> epath.Path:
     """Writes `model` as a HF folder (LoRA merged) that transformers and vLLM load.
 
     Under LoRA the adapters alone are also written as a PEFT folder, `<out_dir>/adapter`.
     `base_path` is the HF folder the run started from (tokenizer files, PEFT base name).
     The folder is written as `<out_dir>.partial` and renamed when complete, so a killed export
-    never leaves a `step_N` folder that evaluate.py would take for a finished one.
+    never leaves a `step_N` folder that evaluate.py would take for a finished one. For a bucket
+    `out_dir`, the folder is written locally first and uploaded to `<out_dir>.partial`.
     """
     from mmr_jax.models import export, hub
 
-    out_dir = pathlib.Path(out_dir)
+    out_dir = run_paths.as_path(out_dir)
     partial = out_dir.with_name(out_dir.name + ".partial")
     try:
         if partial.exists():  # left by a killed export
-            shutil.rmtree(partial)
-        export.save_hf(model, partial, tokenizer_dir=hub.resolve_checkpoint(base_path), dtype=dtype)
-        if lora:
-            export.save_peft_adapter(model, partial / "adapter", base_model_name_or_path=base_path)
+            partial.rmtree()
+        with tempfile.TemporaryDirectory(prefix="mmr_jax_export_") as tmp:
+            local = pathlib.Path(tmp) if run_paths.is_remote(out_dir) else pathlib.Path(partial)
+            tokenizer_dir = hub.resolve_checkpoint(base_path)
+            export.save_hf(model, local, tokenizer_dir=tokenizer_dir, dtype=dtype)
+            if lora:
+                export.save_peft_adapter(
+                    model, local / "adapter", base_model_name_or_path=base_path
+                )
+            if run_paths.is_remote(out_dir):
+                run_paths.upload_tree(local, partial)
         faults.point("export", step)
         if out_dir.exists():
-            shutil.rmtree(out_dir)
+            out_dir.rmtree()
         partial.rename(out_dir)
     except OSError as e:
         if e.errno not in WRITE_ERRNOS:

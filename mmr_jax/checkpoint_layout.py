@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import ast
 import json
-import pathlib
 from typing import Any
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from etils import epath
 
 LAYERS = "layers"
 
@@ -26,7 +26,7 @@ class LayoutMismatchError(ValueError):
     """A per-layer checkpoint does not fit the current model once stacked."""
 
 
-def _saved_paths(step_dir: pathlib.Path) -> list[tuple[str, ...]]:
+def _saved_paths(step_dir: epath.Path) -> list[tuple[str, ...]]:
     meta = step_dir / "state" / "_METADATA"
     if not meta.is_file():
         return []
@@ -42,9 +42,10 @@ def _layer_position(path: tuple[str, ...]) -> int | None:
     return None
 
 
-def has_unstacked_layers(step_dir: str | pathlib.Path) -> bool:
-    """Whether the checkpoint step folder holds per-layer subtrees (the layout before stacking)."""
-    return any(_layer_position(p) is not None for p in _saved_paths(pathlib.Path(step_dir)))
+def has_unstacked_layers(step_dir: epath.PathLike) -> bool:
+    """Whether the checkpoint step folder (local or a bucket's) holds per-layer subtrees (the
+    layout before stacking)."""
+    return any(_layer_position(p) is not None for p in _saved_paths(epath.Path(step_dir)))
 
 
 def stack_layers(flat: dict[tuple[str, ...], Any]) -> dict[tuple[str, ...], np.ndarray]:

@@ -53,9 +53,10 @@ class Compiled:
         return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes
 
 
-def config_mesh(cfg: config_types.TrainConfig, devices=None) -> jax.sharding.Mesh:
-    """The config's (data, fsdp, tensor) mesh over `devices` (default: all)."""
-    return sharding.make_mesh(*cfg.mesh.shape, devices=devices)
+def config_mesh(cfg: config_types.TrainConfig, devices=None, hosts=None) -> jax.sharding.Mesh:
+    """The config's (data, fsdp, tensor) mesh over `devices` (default: all); `hosts[i]`, the host
+    of device i, lays it as on that many hosts (virtual devices grouped as a pod's hosts)."""
+    return sharding.make_mesh(*cfg.mesh.shape, devices=devices, layout=cfg.mesh.layout, hosts=hosts)
 
 
 def _with_shardings(state, mesh):
@@ -90,6 +91,17 @@ def abstract_policy(
     policy = build.split_model(abstract)
     parts = (policy.params, policy.frozen, policy.rest)
     return policy, mcfg, tuple(_with_shardings(s, mesh) for s in parts)
+
+
+def _in_dtype(tree, dtype):
+    """Abstract `tree` with its floating-point leaves in `dtype` (same shapes and shardings)."""
+
+    def cast(x):
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            return x
+        return jax.ShapeDtypeStruct(x.shape, dtype, sharding=x.sharding)
+
+    return jax.tree.map(cast, tree)
 
 
 def _opt_state_shardings(opt_state, params, replicated):
@@ -127,13 +139,16 @@ def _abstract_state(cfg, params, mesh) -> train_step.TrainState:
 
 
 def abstract_batch(cfg: config_types.TrainConfig, mesh) -> train_step.Batch:
-    """The step's largest shared-prompt batch, split over the mesh's (data, fsdp) axes."""
+    """The step's largest shared-prompt batch, split over the mesh's (data, fsdp) axes; an
+    array whose rows do not divide is replicated, as the trainer places it
+    (`distributed.row_sharding`; e.g. 8 prompts on 16 devices)."""
+    from mmr_jax import distributed
+
     b, g = cfg.batch.prompts, cfg.batch.generations
     p, t = cfg.batch.max_prompt_len, cfg.batch.max_completion_len
-    rows = NamedSharding(mesh, sharding.batch_sharding(mesh).spec)
 
     def arr(shape, dtype):
-        return jax.ShapeDtypeStruct(shape, dtype, sharding=rows)
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=distributed.row_sharding(shape, mesh))
 
     n = b * g
     return train_step.Batch(
@@ -187,20 +202,29 @@ def train_step_program(cfg, mesh, *, remat: str | None = None, unrolled: bool = 
 
 
 def decode_step_program(cfg, mesh, *, unrolled: bool = False):
-    """(one jitted decode step of the sampler's model for all B * G rows, its abstract args)."""
-    policy, mcfg, (params, frozen, rest) = abstract_policy(cfg, mesh, unrolled=unrolled)
+    """(one jitted decode step of the sampler's model for all B * G rows, its abstract args).
+
+    The weights are fed in the compute dtype, as the sampler feeds them
+    (`sampler.sampling_weights`: a copy cast once per weight version), not the fp32 masters:
+    otherwise the compiled step would cast every weight at every step, a cost the sampler does
+    not pay (issue 35)."""
+    policy, mcfg, master = abstract_policy(cfg, mesh, unrolled=unrolled)
+    dtype = build.DTYPES[cfg.model.dtype]
+    params, frozen, rest = (_in_dtype(part, dtype) for part in master)
     b, g = cfg.batch.prompts, cfg.batch.generations
     p, t = cfg.batch.max_prompt_len, cfg.batch.max_completion_len
-    dtype = build.DTYPES[cfg.model.dtype]
     batch_axes = sharding.batch_sharding(mesh).spec[0]
-    rows = NamedSharding(mesh, P(batch_axes))
-    cache_spec = NamedSharding(mesh, P(None, batch_axes))
+    ways = sharding.batch_size(mesh)
     k, d, layers = mcfg.num_kv_heads, mcfg.head_dim, mcfg.num_layers
 
+    def rows(m, lead=()):  # m rows over (data, fsdp) when they divide, else replicated
+        return NamedSharding(mesh, P(*lead, batch_axes) if m % ways == 0 else P())
+
     def cache(n, slots):
+        spec = rows(n, lead=(None,))
         return kv_cache.KVCache(
-            k=jax.ShapeDtypeStruct((layers, n, k, d, slots), dtype, sharding=cache_spec),
-            v=jax.ShapeDtypeStruct((layers, n, k, slots, d), dtype, sharding=cache_spec),
+            k=jax.ShapeDtypeStruct((layers, n, k, d, slots), dtype, sharding=spec),
+            v=jax.ShapeDtypeStruct((layers, n, k, slots, d), dtype, sharding=spec),
             split=True,
         )
 
@@ -220,11 +244,11 @@ def decode_step_program(cfg, mesh, *, unrolled: bool = False):
         params,
         frozen,
         rest,
-        jax.ShapeDtypeStruct((n, 1), jnp.int32, sharding=rows),
-        jax.ShapeDtypeStruct((n, 1), jnp.int32, sharding=rows),
+        jax.ShapeDtypeStruct((n, 1), jnp.int32, sharding=rows(n)),
+        jax.ShapeDtypeStruct((n, 1), jnp.int32, sharding=rows(n)),
         cache(b, p),
         cache(n, t),
-        jax.ShapeDtypeStruct((b, p), jnp.bool_, sharding=rows),
+        jax.ShapeDtypeStruct((b, p), jnp.bool_, sharding=rows(b)),
         jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, P())),
     )
     return jax.jit(step, donate_argnums=(6,)), args
@@ -258,12 +282,14 @@ def compile_decode_step(cfg: config_types.TrainConfig, mesh) -> Compiled:
     return measure("decode step", step, *args)[0]
 
 
-def run(cfg: config_types.TrainConfig, *, policies=None) -> dict[str, Any]:
+def run(cfg: config_types.TrainConfig, *, policies=None, hosts=None) -> dict[str, Any]:
     """Compiles the train step (for each remat policy in `policies`, default: the config's) and
-    the decode step on the config's mesh over this host's devices; returns the figures."""
-    mesh = config_mesh(cfg)
+    the decode step on the config's mesh over this host's devices (`hosts`: as `config_mesh`);
+    returns the figures."""
+    mesh = config_mesh(cfg, hosts=hosts)
     policies = policies or (cfg.model.remat,)
     out = {"mesh": dict(mesh.shape), "devices": math.prod(mesh.shape.values()), "programs": []}
+    out["hosts"] = len(set(hosts)) if hosts is not None else jax.process_count()
     for policy in policies:
         out["programs"].append(compile_train_step(cfg, mesh, remat=policy))
     out["programs"].append(compile_decode_step(cfg, mesh))
@@ -274,7 +300,8 @@ def format_table(result: dict[str, Any]) -> str:
     """One line per program: compile seconds and per-device GiB from XLA's memory analysis."""
     mesh = "x".join(str(v) for v in result["mesh"].values())
     lines = [
-        f"compiled on {result['devices']} devices, mesh (data, fsdp, tensor) = {mesh}; "
+        f"compiled on {result['devices']} devices ({result.get('hosts', 1)} host(s)), "
+        f"mesh (data, fsdp, tensor) = {mesh}; "
         "per device, from XLA's memory analysis (GiB):",
         f"{'program':50s} {'lower s':>8s} {'compile s':>9s} {'arguments':>9s} "
         f"{'outputs':>8s} {'aliased':>8s} {'temp':>8s} {'peak':>8s}",

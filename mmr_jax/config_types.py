@@ -180,6 +180,7 @@ class LoggingConfig:
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
     shape: tuple[int, ...] = (1, -1, 1)
+    layout: str = "hybrid"  # several hosts: fsdp / tensor within a host (sharding.device_grid)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -242,6 +243,7 @@ _CHOICES = {
     ("mmr", "scope"): ("group", "batch"),
     ("rewards", "cosine_form"): ("tokens", "released"),
     ("eval", "source"): ("benchmarks", "arithmetic", "task"),
+    ("mesh", "layout"): ("hybrid", "flat"),
 }
 
 

@@ -3,7 +3,8 @@
 By default a script shows the lines the library writes through `info` (a run's header, one line
 per step, checkpoints, evaluations) on stdout, and warnings and errors of every library on stderr.
 Everything at INFO and above (Orbax, absl, JAX, transformers, this package) also goes to a log
-file, normally `<workdir>/<name>.log`. `--verbosity=0` (or any explicit `-v`) restores absl's
+file, normally `<workdir>/<name>.log` (in a bucket workdir, a local copy mirrored to it:
+`run_paths`). `--verbosity=0` (or any explicit `-v`) restores absl's
 INFO logs on stderr as well.
 
     console.setup("runs/x/train.log")   # once, after flags are parsed (inside app.run's main)
@@ -75,15 +76,21 @@ def setup(log_file, *, verbose: bool | None = None, stdout: bool = True) -> path
 
     Args:
       log_file: file that receives every record at INFO and above (appended; parents created).
+        A bucket path (gs://) is written as a local copy that `run_paths` mirrors to it.
       verbose: also show INFO of every library on stderr; default: whether `--verbosity` / `-v`
         was given on the command line.
       stdout: show `info` lines on stdout (False: the file only, as on every process of a
         multi-process run but process 0, which alone prints).
-    Returns the log file's path.
+    Returns the path of the file written (the local copy, for a bucket).
     """
     from absl import logging as absl_logging
 
+    from mmr_jax import run_paths
+
     verbose = verbosity_given() if verbose is None else verbose
+    if run_paths.is_remote(log_file):
+        folder, name = os.fspath(log_file).rsplit("/", 1)
+        log_file = run_paths.open_run(folder).appended(name)
     path = pathlib.Path(log_file).absolute()
     path.parent.mkdir(parents=True, exist_ok=True)
     root = logging.getLogger()

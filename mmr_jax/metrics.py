@@ -1,18 +1,21 @@
 """Metric writers (JSONL + TensorBoard), the console progress line, and periodic actions.
 
 `<workdir>/metrics.jsonl` holds one JSON object per logged step: {"step": s, "<name>": value, ...};
-`scripts/plot_run.py` draws it. TensorBoard event files go to `<workdir>/tb`.
+`scripts/plot_run.py` draws it. TensorBoard event files go to `<workdir>/tb`. A bucket workdir
+(gs://) gets both through a local staging copy (`run_paths.RunDir`).
 """
 
 from __future__ import annotations
 
 import json
 import math
-import pathlib
 import time
 from collections.abc import Mapping
 
 import numpy as np
+from etils import epath
+
+from mmr_jax import run_paths
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -29,14 +32,16 @@ class MetricWriter:
     """Appends scalar metrics per step to `metrics.jsonl` and (optionally) TensorBoard.
 
     Args:
-      workdir: run folder.
+      workdir: run folder (local, or a bucket: the files are appended to a local copy, which
+        `run_paths` mirrors to it).
       tensorboard: also write TensorBoard events under `<workdir>/tb`.
       resume_step: drop lines of steps after this one (written after the last checkpoint of an
         interrupted run, and about to be recomputed); None keeps the file as it is.
     """
 
     def __init__(self, workdir, *, tensorboard: bool = True, resume_step: int | None = None):
-        self.path = pathlib.Path(workdir) / METRICS_FILE
+        run = run_paths.open_run(workdir)
+        self.path = run.appended(METRICS_FILE)  # the workdir's file, or its local copy
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if resume_step is not None and self.path.exists():
             kept = [r for r in read_jsonl(self.path) if r.get("step", 0) <= resume_step]
@@ -48,7 +53,7 @@ class MetricWriter:
         if tensorboard:
             import tensorboardX
 
-            self._tb = tensorboardX.SummaryWriter(str(pathlib.Path(workdir) / "tb"))
+            self._tb = tensorboardX.SummaryWriter(str(run.appended_dir("tb")))
 
     def write(self, step: int, metrics: Mapping[str, object]) -> dict[str, float]:
         """Writes the scalar entries of `metrics` (non-scalars are skipped); returns them."""
@@ -81,9 +86,10 @@ class MetricWriter:
 
 
 def read_jsonl(path) -> list[dict]:
-    """Rows of a metrics file; a torn last line (killed writer) is skipped."""
+    """Rows of a metrics file (local or in a bucket); a torn last line (killed writer) is
+    skipped."""
     rows = []
-    with open(path, encoding="utf-8") as f:
+    with epath.Path(path).open("r", encoding="utf-8") as f:
         for line in f:
             try:
                 rows.append(json.loads(line))

@@ -8,6 +8,8 @@ Layout of a study folder:
     <folder>/<variant>_s<seed>/study_run.json   written when the run ends: finished | diverged
     <folder>/study.json, report.md, curves.png  the aggregate (`study_report`)
 
+The folder may be in a bucket (gs://, `run_paths`): every path here is an `epath.Path`.
+
 Re-running the same study skips runs with a `study_run.json`, and the trainer resumes an
 interrupted run from its latest checkpoint. A run whose loss became non-finite is marked diverged
 (rerunning it would diverge again: sampling is seeded) and reported as such.
@@ -22,7 +24,6 @@ import logging
 import multiprocessing
 import os
 import pathlib
-import shutil
 import signal
 import time
 import traceback
@@ -32,7 +33,7 @@ from typing import Any
 import jax
 import ml_collections
 
-from mmr_jax import checkpoint, child_process, config_types, console, metrics
+from mmr_jax import checkpoint, child_process, config_types, console, metrics, run_paths
 
 STUDY_FILE = "study_config.json"
 RUN_FILE = "study_run.json"
@@ -137,7 +138,7 @@ def differences(old, new, where: str = "") -> list[str]:
 
 def check_folder(folder, stored: dict) -> None:
     """Writes `stored` as the folder's study config, or refuses a folder holding another one."""
-    path = pathlib.Path(folder) / STUDY_FILE
+    path = run_paths.as_path(folder) / STUDY_FILE
     stored = _plain(stored)
     if path.exists():
         diff = differences(json.loads(path.read_text()), stored)
@@ -152,8 +153,11 @@ def check_folder(folder, stored: dict) -> None:
 
 
 def _write_json(path, obj) -> None:
-    path = pathlib.Path(path)
+    path = run_paths.as_path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    if run_paths.is_remote(path):  # an object is written whole: never torn
+        path.write_text(json.dumps(obj, indent=1))
+        return
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(obj, indent=1))
     tmp.replace(path)  # atomic: a killed study never leaves a torn marker
@@ -161,7 +165,7 @@ def _write_json(path, obj) -> None:
 
 def run_status(folder, spec: RunSpec) -> dict | None:
     """The run's end marker ({'status': 'finished' | 'diverged', ...}) or None."""
-    path = pathlib.Path(folder) / spec.name / RUN_FILE
+    path = run_paths.as_path(folder) / spec.name / RUN_FILE
     return json.loads(path.read_text()) if path.exists() else None
 
 
@@ -190,7 +194,7 @@ def run_study(
 
     train_fn = train_fn or trainer.train
     specs = plan(study)
-    folder = pathlib.Path(study.folder)
+    folder = run_paths.as_path(study.folder)
     check_folder(folder, resolved(study, specs))
     statuses = [run_status(folder, s) for s in specs]
     walls = [s["wall_s"] for s in statuses if s is not None]
@@ -219,12 +223,12 @@ def run_study(
     return specs
 
 
-def _drop_checkpoints(workdir: pathlib.Path, log: Callable[[str], None]) -> None:
+def _drop_checkpoints(workdir, log: Callable[[str], None]) -> None:
     """Deletes an ended run's checkpoints folder (its metrics and markers stay)."""
-    path = workdir / checkpoint.CKPT_DIR
+    path = run_paths.as_path(workdir) / checkpoint.CKPT_DIR
     if path.is_dir():
-        size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-        shutil.rmtree(path)
+        size = run_paths.tree_size(path)
+        path.rmtree()
         log(f"study: dropped {path} ({size / 2**30:.2f} GiB; --keep_checkpoints keeps them)")
 
 
@@ -286,8 +290,9 @@ def _receive(child, receive, workdir, timeout_s: float | None, poll_s: float):
         if deadline is not None and time.monotonic() > deadline:
             _kill(child)
             raise RunProcessTimeoutError(
-                f"run {workdir} did not end within timeout_s={timeout_s:g}s; its process was "
-                "killed (rerun the study to resume the run from its latest checkpoint)"
+                f"run {workdir} did not end within timeout_s={timeout_s:g}s; its process "
+                f"(pid {child.pid}) was killed (rerun the study to resume the run from its latest "
+                "checkpoint)"
             )
     try:
         return receive.recv()
@@ -376,19 +381,19 @@ def archive(folder, dest) -> list[str]:
     the same command then skips the ended runs and trains the others (an unfinished run starts
     over, as its checkpoints stay behind).
     """
-    folder, dest = pathlib.Path(folder), pathlib.Path(dest)
+    folder, dest = run_paths.as_path(folder), run_paths.as_path(dest)
     if not (folder / STUDY_FILE).exists():
         raise FileNotFoundError(f"{folder} holds no study ({STUDY_FILE} missing)")
     dest.mkdir(parents=True, exist_ok=True)
     for name in ARCHIVE_STUDY_FILES:
         if (folder / name).exists():
-            shutil.copy2(folder / name, dest / name)
+            (folder / name).copy(dest / name, overwrite=True)
     kept = []
     for run in sorted(p for p in folder.iterdir() if (p / RUN_FILE).exists()):
         (dest / run.name).mkdir(exist_ok=True)
         for name in ARCHIVE_RUN_FILES:
             if (run / name).exists():
-                shutil.copy2(run / name, dest / run.name / name)
+                (run / name).copy(dest / run.name / name, overwrite=True)
         kept.append(run.name)
     return kept
 
@@ -399,7 +404,7 @@ def read_curve(workdir, metric: str = EVAL_METRIC) -> dict:
     train_s[i] sums time/step minus time/eval over steps 1..steps[i] (evaluation excluded; the
     first step of each process includes compilation). Steps are deduplicated, last row wins.
     """
-    path = pathlib.Path(workdir) / metrics.METRICS_FILE
+    path = run_paths.as_path(workdir) / metrics.METRICS_FILE
     by_step: dict[int, dict] = {}
     if path.exists():
         for row in metrics.read_jsonl(path):
@@ -422,7 +427,7 @@ def collect(study: ml_collections.ConfigDict, specs: list[RunSpec]) -> dict:
     """Everything `study.json` holds: the study keys, every run's status and curves, the summary."""
     from mmr_jax import study_report
 
-    folder = pathlib.Path(study.folder)
+    folder = run_paths.as_path(study.folder)
     runs = []
     for spec in specs:
         workdir = folder / spec.name

@@ -30,6 +30,7 @@ from mmr_jax import (
     experience,
     faults,
     metrics,
+    run_paths,
     shape_reuse,
     step_batch,
     train_step,
@@ -82,7 +83,7 @@ def setup(cfg: config_types.TrainConfig, workdir, *, overwrite: bool = False) ->
     """Builds the run, resuming from the latest checkpoint in `workdir` when there is one."""
     from mmr_jax import embeddings
 
-    checkpoint.check_local_path(workdir)  # on every process, before any collective
+    run_paths.check(workdir)  # on every process, before any collective
     distributed.check_same_config(cfg.to_dict())  # before anything is built or written
     distributed.check_batch_split(cfg.batch.prompts)
     prepare = lambda: checkpoint.prepare_workdir(workdir, cfg.to_dict(), overwrite=overwrite)
@@ -115,7 +116,8 @@ def setup(cfg: config_types.TrainConfig, workdir, *, overwrite: bool = False) ->
     _header(cfg, workdir, resume_step)
     if resume_step is not None and cfg.checkpoint.export_hf:
         _export_if_missing(cfg, policy, state, workdir, resume_step)
-    engine = _make_engine(cfg, policy, tokenizer, workdir, mesh)
+    # A vLLM server's sync folder and log stay local: a bucket workdir's staging folder.
+    engine = _make_engine(cfg, policy, tokenizer, run_paths.open_run(workdir).local, mesh)
     engine.sync_weights(policy.model(state.params), version=int(state.step))
     encoder = None
     if cfg.reweighting != "none":
@@ -205,7 +207,10 @@ def _header(cfg: config_types.TrainConfig, workdir: str, resume_step: int | None
 def _export_if_missing(cfg, policy, state, workdir: str, step: int) -> None:
     # A run killed between its last checkpoint and that step's export resumes after the step.
     out = os.path.join(workdir, f"step_{step}")
-    if distributed.primary_value(not os.path.exists(out)):  # every process joins the export
+    # In a bucket a folder's rename copies, then deletes: a `.partial` left means it did not end.
+    done = run_paths.as_path(out)
+    missing = not done.exists() or done.with_name(done.name + ".partial").exists()
+    if distributed.primary_value(missing):  # every process joins the export
         console.info("exporting step %d, not finished before the restart", step)
         _export(cfg, policy.model(state.params), out, step)
 
@@ -259,6 +264,7 @@ def save(run: Run, step: int) -> None:
     meta = {"step": step, "data": data_state}
     if run.lengths is not None:  # a resume makes the same length choices (shape_reuse)
         meta["packed_lengths"] = run.lengths.state()
+    run_paths.mirror(run.workdir)  # a bucket's metrics reach this step before its checkpoint
     run.checkpointer.save(step, _ckpt_tree(run.state), meta)
     faults.point("checkpoint", step)
     console.info("checkpoint step %d -> %s", step, run.checkpointer.directory / str(step))
@@ -426,6 +432,7 @@ def _close(run: Run) -> None:
             run.prefetch.close()
         if hasattr(run.engine, "close"):  # a vLLM server the run launched stops with it
             run.engine.close()
+        run_paths.close(run.workdir)  # a bucket workdir gets its metrics and logs now
 
 
 def _close_bounded(ckpt: checkpoint.Checkpointer, seconds: float) -> None:
@@ -455,8 +462,8 @@ def export_hf(cfg: config_types.TrainConfig, workdir, out_dir, *, step: int | No
 
     With several processes every process restores its shards of the global arrays onto the
     run's mesh and joins the gather; process 0 writes."""
-    checkpoint.check_local_path(workdir)
-    checkpoint.check_local_path(out_dir, "--export_hf")
+    run_paths.check(workdir)
+    run_paths.check(out_dir, "--export_hf")
     mesh = build.make_mesh(cfg) if jax.process_count() > 1 else None
     policy = build.load_policy(cfg, mesh)
     optimizer, _ = build.make_optimizer(cfg)

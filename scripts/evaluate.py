@@ -6,6 +6,9 @@
 Prints a table (per benchmark and average); writes `eval.json` with per-problem records. With
 `run_dir`: one JSON per step, `eval_summary.json` with the peak step, and `pass1_vs_step.png`.
 Library logs go to `<output dir>/evaluate.log` (`--verbosity=0` shows them on the console too).
+The checkpoint, run folder and output folder may be in a bucket (gs://, `mmr_jax.run_paths`): a
+checkpoint is downloaded, a run's steps one at a time, and the outputs are written locally and
+uploaded at the end.
 The benchmarks are `<config.data_dir>/<name>.jsonl`; when they are missing it exits with one line
 saying how to get them (`scripts/prepare_data.py` or the offline folder, docs/data.md).
 With several processes (`--coordinator_address/--num_processes/--process_id` or
@@ -19,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import shutil
 import sys
 
 import jax
@@ -26,7 +30,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from mmr_jax import compile_cache, console, data, distributed, evaluation
+from mmr_jax import compile_cache, console, data, distributed, evaluation, run_paths
 from mmr_jax.models import sharding
 from mmr_jax.rewards import grading
 
@@ -92,6 +96,10 @@ def main(argv):
     if bool(config.checkpoint) == bool(config.run_dir):
         raise app.UsageError("set exactly one of --config.checkpoint and --config.run_dir")
     out_dir = config.output_dir or os.path.join(config.checkpoint or config.run_dir, "eval")
+    for what, path in (("checkpoint", config.checkpoint), ("run_dir", config.run_dir)):
+        run_paths.check(path or ".", f"--config.{what}")
+    run_paths.check(out_dir, "--config.output_dir")
+    written = run_paths.open_run(out_dir).local  # out_dir itself, or a bucket's staging folder
     log_name = "evaluate.log" if primary else f"evaluate.process{jax.process_index()}.log"
     log_file = console.setup(os.path.join(out_dir, log_name), stdout=primary)
     logging.info("XLA compilation cache: %s", compile_cache.enable())
@@ -113,33 +121,40 @@ def main(argv):
     meta = dict(config=config.to_dict())
     try:
         if config.checkpoint:
-            result = evaluate_checkpoint(config, config.checkpoint, problems, grader)
+            local = run_paths.fetched(config.checkpoint)  # a bucket's: downloaded
+            result = evaluate_checkpoint(config, local, problems, grader)
             if not primary:  # every process holds the whole result; process 0 writes it
                 return
             print(evaluation.format_table(result))
-            evaluation.write_json(result, os.path.join(out_dir, "eval.json"), **meta)
+            evaluation.write_json(result, os.path.join(written, "eval.json"), **meta)
             console.info("wrote %s", os.path.join(out_dir, "eval.json"))
             return
 
         def one(path):
-            result = evaluate_checkpoint(config, path, problems, grader)
+            result = evaluate_checkpoint(
+                config, run_paths.fill_step(path, config.run_dir), problems, grader
+            )
+            if run_paths.is_remote(config.run_dir):  # one step's weights on the disk at a time
+                shutil.rmtree(path)
             if not primary:
                 return result
             name = os.path.basename(path)
             print(f"== {name}\n{evaluation.format_table(result)}", flush=True)
-            evaluation.write_json(result, os.path.join(out_dir, f"{name}.json"), **meta)
+            evaluation.write_json(result, os.path.join(written, f"{name}.json"), **meta)
             return result
 
-        results, peak = evaluation.evaluate_run(config.run_dir, one)
+        run_dir = run_paths.shadow_steps(config.run_dir)  # a bucket's: fetched step by step
+        results, peak = evaluation.evaluate_run(run_dir, one)
         if not primary:
             return
-        evaluation.plot_curve(results, os.path.join(out_dir, "pass1_vs_step.png"))
+        evaluation.plot_curve(results, os.path.join(written, "pass1_vs_step.png"))
         summary = {str(s): {"average": r.average, **r.per_benchmark} for s, r in results}
-        with open(os.path.join(out_dir, "eval_summary.json"), "w") as f:
+        with open(os.path.join(written, "eval_summary.json"), "w") as f:
             json.dump(dict(peak_step=peak, steps=summary, **meta), f, indent=1)
         print(f"peak step {peak}: average pass@1 {100 * dict(results)[peak].average['pass@1']:.2f}")
     finally:
         grader.close()
+        run_paths.open_run(out_dir).publish()  # a bucket gets the outputs and the log
 
 
 if __name__ == "__main__":

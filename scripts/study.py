@@ -28,7 +28,15 @@ sys.path.insert(0, str(_ROOT))
 sys.path.insert(0, str(_ROOT / "scripts"))
 import plot_run  # noqa: E402
 
-from mmr_jax import compile_cache, console, evaluation, metrics, study, study_report  # noqa: E402
+from mmr_jax import (  # noqa: E402
+    compile_cache,
+    console,
+    evaluation,
+    metrics,
+    run_paths,
+    study,
+    study_report,
+)
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Study config (configs/study.py[:pilot]).", lock_config=True
@@ -56,7 +64,8 @@ _BASE = flags.DEFINE_bool(
 
 def write_report(config, specs) -> dict:
     """study.json, report.md and curves.png in the study folder; returns study.json's content."""
-    folder = pathlib.Path(config.folder)
+    folder = run_paths.as_path(config.folder)  # local, or a bucket (gs://)
+    written = run_paths.open_run(config.folder).local  # the folder, or a bucket's staging one
     result = study.collect(config, specs)
     (folder / "study.json").write_text(json.dumps(result, indent=1))
     runs = list(zip(specs, result["runs"], strict=True))
@@ -68,11 +77,13 @@ def write_report(config, specs) -> dict:
     plot = ""
     if plotted:
         plot_run.plot_bands(
-            [folder / s.name for s in plotted],
+            [run_paths.fetched(folder / s.name / metrics.METRICS_FILE) for s in plotted],
             [s.variant for s in plotted],
-            folder / "curves.png",
+            written / "curves.png",
             metrics=(study.EVAL_METRIC, "reward/mean", "completion/length_mean"),
         )
+        if run_paths.is_remote(folder):
+            (folder / "curves.png").write_bytes((written / "curves.png").read_bytes())
         plot = "curves.png"
     mechanism = {  # how each run learnt and what it cost, from its metrics
         s.name: study_report.run_mechanism(metrics.read_jsonl(path))
@@ -92,7 +103,7 @@ def _check_for_report(folder, now: dict) -> None:
     """A report reads the runs' metrics, not their training configs: training keys the code has
     changed since the study ran (defaults added or renamed) are logged, not refused; the study's
     own keys, the run grid, steps and evaluation must still match."""
-    path = pathlib.Path(folder) / study.STUDY_FILE
+    path = run_paths.as_path(folder) / study.STUDY_FILE
     if not path.exists():
         study.check_folder(folder, now)
         return
@@ -107,6 +118,7 @@ def _check_for_report(folder, now: dict) -> None:
 def main(argv):
     del argv
     config = _CONFIG.value
+    run_paths.check(config.folder, "--config.folder")  # a bucket (gs://) or a local folder
     # Progress and the runs' step lines on stdout; Orbax, absl and JAX INFO to <study>/study.log.
     log_file = console.setup(os.path.join(config.folder, "study.log"))
     logging.info("XLA compilation cache: %s", compile_cache.enable())
@@ -123,9 +135,10 @@ def main(argv):
         # Archived beside the study: the candidate table of a plan is read from these files.
         name = "base_accuracy_" + cfg.data.source.replace(":", "_").replace("/", "_") + ".json"
         out = os.path.join(config.folder, name)
+        local = run_paths.open_run(config.folder).local / name  # a bucket's: uploaded below
         evaluation.write_json(
             result,
-            out,
+            local,
             model=cfg.model.path,
             data_source=cfg.data.source,
             n=cfg.eval.n,
@@ -133,6 +146,8 @@ def main(argv):
             temperature=cfg.eval.temperature,
             top_p=cfg.eval.top_p,
         )
+        if run_paths.is_remote(out):
+            run_paths.as_path(out).write_bytes(local.read_bytes())
         console.info("wrote %s", out)
         return
     if not _REPORT_ONLY.value:

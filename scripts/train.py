@@ -13,7 +13,9 @@ Several processes (hosts) train as one program on one global mesh (docs/multihos
 
 Re-running the same command resumes from the workdir's latest checkpoint. The console shows a
 header, a line per step, checkpoints, evaluations and warnings; every log (Orbax, JAX, ...) goes to
-<workdir>/train.log, and `--verbosity=0` shows them on the console too.
+<workdir>/train.log, and `--verbosity=0` shows them on the console too. `--workdir` may be a
+bucket, `gs://bucket/runs/x` (with `pip install 'mmr_jax[gcs]'`; docs/multihost.md, "Workdirs on
+a bucket").
 """
 
 import os
@@ -25,12 +27,23 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from mmr_jax import build, checkpoint, compile_cache, config_types, console, distributed, trainer
+from mmr_jax import (
+    build,
+    checkpoint,
+    compile_cache,
+    config_types,
+    console,
+    distributed,
+    run_paths,
+    trainer,
+)
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Config file (configs/*.py[:arg]).", lock_config=True
 )
-_WORKDIR = flags.DEFINE_string("workdir", None, "Run folder: checkpoints, metrics, TensorBoard.")
+_WORKDIR = flags.DEFINE_string(
+    "workdir", None, "Run folder (local, or gs://bucket/path): checkpoints, metrics, TensorBoard."
+)
 _DRY_RUN = flags.DEFINE_bool("dry_run", False, "Build everything abstractly, print sizes, exit.")
 _DRY_RUN_DEVICES = flags.DEFINE_integer(
     "dry_run_devices",
@@ -100,8 +113,8 @@ def main(argv):
     log_file = os.path.join(_WORKDIR.value, name)
 
     def train():
-        checkpoint.check_local_path(_WORKDIR.value)  # before the log file makes 'gs:/...'
-        console.setup(log_file, stdout=primary)  # process 0 alone prints
+        run_paths.check(_WORKDIR.value)  # a named error for a scheme the run cannot write
+        console.setup(log_file, stdout=primary)  # process 0 alone prints (a bucket: staged)
         logging.info("config %s -> %s", cfg.name, _WORKDIR.value)
         logging.info("XLA compilation cache: %s", compile_cache.enable())
         trainer.train(cfg, _WORKDIR.value, overwrite=_OVERWRITE.value)
@@ -134,7 +147,7 @@ def _error_exit(e: Exception, log_file: str) -> tuple[int, str | None]:
         return distributed.failures.EXIT_PEER_LOST, f"ERROR: PeerLostError: {e}"
     if isinstance(e, distributed.DistributedError):
         return 1, f"ERROR: {type(e).__name__}: {e}"
-    if isinstance(e, checkpoint.WorkdirSchemeError):
+    if isinstance(e, run_paths.WorkdirSchemeError):
         return 1, f"ERROR: WorkdirSchemeError: {e}"
     if isinstance(e, checkpoint.WorkdirWriteError):
         return 1, f"ERROR: {e}"

@@ -92,3 +92,39 @@ def test_program_names_are_checked():
 
     with pytest.raises(ValueError, match="unknown program 'prefill'"):
         compiled_dry_run.program("prefill", cfg=None, mesh=None)
+
+
+def test_decode_program_takes_the_samplers_compute_dtype_weights(tiny_llama_dir):
+    # The sampler decodes from weights cast once to the compute dtype (sampler.sampling_weights);
+    # the dry run's decode program must be fed the same, or its figures include a cast of every
+    # weight at every step that the sampler does not do (issue 35).
+    import jax
+    import jax.numpy as jnp
+
+    from configs import grpo
+    from mmr_jax import compiled_dry_run, config_types
+
+    c = grpo.get_config("smoke")
+    c.model.path = str(tiny_llama_dir)
+    c.model.dtype, c.model.param_dtype = "bfloat16", "float32"
+    c.batch.prompts, c.batch.generations = 2, 2
+    c.batch.max_prompt_len, c.batch.max_completion_len = 8, 4
+    cfg = config_types.from_config_dict(c)
+    mesh = compiled_dry_run.config_mesh(cfg)
+    fn, args = compiled_dry_run.decode_step_program(cfg, mesh)
+    weights = jax.tree.leaves(args[:3])
+    floating = [x for x in weights if jnp.issubdtype(x.dtype, jnp.floating)]
+    assert floating and all(x.dtype == jnp.bfloat16 for x in floating)
+    # And the lowered step casts no weight: no f32 -> bf16 convert of a weight's shape.
+    shapes = {"x".join(map(str, x.shape)) for x in floating if x.ndim >= 2}
+    text = fn.lower(*args).as_text()
+    casts = [
+        line
+        for line in text.splitlines()
+        if "stablehlo.convert" in line
+        and any(f"tensor<{s}xf32>" in line and f"tensor<{s}xbf16>" in line for s in shapes)
+    ]
+    assert not casts, casts[:3]
+    train_fn, train_args = compiled_dry_run.train_step_program(cfg, mesh)
+    masters = [x for x in jax.tree.leaves(train_args[0]) if jnp.issubdtype(x.dtype, jnp.floating)]
+    assert any(x.dtype == jnp.float32 for x in masters)  # the train step keeps fp32 masters

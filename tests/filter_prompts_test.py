@@ -5,6 +5,8 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 from support import testing
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -20,6 +22,7 @@ def _run(tmp_path, ckpt, source, out, *extra):
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_counts_every_problem_and_keeps_those_in_the_band(tmp_path):
     ckpt = testing.make_tiny_checkpoint(tmp_path / "ckpt")
     source = tmp_path / "train.jsonl"

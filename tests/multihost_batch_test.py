@@ -58,6 +58,10 @@ def smollm2_config():
     c.model.path = str(prepare.DEFAULT_OUT)
     c.total_steps = STEPS
     c.checkpoint.every = 2
+    # Both layouts on the same (1, 2, 1) mesh (fsdp over the 2 devices, written out in full, so a
+    # 2-process run keeps it): the contract compares processes with devices, not two meshes.
+    # Several processes would otherwise default to the hybrid mesh (2, 1, 1) (issue 36 item 5).
+    c.mesh.shape = (1, 2, 1)
     c.logging.tensorboard = False
     c.logging.samples = 0
     return json.loads(json.dumps(c.to_dict()))

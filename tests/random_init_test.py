@@ -99,6 +99,7 @@ class TestRandomPolicy:
             _grpo_config("smoke", **{"model.init": "random", "rollout.engine": "vllm"})
 
 
+@pytest.mark.slow
 def test_train_script_runs_steps_on_random_weights(tmp_path):
     """scripts/train.py with model.init=random on a config.json alone: no weights, no tokenizer
     files. The run metadata and the console say the weights are random; the loss is finite."""

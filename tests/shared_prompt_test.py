@@ -308,7 +308,17 @@ _VARIANTS = {
 }
 
 
-@pytest.mark.parametrize("variant", sorted(_VARIANTS))
+# One variant in the fast set (20 s on 2 cores); all eight (7 min) under --runslow (issue 40).
+_FAST_VARIANTS = ("dapo",)
+
+
+@pytest.mark.parametrize(
+    "variant",
+    [
+        v if v in _FAST_VARIANTS else pytest.param(v, marks=pytest.mark.slow)
+        for v in sorted(_VARIANTS)
+    ],
+)
 def test_train_step_same_metrics_and_update(ckpt, variant):
     opts = dict(_VARIANTS[variant])
     lora = opts.pop("lora", False)
@@ -506,6 +516,7 @@ _SHARDED = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_fsdp_tensor_mesh_equals_single_device_full_rows(ckpt):
     # LoRA on a 2x2x2 data/fsdp/tensor mesh (8 fake CPU devices): B = 0 adapters still get a
     # gradient (dL/dB = A^T x^T dL/dy), which is what this compares.

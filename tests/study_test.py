@@ -4,6 +4,7 @@ import itertools
 import json
 import os
 import pathlib
+import re
 import shutil
 import signal
 import subprocess
@@ -196,6 +197,7 @@ class TestConfigChecks:
         with pytest.raises(KeyError, match="enabeld"):
             study.plan(c)
 
+    @pytest.mark.slow
     def test_skips_finished_and_records_diverged(self, tmp_path):
         c = _tiny_study("ckpt", tmp_path / "s")
         c.seeds = (1, 2)
@@ -217,6 +219,7 @@ class TestConfigChecks:
         study.run_study(c, train_fn=fake_train, log=lines.append)
         assert calls == [] and lines[-1] == "study: 4/4 runs done"
 
+    @pytest.mark.slow
     @pytest.mark.parametrize("drop", [True, False])
     def test_ended_runs_checkpoints_dropped_on_request(self, tmp_path, drop):
         c = _tiny_study("ckpt", tmp_path / "s")
@@ -244,6 +247,7 @@ class _Stopped(Exception):
 
 
 class TestArchive:
+    @pytest.mark.slow
     def test_archive_restored_elsewhere_skips_ended_runs_and_keeps_curves(self, tmp_path):
         c = _tiny_study("ckpt", tmp_path / "s")
         c.seeds = (1, 2)
@@ -320,6 +324,7 @@ def _gone(pid: int) -> bool:
 
 
 class TestRunInChild:
+    @pytest.mark.slow
     def test_outcomes_cross_the_process_boundary(self, tmp_path):
         study.train_in_child("cfg-x", tmp_path / "ok", train_fn=_child_writes_pid)
         child_pid, parent_pid, cfg = (tmp_path / "ok" / "pid").read_text().split()
@@ -332,6 +337,7 @@ class TestRunInChild:
         with pytest.raises(study.RunProcessError, match=r"died \(exit code 7"):
             study.train_in_child(None, tmp_path / "x", train_fn=_child_dies)
 
+    @pytest.mark.slow
     def test_a_failure_in_the_childs_setup_reports_its_traceback(self, tmp_path):
         # console.setup cannot create the log file's folder: a file stands in its place.
         (tmp_path / "taken").write_text("")
@@ -342,12 +348,16 @@ class TestRunInChild:
 
     def test_a_run_past_its_timeout_is_killed_with_a_named_error(self, tmp_path):
         start = time.monotonic()
-        with pytest.raises(study.RunProcessTimeoutError, match=r"did not end within timeout_s=3s"):
+        with pytest.raises(
+            study.RunProcessTimeoutError, match=r"did not end within timeout_s=3s"
+        ) as caught:
             study.train_in_child(
                 None, tmp_path / "s", train_fn=_child_sleeps, timeout_s=3, poll_s=0.1
             )
         assert time.monotonic() - start < 30
-        assert _gone(int((tmp_path / "s" / "pid").read_text()))
+        # The pid from the error, not from the child's pid file: on a loaded machine the spawned
+        # child may still be importing when the 3 s run out, before it writes its file.
+        assert _gone(int(re.search(r"\(pid (\d+)\)", str(caught.value)).group(1)))
 
     def test_a_child_that_does_not_exit_after_its_result_is_killed(self, tmp_path):
         start = time.monotonic()
@@ -357,6 +367,7 @@ class TestRunInChild:
         assert time.monotonic() - start < 30
         assert _gone(int((tmp_path / "l" / "pid").read_text().split()[0]))
 
+    @pytest.mark.slow
     def test_a_diverged_child_marks_the_run_diverged(self, tmp_path):
         c = _tiny_study("ckpt", tmp_path / "s")
         c.run, c.compare = ("grpo",), ()

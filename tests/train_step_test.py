@@ -94,6 +94,7 @@ def ckpt(tmp_path_factory):
 
 
 class TestRatioReference:
+    @pytest.mark.slow
     def test_first_pass_ratio_is_one_under_lora_dropout_with_tis(self, ckpt):
         # With dropout the step's forward differs from the clean old log-probs the trainer
         # passes for TIS; the ratio must still be taken against the same forward (exactly 1 on
@@ -125,6 +126,7 @@ class TestRatioReference:
 
 
 class TestRatioMetrics:
+    @pytest.mark.slow
     def test_extrema_over_iterations_are_min_and_max(self, ckpt):
         # Independent: pass 1's ratio is 1; pass 2's is exp(logp(params after update 1) -
         # logp(params before)), both computed here with the plain log-prob function.
@@ -140,7 +142,7 @@ class TestRatioMetrics:
         np.testing.assert_allclose(m["ratio/min"], min(1.0, ratio.min()), rtol=1e-5)
         np.testing.assert_allclose(m["ratio/max"], max(1.0, ratio.max()), rtol=1e-5)
 
-    @pytest.mark.parametrize("iterations", [1, 2])
+    @pytest.mark.parametrize("iterations", [1, pytest.param(2, marks=pytest.mark.slow)])
     def test_no_loss_token_logs_a_neutral_ratio(self, ckpt, iterations):
         policy = _policy(ckpt)
         tokens, attention, comp, adv = _rows(2)

@@ -101,41 +101,18 @@ def primary_first(fn, what: str):
 
 
 def local_copy(tree, mesh: jax.sharding.Mesh | None = None):
-    """`tree` with every global array replaced by a whole copy on this process's first device.
+    """`tree` with every jax.Array replaced by a whole copy on this process's first device.
 
-    A collective (an all-gather of sharded leaves): every process must call it together. `mesh`
-    defaults to the mesh of the first leaf with a `NamedSharding`.
+    A collective (every process calls it together, with the same tree): global arrays are
+    gathered once per process (never replicated on every device of the mesh), and an array
+    copied before, while it lives, is not gathered again (`weight_sync`: under LoRA a sync
+    gathers the adapters alone). `mesh` is unused (the arrays carry their own devices); kept for
+    callers that pass the run's mesh.
     """
-    if mesh is None:
-        meshes = [
-            x.sharding.mesh
-            for x in jax.tree.leaves(tree)
-            if isinstance(getattr(x, "sharding", None), jax.sharding.NamedSharding)
-        ]
-        if not meshes:
-            raise DistributedError(
-                "local_copy: no leaf is a global array on a mesh (NamedSharding) and no mesh was "
-                "given; build the arrays on the run's mesh (build.make_mesh) first"
-            )
-        mesh = meshes[0]
-    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    device = jax.local_devices()[0]
-    t0 = time.perf_counter()
-    gathered = jax.block_until_ready(_replicate(tree, replicated))
-    _COLLECTIVE_S[0] += time.perf_counter() - t0
-    return jax.tree.map(
-        lambda x: jax.device_put(x.addressable_data(0), device) if isinstance(x, jax.Array) else x,
-        gathered,
-    )
+    del mesh
+    from mmr_jax.distributed import weight_sync  # it builds on `allgather` here
 
-
-def _replicate(tree, replicated):
-    leaves, treedef = jax.tree.flatten(tree)
-    arrays = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array)]
-    moved = jax.jit(lambda *xs: xs, out_shardings=replicated)(*(leaves[i] for i in arrays))
-    for i, x in zip(arrays, moved, strict=True):
-        leaves[i] = x
-    return jax.tree.unflatten(treedef, leaves)
+    return weight_sync.COPIES.copy(tree)
 
 
 def local_model(model: nnx.Module, mesh: jax.sharding.Mesh | None = None) -> nnx.Module:

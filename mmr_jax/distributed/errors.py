@@ -24,7 +24,9 @@ class BatchSplitError(DistributedError, ValueError):
 
 
 class RolloutUrlError(DistributedError, ValueError):
-    """`rollout.url` lists neither one URL nor one per process."""
+    """`rollout.url` lists neither one URL nor one per process, or one server for several training
+    processes (each would reload it and reset its prefix cache in the middle of the others'
+    requests)."""
 
 
 class PeerLostError(DistributedError):

@@ -2,8 +2,8 @@
 
 - its share of a batch of prompts (`share`: contiguous, so a group never spans two processes),
   sampled by its own engine (`ShareEngine`);
-- its vLLM server (`rollout_url`: `rollout.url` lists one URL, which every process uses, or one
-  per process);
+- its vLLM server (`rollout_url`: `rollout.url` lists one URL per process; one URL for every
+  process only where nothing reloads weights there, as in evaluation);
 - per-prompt results of every share gathered in process order (`gather_rows`: one all-gather
   of one int32 array in a fixed shape, so it compiles once), of which the completions of a
   generation round are one case (`gather_rollouts`).
@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import gc
 import inspect
 from collections.abc import Mapping, Sequence
 
@@ -42,21 +43,41 @@ def share_slices(num: int, processes: int | None = None) -> list[slice]:
     return [share(num, processes, p) for p in range(processes)]
 
 
-def rollout_url(url: str, processes: int, index: int) -> str:
+def rollout_url(url: str, processes: int, index: int, *, syncs_weights: bool = False) -> str:
     """Process `index`'s server among `url`, a comma-separated list of URLs.
 
-    One URL (or '': each process launches its own server) serves every process; a list of one
-    URL per process gives process i the i-th (one vLLM server per host). Any other length raises
-    `RolloutUrlError`.
+    A list of one URL per process gives process i the i-th (one vLLM server per host); '' lets
+    each process launch its own. One URL serves every process only where the caller never
+    reloads weights there (evaluation). `syncs_weights` (training): several processes sharing
+    one server would each reload their weights and reset its prefix cache in the middle of the
+    others' requests, so one URL for several processes, or a URL listed twice, raises
+    `RolloutUrlError` (aliases of one host, such as localhost and 127.0.0.1, are not detected).
+    Any other length raises `RolloutUrlError` too.
     """
     urls = [u.strip() for u in url.split(",")]
-    if len(urls) == 1:
+    if len(urls) == 1 and (not syncs_weights or processes == 1 or not urls[0]):
         return urls[0]
+    if syncs_weights and len(urls) == 1:
+        raise RolloutUrlError(
+            f"rollout.url gives one server ({urls[0]}) to {processes} processes: each would "
+            "reload its weights there and reset the prefix cache in the middle of the others' "
+            "requests. Give one server per process, comma-separated (process i uses the i-th), "
+            "e.g. --config.rollout.url=http://a:8000,http://b:8000; or '' (each process "
+            "launches its own server); or run one process"
+        )
     if not all(urls) or len(urls) != processes:
         raise RolloutUrlError(
             f"rollout.url lists {len(urls)} URLs ({url!r}) for {processes} process(es): give "
-            "one URL (every process uses it) or one per process, comma-separated (process i "
-            "uses the i-th)"
+            + ("" if syncs_weights else "one URL (every process uses it) or ")
+            + "one per process, comma-separated (process i uses the i-th)"
+        )
+    servers = [u.rstrip("/") for u in urls]
+    if syncs_weights and len(set(servers)) < len(servers):
+        twice = sorted({u for u in servers if servers.count(u) > 1})
+        raise RolloutUrlError(
+            f"rollout.url lists {twice} more than once ({url!r}): processes sharing a server "
+            "would reload their weights there and reset the prefix cache in the middle of each "
+            "other's requests; give each process a server of its own"
         )
     if not 0 <= index < processes:
         raise ProcessIdError(f"process {index} out of range for {processes} processes")
@@ -170,7 +191,8 @@ class ShareEngine:
     `first_row`, the vLLM engine's `first_prompt`), so they draw the random numbers they would
     in one process: the tokens are those of a one-process run, up to float rounding. Weight sync
     copies the global weights into this process first (`local_copy`, a collective: every
-    process syncs together).
+    process syncs together): one whole copy per process, of the arrays not copied before (under
+    LoRA the adapters alone: the base copied with the engine is kept; `weight_sync`).
     """
 
     def __init__(self, engine, mesh: jax.sharding.Mesh | None):
@@ -203,7 +225,18 @@ class ShareEngine:
         )
 
     def sync_weights(self, model: nnx.Module, *, version: int) -> None:
-        self.engine.sync_weights(collectives.local_model(model, self.mesh), version=version)
+        if getattr(self.engine, "syncs_adapters_only", False):  # vLLM under LoRA
+            # The base stays global and unread (the server has it): no copy of it here.
+            graphdef, adapters, others = nnx.split(model, nnx.LoRAParam, ...)
+            model = nnx.merge(graphdef, collectives.local_copy(adapters, self.mesh), others)
+        else:
+            model = collectives.local_model(model, self.mesh)
+        self.engine.sync_weights(model, version=version)
+        # `nnx.merge` leaves reference cycles: the copy handed over would outlive the engine's
+        # use until Python's cyclic GC ran, a model's worth of memory more (measured on SmolLM2:
+        # +770 MB resident per process, benchmarks/weight_sync.py). The young generations only.
+        del model
+        gc.collect(1)
 
     def close(self) -> None:
         if hasattr(self.engine, "close"):

@@ -2,6 +2,8 @@
 
 The decoder is built with `nnx.eval_shape` (ShapeDtypeStructs only); per-device bytes come from the
 partition rules in `sharding.py` applied to a mesh *shape*, so no devices are needed either.
+`pod_mesh_shape` gives the shape a config's mesh takes on N hosts x k devices (hybrid by
+default), and `pod_hosts` groups N * k virtual devices as those hosts for the compiled dry run.
 """
 
 from __future__ import annotations
@@ -29,6 +31,24 @@ class MeshShape:
     @property
     def shape(self) -> dict[str, int]:
         return {"data": self.data, "fsdp": self.fsdp, "tensor": self.tensor}
+
+
+def pod_hosts(hosts: int, devices_per_host: int) -> list[int]:
+    """The host of each of `hosts * devices_per_host` devices: device i on host i // k."""
+    if hosts < 1 or devices_per_host < 1:
+        raise ValueError(f"a pod of {hosts} hosts x {devices_per_host} devices")
+    return [i // devices_per_host for i in range(hosts * devices_per_host)]
+
+
+def pod_mesh_shape(
+    shape, *, hosts: int = 1, devices_per_host: int = 1, layout: str = "hybrid"
+) -> MeshShape:
+    """`shape` (data, fsdp, tensor; one size may be -1) laid on the pod as `sharding.make_mesh`
+    lays it (`sharding.device_grid`)."""
+    sizes = sharding.mesh_sizes(
+        shape, hosts=hosts, devices_per_host=devices_per_host, layout=layout
+    )
+    return MeshShape(**sizes)
 
 
 def formula_param_count(cfg: config_lib.ModelConfig) -> int:

@@ -10,12 +10,18 @@ Rules are keyed on the parameter's state path (our layout: kernels are [in, out]
   norms, other biases, RNG state       -> replicated
 Stacked layer parameters ([L, ...]) keep the layer axis unsharded and follow these rules after it.
 A dimension not divisible by its axis size is replicated instead. Batches shard over (data, fsdp).
+
+On several hosts (processes) a run's default layout (`mesh.layout`) is hybrid, as MaxText's and
+JAX's `mesh_utils.create_hybrid_device_mesh` (processes as granules): each host's devices form
+one contiguous block of `data` rows, so fsdp's and tensor's collectives stay within a host and
+only the data-parallel gradient reduction crosses hosts (`device_grid`).
 """
 
 from __future__ import annotations
 
 import math
 import os
+from collections.abc import Sequence
 
 import jax
 import numpy as np
@@ -23,6 +29,9 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 AXES = ("data", "fsdp", "tensor")
+# `mesh.layout`: 'hybrid' keeps fsdp and tensor within a host, 'flat' lays the shape over the
+# devices in order (fsdp may span hosts). One host: the same mesh either way.
+LAYOUTS = ("hybrid", "flat")
 _COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "lm_head")
 _ROW = ("o_proj", "down_proj")
 
@@ -51,20 +60,121 @@ def batch_size(mesh: Mesh | None) -> int:
     return 1 if mesh is None else mesh.shape["data"] * mesh.shape["fsdp"]
 
 
-def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, *, devices=None) -> Mesh:
-    """A Mesh of shape (data, fsdp, tensor) over `devices` (default: all); one size may be -1."""
+class MeshLayoutError(ValueError):
+    """A mesh shape that does not fit the devices, or the hosts, it is laid over."""
+
+
+def make_mesh(
+    data: int = 1,
+    fsdp: int = -1,
+    tensor: int = 1,
+    *,
+    devices=None,
+    layout: str = "flat",
+    hosts: Sequence[int] | None = None,
+) -> Mesh:
+    """A Mesh of shape (data, fsdp, tensor) over `devices` (default: all); one size may be -1.
+
+    `layout` 'flat' (the default here: `devices` in order, reshaped) or 'hybrid' (what a run
+    uses by default, `mesh.layout` in configs/base.py: hosts along data); `hosts[i]`: the host of
+    `devices[i]` (default: its `process_index`). See `device_grid`.
+    """
     devices = list(jax.devices() if devices is None else devices)
-    sizes = [data, fsdp, tensor]
-    if sizes.count(-1) > 1:
-        raise ValueError(f"at most one mesh axis may be -1, got {sizes}")
-    known = math.prod(s for s in sizes if s != -1)
-    sizes = [len(devices) // known if s == -1 else s for s in sizes]
-    if math.prod(sizes) != len(devices):
-        raise ValueError(
-            f"mesh {dict(zip(AXES, sizes, strict=True))} needs {math.prod(sizes)} "
-            f"devices, have {len(devices)}"
+    hosts = [getattr(d, "process_index", 0) for d in devices] if hosts is None else list(hosts)
+    return Mesh(device_grid((data, fsdp, tensor), devices, hosts, layout=layout), AXES)
+
+
+def device_grid(
+    shape: Sequence[int], devices: Sequence, hosts: Sequence[int], *, layout: str = "hybrid"
+) -> np.ndarray:
+    """`devices` as a [data, fsdp, tensor] array; `hosts[i]` is the host of `devices[i]`.
+
+    One host, or layout 'flat': `devices` in order, reshaped; -1 takes the remaining devices.
+    'hybrid' on H hosts of k devices each: host h (in host order) fills data rows
+    [h * d, (h + 1) * d) with its devices in order, reshaped (d, fsdp, tensor). A -1 on fsdp or
+    tensor makes `shape` one host's mesh (-1: the rest of its k devices) and the hosts multiply
+    data: (1, -1, 1) on 2 hosts x 8 is (2, 8, 1). Otherwise `shape` is global (-1 on data: the
+    remaining devices) and its data must split over the hosts; a shape written in full whose data
+    does not, e.g. (1, 2, 1) on 2 hosts x 1, is laid flat as written (fsdp across hosts, asked
+    for explicitly). Anything else that would put fsdp or tensor across hosts raises
+    `MeshLayoutError`.
+    """
+    if layout not in LAYOUTS:
+        raise MeshLayoutError(f"mesh layout {layout!r}; expected one of {LAYOUTS}")
+    if len(hosts) != len(devices):
+        raise MeshLayoutError(f"{len(hosts)} host ids for {len(devices)} devices")
+    shape = [int(s) for s in shape]
+    if len(shape) != len(AXES) or shape.count(-1) > 1 or any(s < 1 and s != -1 for s in shape):
+        raise MeshLayoutError(
+            f"mesh shape {tuple(shape)}: (data, fsdp, tensor) sizes >= 1, at most one -1"
         )
-    return Mesh(np.asarray(devices, dtype=object).reshape(sizes), AXES)
+    groups: dict[int, list] = {}
+    for device, host in zip(devices, hosts, strict=True):
+        groups.setdefault(host, []).append(device)
+    if layout == "flat" or len(groups) == 1:
+        return _flat(shape, devices)
+    return _hybrid(shape, [groups[h] for h in sorted(groups)])
+
+
+def _resolve(shape: list[int], count: int, where: str = "") -> list[int]:
+    """`shape` with its -1 filled from `count` devices; raises unless it uses exactly those."""
+    known = math.prod(s for s in shape if s != -1)
+    if -1 in shape and count % known:
+        raise MeshLayoutError(
+            f"mesh {tuple(shape)}: the sizes given ({known} devices) do not divide the {count} "
+            f"devices{where}"
+        )
+    sizes = [count // known if s == -1 else s for s in shape]
+    if math.prod(sizes) != count:
+        raise MeshLayoutError(
+            f"mesh {dict(zip(AXES, sizes, strict=True))} needs {math.prod(sizes)} "
+            f"devices, have {count}"
+        )
+    return sizes
+
+
+def _flat(shape: list[int], devices: list) -> np.ndarray:
+    return np.asarray(devices, dtype=object).reshape(_resolve(shape, len(devices)))
+
+
+def _hybrid(shape: list[int], groups: list[list]) -> np.ndarray:
+    """Each group (one host's devices) one contiguous block of data rows, in group order."""
+    h, k = len(groups), len(groups[0])
+    written = -1 not in shape
+    if any(len(g) != k for g in groups):
+        if written:
+            return _flat(shape, [d for g in groups for d in g])
+        raise MeshLayoutError(
+            f"hosts hold {[len(g) for g in groups]} devices: a hybrid mesh needs the same count "
+            "on each; write every mesh size, or set mesh.layout='flat'"
+        )
+    if -1 in shape[1:]:
+        per_host = _resolve(shape, k, " of one host (a -1 on fsdp or tensor fills one host)")
+    else:
+        sizes = _resolve(shape, h * k)
+        if sizes[0] % h:
+            if written:  # fsdp / tensor across hosts, as written
+                return _flat(sizes, [d for g in groups for d in g])
+            raise MeshLayoutError(
+                f"mesh {tuple(sizes)}: data={sizes[0]} does not split over {h} hosts, so fsdp "
+                "or tensor would span hosts; write every mesh size to ask for that, or set "
+                "mesh.layout='flat'"
+            )
+        per_host = [sizes[0] // h, *sizes[1:]]
+    blocks = [np.asarray(g, dtype=object).reshape(per_host) for g in groups]
+    return np.concatenate(blocks, axis=0)
+
+
+def mesh_sizes(
+    shape: Sequence[int], *, hosts: int, devices_per_host: int, layout: str = "hybrid"
+) -> dict[str, int]:
+    """The (data, fsdp, tensor) sizes `device_grid` gives `shape` on `hosts` x `devices_per_host`
+    devices (host i // devices_per_host), without any device."""
+    n = hosts * devices_per_host
+    grid = device_grid(
+        shape, list(range(n)), [i // devices_per_host for i in range(n)], layout=layout
+    )
+    return dict(zip(AXES, grid.shape, strict=True))
 
 
 def _logical_spec(path: tuple) -> tuple:

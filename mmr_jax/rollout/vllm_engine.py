@@ -257,6 +257,11 @@ class VllmEngine:
         path.parent.mkdir(parents=True, exist_ok=True)
         return path
 
+    @property
+    def syncs_adapters_only(self) -> bool:
+        """`sync_weights` reads the model's LoRA adapters alone (the server keeps the base)."""
+        return self.lora
+
     def sync_weights(self, model, *, version: int) -> None:
         """Exports `model` (full weights or its LoRA adapter) and makes the server use it."""
         import jax.numpy as jnp

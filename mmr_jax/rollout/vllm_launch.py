@@ -101,6 +101,7 @@ class LaunchOptions:
     enable_prefix_caching: bool = True
     cuda_visible_devices: str | None = None
     extra_args: tuple[str, ...] = ()
+    cpus: str | None = None  # `taskset -c` list the server is pinned to (None: not pinned)
 
 
 def command(opts: LaunchOptions) -> tuple[list[str], dict[str, str]]:
@@ -135,13 +136,28 @@ def command(opts: LaunchOptions) -> tuple[list[str], dict[str, str]]:
         env["VLLM_CPU_KVCACHE_SPACE"] = f"{opts.cpu_kv_cache_gib:g}"
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         # Unpinned, vLLM drops torch to 1 thread; rollout and training alternate, so use all.
-        env.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
+        # Pinned (`cpus`): one thread per core it may use.
+        if opts.cpus:
+            env["OMP_NUM_THREADS"] = str(cpu_count(opts.cpus))
+        else:
+            env.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
     # The trainer's PYTHONPATH (its repo) and JAX/XLA settings mean nothing to the server's venv.
     for key in ("PYTHONPATH", "XLA_FLAGS"):
         env.pop(key, None)
     if opts.cuda_visible_devices is not None:
         env["CUDA_VISIBLE_DEVICES"] = opts.cuda_visible_devices
     return argv, env
+
+
+def cpu_count(cpus: str) -> int:
+    """CPUs in a `taskset -c` list: '0' -> 1, '0,2' -> 2, '0-3,6' -> 5."""
+    count = 0
+    for part in cpus.split(","):
+        lo, sep, hi = part.strip().partition("-")
+        if not lo.isdigit() or (sep and not hi.isdigit()):
+            raise ValueError(f"not a taskset -c CPU list: {cpus!r}")
+        count += int(hi) - int(lo) + 1 if sep else 1
+    return count
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -193,6 +209,8 @@ class ServerProcess:
         argv, env = command(self.opts)
         # The server gets SIGTERM when we die, even if we are SIGKILLed (Linux).
         argv = child_process.exec_argv(argv, signal.SIGTERM)
+        if self.opts.cpus:  # taskset execs the interpreter: the pinning and the signal hold
+            argv = ["taskset", "-c", self.opts.cpus, *argv]
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
