@@ -83,50 +83,10 @@ class TestOneServerPerProcess:
 
 # Five problems in the benchmark files' format (id, problem, answer), written by the test: the
 # data folder is not needed, and short prompts keep the tiny model's prefill small.
-_PROBLEMS = [
-    {"id": f"p{i}", "problem": f"What is {a} + {b}? Answer in \\boxed{{}}.", "answer": a + b}
-    for i, (a, b) in enumerate([(12, 35), (7, 8), (40, 2), (99, 1), (3, 30)])
-]
-
-
-def _benchmark_dir(folder: pathlib.Path) -> pathlib.Path:
-    """`folder` holding math500.jsonl with `_PROBLEMS`."""
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "math500.jsonl").write_text("".join(json.dumps(p) + "\n" for p in _PROBLEMS))
-    return folder
-
-
 def _evaluate(ckpt, data_dir, out_dir, *, processes, devices) -> list[subprocess.Popen]:
-    cmd = [
-        sys.executable, str(REPO / "scripts" / "evaluate.py"),
-        f"--config={REPO / 'configs' / 'eval.py'}",
-        f"--config.checkpoint={ckpt}", f"--config.output_dir={out_dir}",
-        f"--config.data_dir={data_dir}",
-        "--config.benchmarks=('math500',)", "--config.max_problems=5", "--config.n=2",
-        "--config.ks=(1,2)", "--config.max_new_tokens=8", "--config.grader_workers=0",
-        "--config.keep_completions=True", f"--config.cpu_devices={devices}",
-    ]  # fmt: skip
-    port = multihost.free_port()
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    procs = []
-    for i in range(processes):
-        flags = []
-        if processes > 1:
-            flags = [f"--coordinator_address=localhost:{port}", f"--num_processes={processes}"]
-            flags.append(f"--process_id={i}")
-        procs.append(
-            subprocess.Popen(
-                cmd + flags, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
-            )
-        )
-    return procs
-
-
-def _finished(procs) -> list[str]:
-    outs = [p.communicate(timeout=600)[0] for p in procs]
-    for p, out in zip(procs, outs, strict=True):
-        assert p.returncode == 0, out[-3000:]
-    return outs
+    return multihost.evaluate(
+        ckpt, data_dir, out_dir, f"--config.cpu_devices={devices}", processes=processes
+    )
 
 
 @pytest.mark.slow
@@ -135,11 +95,11 @@ class TestEvaluateScript:
         """scripts/evaluate.py on 2 processes x 1 device: each samples and grades its share of
         the 5 problems (3 + 2); process 0 writes eval.json, whose records (completions, grades,
         lengths) and pass@k equal those of 1 process x 2 devices."""
-        data_dir = _benchmark_dir(tmp_path / "data")
+        data_dir = multihost.eval_benchmark_dir(tmp_path / "data")
         run = functools.partial(_evaluate, tiny_llama_dir, data_dir)
-        outs = _finished(run(tmp_path / "one", processes=1, devices=2))
+        outs = multihost.finished(run(tmp_path / "one", processes=1, devices=2))
         assert "average" in outs[0]  # the table
-        outs = _finished(run(tmp_path / "two", processes=2, devices=1))
+        outs = multihost.finished(run(tmp_path / "two", processes=2, devices=1))
         assert "average" in outs[0] and "average" not in outs[1]  # process 0 alone prints
         assert sorted(p.name for p in (tmp_path / "two").glob("*.json")) == ["eval.json"]
         one, two = (json.loads((tmp_path / d / "eval.json").read_text()) for d in ("one", "two"))

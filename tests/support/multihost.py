@@ -77,6 +77,58 @@ def launch(
     return procs
 
 
+# Five small problems for scripts/evaluate.py on several processes (its own benchmark file, so
+# the tests need no data folder).
+EVAL_PROBLEMS = [
+    {"id": f"p{i}", "problem": f"What is {a} + {b}? Answer in \\boxed{{}}.", "answer": a + b}
+    for i, (a, b) in enumerate([(12, 35), (7, 8), (40, 2), (99, 1), (3, 30)])
+]
+
+
+def eval_benchmark_dir(folder: pathlib.Path) -> pathlib.Path:
+    """`folder` holding math500.jsonl with `EVAL_PROBLEMS`."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "math500.jsonl").write_text("".join(json.dumps(p) + "\n" for p in EVAL_PROBLEMS))
+    return folder
+
+
+def evaluate(ckpt, data_dir, out_dir, *extra: str, processes: int) -> list[subprocess.Popen]:
+    """scripts/evaluate.py on `processes` processes (a localhost cluster when more than one):
+    the 5 problems of `data_dir`, n = 2, 8 new tokens, completions kept; `extra` flags added.
+    Each process's output is its Popen's stdout (text)."""
+    cmd = [
+        sys.executable, str(REPO / "scripts" / "evaluate.py"),
+        f"--config={REPO / 'configs' / 'eval.py'}",
+        f"--config.checkpoint={ckpt}", f"--config.output_dir={out_dir}",
+        f"--config.data_dir={data_dir}",
+        "--config.benchmarks=('math500',)", "--config.max_problems=5", "--config.n=2",
+        "--config.ks=(1,2)", "--config.max_new_tokens=8", "--config.grader_workers=0",
+        "--config.keep_completions=True", *extra,
+    ]  # fmt: skip
+    port = free_port()
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    procs = []
+    for i in range(processes):
+        flags = []
+        if processes > 1:
+            flags = [f"--coordinator_address=localhost:{port}", f"--num_processes={processes}"]
+            flags.append(f"--process_id={i}")
+        procs.append(
+            subprocess.Popen(
+                cmd + flags, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+            )
+        )
+    return procs
+
+
+def finished(procs: list[subprocess.Popen], timeout: float = 600) -> list[str]:
+    """The outputs of `procs` (from `evaluate`), each asserted to have exited 0."""
+    outs = [p.communicate(timeout=timeout)[0] for p in procs]
+    for p, out in zip(procs, outs, strict=True):
+        assert p.returncode == 0, out[-3000:]
+    return outs
+
+
 def wait(procs: list[subprocess.Popen], timeout: float) -> list[tuple[int, str]]:
     """[(returncode, output)] of every process; kills them all and raises after `timeout`."""
     import time
