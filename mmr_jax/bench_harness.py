@@ -47,13 +47,19 @@ def load(name: str):
     The absl flags the file defines at import are unregistered again, so that two benchmarks
     defining the same flag (`--model`) can share a process (tests).
     """
-    from absl import flags
-
     path = BENCHMARKS / f"{name}.py"
     if str(BENCHMARKS) not in sys.path:  # benchmarks import their siblings by name
         sys.path.append(str(BENCHMARKS))
     if not path.is_file():
         raise FileNotFoundError(f"no benchmark {name!r}: {path} does not exist")
+    return load_file(path, name)
+
+
+def load_file(path, name: str):
+    """The module of the file `path` (a script, not in a package) under `name`, the absl flags
+    it defines at import unregistered again (its functions are wanted, not its `main`)."""
+    from absl import flags
+
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     before = set(flags.FLAGS)

@@ -7,18 +7,13 @@ copy for its engine), where it waits for process 1. Before the fix process 1 sat
 barrier (up to 300 s) while process 0 waited for it in a gather."""
 
 import pathlib
-import sys
 import time
 
 import pytest
 
 from mmr_jax import distributed, faults, metrics
 
-from support import testing, train_script
-
-REPO = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "configs"))
-import grpo  # noqa: E402
+from support import train_script
 
 # Every process exits within this many seconds of the fault (cleanup's checkpoint join is bounded
 # by trainer.CLOSE_WAIT_S = 60 s; JAX's exit barrier alone would take 300 s).
@@ -60,17 +55,7 @@ class TestKeyValueStore:
 
 @pytest.mark.slow
 def test_exception_on_one_process_stops_all(tmp_path, tiny_llama_dir):
-    cfg = testing.smoke_config(
-        grpo,
-        tiny_llama_dir,
-        steps=4,
-        **{
-            "logging.tensorboard": False,
-            "mesh.shape": (1, 2, 1),
-            "rewards.weights": {"accuracy": 1.0, "format": 0.0},
-            "dynamic_sampling.filter_reward": "accuracy",
-        },
-    ).to_dict()
+    cfg = train_script.cluster_config(tiny_llama_dir, steps=4)
     work = tmp_path / "run"
     procs = train_script.launch(
         cfg,

@@ -2,18 +2,11 @@
 restores its shards onto the run's mesh and joins the gather, process 0 writes the same HF folder
 as one process does (it ended in a bare StopIteration: no global array to find a mesh on)."""
 
-import pathlib
-import sys
-
 import numpy as np
 import pytest
 import safetensors.numpy
 
-from support import testing, train_script
-
-REPO = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "configs"))
-import grpo  # noqa: E402
+from support import train_script
 
 pytestmark = pytest.mark.slow
 
@@ -26,17 +19,7 @@ def _ok(procs, timeout=900):
 
 
 def test_export_on_two_processes_equals_one(tmp_path, tiny_llama_dir):
-    cfg = testing.smoke_config(
-        grpo,
-        tiny_llama_dir,
-        steps=1,
-        **{
-            "logging.tensorboard": False,
-            "mesh.shape": (1, 2, 1),
-            "rewards.weights": {"accuracy": 1.0, "format": 0.0},
-            "dynamic_sampling.filter_reward": "accuracy",
-        },
-    ).to_dict()
+    cfg = train_script.cluster_config(tiny_llama_dir, steps=1)
     work = tmp_path / "run"
     _ok(train_script.launch(cfg, work, processes=1, devices=2))
     one, two = tmp_path / "hf_one", tmp_path / "hf_two"

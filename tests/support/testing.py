@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib.util
 import json
 import os
 import pathlib
@@ -222,16 +221,9 @@ def load_script(name: str):
     The absl flags the script defines at import are unregistered again: tests call its functions,
     not its `main`, and two scripts that define the same flag (`--model`) can then share a process.
     """
-    from absl import flags
+    from mmr_jax import bench_harness
 
-    path = REPO / "scripts" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    before = set(flags.FLAGS)
-    spec.loader.exec_module(module)
-    for flag in set(flags.FLAGS) - before:
-        delattr(flags.FLAGS, flag)
-    return module
+    return bench_harness.load_file(REPO / "scripts" / f"{name}.py", name)
 
 
 def offline_hub(monkeypatch, cache_dir) -> None:

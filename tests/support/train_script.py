@@ -28,6 +28,29 @@ def get_config(arg=None):
 """
 
 
+def cluster_config(ckpt, *, steps: int) -> dict:
+    """GRPO smoke config as a plain dict for `launch`: mesh (1, 2, 1) in every layout (fsdp over
+    2 devices, whether 1 process has them or 2), accuracy reward only."""
+    from support import testing
+
+    sys.path.insert(0, str(REPO / "configs"))
+    try:
+        import grpo
+    finally:
+        sys.path.remove(str(REPO / "configs"))
+    return testing.smoke_config(
+        grpo,
+        ckpt,
+        steps=steps,
+        **{
+            "logging.tensorboard": False,
+            "mesh.shape": (1, 2, 1),
+            "rewards.weights": {"accuracy": 1.0, "format": 0.0},
+            "dynamic_sampling.filter_reward": "accuracy",
+        },
+    ).to_dict()
+
+
 def config_file(config: dict, folder) -> pathlib.Path:
     """A configs/*.py-style file returning `config` (JSON next to it)."""
     folder = pathlib.Path(folder)
