@@ -8,7 +8,8 @@ Layout of a study folder:
     <folder>/<variant>_s<seed>/study_run.json   written when the run ends: finished | diverged
     <folder>/study.json, report.md, curves.png  the aggregate (`study_report`)
 
-The folder may be in a bucket (gs://, `run_paths`): every path here is an `epath.Path`.
+The folder may be in a bucket (gs://, `run_paths`): every path here is an `epath.Path`. On
+several hosts every run trains on all of them (`study_hosts`: `run_study(hosts=Hosts())`).
 
 Re-running the same study skips runs with a `study_run.json`, and the trainer resumes an
 interrupted run from its latest checkpoint. A run whose loss became non-finite is marked diverged
@@ -20,26 +21,18 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
-import logging
-import multiprocessing
-import os
-import pathlib
-import signal
 import time
-import traceback
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
 import ml_collections
 
-from mmr_jax import checkpoint, child_process, config_types, console, metrics, run_paths
+from mmr_jax import checkpoint, config_types, console, metrics, run_paths
 
 STUDY_FILE = "study_config.json"
 RUN_FILE = "study_run.json"
 EVAL_METRIC = "eval/average/pass@1"
-
-log = logging.getLogger(__name__)
 
 
 class StudyMismatchError(ValueError):
@@ -169,6 +162,16 @@ def run_status(folder, spec: RunSpec) -> dict | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
+def folder_view(folder, specs: list[RunSpec]) -> dict:
+    """What a process sees of the study folder: the stored config's text (None without one) and
+    each run's end status (None while it has not ended)."""
+    path = run_paths.as_path(folder) / STUDY_FILE
+    return {
+        "config": path.read_text() if path.exists() else None,
+        "ended": {s.name: (run_status(folder, s) or {}).get("status") for s in specs},
+    }
+
+
 def progress_line(done: int, total: int, current: str, finished_wall: list[float]) -> str:
     """'study: 2/9 runs done | now mmr_grpo_s1 | ETA 1h02m05s' (mean finished run x remaining)."""
     eta = "?"
@@ -183,19 +186,30 @@ def run_study(
     train_fn: Callable | None = None,
     log: Callable[[str], None] = lambda s: console.info("%s", s),
     drop_checkpoints: bool = False,
+    hosts=None,
 ) -> list[RunSpec]:
     """Runs (or resumes) every run of the grid in turn; returns the specs.
 
     `drop_checkpoints`: delete a run's checkpoints once its end marker is written. The report
     reads only each run's metrics, and the last checkpoint of every ended run would otherwise
     stay on disk (1.4 GB a SmolLM2 run, 42 GB for a 30-run study).
+    `hosts`: this is one of the study's processes on several hosts, and `hosts` their agreements
+    (`study_hosts.Hosts`; `train_fn` trains each run in a child that joins the run's cluster):
+    the processes agree on the folder and on each run's outcome, and process 0 alone writes.
     """
     from mmr_jax import trainer
 
     train_fn = train_fn or trainer.train
     specs = plan(study)
     folder = run_paths.as_path(study.folder)
-    check_folder(folder, resolved(study, specs))
+    stored = resolved(study, specs)
+    if hosts is None:
+        check_folder(folder, stored)
+    else:
+        hosts.check_folder(
+            folder, stored, lambda: check_folder(folder, stored), lambda: folder_view(folder, specs)
+        )
+    writes = hosts is None or hosts.is_primary()  # one process: never asks JAX (no backend)
     statuses = [run_status(folder, s) for s in specs]
     walls = [s["wall_s"] for s in statuses if s is not None]
     done = sum(s is not None for s in statuses)
@@ -204,18 +218,27 @@ def run_study(
             continue
         log(progress_line(done, len(specs), spec.name, walls))
         t0 = time.monotonic()
-        marker = {"status": "finished"}
+        marker, error = {"status": "finished"}, None
         try:
             train_fn(spec.cfg, folder / spec.name)
         except trainer.NonFiniteLossError as e:
             marker = {"status": "diverged", "error": str(e)}
             log(f"study: {spec.name} diverged: {e}")
+        except Exception as e:
+            if hosts is None:
+                raise
+            error = e  # raised below, once every process knows the run failed
+        if hosts is not None:
+            hosts.agree_outcome(spec.name, "failed" if error else marker["status"], error)
         # wall_s: this process's time on the run (an interrupted run's earlier time is lost here;
         # the report's train_s sums time/step from the metrics instead).
         marker["wall_s"] = time.monotonic() - t0
-        _write_json(folder / spec.name / RUN_FILE, marker)
-        if drop_checkpoints:
-            _drop_checkpoints(folder / spec.name, log)
+        if writes:
+            _write_json(folder / spec.name / RUN_FILE, marker)
+            if drop_checkpoints:
+                _drop_checkpoints(folder / spec.name, log)
+        if hosts is not None:  # the next run's children wait for process 0's, started after this
+            hosts.barrier()
         walls.append(marker["wall_s"])
         done += 1
         _release_run_memory()
@@ -237,134 +260,15 @@ def _release_run_memory() -> None:
 
     Each run jits its own train step and sampler (new closures over its model), which JAX's
     caches keep, with whatever they reference, after the run ends. Clearing them helps little in
-    practice (a study process still grew from 11.7 to 12.8 GB between runs); `train_in_child`,
-    which the study script uses, is the robust fix. Kept for in-process `train_fn`s.
+    practice (a study process still grew from 11.7 to 12.8 GB between runs); a process a run
+    (`run_process.train_in_child`, which the study script uses) is the robust fix. Kept for
+    in-process `train_fn`s.
     """
     import gc
 
     gc.collect()
     jax.clear_caches()
     gc.collect()
-
-
-class RunProcessError(RuntimeError):
-    """A run's own process died or failed; the study stops (rerun it to resume the run)."""
-
-
-class RunProcessTimeoutError(RunProcessError):
-    """A run's process outlived its time (`timeout_s`), or ended without a result and did not
-    exit; it was killed."""
-
-
-def _run_child(train_fn, cfg, workdir, log_file, verbose) -> tuple[str, str]:
-    """The run in the child, its setup included: ('finished' | 'diverged', detail)."""
-    if log_file is not None:
-        console.setup(log_file, verbose=verbose)
-    from mmr_jax import compile_cache, trainer
-
-    compile_cache.enable()
-    try:
-        (train_fn or trainer.train)(cfg, workdir)
-    except trainer.NonFiniteLossError as e:
-        return "diverged", str(e)
-    return "finished", ""
-
-
-def _child_main(parent_pid, train_fn, cfg, workdir, log_file, verbose, send) -> None:
-    # SIGKILL with the study: a killed study leaves no orphan run writing into its folder.
-    child_process.die_with_parent(parent_pid, signal.SIGKILL)
-    try:  # everything from here on, setup too, reports its traceback to the parent
-        result = _run_child(train_fn, cfg, workdir, log_file, verbose)
-    except BaseException:
-        result = ("error", traceback.format_exc())
-    send.send(result)
-
-
-def _receive(child, receive, workdir, timeout_s: float | None, poll_s: float):
-    """The child's (kind, detail), or (None, '') when it ends without one. Polls, so that a pipe
-    some grandchild still holds open cannot hang the study once the child is gone."""
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    while not receive.poll(poll_s):
-        if not child.is_alive() and not receive.poll(0):
-            return None, ""
-        if deadline is not None and time.monotonic() > deadline:
-            _kill(child)
-            raise RunProcessTimeoutError(
-                f"run {workdir} did not end within timeout_s={timeout_s:g}s; its process "
-                f"(pid {child.pid}) was killed (rerun the study to resume the run from its latest "
-                "checkpoint)"
-            )
-    try:
-        return receive.recv()
-    except EOFError:  # the child closed its end (it exited) without a result
-        return None, ""
-
-
-def _kill(child) -> None:
-    child.kill()
-    child.join(timeout=30)
-
-
-def train_in_child(
-    cfg,
-    workdir,
-    *,
-    train_fn: Callable | None = None,
-    log_file=None,
-    verbose: bool = False,
-    timeout_s: float | None = None,
-    exit_timeout_s: float = 120.0,
-    poll_s: float = 1.0,
-) -> None:
-    """`trainer.train(cfg, workdir)` in a fresh (spawned) process, which exits when the run ends.
-
-    Each run then starts from an empty JAX process: nothing a run compiled or cached outlives it
-    (in one process a study grew to 16 GB by its sixth SmolLM2 run), and the persistent
-    compilation cache turns the next run's compiles into loads. The child logs to `log_file` and
-    the same stdout; it is killed with the study. A non-finite loss is re-raised here as
-    `NonFiniteLossError` (the run is marked diverged); any other failure, its setup's included,
-    or the child dying, as `RunProcessError` with the child's traceback or exit code.
-
-    Every wait is bounded: the run by `timeout_s` (None: no limit; a run takes what it takes),
-    the child's exit after its result by `exit_timeout_s` (then it is killed; a result it sent
-    stands). Either kill without a result raises `RunProcessTimeoutError`.
-
-    `train_fn` (default `trainer.train`) must be importable by name (spawn pickles it).
-    """
-    from mmr_jax import trainer
-
-    ctx = multiprocessing.get_context("spawn")  # fork after JAX started threads can deadlock
-    receive, send = ctx.Pipe(duplex=False)
-    args = (os.getpid(), train_fn, cfg, str(workdir), log_file, verbose, send)
-    child = ctx.Process(target=_child_main, args=args, name=f"run {pathlib.Path(workdir).name}")
-    child.start()
-    send.close()  # the child holds the only writer: the pipe reads EOF when it dies
-    try:
-        kind, detail = _receive(child, receive, workdir, timeout_s, poll_s)
-    finally:
-        receive.close()
-    child.join(timeout=exit_timeout_s)
-    if child.is_alive():
-        _kill(child)
-        if kind is None:
-            raise RunProcessTimeoutError(
-                f"the process of run {workdir} closed its pipe without a result and did not "
-                f"exit within exit_timeout_s={exit_timeout_s:g}s; it was killed"
-            )
-        log.warning(
-            "run %s: its process did not exit %gs after its result; killed", workdir, exit_timeout_s
-        )
-    if kind == "finished":
-        return
-    if kind == "diverged":
-        raise trainer.NonFiniteLossError(detail)
-    if kind == "error":
-        raise RunProcessError(f"run {workdir} failed in its process:\n{detail}")
-    raise RunProcessError(
-        f"the process of run {workdir} died (exit code {child.exitcode}; -9 is SIGKILL, often "
-        "the kernel's out-of-memory killer) without a result; rerun the study to resume the run "
-        "from its latest checkpoint"
-    )
 
 
 # What `archive` keeps: the study's own files, and of each ended run what the report reads.

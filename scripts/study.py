@@ -9,6 +9,13 @@
         # the study without checkpoints; `cp -r docs/study_cpu/. runs/study_cpu/` and the first
         # command then resumes it elsewhere, skipping the ended runs
 
+On several hosts, the same command on every host with the distributed flags (docs/multihost.md,
+"A study on several hosts"); each run then trains on all of them, its processes a cluster of
+their own at the coordinator's port + 1, and `study.folder` must be one folder every host sees:
+
+    python scripts/study.py --config=configs/study.py --coordinator_address=host0:1234 \\
+        --num_processes=2 --process_id=0        # and --process_id=1 on the other host
+
 Re-running the same command resumes: finished runs are skipped, an interrupted run resumes from
 its latest checkpoint, a study folder of another config is refused with the differences named.
 Writes `<folder>/study.json` (every curve and the summary), `report.md` and `curves.png`.
@@ -31,10 +38,13 @@ import plot_run  # noqa: E402
 from mmr_jax import (  # noqa: E402
     compile_cache,
     console,
+    distributed,
     evaluation,
     metrics,
     run_paths,
+    run_process,
     study,
+    study_hosts,
     study_report,
 )
 
@@ -60,6 +70,7 @@ _KEEP = flags.DEFINE_bool(
 _BASE = flags.DEFINE_bool(
     "base_accuracy", False, "Evaluate the untrained checkpoint on the held-out set and exit."
 )
+_PROCESSES = distributed.define_flags()  # several hosts: every run trains on all of them
 
 
 def write_report(config, specs) -> dict:
@@ -115,14 +126,60 @@ def _check_for_report(folder, now: dict) -> None:
         console.info("report of the stored study; training keys changed since: %s", diff)
 
 
+def _hosts() -> distributed.Options:
+    """The distributed flags, checked (a named error and exit on bad ones)."""
+    try:
+        opts = distributed.options_from_flags(**{k: v.value for k, v in _PROCESSES.items()})
+        study_hosts.check_options(opts, in_process=_IN_PROCESS.value)
+    except (ValueError, distributed.DistributedError) as e:
+        sys.exit(f"ERROR: {type(e).__name__}: {e}")
+    return opts
+
+
 def main(argv):
     del argv
     config = _CONFIG.value
     run_paths.check(config.folder, "--config.folder")  # a bucket (gs://) or a local folder
-    # Progress and the runs' step lines on stdout; Orbax, absl and JAX INFO to <study>/study.log.
-    log_file = console.setup(os.path.join(config.folder, "study.log"))
+    opts = _hosts()
+    process = opts.process_id or 0
+    training = not (_BASE.value or _REPORT_ONLY.value)
+    if process and not training:
+        print(f"process {process}: --report_only and --base_accuracy run on process 0 alone")
+        return
+    # Progress and the runs' step lines on stdout; Orbax, absl and JAX INFO to <study>/study.log
+    # (on several hosts process 0's; the others log to study.process<I>.log and print nothing).
+    name = f"study.process{process}.log" if process else "study.log"
+    log_file = console.setup(os.path.join(config.folder, name), stdout=not process)
+    hosts = training and opts.mode == "explicit"
+    if hosts:
+        try:
+            study_hosts.start(opts)
+        except distributed.DistributedError as e:  # e.g. no coordinator within the timeout
+            sys.exit(f"ERROR: {type(e).__name__}: {e}")
+        console.info("study process %d of %d", process, opts.num_processes)
     logging.info("XLA compilation cache: %s", compile_cache.enable())
     specs = study.plan(config)
+    if not hosts:
+        _one_process(config, specs, log_file)
+        return
+    study_hosts.run(
+        config,
+        opts,
+        report=functools.partial(_report, config, specs),
+        log_file=log_file,
+        verbose=console.verbosity_given(),
+        drop_checkpoints=not _KEEP.value,
+    )
+
+
+def _report(config, specs) -> None:
+    write_report(config, specs)
+    if _ARCHIVE.value:
+        kept = study.archive(config.folder, _ARCHIVE.value)
+        console.info("archived %s (ended runs: %s) -> %s", config.folder, kept, _ARCHIVE.value)
+
+
+def _one_process(config, specs, log_file) -> None:
     if _BASE.value:
         cfg = specs[0].cfg
         result = study.base_accuracy(cfg)
@@ -153,7 +210,7 @@ def main(argv):
     if not _REPORT_ONLY.value:
         # Each run in its own process: nothing one run compiled outlives it (memory stays flat).
         in_child = functools.partial(
-            study.train_in_child, log_file=log_file, verbose=console.verbosity_given()
+            run_process.train_in_child, log_file=log_file, verbose=console.verbosity_given()
         )
         study.run_study(
             config,
@@ -162,10 +219,7 @@ def main(argv):
         )
     else:
         _check_for_report(config.folder, study.resolved(config, specs))
-    write_report(config, specs)
-    if _ARCHIVE.value:
-        kept = study.archive(config.folder, _ARCHIVE.value)
-        console.info("archived %s (ended runs: %s) -> %s", config.folder, kept, _ARCHIVE.value)
+    _report(config, specs)
 
 
 if __name__ == "__main__":

@@ -199,7 +199,6 @@ print("RESULT", json.dumps(out), flush=True)
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("multihost")
 def test_default_mesh_puts_data_across_real_processes():
     """2 real processes x 2 CPU devices: the default config's mesh is (2, 2, 1) with process p's
     devices on data row p; a written (1, 4, 1) keeps fsdp across both processes, as asked. A
@@ -232,7 +231,6 @@ def test_default_mesh_puts_data_across_real_processes():
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("multihost")
 def test_training_on_the_hybrid_default(tmp_path, tiny_llama_dir):
     """scripts/train.py's trainer on 2 processes x 1 device with the default mesh (hybrid:
     (2, 1, 1), data-parallel across the processes) gives the metrics of 1 process x 2 devices

@@ -65,7 +65,6 @@ class TestRolloutUrlWithWeightSync:
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("multihost")
 def test_training_on_one_shared_server_stops_before_any_request(tmp_path, tiny_llama_dir):
     """2 processes, `rollout.url` = one real server: both stop with `RolloutUrlError` before
     the first step; the server received no completion request and no weight reload."""
@@ -101,7 +100,6 @@ def _evaluate(ckpt, data_dir, out_dir, url, *, processes) -> list[str]:
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("multihost")
 def test_evaluation_shares_one_server_without_reloads(tmp_path, tiny_llama_dir):
     """scripts/evaluate.py on 2 processes against one shared server: no process reloads weights
     there (so nothing resets its cache), and eval.json equals that of 1 process on the server:

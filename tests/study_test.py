@@ -4,7 +4,6 @@ import itertools
 import json
 import os
 import pathlib
-import re
 import shutil
 import signal
 import subprocess
@@ -14,13 +13,22 @@ import time
 import numpy as np
 import pytest
 
-from mmr_jax import build, checkpoint, data, paired_stats, study, study_report, trainer
+from mmr_jax import (
+    build,
+    checkpoint,
+    data,
+    paired_stats,
+    run_process,
+    study,
+    study_report,
+    trainer,
+)
 
 from support import testing
+from support.tiny_study import overrides as _overrides
+from support.tiny_study import tiny_study as _tiny_study
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "configs"))
-import study as study_config  # noqa: E402
 
 _XLA_CACHE = testing.XLA_CACHE_DIR  # for the scripts these tests start
 
@@ -112,50 +120,6 @@ class TestAggregation:
         )  # fmt: skip
         assert "| mmr | 2/3 |" in report and "seed 3 (last logged step 10)" in report
         assert "| mmr_s3 | diverged |" in report
-
-
-def _tiny_study(ckpt, folder, **train):
-    c = study_config.get_config("pilot")
-    c.folder = str(folder)
-    c.run = ("grpo", "mmr_grpo")
-    c.compare = (("mmr_grpo", "grpo"),)
-    c.baselines = ("grpo",)
-    t = c.train
-    t.model.path = str(ckpt)
-    t.mmr.embedding_model = "hashing"
-    t.data.system_prompt = t.eval.system_prompt = ""
-    t.batch.prompts, t.batch.generations, t.loss.minibatches = 2, 4, 2
-    t.batch.max_prompt_len, t.batch.max_completion_len = 32, 16
-    t.rewards.weights = {"accuracy": 0.0, "format": 0.0, "cosine": 1.0}
-    t.optim.lr = 1e-3
-    t.total_steps, t.eval.every, t.checkpoint.every = 3, 1, 1
-    t.eval.arithmetic_problems, t.eval.n, t.eval.max_new_tokens = 4, 2, 8
-    t.logging.samples = 0
-    for key, value in train.items():
-        node = t
-        *path, last = key.split(".")
-        for p in path:
-            node = node[p]
-        node[last] = value
-    return c
-
-
-def _overrides(c) -> list[str]:
-    """The CLI flags that make configs/study.py:pilot into `c` (the keys `_tiny_study` sets)."""
-    t = c.train
-    flags = [f"--config.folder={c.folder}", "--config.run=('grpo','mmr_grpo')",
-             "--config.compare=(('mmr_grpo','grpo'),)", "--config.baselines=('grpo',)"]  # fmt: skip
-    for key in ("model.path", "mmr.embedding_model", "data.system_prompt", "eval.system_prompt",
-                "batch.prompts", "batch.generations", "loss.minibatches", "batch.max_prompt_len",
-                "batch.max_completion_len", "optim.lr", "total_steps", "eval.every",
-                "checkpoint.every", "eval.arithmetic_problems", "eval.n", "eval.max_new_tokens",
-                "logging.samples"):  # fmt: skip
-        node = t
-        for p in key.split("."):
-            node = node[p]
-        flags.append(f"--config.train.{key}={node}")
-    flags += [f"--config.train.rewards.weights.{k}={v}" for k, v in t.rewards.weights.items()]
-    return flags
 
 
 class TestConfigChecks:
@@ -284,96 +248,19 @@ class TestArchive:
             study.archive(tmp_path / "nothing", tmp_path / "a2")
 
 
-# Run bodies for `train_in_child`: module level, so the spawned child can import them by name.
-def _child_writes_pid(cfg, workdir):
-    pathlib.Path(workdir).mkdir(parents=True, exist_ok=True)
-    (pathlib.Path(workdir) / "pid").write_text(f"{os.getpid()} {os.getppid()} {cfg}")
-
-
+# A run body for `train_in_child`: module level, so the spawned child can import it by name.
 def _child_diverges(cfg, workdir):
     raise trainer.NonFiniteLossError("step 3: non-finite loss nan")
 
 
-def _child_raises(cfg, workdir):
-    raise ValueError("bad row 17")
-
-
-def _child_dies(cfg, workdir):
-    os._exit(7)
-
-
-def _child_sleeps(cfg, workdir):
-    pathlib.Path(workdir).mkdir(parents=True, exist_ok=True)
-    (pathlib.Path(workdir) / "pid").write_text(str(os.getpid()))
-    time.sleep(120)
-
-
-def _child_lingers(cfg, workdir):
-    """Finishes, but a non-daemon thread keeps its process from exiting for a minute."""
-    import threading
-
-    _child_writes_pid(cfg, workdir)
-    threading.Thread(target=time.sleep, args=(60,)).start()
-
-
-def _gone(pid: int) -> bool:
-    try:
-        return pathlib.Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
-    except FileNotFoundError:
-        return True
-
-
 class TestRunInChild:
-    @pytest.mark.slow
-    def test_outcomes_cross_the_process_boundary(self, tmp_path):
-        study.train_in_child("cfg-x", tmp_path / "ok", train_fn=_child_writes_pid)
-        child_pid, parent_pid, cfg = (tmp_path / "ok" / "pid").read_text().split()
-        assert int(child_pid) != os.getpid() and int(parent_pid) == os.getpid()
-        assert cfg == "cfg-x"
-        with pytest.raises(trainer.NonFiniteLossError, match="step 3: non-finite loss nan"):
-            study.train_in_child(None, tmp_path / "d", train_fn=_child_diverges)
-        with pytest.raises(study.RunProcessError, match=r"(?s)failed in its process.*bad row 17"):
-            study.train_in_child(None, tmp_path / "e", train_fn=_child_raises)
-        with pytest.raises(study.RunProcessError, match=r"died \(exit code 7"):
-            study.train_in_child(None, tmp_path / "x", train_fn=_child_dies)
-
-    @pytest.mark.slow
-    def test_a_failure_in_the_childs_setup_reports_its_traceback(self, tmp_path):
-        # console.setup cannot create the log file's folder: a file stands in its place.
-        (tmp_path / "taken").write_text("")
-        log_file = tmp_path / "taken" / "run.log"
-        match = r"(?s)failed in its process.*Traceback.*console.py.*(FileExistsError|NotADirectory)"
-        with pytest.raises(study.RunProcessError, match=match):
-            study.train_in_child(None, tmp_path / "r", train_fn=_child_raises, log_file=log_file)
-
-    def test_a_run_past_its_timeout_is_killed_with_a_named_error(self, tmp_path):
-        start = time.monotonic()
-        with pytest.raises(
-            study.RunProcessTimeoutError, match=r"did not end within timeout_s=3s"
-        ) as caught:
-            study.train_in_child(
-                None, tmp_path / "s", train_fn=_child_sleeps, timeout_s=3, poll_s=0.1
-            )
-        assert time.monotonic() - start < 30
-        # The pid from the error, not from the child's pid file: on a loaded machine the spawned
-        # child may still be importing when the 3 s run out, before it writes its file.
-        assert _gone(int(re.search(r"\(pid (\d+)\)", str(caught.value)).group(1)))
-
-    def test_a_child_that_does_not_exit_after_its_result_is_killed(self, tmp_path):
-        start = time.monotonic()
-        study.train_in_child(
-            "c", tmp_path / "l", train_fn=_child_lingers, exit_timeout_s=1, poll_s=0.1
-        )  # the run finished: its result stands
-        assert time.monotonic() - start < 30
-        assert _gone(int((tmp_path / "l" / "pid").read_text().split()[0]))
-
     @pytest.mark.slow
     def test_a_diverged_child_marks_the_run_diverged(self, tmp_path):
         c = _tiny_study("ckpt", tmp_path / "s")
         c.run, c.compare = ("grpo",), ()
 
         def in_child(cfg, workdir):
-            study.train_in_child(cfg, workdir, train_fn=_child_diverges)
+            run_process.train_in_child(cfg, workdir, train_fn=_child_diverges)
 
         study.run_study(c, train_fn=in_child, log=lambda s: None)
         status = study.run_status(c.folder, study.plan(c)[0])

@@ -133,7 +133,6 @@ def _check(run: dict, *, devices: int) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("multihost")
 @pytest.mark.parametrize("devices", [1, 2])
 def test_two_processes_full_and_lora(devices):
     modes = ["full", "lora", "vllm_lora", "disagree"]

@@ -23,10 +23,19 @@ REPO = pathlib.Path(__file__).resolve().parents[2]
 TARGET = set("0123456789")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
+def free_port(consecutive: int = 1) -> int:
+    """A port P free now, with P + 1 .. P + consecutive - 1 free too (a study uses P + 1)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("localhost", 0))
+            port = s.getsockname()[1]
+        try:
+            for k in range(1, consecutive):
+                with socket.socket() as s:
+                    s.bind(("localhost", port + k))
+            return port
+        except OSError:
+            continue
 
 
 def launch(
