@@ -348,10 +348,24 @@ def _hf_config(path: str) -> pathlib.Path:
     raise FileNotFoundError(f"no config.json in {path} (nor third_party/hf_configs/{stem}.json)")
 
 
+def dry_run_mesh_sizes(
+    cfg: config_types.TrainConfig, *, hosts: int, devices_per_host: int
+) -> dict[str, int]:
+    """The (data, fsdp, tensor) sizes `make_mesh` gives `cfg.mesh` on `hosts` x `devices_per_host`
+    devices (`sharding.mesh_sizes`: its layout and errors). A shape written in full is taken as
+    written, whether or not these devices fit it (a pod's mesh dry-run on a laptop)."""
+    shape = tuple(cfg.mesh.shape)
+    if -1 not in shape:
+        return dict(zip(sharding.AXES, shape, strict=True))
+    return sharding.mesh_sizes(
+        shape, hosts=hosts, devices_per_host=devices_per_host, layout=cfg.mesh.layout
+    )
+
+
 def dry_run(cfg: config_types.TrainConfig) -> dict[str, Any]:
     """Builds model, optimiser state and mesh abstractly (no weights); returns, logs the sizes.
 
-    The mesh is the configured one, with -1 standing for the devices of this host.
+    The mesh is the one this cluster's run builds (`dry_run_mesh_sizes` over its processes).
     """
     from mmr_jax.models import dry_run as model_dry_run
 
@@ -364,12 +378,11 @@ def dry_run(cfg: config_types.TrainConfig) -> dict[str, Any]:
     _, params, _, _ = nnx.split(abstract, trainable, nnx.Param, ...)
     optimizer, _ = make_optimizer(cfg)
     opt_state = jax.eval_shape(optimizer.init, params)
-    sizes = list(cfg.mesh.shape)
-    if -1 in sizes:
-        sizes[sizes.index(-1)] = max(
-            1, len(jax.devices()) // math.prod(s for s in sizes if s != -1)
+    mesh = model_dry_run.MeshShape(
+        **dry_run_mesh_sizes(
+            cfg, hosts=jax.process_count(), devices_per_host=jax.local_device_count()
         )
-    mesh = model_dry_run.MeshShape(*sizes)
+    )
     out = model_dry_run.summarize(
         mcfg, mesh=mesh, lora=lora, param_dtype=DTYPES[cfg.model.param_dtype]
     )

@@ -13,16 +13,11 @@ mid-save leaves the previous checkpoints intact; only the last `keep` are kept. 
 fails to restore (truncated or missing files) is moved aside to `<step>.unreadable` and the one
 before it is restored; with several processes a step is taken only when every process read it,
 and process 0 alone moves one aside. A transient read error (an I/O error or timeout of the
-filesystem or bucket, `is_transient`) is retried with backoff, and if it persists stops the run
-with `CheckpointReadError`: the step is not moved aside and the metrics are not cut back to an
-older one. A write that fails (full disk, read-only folder) raises `WorkdirWriteError` naming the
-path; what was already saved is left as it was.
-
-Orbax internals relied on (orbax-checkpoint 0.12, pinned in setup.cfg;
-tests/checkpoint_retry_test.py fails if one changes): the name of the barrier that ends
-`Checkpointer.restore` (`ORBAX_RESTORE_BARRIER`), and that it runs inside
-`orbax.checkpoint.multihost.sync_global_processes` (`_in_barrier`). The barrier's prefix and
-processes are the `MultiprocessingOptions` this module gives the manager (public API).
+filesystem or bucket, `checkpoint_read.is_transient`) is retried with backoff, and if it persists
+stops the run with `CheckpointReadError`: the step is not moved aside and the metrics are not cut
+back to an older one (`checkpoint_read` also holds the Orbax internals a failed read relies on).
+A write that fails (full disk, read-only folder) raises `WorkdirWriteError` naming the path; what
+was already saved is left as it was. The HF exports of a run are `run_export`'s.
 """
 
 from __future__ import annotations
@@ -31,11 +26,8 @@ import errno
 import hashlib
 import json
 import os
-import pathlib
 import re
-import tempfile
 import time
-import traceback
 from collections.abc import Mapping
 from typing import Any
 
@@ -45,7 +37,7 @@ import orbax.checkpoint as ocp
 from absl import logging
 from etils import epath
 
-from mmr_jax import checkpoint_layout, distributed, faults, run_paths
+from mmr_jax import checkpoint_layout, checkpoint_read, distributed, run_paths
 
 RUN_FILE = "run.json"
 CKPT_DIR = "checkpoints"
@@ -79,54 +71,7 @@ class CheckpointReadError(CheckpointRestoreError):
 # errno values that mean "this path cannot take the write", as opposed to a bug.
 WRITE_ERRNOS = frozenset({errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.EDQUOT})
 UNREADABLE_SUFFIX = ".unreadable"
-# The barrier that ends orbax's `Checkpointer.restore` (orbax 0.12); a process whose read failed
-# joins it (`Checkpointer._join_restore_barrier`).
-ORBAX_RESTORE_BARRIER = "Checkpointer:restore"
-# The orbax barrier function a restore's barrier runs in (a peer died there, not a read failed).
-ORBAX_BARRIER_FUNCTIONS = ("sync_global_devices", "sync_global_processes")
-# The manager's multi-process options, given explicitly so that the restore barrier's key and
-# processes are known without reading orbax's private attributes.
-MULTIPROCESSING = ocp.options.MultiprocessingOptions(
-    primary_host=0, active_processes=None, barrier_sync_key_prefix=None
-)
-# errno values of a read that may succeed when tried again (network filesystems, buckets).
-TRANSIENT_ERRNOS = frozenset({
-    errno.EIO, errno.ETIMEDOUT, errno.EAGAIN, errno.EINTR, errno.EBUSY, errno.ESTALE,
-    errno.ECONNRESET, errno.ECONNABORTED, errno.ECONNREFUSED, errno.ENETUNREACH,
-    errno.EHOSTUNREACH,
-})  # fmt: skip
-# tensorstore / gRPC status words of the same (their errors are ValueErrors with text).
-_TRANSIENT_WORDS = ("DEADLINE_EXCEEDED", "UNAVAILABLE", "RESOURCE_EXHAUSTED")
 READ_RETRY_S = (1.0, 4.0, 16.0)  # waits before each retry of a transient read error
-
-
-def restore_barrier_key(async_save: bool) -> str:
-    """The key of the barrier that ends orbax's restore, as orbax 0.12 forms it: its
-    AsyncCheckpointer (async_save) turns a None prefix into '' (key '_Checkpointer:restore')."""
-    prefix = MULTIPROCESSING.barrier_sync_key_prefix
-    if async_save and prefix is None:
-        prefix = ""
-    return ocp.multihost.unique_barrier_key(ORBAX_RESTORE_BARRIER, prefix=prefix)
-
-
-def is_transient(err: BaseException) -> bool:
-    """Whether `err` (or an error it was raised from) is a read that may succeed when retried:
-    an OSError with a `TRANSIENT_ERRNOS` errno, a timeout or a connection error, or tensorstore's
-    report of one. Anything else (missing or bad metadata, a file that does not deserialise, a
-    shape that does not fit) means the checkpoint itself is broken."""
-    seen = set()
-    while err is not None and id(err) not in seen:
-        seen.add(id(err))
-        if isinstance(err, (TimeoutError, ConnectionError)):
-            return True
-        if isinstance(err, OSError) and err.errno in TRANSIENT_ERRNOS:
-            return True
-        text = str(err)
-        m = re.search(r"os_error_code='(\d+)'", text)
-        if (m and int(m.group(1)) in TRANSIENT_ERRNOS) or any(w in text for w in _TRANSIENT_WORDS):
-            return True
-        err = err.__cause__ or err.__context__
-    return False
 
 
 def write_error(err: BaseException, path, what: str, *, kept: str = "") -> WorkdirWriteError:
@@ -143,6 +88,17 @@ def write_error(err: BaseException, path, what: str, *, kept: str = "") -> Workd
         f"cannot write {what} to {where or path}: {reason}. {kept}"
         "Free space or make the folder writable, then re-run the same command to resume.",
     )
+
+
+def state_tree(state) -> dict:
+    """The tree a `train_step.TrainState` is saved as (`<step>/state`); of a freshly built state,
+    also the abstract state `Checkpointer.restore` takes."""
+    return {
+        "step": state.step,
+        "params": state.params,
+        "opt_state": state.opt_state,
+        "rng": state.rng,
+    }
 
 
 class Checkpointer:
@@ -173,7 +129,7 @@ class Checkpointer:
             keep_period=keep_period or None,
             create=True,
             enable_async_checkpointing=async_save,
-            multiprocessing_options=MULTIPROCESSING,
+            multiprocessing_options=checkpoint_read.MULTIPROCESSING,
         )
         self._saving = None  # step of the write in flight, for error messages
         with self._writing():
@@ -243,7 +199,11 @@ class Checkpointer:
         `CheckpointReadError` when it persists (nothing moved aside)."""
         for attempt in range(len(self.read_retry_s) + 1):
             out, err = self._attempt(step, abstract, args)
-            err, transient = _agreed_failure(step, err)  # a step some process cannot read
+            failed, transient = checkpoint_read.agreed_outcome(err)
+            if err is None and failed:  # a step some other process cannot read
+                err = CheckpointRestoreError(
+                    f"step {step} is unreadable on process(es) {failed} (their logs say why)"
+                )
             if err is None or not transient:
                 return out, err
             if attempt == len(self.read_retry_s):
@@ -270,17 +230,9 @@ class Checkpointer:
         try:
             return self._restore_step(step, abstract, args), None
         except Exception as e:  # any failure to read: the caller tries the one before
-            if jax.process_count() > 1 and not _in_barrier(e):
-                self._join_restore_barrier()
+            if jax.process_count() > 1 and not checkpoint_read.in_barrier(e):
+                checkpoint_read.join_restore_barrier(self.async_save)
             return None, e
-
-    def _join_restore_barrier(self) -> None:
-        """Orbax's restore ends in a barrier where the processes that read the step wait; one
-        whose read failed joins it (the same key, as orbax 0.12 forms it), so that every process
-        runs the same collectives next."""
-        ocp.multihost.sync_global_processes(
-            restore_barrier_key(self.async_save), processes=MULTIPROCESSING.active_processes
-        )
 
     def _restore_step(self, step: int, abstract, args):
         # Written before the decoder's layers were stacked: stacked while restoring.
@@ -335,30 +287,6 @@ class Checkpointer:
             self.wait()
         finally:
             self._manager.close()
-
-
-def _in_barrier(err: BaseException) -> bool:
-    """Whether `err` came out of a cross-process barrier (a peer died) rather than a read."""
-    frames = traceback.extract_tb(err.__traceback__)
-    return any(f.name in ORBAX_BARRIER_FUNCTIONS for f in frames)
-
-
-_READ, _BROKEN, _TRANSIENT = 0, 1, 2  # a process's outcome of reading a step
-
-
-def _agreed_failure(step: int, err: BaseException | None) -> tuple[BaseException | None, bool]:
-    """(this process's `err` for `step`, or an error naming the processes that could not read it;
-    whether any process's failure was transient). (None, False) when every process read it:
-    every process takes the same decision."""
-    mine = _READ if err is None else _TRANSIENT if is_transient(err) else _BROKEN
-    outcomes = distributed.allgather(np.array([mine], np.int32))[:, 0]
-    transient = bool((outcomes == _TRANSIENT).any())
-    if err is not None or not outcomes.any():
-        return err, transient
-    return CheckpointRestoreError(
-        f"step {step} is unreadable on process(es) {np.flatnonzero(outcomes).tolist()} "
-        "(their logs say why)"
-    ), transient
 
 
 class _WriteGuard:
@@ -470,43 +398,3 @@ def prepare_workdir(workdir, config: Mapping[str, Any], *, overwrite: bool = Fal
 def read_run_config(workdir) -> dict:
     """The config dict stored in `workdir/run.json`."""
     return json.loads((run_paths.as_path(workdir) / RUN_FILE).read_text())["config"]
-
-
-def export_model(
-    model, out_dir, *, base_path: str, dtype, lora: bool, step: int | None = None
-) -> epath.Path:
-    """Writes `model` as a HF folder (LoRA merged) that transformers and vLLM load.
-
-    Under LoRA the adapters alone are also written as a PEFT folder, `<out_dir>/adapter`.
-    `base_path` is the HF folder the run started from (tokenizer files, PEFT base name).
-    The folder is written as `<out_dir>.partial` and renamed when complete, so a killed export
-    never leaves a `step_N` folder that evaluate.py would take for a finished one. For a bucket
-    `out_dir`, the folder is written locally first and uploaded to `<out_dir>.partial`.
-    """
-    from mmr_jax.models import export, hub
-
-    out_dir = run_paths.as_path(out_dir)
-    partial = out_dir.with_name(out_dir.name + ".partial")
-    try:
-        if partial.exists():  # left by a killed export
-            partial.rmtree()
-        with tempfile.TemporaryDirectory(prefix="mmr_jax_export_") as tmp:
-            local = pathlib.Path(tmp) if run_paths.is_remote(out_dir) else pathlib.Path(partial)
-            tokenizer_dir = hub.resolve_checkpoint(base_path)
-            export.save_hf(model, local, tokenizer_dir=tokenizer_dir, dtype=dtype)
-            if lora:
-                export.save_peft_adapter(
-                    model, local / "adapter", base_model_name_or_path=base_path
-                )
-            if run_paths.is_remote(out_dir):
-                run_paths.upload_tree(local, partial)
-        faults.point("export", step)
-        if out_dir.exists():
-            out_dir.rmtree()
-        partial.rename(out_dir)
-    except OSError as e:
-        if e.errno not in WRITE_ERRNOS:
-            raise
-        raise write_error(e, partial, "the HF export") from e
-    logging.info("exported %s", out_dir)
-    return out_dir

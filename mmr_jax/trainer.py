@@ -5,7 +5,9 @@
     metrics -> checkpoint -> periodic evaluation
 
 Side effects (engines, files, clocks, logging) live here; the math lives in `mmr`, `advantages`,
-`losses` and `train_step`. Entry points: `train(cfg, workdir)`, `build.dry_run(cfg)`, `export_hf`.
+`losses` and `train_step`. How a run ends (its named errors, its close) is `run_end`'s; its HF
+exports are `run_export`'s. Entry points: `train(cfg, workdir)`, `build.dry_run(cfg)`, `export_hf`
+(`run_export.export_hf`, kept here as the trainer's API).
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ from mmr_jax import (
     experience,
     faults,
     metrics,
+    run_end,
+    run_export,
     run_paths,
     shape_reuse,
     step_batch,
@@ -41,6 +45,9 @@ from mmr_jax.rollout import prefetch as rollout_prefetch
 
 class NonFiniteLossError(FloatingPointError):
     """The loss became NaN or inf; the run stops, its last good checkpoint untouched."""
+
+
+export_hf = run_export.export_hf  # the trainer's API (scripts/train.py --export_hf)
 
 
 @dataclasses.dataclass
@@ -64,19 +71,6 @@ class Run:
     lengths: shape_reuse.LengthChooser | None = None  # packed steps, batch.reuse_compiled_lengths
     mesh: Any = None  # the global mesh: the step's batch is split over its (data, fsdp) axes
     prefetch: rollout_prefetch.OffPolicyRollouts | None = None  # rollout.off_policy_lag=1
-
-
-def _abstract(tree):
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
-
-
-def _ckpt_tree(state: train_step.TrainState) -> dict:
-    return {
-        "step": state.step,
-        "params": state.params,
-        "opt_state": state.opt_state,
-        "rng": state.rng,
-    }
 
 
 def setup(cfg: config_types.TrainConfig, workdir, *, overwrite: bool = False) -> Run:
@@ -105,7 +99,7 @@ def setup(cfg: config_types.TrainConfig, workdir, *, overwrite: bool = False) ->
         keep=cfg.checkpoint.keep,
         keep_period=cfg.checkpoint.keep_period,
     )
-    restored = ckpt.restore(_abstract(_ckpt_tree(state)))
+    restored = ckpt.restore(checkpoint.state_tree(state))
     resume_step, lengths_state = None, None
     if restored is not None:
         tree, meta = restored
@@ -115,7 +109,7 @@ def setup(cfg: config_types.TrainConfig, workdir, *, overwrite: bool = False) ->
         lengths_state = meta.get("packed_lengths")  # absent in checkpoints before shape_reuse
     _header(cfg, workdir, resume_step)
     if resume_step is not None and cfg.checkpoint.export_hf:
-        _export_if_missing(cfg, policy, state, workdir, resume_step)
+        run_export.export_if_missing(cfg, policy, state, workdir, resume_step)
     # A vLLM server's sync folder and log stay local: a bucket workdir's staging folder.
     engine = _make_engine(cfg, policy, tokenizer, run_paths.open_run(workdir).local, mesh)
     engine.sync_weights(policy.model(state.params), version=int(state.step))
@@ -204,17 +198,6 @@ def _header(cfg: config_types.TrainConfig, workdir: str, resume_step: int | None
     )
 
 
-def _export_if_missing(cfg, policy, state, workdir: str, step: int) -> None:
-    # A run killed between its last checkpoint and that step's export resumes after the step.
-    out = os.path.join(workdir, f"step_{step}")
-    # In a bucket a folder's rename copies, then deletes: a `.partial` left means it did not end.
-    done = run_paths.as_path(out)
-    missing = not done.exists() or done.with_name(done.name + ".partial").exists()
-    if distributed.primary_value(missing):  # every process joins the export
-        console.info("exporting step %d, not finished before the restart", step)
-        _export(cfg, policy.model(state.params), out, step)
-
-
 def collect(run: Run, step: int, timings: dict) -> tuple[experience.Groups, dict]:
     """B groups for `step` (`step_batch.collect`) and their metrics."""
     groups, info = step_batch.collect(
@@ -265,27 +248,14 @@ def save(run: Run, step: int) -> None:
     if run.lengths is not None:  # a resume makes the same length choices (shape_reuse)
         meta["packed_lengths"] = run.lengths.state()
     run_paths.mirror(run.workdir)  # a bucket's metrics reach this step before its checkpoint
-    run.checkpointer.save(step, _ckpt_tree(run.state), meta)
+    run.checkpointer.save(step, checkpoint.state_tree(run.state), meta)
     faults.point("checkpoint", step)
     console.info("checkpoint step %d -> %s", step, run.checkpointer.directory / str(step))
     if run.cfg.checkpoint.export_hf:
         run.checkpointer.wait()
         out = os.path.join(run.workdir, f"step_{step}")
-        _export(run.cfg, run.policy.model(run.state.params), out, step)
+        run_export.export(run.cfg, run.policy.model(run.state.params), out, step)
         console.info("exported step %d -> %s", step, out)
-
-
-def _export(
-    cfg: config_types.TrainConfig, model, out_dir, step: int | None = None, mesh=None
-) -> None:
-    if jax.process_count() > 1:  # whole weights gathered on every process; process 0 writes
-        model = distributed.local_model(model, mesh)
-        if not distributed.is_primary():
-            return
-    dtype = build.DTYPES[cfg.model.dtype]
-    checkpoint.export_model(
-        model, out_dir, base_path=cfg.model.path, dtype=dtype, lora=cfg.lora.enabled, step=step
-    )
 
 
 def evaluate(run: Run, step: int) -> dict[str, float]:
@@ -378,18 +348,13 @@ def train(cfg: config_types.TrainConfig, workdir, *, overwrite: bool = False) ->
             host = _check_finite(pending[0], pending[1], run.workdir, last_saved)
             _log(run, pending[0], {**pending[2], **host}, progress)
             host = {**pending[2], **host}
-    except OSError as e:
-        if isinstance(e, checkpoint.WorkdirWriteError) or e.errno not in checkpoint.WRITE_ERRNOS:
+    except Exception as e:  # a full disk, a dead peer process: a named error (run_end)
+        named = run_end.named_error(e, run.workdir, last_saved)
+        if named is None:
             raise
-        kept = f"The last complete checkpoint (step {last_saved}) is intact. " if last_saved else ""
-        raise checkpoint.write_error(e, run.workdir, "the run's files", kept=kept) from e
-    except Exception as e:  # a dead peer process: a named error, not the collective's own
-        lost = distributed.peer_lost(e)
-        if lost is None or lost is e:
-            raise
-        raise lost from e
+        raise named from e
     finally:
-        _close(run)
+        run_end.close(run)
     return host
 
 
@@ -398,80 +363,3 @@ def _log_eval(step: int, info: dict) -> None:
         f"{k[len('eval/') :]}={v:.3f}" for k, v in info.items() if k.startswith("eval/")
     )
     console.info("eval step %d: %s", step, scores)
-
-
-# A process of several that fails joins its checkpoint write in flight this long at most: its
-# peers wait in a collective until it exits (`distributed.failures`).
-CLOSE_WAIT_S = 60.0
-
-
-def _close(run: Run) -> None:
-    """Joins the checkpoint write in flight; when an error is already on its way, keeps that one.
-
-    With several processes a failing one first announces its error to its peers
-    (`distributed.announce`), and joins the write for at most `CLOSE_WAIT_S`; the caller then
-    leaves without JAX's exit barrier (`distributed.exit_now`, scripts/train.py)."""
-    import sys
-
-    error = sys.exc_info()[1]
-    failing, several = error is not None, jax.process_count() > 1
-    if failing and several and distributed.peer_lost(error) is None:
-        distributed.announce(error)  # before anything that could wait for the peers
-    try:
-        if failing and several:
-            _close_bounded(run.checkpointer, CLOSE_WAIT_S)
-        else:
-            run.checkpointer.close()
-    except Exception as e:  # a failed write: reported, the first error kept
-        if not failing:
-            raise
-        logging.warning("closing the checkpointer after an error: %s", e)
-    finally:
-        run.writer.close()
-        if run.prefetch is not None:  # before the engine: a rollout in flight is dropped
-            run.prefetch.close()
-        if hasattr(run.engine, "close"):  # a vLLM server the run launched stops with it
-            run.engine.close()
-        run_paths.close(run.workdir)  # a bucket workdir gets its metrics and logs now
-
-
-def _close_bounded(ckpt: checkpoint.Checkpointer, seconds: float) -> None:
-    """`ckpt.close()` in a thread joined for at most `seconds` (then abandoned: Orbax never takes
-    an unfinished step's temporary folder for a checkpoint)."""
-    import threading
-
-    errors = []
-
-    def close():
-        try:
-            ckpt.close()
-        except Exception as e:  # reported below, in this thread
-            errors.append(e)
-
-    thread = threading.Thread(target=close, name="checkpoint-close", daemon=True)
-    thread.start()
-    thread.join(seconds)
-    if thread.is_alive():
-        logging.warning("checkpoint write not finished after %.0f s; abandoned", seconds)
-    elif errors:
-        logging.warning("closing the checkpointer after an error: %s", errors[0])
-
-
-def export_hf(cfg: config_types.TrainConfig, workdir, out_dir, *, step: int | None = None) -> str:
-    """Writes checkpoint `step` (default: latest) of `workdir` as a HF folder (PEFT under LoRA).
-
-    With several processes every process restores its shards of the global arrays onto the
-    run's mesh and joins the gather; process 0 writes."""
-    run_paths.check(workdir)
-    run_paths.check(out_dir, "--export_hf")
-    mesh = build.make_mesh(cfg) if jax.process_count() > 1 else None
-    policy = build.load_policy(cfg, mesh)
-    optimizer, _ = build.make_optimizer(cfg)
-    state = build.init_state(cfg, policy.params, optimizer, mesh)
-    ckpt = checkpoint.Checkpointer(os.path.join(os.fspath(workdir), checkpoint.CKPT_DIR), keep=None)
-    restored = ckpt.restore(_abstract(_ckpt_tree(state)), step=step)
-    ckpt.close()
-    if restored is None:
-        raise FileNotFoundError(f"no checkpoint in {workdir}")
-    _export(cfg, policy.model(restored[0]["params"]), out_dir, mesh=mesh)
-    return os.fspath(out_dir)

@@ -1,5 +1,5 @@
 """Transient read errors are retried and never discard a checkpoint; corruption is moved aside;
-the Orbax internals the restore relies on are where checkpoint.py expects them."""
+the Orbax internals the restore relies on are where checkpoint_read.py expects them."""
 
 import configparser
 import errno
@@ -12,7 +12,7 @@ import orbax.checkpoint as ocp
 import pytest
 from packaging import specifiers, version
 
-from mmr_jax import checkpoint
+from mmr_jax import checkpoint, checkpoint_read
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -61,7 +61,7 @@ class TestIsTransient:
         ],
     )
     def test_transient(self, err):
-        assert checkpoint.is_transient(err)
+        assert checkpoint_read.is_transient(err)
 
     @pytest.mark.parametrize(
         "err",
@@ -73,7 +73,7 @@ class TestIsTransient:
         ],
     )
     def test_corruption(self, err):
-        assert not checkpoint.is_transient(err)
+        assert not checkpoint_read.is_transient(err)
 
     def test_cause_chain(self):
         try:
@@ -82,7 +82,7 @@ class TestIsTransient:
             except OSError as e:
                 raise ValueError("restore failed") from e
         except ValueError as outer:
-            assert checkpoint.is_transient(outer)
+            assert checkpoint_read.is_transient(outer)
 
 
 class TestTransientRead:
@@ -123,12 +123,12 @@ class TestTransientRead:
 
 
 class TestOrbaxInternals:
-    """What checkpoint.py relies on in orbax-checkpoint, beyond its public API."""
+    """What checkpoint_read.py relies on in orbax-checkpoint, beyond its public API."""
 
     @pytest.mark.parametrize("async_save", [True, False])
     def test_restore_barrier_key_and_processes(self, tmp_path, monkeypatch, async_save):
         """A process whose read failed joins the barrier that ends orbax's restore with the key
-        and processes `_join_restore_barrier` forms: orbax must use the same."""
+        and processes `join_restore_barrier` forms: orbax must use the same."""
         from orbax.checkpoint._src.multihost import multihost as orbax_multihost
 
         ck_dir = _saved(tmp_path, steps=(1,))
@@ -142,15 +142,16 @@ class TestOrbaxInternals:
         ck = checkpoint.Checkpointer(ck_dir, keep=None, async_save=async_save)
         ck.restore(_abstract(_state()))
         ck.close()
-        ours = checkpoint.restore_barrier_key(async_save)
-        assert (ours, checkpoint.MULTIPROCESSING.active_processes) in seen, seen
+        ours = checkpoint_read.restore_barrier_key(async_save)
+        assert (ours, checkpoint_read.MULTIPROCESSING.active_processes) in seen, seen
 
     def test_barrier_function_names(self):
-        """`_in_barrier` recognises a failure inside orbax's barrier by its function's name."""
+        """`in_barrier` recognises a failure inside orbax's barrier by its function's name."""
         from jax.experimental import multihost_utils
 
-        assert ocp.multihost.sync_global_processes.__name__ in checkpoint.ORBAX_BARRIER_FUNCTIONS
-        assert multihost_utils.sync_global_devices.__name__ in checkpoint.ORBAX_BARRIER_FUNCTIONS
+        names = checkpoint_read.ORBAX_BARRIER_FUNCTIONS
+        assert ocp.multihost.sync_global_processes.__name__ in names
+        assert multihost_utils.sync_global_devices.__name__ in names
 
     def test_installed_version_inside_pinned_range(self):
         cfg = configparser.ConfigParser()

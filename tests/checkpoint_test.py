@@ -5,30 +5,20 @@ import json
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 
 from mmr_jax import checkpoint
 
-
-def _state(scale=1.0):
-    params = {"w": scale * jnp.ones((3, 4)), "b": {"x": jnp.arange(2.0)}}
-    opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))
-    rng = jax.random.key_data(jax.random.key(7))
-    return {"params": params, "opt_state": opt.init(params), "rng": rng, "step": jnp.int32(0)}
-
-
-def _abstract(tree):
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
+from support import checkpoint_trees as trees
 
 
 class TestCheckpointer:
     def test_round_trip(self, tmp_path):
         ck = checkpoint.Checkpointer(tmp_path / "ck", keep=3)
-        state = _state(2.0)
+        state = trees.state(2.0)
         ck.save(5, state, {"step": 5, "data": {"epoch": 1, "position": 3}})
         ck.wait()
-        out, meta = ck.restore(_abstract(_state()))
+        out, meta = ck.restore(trees.abstract(trees.state()))
         assert meta == {"step": 5, "data": {"epoch": 1, "position": 3}}
         jax.tree.map(np.testing.assert_array_equal, out, state)
         assert jax.tree.structure(out) == jax.tree.structure(state)
@@ -37,21 +27,21 @@ class TestCheckpointer:
     def test_keeps_last_k(self, tmp_path):
         ck = checkpoint.Checkpointer(tmp_path / "ck", keep=2)
         for step in range(1, 6):
-            ck.save(step, _state(step), {"step": step})
+            ck.save(step, trees.state(step), {"step": step})
         ck.wait()
         assert ck.all_steps() == [4, 5] and ck.latest_step() == 5
-        out, _ = ck.restore(_abstract(_state()), step=4)
+        out, _ = ck.restore(trees.abstract(trees.state()), step=4)
         np.testing.assert_array_equal(out["params"]["w"], 4 * np.ones((3, 4)))
         ck.close()
 
     def test_empty(self, tmp_path):
         ck = checkpoint.Checkpointer(tmp_path / "ck")
-        assert ck.restore(_abstract(_state())) is None and ck.latest_step() is None
+        assert ck.restore(trees.abstract(trees.state())) is None and ck.latest_step() is None
         ck.close()
 
     def test_unfinished_save_is_ignored(self, tmp_path):
         ck = checkpoint.Checkpointer(tmp_path / "ck", keep=3)
-        ck.save(1, _state(), {"step": 1})
+        ck.save(1, trees.state(), {"step": 1})
         ck.close()
         # What a killed writer leaves: an orbax temporary folder for the next step.
         (tmp_path / "ck" / "2.orbax-checkpoint-tmp-123").mkdir()
@@ -60,46 +50,35 @@ class TestCheckpointer:
         ck.close()
 
 
-def _truncate(path, size=None):
-    data = path.read_bytes()
-    path.write_bytes(data[: len(data) // 2 if size is None else size])
-
-
-CORRUPTIONS = {  # what a crash or a bad disk can leave in a step folder orbax already renamed
-    "data_truncated": lambda d: [_truncate(f) for f in (d / "state").rglob("d/*") if f.is_file()],
-    "state_metadata_truncated": lambda d: _truncate(d / "state" / "_METADATA", 10),
-    "meta_missing": lambda d: (d / "meta" / "metadata").unlink(),
-    "state_missing": lambda d: __import__("shutil").rmtree(d / "state"),
-}
-
-
 class TestUnreadableCheckpoint:
-    @pytest.mark.parametrize("corruption", sorted(CORRUPTIONS))
+    @pytest.mark.parametrize("corruption", sorted(trees.CORRUPTIONS))
     def test_previous_one_restored(self, tmp_path, corruption):
         ck = checkpoint.Checkpointer(tmp_path / "ck", keep=None)
         for step in (1, 2, 3):
-            ck.save(step, _state(step), {"step": step})
+            ck.save(step, trees.state(step), {"step": step})
         ck.close()
-        CORRUPTIONS[corruption](tmp_path / "ck" / "3")
+        trees.CORRUPTIONS[corruption](tmp_path / "ck" / "3")
         ck = checkpoint.Checkpointer(tmp_path / "ck", keep=None)
-        out, meta = ck.restore(_abstract(_state()))
+        out, meta = ck.restore(trees.abstract(trees.state()))
         assert meta == {"step": 2}
         np.testing.assert_array_equal(out["params"]["w"], 2 * np.ones((3, 4)))
         # Kept for a person to look at, out of the way of the run's next save of step 3.
         assert (tmp_path / "ck" / f"3{checkpoint.UNREADABLE_SUFFIX}").is_dir()
         assert ck.all_steps() == [1, 2]
-        ck.save(3, _state(30), {"step": 3})
+        ck.save(3, trees.state(30), {"step": 3})
         ck.wait()
-        out, meta = ck.restore(_abstract(_state()))
+        out, meta = ck.restore(trees.abstract(trees.state()))
         assert meta == {"step": 3} and float(out["params"]["w"][0, 0]) == 30.0
         ck.close()
 
     def test_none_readable_is_an_error(self, tmp_path):
         ck = checkpoint.Checkpointer(tmp_path / "ck", keep=None)
-        ck.save(1, _state(), {"step": 1})
+        ck.save(1, trees.state(), {"step": 1})
         ck.close()
         ck = checkpoint.Checkpointer(tmp_path / "ck", keep=None)
-        wrong = _abstract({**_state(), "params": {"w": jnp.ones((5, 5))}})  # another model
+        wrong = trees.abstract(
+            {**trees.state(), "params": {"w": jnp.ones((5, 5))}}
+        )  # another model
         with pytest.raises(checkpoint.CheckpointRestoreError, match=r"tried steps \[1\]"):
             ck.restore(wrong)
         assert ck.all_steps() == [1]  # not moved aside: the checkpoint is fine, the caller is not

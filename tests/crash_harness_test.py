@@ -31,7 +31,7 @@ def _restore(workdir):
     state = build.init_state(cfg, policy.params, optimizer)
     ck = checkpoint.Checkpointer(pathlib.Path(workdir) / checkpoint.CKPT_DIR, keep=None)
     abstract = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), trainer._ckpt_tree(state)
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), checkpoint.state_tree(state)
     )
     out = ck.restore(abstract)
     ck.close()

@@ -12,13 +12,14 @@ import sys
 import jax
 import numpy as np
 import pytest
-from checkpoint_test import CORRUPTIONS, _abstract, _state
-from study_test import _tiny_study
-from trainer_test import REPO, _params, _train_cmd
 
 from mmr_jax import checkpoint, metrics, run_paths, study, trainer
 
-from support import fake_bucket
+from support import checkpoint_trees as trees
+from support import fake_bucket, train_script
+from support.tiny_study import tiny_study
+
+REPO = train_script.REPO
 
 
 @pytest.fixture
@@ -36,12 +37,12 @@ class TestCheckpointerOnBucket:
         ck = checkpoint.Checkpointer("gs://bucket/run/checkpoints", keep=2)
         assert str(ck.directory) == "gs://bucket/run/checkpoints"
         for step in (1, 2, 3):
-            ck.save(step, _state(step), {"step": step})
+            ck.save(step, trees.state(step), {"step": step})
         ck.wait()
         assert ck.all_steps() == [2, 3]
-        out, meta = ck.restore(_abstract(_state()))
+        out, meta = ck.restore(trees.abstract(trees.state()))
         assert meta == {"step": 3}
-        jax.tree.map(np.testing.assert_array_equal, out, _state(3))
+        jax.tree.map(np.testing.assert_array_equal, out, trees.state(3))
         ck.close()
         steps = bucket / "run" / "checkpoints"
         assert sorted(p.name for p in steps.iterdir()) == ["2", "3"]
@@ -53,11 +54,11 @@ class TestCheckpointerOnBucket:
     def test_unreadable_step_moved_aside_in_the_bucket(self, bucket):
         ck = checkpoint.Checkpointer("gs://bucket/ck", keep=None)
         for step in (1, 2):
-            ck.save(step, _state(step), {"step": step})
+            ck.save(step, trees.state(step), {"step": step})
         ck.close()
-        CORRUPTIONS["data_truncated"](bucket / "ck" / "2")
+        trees.CORRUPTIONS["data_truncated"](bucket / "ck" / "2")
         ck = checkpoint.Checkpointer("gs://bucket/ck", keep=None)
-        out, meta = ck.restore(_abstract(_state()))
+        out, meta = ck.restore(trees.abstract(trees.state()))
         assert meta == {"step": 1}
         np.testing.assert_array_equal(out["params"]["w"], np.ones((3, 4)))
         assert (bucket / "ck" / f"2{checkpoint.UNREADABLE_SUFFIX}").is_dir()
@@ -67,7 +68,7 @@ class TestCheckpointerOnBucket:
 
 class TestStudyOnBucket:
     def test_runs_markers_curves_dropped_checkpoints_and_archive(self, bucket):
-        c = _tiny_study("ckpt", "gs://bucket/s")
+        c = tiny_study("ckpt", "gs://bucket/s")
 
         def fake_train(cfg, workdir):  # a run that logs two evaluations and a checkpoint
             workdir = run_paths.as_path(workdir)
@@ -111,10 +112,13 @@ def test_train_killed_and_resumed_in_a_bucket_matches_local(tmp_path, tiny_llama
     env.pop("MMR_JAX_KILL_AT", None)
     ref = tmp_path / "ref"
     res = subprocess.run(
-        _train_cmd(ref, tiny_llama_dir, steps) + extra, env=env, capture_output=True, text=True
+        train_script.train_cmd(ref, tiny_llama_dir, steps) + extra,
+        env=env,
+        capture_output=True,
+        text=True,
     )
     assert res.returncode == 0, res.stderr[-3000:]
-    args = _train_cmd("gs://bucket/run", tiny_llama_dir, steps)[1:] + extra
+    args = train_script.train_cmd("gs://bucket/run", tiny_llama_dir, steps)[1:] + extra
     killed = _in_bucket(gcs, args, {**env, "MMR_JAX_KILL_AT": "train:3"})
     assert killed.returncode == -9, killed.stderr[-3000:]
     run = gcs / "bucket" / "run"
@@ -134,8 +138,8 @@ def test_train_killed_and_resumed_in_a_bucket_matches_local(tmp_path, tiny_llama
     cfg = __import__("mmr_jax.config_types").config_types.from_config_dict(
         checkpoint.read_run_config(run)
     )
-    _, a, meta_a = _params(ref, cfg)
-    _, b, meta_b = _params(run, cfg)
+    _, a, meta_a = train_script.params(ref, cfg)
+    _, b, meta_b = train_script.params(run, cfg)
     assert meta_a == meta_b  # same step and data-iterator position
     jax.tree.map(
         lambda x, y: np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=1e-6), a, b

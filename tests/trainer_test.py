@@ -24,7 +24,7 @@ from mmr_jax import (
 )
 from mmr_jax.rewards import grading
 
-from support import testing
+from support import testing, train_script
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "configs"))
@@ -60,19 +60,6 @@ def _config(algo, ckpt, *, mmr=False, lora=False, steps=2, **overrides):
     return config_types.from_config_dict(c)
 
 
-def _params(workdir, cfg, step=None):
-    ck = checkpoint.Checkpointer(pathlib.Path(workdir) / checkpoint.CKPT_DIR, keep=None)
-    policy = build.load_policy(cfg)
-    optimizer, _ = build.make_optimizer(cfg)
-    state = build.init_state(cfg, policy.params, optimizer)
-    tree, meta = ck.restore(
-        jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), trainer._ckpt_tree(state)),
-        step,
-    )
-    ck.close()
-    return policy.params, tree["params"], meta
-
-
 # The fast set trains one variant (20-25 s on 2 cores); each algorithm, MMR on and off, LoRA and
 # full (4 runs, 3 min) and the full product run under --runslow (issue 40: the fast set's time).
 VARIANTS = [("grpo", True, False)]
@@ -95,7 +82,7 @@ def _check_run(tmp_path, ckpt, algo, mmr, lora, **overrides):
     # The smoke configs pack (every step, whatever the lengths) and drop no arithmetic prompt.
     assert all(r["batch/layout"] == batch_layout.LAYOUTS.index("packed") for r in rows)
     assert all(r["data/prompts_dropped"] == 0 for r in rows)
-    initial, final, meta = _params(tmp_path / "run", cfg)
+    initial, final, meta = train_script.params(tmp_path / "run", cfg)
     assert meta["step"] == 2 and meta["data"]["position"] > 0
     # Each step ran at a length at least its own, one the checkpoint records as compiled, so
     # that a resume makes the same choices (shape_reuse).
@@ -432,26 +419,6 @@ class TestLearning:
         assert np.mean(r[-4:]) > np.mean(r[:4]) + 0.05, r
 
 
-def _train_cmd(workdir, ckpt, steps):
-    return [
-        sys.executable,
-        str(REPO / "scripts" / "train.py"),
-        f"--config={REPO / 'configs' / 'grpo.py'}:smoke",
-        f"--workdir={workdir}",
-        f"--config.model.path={ckpt}",
-        f"--config.total_steps={steps}",
-        "--config.data.source=arithmetic",
-        "--config.data.system_prompt=",
-        "--config.mmr.enabled=True",
-        "--config.batch.max_prompt_len=32",
-        "--config.batch.max_completion_len=16",
-        "--config.optim.lr=0.001",
-        "--config.checkpoint.every=1",
-        "--config.checkpoint.keep=5",
-        "--config.logging.samples=0",
-    ]
-
-
 class TestResume:
     @pytest.mark.slow
     def test_sigkill_then_resume_matches(self, tmp_path, tiny_llama_dir):
@@ -459,11 +426,14 @@ class TestResume:
         env = dict(os.environ, JAX_PLATFORMS="cpu")
         ref = tmp_path / "ref"
         subprocess.run(
-            _train_cmd(ref, tiny_llama_dir, steps), check=True, env=env, capture_output=True
+            train_script.train_cmd(ref, tiny_llama_dir, steps),
+            check=True,
+            env=env,
+            capture_output=True,
         )
         run = tmp_path / "run"
         proc = subprocess.Popen(
-            _train_cmd(run, tiny_llama_dir, steps),
+            train_script.train_cmd(run, tiny_llama_dir, steps),
             env=env,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
@@ -478,15 +448,18 @@ class TestResume:
         done.close()
         assert killed_at is not None and killed_at < steps
         res = subprocess.run(
-            _train_cmd(run, tiny_llama_dir, steps), env=env, capture_output=True, text=True
+            train_script.train_cmd(run, tiny_llama_dir, steps),
+            env=env,
+            capture_output=True,
+            text=True,
         )
         assert res.returncode == 0, res.stderr[-3000:]
         assert f"workdir {run} | resuming from step {killed_at}" in res.stdout
         cfg = config_types.from_config_dict(
             json.loads((run / checkpoint.RUN_FILE).read_text())["config"]
         )
-        _, a, meta_a = _params(ref, cfg)
-        _, b, meta_b = _params(run, cfg)
+        _, a, meta_a = train_script.params(ref, cfg)
+        _, b, meta_b = train_script.params(run, cfg)
         assert meta_a == meta_b  # same step and data-iterator position
         jax.tree.map(
             lambda x, y: np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=1e-6), a, b
@@ -511,6 +484,76 @@ class TestDryRun:
     def test_param_counts(self, size, total, trainable):
         out = build.dry_run(config_types.from_config_dict(grpo.get_config(size)))
         assert (out["params_total"], out["trainable"]) == (total, trainable)
+
+    @pytest.mark.parametrize(
+        "shape,layout,want",
+        [
+            ((1, -1, 1), "hybrid", (2, 4, 1)),  # hosts along data, fsdp within one host
+            ((1, -1, 1), "flat", (1, 8, 1)),  # every device along fsdp, as asked
+            ((-1, 2, 1), "hybrid", (4, 2, 1)),  # -1 on data: the remaining devices
+            ((1, 16, 1), "hybrid", (1, 16, 1)),  # written in full: as written, fit or not
+        ],
+    )
+    def test_mesh_of_two_hosts(self, shape, layout, want):
+        """On 2 hosts x 4 devices the dry run's mesh is the one the run builds (sharding's
+        device_grid), not -1 filled from all 8 devices as one flat block."""
+        c = grpo.get_config("1.5b")
+        c.mesh.shape, c.mesh.layout = shape, layout
+        cfg = config_types.from_config_dict(c)
+        sizes = build.dry_run_mesh_sizes(cfg, hosts=2, devices_per_host=4)
+        assert sizes == dict(zip(("data", "fsdp", "tensor"), want, strict=True))
+
+    def test_mesh_the_run_would_refuse(self):
+        c = grpo.get_config("1.5b")
+        c.mesh.shape = (3, -1, 1)  # data 3 does not split over 2 hosts
+        with pytest.raises(build.sharding.MeshLayoutError, match="do not divide"):
+            build.dry_run_mesh_sizes(config_types.from_config_dict(c), hosts=2, devices_per_host=4)
+
+    def test_dry_run_lays_the_mesh_over_the_processes(self, monkeypatch, tiny_llama_dir):
+        """`dry_run` on what reads as 2 processes x 4 devices reports (and sizes its per-device
+        memory for) the hybrid (2, 4, 1) mesh of the default shape (1, -1, 1)."""
+        cfg = _config("grpo", tiny_llama_dir)
+        assert tuple(cfg.mesh.shape) == (1, -1, 1) and cfg.mesh.layout == "hybrid"
+        one = build.dry_run(cfg)
+        monkeypatch.setattr(jax, "process_count", lambda: 2)
+        monkeypatch.setattr(jax, "local_device_count", lambda: 4)
+        two = build.dry_run(cfg)
+        assert one["mesh"] == {"data": 1, "fsdp": jax.device_count(), "tensor": 1}
+        assert two["mesh"] == {"data": 2, "fsdp": 4, "tensor": 1}
+        assert two["param_gib_per_device"] < one["param_gib_per_device"]
+
+    @pytest.mark.slow
+    @pytest.mark.xdist_group("multihost")
+    def test_script_on_two_processes_reports_the_hybrid_mesh(self):
+        """scripts/train.py --dry_run on a real cluster of 2 processes x 2 CPU devices: both
+        report the default (1, -1, 1) as (2, 2, 1), hosts along data (9 s on 2 cores)."""
+        from support import multihost
+
+        port = multihost.free_port()
+        env = dict(os.environ, JAX_PLATFORMS="cpu")
+        env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+        procs = [
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    str(REPO / "scripts" / "train.py"),
+                    f"--config={REPO / 'configs' / 'grpo_7b.py'}",
+                    "--dry_run",
+                    f"--coordinator_address=localhost:{port}",
+                    "--num_processes=2",
+                    f"--process_id={i}",
+                ],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                env=env,
+            )
+            for i in range(2)
+        ]
+        outs = [p.communicate(timeout=600)[0] for p in procs]
+        for p, out in zip(procs, outs, strict=True):
+            assert p.returncode == 0, out[-3000:]
+            assert " mesh 2x2x1 " in out and "161,480,704 trainable" in out, out[-3000:]
 
     def test_script_prints_counts(self):
         res = subprocess.run(

@@ -74,7 +74,7 @@ def restore(workdir):
     """(checkpoint tree, meta) of `workdir`'s latest checkpoint, read on this process's device."""
     import jax
 
-    from mmr_jax import checkpoint, config_types, trainer
+    from mmr_jax import checkpoint, config_types
 
     cfg = config_types.from_config_dict(checkpoint.read_run_config(workdir))
     policy = build.load_policy(cfg)
@@ -84,7 +84,8 @@ def restore(workdir):
     # A checkpoint of several processes restores here only with a sharding given for every leaf.
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     abstract = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), trainer._ckpt_tree(state)
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
+        checkpoint.state_tree(state),
     )
     try:
         return ck.restore(abstract)

@@ -1,7 +1,10 @@
 """scripts/train.py itself on several local CPU processes (the real entry point, its exit paths
-included), for tests/fail_fast_test.py.
+included), for tests/fail_fast_test.py; and one process's command line and checkpoint reader, for
+the resume tests (tests/trainer_test.py, tests/remote_workdir_test.py).
 
     procs = train_script.launch(config_dict, workdir, processes=2, per_process_env=[{}, {...}])
+    subprocess.run(train_script.train_cmd(workdir, ckpt, steps=3), ...)
+    initial, trained, meta = train_script.params(workdir, cfg)
 
 The config (a plain dict, e.g. `testing.smoke_config(...).to_dict()`) is written as JSON with a
 config file that reads it, so that `--config=` takes it as any configs/*.py file.
@@ -106,3 +109,46 @@ def launch(
 
 def output(proc: subprocess.Popen) -> str:
     return pathlib.Path(proc.out_path).read_text()
+
+
+def train_cmd(workdir, ckpt, steps) -> list[str]:
+    """scripts/train.py on configs/grpo.py:smoke for `steps` steps of MMR-GRPO on the checkpoint
+    `ckpt` (arithmetic data, a checkpoint every step, 5 kept), as one process's command line."""
+    return [
+        sys.executable,
+        str(REPO / "scripts" / "train.py"),
+        f"--config={REPO / 'configs' / 'grpo.py'}:smoke",
+        f"--workdir={workdir}",
+        f"--config.model.path={ckpt}",
+        f"--config.total_steps={steps}",
+        "--config.data.source=arithmetic",
+        "--config.data.system_prompt=",
+        "--config.mmr.enabled=True",
+        "--config.batch.max_prompt_len=32",
+        "--config.batch.max_completion_len=16",
+        "--config.optim.lr=0.001",
+        "--config.checkpoint.every=1",
+        "--config.checkpoint.keep=5",
+        "--config.logging.samples=0",
+    ]
+
+
+def params(workdir, cfg, step=None):
+    """(initial params of `cfg`'s model, the params checkpointed in `workdir` at `step` (the
+    latest if None), that checkpoint's metadata)."""
+    import jax
+
+    from mmr_jax import build, checkpoint
+
+    ck = checkpoint.Checkpointer(pathlib.Path(workdir) / checkpoint.CKPT_DIR, keep=None)
+    policy = build.load_policy(cfg)
+    optimizer, _ = build.make_optimizer(cfg)
+    state = build.init_state(cfg, policy.params, optimizer)
+    tree, meta = ck.restore(
+        jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), checkpoint.state_tree(state)
+        ),
+        step,
+    )
+    ck.close()
+    return policy.params, tree["params"], meta
