@@ -12,7 +12,6 @@ import dataclasses
 import json
 import os
 import pathlib
-import subprocess
 import sys
 
 import numpy as np
@@ -207,20 +206,9 @@ def test_default_mesh_puts_data_across_real_processes():
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "tests")])
     env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", _CLUSTER_SCRIPT, str(i), f"localhost:{port}"],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            cwd=REPO,
-            env=env,
-        )
-        for i in range(2)
-    ]
-    outs = [p.communicate(timeout=300)[0] for p in procs]
-    for p, out in zip(procs, outs, strict=True):
-        assert p.returncode == 0, out[-3000:]
+    cmds = [[sys.executable, "-c", _CLUSTER_SCRIPT, str(i), f"localhost:{port}"] for i in (0, 1)]
+    for code, out, _ in multihost.outputs(multihost.start_all(cmds, env), timeout=300):
+        assert code == 0, out[-3000:]
         (line,) = [x for x in out.splitlines() if x.startswith("RESULT ")]
         r = json.loads(line[len("RESULT ") :])
         assert r["default"]["shape"] == {"data": 2, "fsdp": 2, "tensor": 1}

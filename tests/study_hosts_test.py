@@ -9,14 +9,13 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 
 from mmr_jax import distributed, metrics, study, study_hosts
 
 from support import multihost, testing
-from support.tiny_study import overrides, tiny_study
+from support.tiny_study import overrides, strip_wall_clock, tiny_study
 
 WORKER = multihost.REPO / "tests" / "support" / "study_hosts_worker.py"
 RUNS = ("grpo_s1", "mmr_grpo_s1")
@@ -42,35 +41,18 @@ class TestOptions:
 def _launch(folders, body, *, lrs=(1e-3, 1e-3)):
     port = multihost.free_port(consecutive=2)
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
-    return [
-        subprocess.Popen(
-            [
-                sys.executable,
-                str(WORKER),
-                f"--folder={folder}",
-                f"--body={body}",
-                f"--coordinator_address=localhost:{port}",
-                "--num_processes=2",
-                f"--process_id={i}",
-                f"--lr={lr}",
-            ],  # fmt: skip
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
+    cmds = [
+        [sys.executable, str(WORKER), f"--folder={folder}", f"--body={body}",
+         f"--coordinator_address=localhost:{port}", "--num_processes=2", f"--process_id={i}",
+         f"--lr={lr}"]
         for i, (folder, lr) in enumerate(zip(folders, lrs, strict=True))
-    ]
+    ]  # fmt: skip
+    return multihost.start_all(cmds, env)
 
 
 def _ended(procs, timeout=240):
     """[(returncode, output, seconds to exit)] of the study processes."""
-    t0 = time.monotonic()
-    out = []
-    for p in procs:
-        text = p.communicate(timeout=timeout)[0]
-        out.append((p.returncode, text, time.monotonic() - t0))
-    return out
+    return multihost.outputs(procs, timeout)
 
 
 def _marker(folder, run):
@@ -132,16 +114,6 @@ class TestStudyOnTwoProcesses:
         assert not (tmp_path / "c" / study.STUDY_FILE).exists()
 
 
-def _strip_wall_clock(tree):
-    if isinstance(tree, dict):
-        return {
-            k: _strip_wall_clock(v) for k, v in tree.items() if "train_s" not in k and k != "wall_s"
-        }
-    if isinstance(tree, list):
-        return [_strip_wall_clock(v) for v in tree]
-    return tree
-
-
 @pytest.mark.slow
 def test_scripts_study_on_two_processes_equals_one_process_on_two_devices(tmp_path, tiny_llama_dir):
     """scripts/study.py trains every run on both processes: the study equals one process's on
@@ -163,23 +135,15 @@ def test_scripts_study_on_two_processes_equals_one_process_on_two_devices(tmp_pa
     assert one.returncode == 0, one.stderr[-3000:]
     port = multihost.free_port(consecutive=2)
     cluster = [f"--coordinator_address=localhost:{port}", "--num_processes=2"]
-    procs = [
-        subprocess.Popen(
-            cmd(tmp_path / "two", *cluster, f"--process_id={i}"),
-            env={**env, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for i in (0, 1)
-    ]
-    ended = _ended(procs, timeout=600)
+    two = [cmd(tmp_path / "two", *cluster, f"--process_id={i}") for i in (0, 1)]
+    one_device = {**env, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    ended = _ended(multihost.start_all(two, one_device), timeout=600)
     assert [code for code, _, _ in ended] == [0, 0], ended[0][1][-3000:] + ended[1][1][-3000:]
     a = json.loads((tmp_path / "one" / "study.json").read_text())
     b = json.loads((tmp_path / "two" / "study.json").read_text())
     assert [r["status"] for r in b["runs"]] == ["finished", "finished"]
     assert [r["curve"]["steps"] for r in b["runs"]] == [[0, 1, 2]] * 2
-    assert _strip_wall_clock(a) == _strip_wall_clock(b)
+    assert strip_wall_clock(a) == strip_wall_clock(b)
     out0, out1 = ended[0][1], ended[1][1]
     assert "study: 2/2 runs done" in out0 and "| mmr_grpo |" in out0  # progress and report
     assert "runs done" not in out1 and "| mmr_grpo |" not in out1  # process 0 alone prints

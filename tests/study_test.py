@@ -26,6 +26,7 @@ from mmr_jax import (
 
 from support import testing
 from support.tiny_study import overrides as _overrides
+from support.tiny_study import strip_wall_clock
 from support.tiny_study import tiny_study as _tiny_study
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -290,16 +291,6 @@ class TestHeldOut:
         assert len(prompts) == sum(p.problem not in heldout for p in train_all)
 
 
-def _strip_wall_clock(tree):
-    if isinstance(tree, dict):
-        return {
-            k: _strip_wall_clock(v) for k, v in tree.items() if "train_s" not in k and k != "wall_s"
-        }
-    if isinstance(tree, list):
-        return [_strip_wall_clock(v) for v in tree]
-    return tree
-
-
 class TestResume:
     @pytest.mark.slow
     def test_sigkill_mid_study_then_rerun_gives_the_same_study_json(self, tmp_path, tiny_llama_dir):
@@ -334,7 +325,7 @@ class TestResume:
         a = json.loads((ref / "study.json").read_text())
         b = json.loads((run / "study.json").read_text())
         assert [r["curve"]["steps"] for r in b["runs"]] == [[0, 1, 2, 3]] * 2
-        assert _strip_wall_clock(a) == _strip_wall_clock(b)
+        assert strip_wall_clock(a) == strip_wall_clock(b)
         assert (run / "report.md").exists() and (run / "curves.png").stat().st_size > 1000
         # the same command again: nothing to train; a changed config: refused, key named
         res = subprocess.run([*cmd(run), "--config.train.optim.lr=0.002"], env=env,

@@ -523,7 +523,6 @@ class TestDryRun:
         assert two["param_gib_per_device"] < one["param_gib_per_device"]
 
     @pytest.mark.slow
-    @pytest.mark.xdist_group("multihost")
     def test_script_on_two_processes_reports_the_hybrid_mesh(self):
         """scripts/train.py --dry_run on a real cluster of 2 processes x 2 CPU devices: both
         report the default (1, -1, 1) as (2, 2, 1), hosts along data (9 s on 2 cores)."""
@@ -532,27 +531,14 @@ class TestDryRun:
         port = multihost.free_port()
         env = dict(os.environ, JAX_PLATFORMS="cpu")
         env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
-        procs = [
-            subprocess.Popen(
-                [
-                    sys.executable,
-                    str(REPO / "scripts" / "train.py"),
-                    f"--config={REPO / 'configs' / 'grpo_7b.py'}",
-                    "--dry_run",
-                    f"--coordinator_address=localhost:{port}",
-                    "--num_processes=2",
-                    f"--process_id={i}",
-                ],
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-                env=env,
-            )
+        script, config = REPO / "scripts" / "train.py", REPO / "configs" / "grpo_7b.py"
+        cmds = [
+            [sys.executable, str(script), f"--config={config}", "--dry_run",
+             f"--coordinator_address=localhost:{port}", "--num_processes=2", f"--process_id={i}"]
             for i in range(2)
-        ]
-        outs = [p.communicate(timeout=600)[0] for p in procs]
-        for p, out in zip(procs, outs, strict=True):
-            assert p.returncode == 0, out[-3000:]
+        ]  # fmt: skip
+        for code, out, _ in multihost.outputs(multihost.start_all(cmds, env)):
+            assert code == 0, out[-3000:]
             assert " mesh 2x2x1 " in out and "161,480,704 trainable" in out, out[-3000:]
 
     def test_script_prints_counts(self):

@@ -38,6 +38,28 @@ def free_port(consecutive: int = 1) -> int:
             continue
 
 
+def start_all(cmds: list[list[str]], env: dict, cwd=REPO) -> list[subprocess.Popen]:
+    """Starts every command at once (the processes of one cluster), output captured as text."""
+    return [
+        subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=cwd
+        )
+        for cmd in cmds
+    ]
+
+
+def outputs(procs: list[subprocess.Popen], timeout: float = 600) -> list[tuple[int, str, float]]:
+    """(returncode, output, seconds until it had exited) of each of `start_all`'s processes."""
+    import time
+
+    t0 = time.monotonic()
+    out = []
+    for p in procs:
+        text = p.communicate(timeout=timeout)[0]
+        out.append((p.returncode, text, time.monotonic() - t0))
+    return out
+
+
 def launch(
     config: dict,
     workdir,

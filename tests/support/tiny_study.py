@@ -53,3 +53,15 @@ def overrides(c) -> list[str]:
         flags.append(f"--config.train.{key}={node}")
     flags += [f"--config.train.rewards.weights.{k}={v}" for k, v in t.rewards.weights.items()]
     return flags
+
+
+def strip_wall_clock(tree):
+    """A study.json tree without its wall-clock fields (`train_s`, `wall_s`): what must be equal
+    between two runs of one study."""
+    if isinstance(tree, dict):
+        return {
+            k: strip_wall_clock(v) for k, v in tree.items() if "train_s" not in k and k != "wall_s"
+        }
+    if isinstance(tree, list):
+        return [strip_wall_clock(v) for v in tree]
+    return tree
