@@ -22,12 +22,10 @@ from etils import epath
 from mmr_jax import build, checkpoint, config_types, console, distributed, faults, run_paths
 
 
-def export(
-    cfg: config_types.TrainConfig, model, out_dir, step: int | None = None, mesh=None
-) -> None:
+def export(cfg: config_types.TrainConfig, model, out_dir, step: int | None = None) -> None:
     """Writes `model` (the policy's, `policy.model(params)`) to `out_dir` in `cfg.model.dtype`."""
     if jax.process_count() > 1:  # whole weights gathered on every process; process 0 writes
-        model = distributed.local_model(model, mesh)
+        model = distributed.local_model(model)
         if not distributed.is_primary():
             return
     dtype = build.DTYPES[cfg.model.dtype]
@@ -66,7 +64,7 @@ def export_hf(cfg: config_types.TrainConfig, workdir, out_dir, *, step: int | No
     ckpt.close()
     if restored is None:
         raise FileNotFoundError(f"no checkpoint in {workdir}")
-    export(cfg, policy.model(restored[0]["params"]), out_dir, mesh=mesh)
+    export(cfg, policy.model(restored[0]["params"]), out_dir)
     return os.fspath(out_dir)
 
 

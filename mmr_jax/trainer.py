@@ -174,14 +174,14 @@ def _make_engine(cfg: config_types.TrainConfig, policy, tokenizer, workdir, mesh
     local_cfg = dataclasses.replace(cfg, batch=dataclasses.replace(cfg.batch, prompts=share))
     local = dataclasses.replace(
         policy,
-        params=distributed.local_copy(policy.params, mesh),
-        frozen=distributed.local_copy(policy.frozen, mesh),
-        rest=distributed.local_copy(policy.rest, mesh),
+        params=distributed.local_copy(policy.params),
+        frozen=distributed.local_copy(policy.frozen),
+        rest=distributed.local_copy(policy.rest),
     )
     devices = jax.local_devices()
     local_mesh = sharding.data_parallel_mesh(devices) if len(devices) > 1 else None
     engine = build.make_engine(local_cfg, local, tokenizer, workdir, local_mesh)
-    return distributed.ShareEngine(engine, mesh)
+    return distributed.ShareEngine(engine)
 
 
 def _header(cfg: config_types.TrainConfig, workdir: str, resume_step: int | None) -> None:

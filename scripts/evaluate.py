@@ -62,7 +62,7 @@ def make_engine(config, checkpoint: str):
         engine = vllm_engine.VllmEngine(url, model=checkpoint)
     else:
         raise ValueError(f"unknown engine {config.engine!r}; expected 'embedded' or 'vllm'")
-    return distributed.ShareEngine(engine, None) if jax.process_count() > 1 else engine
+    return distributed.ShareEngine(engine) if jax.process_count() > 1 else engine
 
 
 def evaluate_checkpoint(config, checkpoint: str, problems, grader) -> evaluation.EvalResult:

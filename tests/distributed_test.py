@@ -271,7 +271,7 @@ class TestScoreRoundOneProcess:
     def test_share_engine_of_one_process_is_the_engine(self):
         """With one process the share is the whole batch: the same groups as the engine's."""
         a = groups_json(score_round(RowEngine(), CountingEncoder()))
-        b = groups_json(score_round(distributed.ShareEngine(RowEngine(), None), CountingEncoder()))
+        b = groups_json(score_round(distributed.ShareEngine(RowEngine()), CountingEncoder()))
         assert a == b
         assert 0 < np.mean(a["valid"]) < 1 and len(set(np.ravel(a["per_fn"]["test_count"]))) > 2
 
@@ -322,7 +322,7 @@ except distributed.ConfigMismatchError as e:
     wrong = str(e)
 # A generation round: this process samples, scores and embeds its share (2 of the 4 prompts).
 enc = t.CountingEncoder()
-groups = t.score_round(distributed.ShareEngine(t.RowEngine(), None), enc)
+groups = t.score_round(distributed.ShareEngine(t.RowEngine()), enc)
 print("RESULT", json.dumps({"tokens": out.tokens.tolist(), "mask": out.mask.tolist(),
     "logps": out.logprobs.tolist(),
     "reasons": out.finish_reasons, "m": m, "wrong": wrong,

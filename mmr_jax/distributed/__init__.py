@@ -12,8 +12,8 @@ Every process runs the same code on one global mesh (`jax.devices()` spans all p
     (`ShareEngine`), with per-prompt results gathered back in process order (`gather_rows`,
     `gather_rollouts`), so that every process holds the step's B groups as one process would and
     builds the same global batch;
-  - `collectives`: host-side all-gathers and what is built on them: process-local copies of
-    global arrays (`local_copy`), metrics reduced over processes (`reduce_metrics`), decisions
+  - `collectives`: host-side all-gathers and what is built on them: metrics reduced over
+    processes (`reduce_metrics`), decisions
     taken by process 0 (`primary_value`, `primary_first`), and `PeerLostError` for a dead peer;
   - `global_arrays`: the step's batch as global arrays, rows split over (data, fsdp) as the dry
     run compiles it (`global_batch`), after checking every process built the same one;
@@ -31,8 +31,6 @@ from mmr_jax.distributed.collectives import (
     barrier,
     collective_seconds,
     is_primary,
-    local_copy,
-    local_model,
     peer_lost,
     primary_first,
     primary_value,
@@ -75,6 +73,7 @@ from mmr_jax.distributed.startup import (
     validate,
     wait_for_coordinator,
 )
+from mmr_jax.distributed.weight_sync import local_copy, local_model
 
 __all__ = [
     "BatchMismatchError", "BatchSplitError", "ConfigMismatchError", "CoordinatorUnreachableError",

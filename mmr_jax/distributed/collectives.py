@@ -1,10 +1,10 @@
 """Host-side collectives of a multi-process run, and who writes.
 
 `allgather` (numpy in, numpy out, in process order) is the one primitive the rest build on:
-decisions taken once (`primary_value`, `primary_first`), `barrier`, metrics reduced over processes
-(`reduce_metrics`), and whole process-local copies of global arrays (`local_copy`, `local_model`:
-the rollout engine and HF exports need whole weights in one process). A collective whose peer
-died raises `PeerLostError` (`peer_lost`), never hangs. With one process each is a no-op.
+decisions taken once (`primary_value`, `primary_first`), `barrier`, and metrics reduced over
+processes (`reduce_metrics`); `weight_sync` builds whole process-local copies of global arrays on
+it. A collective whose peer died raises `PeerLostError` (`peer_lost`), never hangs. With one
+process each is a no-op.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from collections.abc import Mapping
 
 import jax
 import numpy as np
-from flax import nnx
 
 from mmr_jax.distributed.errors import DistributedError, PeerLostError
 
@@ -98,27 +97,6 @@ def primary_first(fn, what: str):
             raise error
         raise DistributedError(f"process 0 failed {what}; its log says why")
     return result
-
-
-def local_copy(tree, mesh: jax.sharding.Mesh | None = None):
-    """`tree` with every jax.Array replaced by a whole copy on this process's first device.
-
-    A collective (every process calls it together, with the same tree): global arrays are
-    gathered once per process (never replicated on every device of the mesh), and an array
-    copied before, while it lives, is not gathered again (`weight_sync`: under LoRA a sync
-    gathers the adapters alone). `mesh` is unused (the arrays carry their own devices); kept for
-    callers that pass the run's mesh.
-    """
-    del mesh
-    from mmr_jax.distributed import weight_sync  # it builds on `allgather` here
-
-    return weight_sync.COPIES.copy(tree)
-
-
-def local_model(model: nnx.Module, mesh: jax.sharding.Mesh | None = None) -> nnx.Module:
-    """A process-local copy of `model` (whole weights on this process's first device)."""
-    graphdef, state = nnx.split(model)
-    return nnx.merge(graphdef, local_copy(state, mesh))
 
 
 def reduce_metrics(metrics: Mapping[str, float]) -> dict[str, float]:

@@ -19,7 +19,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from mmr_jax.distributed import collectives
+from mmr_jax.distributed import collectives, weight_sync
 from mmr_jax.distributed.errors import ProcessIdError, RolloutUrlError
 from mmr_jax.rollout import base as rollout_base
 
@@ -195,8 +195,8 @@ class ShareEngine:
     LoRA the adapters alone: the base copied with the engine is kept; `weight_sync`).
     """
 
-    def __init__(self, engine, mesh: jax.sharding.Mesh | None):
-        self.engine, self.mesh = engine, mesh
+    def __init__(self, engine):
+        self.engine = engine
         self.pad_id = getattr(engine, "pad_id", 0)
 
     def generate_local(
@@ -228,9 +228,9 @@ class ShareEngine:
         if getattr(self.engine, "syncs_adapters_only", False):  # vLLM under LoRA
             # The base stays global and unread (the server has it): no copy of it here.
             graphdef, adapters, others = nnx.split(model, nnx.LoRAParam, ...)
-            model = nnx.merge(graphdef, collectives.local_copy(adapters, self.mesh), others)
+            model = nnx.merge(graphdef, weight_sync.local_copy(adapters), others)
         else:
-            model = collectives.local_model(model, self.mesh)
+            model = weight_sync.local_model(model)
         self.engine.sync_weights(model, version=version)
         # `nnx.merge` leaves reference cycles: the copy handed over would outlive the engine's
         # use until Python's cyclic GC ran, a model's worth of memory more (measured on SmolLM2:

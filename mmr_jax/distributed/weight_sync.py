@@ -31,6 +31,7 @@ import zlib
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from mmr_jax.distributed import collectives
@@ -227,3 +228,20 @@ def _agree(leaves, remote: list[int]) -> None:
 
 
 COPIES = LocalCopies()  # the process's copies: the engine's weights, the exports'
+
+
+def local_copy(tree):
+    """`tree` with every jax.Array replaced by a whole copy on this process's first device.
+
+    A collective (every process calls it together, with the same tree): global arrays are
+    gathered once per process (never replicated on every device of the mesh), and an array
+    copied before, while it lives, is not gathered again (under LoRA a sync gathers the
+    adapters alone).
+    """
+    return COPIES.copy(tree)
+
+
+def local_model(model: nnx.Module) -> nnx.Module:
+    """A process-local copy of `model` (whole weights on this process's first device)."""
+    graphdef, state = nnx.split(model)
+    return nnx.merge(graphdef, local_copy(state))

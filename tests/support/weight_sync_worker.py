@@ -32,7 +32,8 @@ REPO = pathlib.Path(__file__).resolve().parents[2]
 
 
 def old_local_copy(tree, mesh=None):
-    """The hand-over before issue 36 item 2 (collectives.local_copy then), for comparison."""
+    """The hand-over before issue 36 item 2 (collectives.local_copy then), for comparison; the
+    run's mesh is the arrays' own."""
     import jax
 
     leaves, treedef = jax.tree.flatten(tree)
@@ -153,7 +154,7 @@ def run(*, path: str, mode: str, syncs: int, model: str, check: bool) -> dict:
     from jax.experimental import multihost_utils
 
     from mmr_jax import bench_harness, build, distributed
-    from mmr_jax.distributed import collectives, weight_sync
+    from mmr_jax.distributed import weight_sync
     from mmr_jax.models import lora as lora_lib
     from mmr_jax.models import random_init, sharding
     from mmr_jax.rollout import embedded
@@ -163,7 +164,7 @@ def run(*, path: str, mode: str, syncs: int, model: str, check: bool) -> dict:
         _COMPILES.append(_Compiles())
     compiles = _COMPILES[0]
     if path == "old":
-        collectives.local_copy = old_local_copy  # what ShareEngine.sync_weights reaches
+        weight_sync.local_copy = old_local_copy  # what ShareEngine.sync_weights reaches
     mesh = sharding.make_mesh(1, -1, 1)
     adapters = lora_lib.LoraConfig(rank=4, alpha=8.0, dropout=0.0) if lora else None
     policy = build.split_model(
@@ -175,16 +176,16 @@ def run(*, path: str, mode: str, syncs: int, model: str, check: bool) -> dict:
     stats0, old0, compiles0 = weight_sync.gather_stats(), OLD_BYTES[0], compiles.count
     local = dataclasses.replace(
         policy,
-        params=collectives.local_copy(policy.params, mesh),
-        frozen=collectives.local_copy(policy.frozen, mesh),
-        rest=collectives.local_copy(policy.rest, mesh),
+        params=weight_sync.local_copy(policy.params),
+        frozen=weight_sync.local_copy(policy.frozen),
+        rest=weight_sync.local_copy(policy.rest),
     )  # as trainer._make_engine
     if mode == "vllm_lora":  # the local copies are dropped, as a vLLM engine drops them
         engine = AdapterEngine(pathlib.Path(tempfile.mkdtemp(prefix="weight_sync_")))
         del local
     else:
         engine = embedded.EmbeddedEngine(local.model())
-    share = distributed.ShareEngine(engine, mesh)
+    share = distributed.ShareEngine(engine)
     build_row = {
         "bytes": weight_sync.gather_stats()["bytes"] - stats0["bytes"] + OLD_BYTES[0] - old0,
         "compiles": compiles.count - compiles0,
