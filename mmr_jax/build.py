@@ -378,10 +378,9 @@ def dry_run(cfg: config_types.TrainConfig) -> dict[str, Any]:
     _, params, _, _ = nnx.split(abstract, trainable, nnx.Param, ...)
     optimizer, _ = make_optimizer(cfg)
     opt_state = jax.eval_shape(optimizer.init, params)
+    granules = len({sharding.granule(d) for d in jax.devices()})  # hosts, or TPU slices
     mesh = model_dry_run.MeshShape(
-        **dry_run_mesh_sizes(
-            cfg, hosts=jax.process_count(), devices_per_host=jax.local_device_count()
-        )
+        **dry_run_mesh_sizes(cfg, hosts=granules, devices_per_host=jax.device_count() // granules)
     )
     out = model_dry_run.summarize(
         mcfg, mesh=mesh, lora=lora, param_dtype=DTYPES[cfg.model.param_dtype]

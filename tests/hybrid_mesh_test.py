@@ -14,6 +14,7 @@ import os
 import pathlib
 import sys
 
+import jax
 import numpy as np
 import pytest
 
@@ -82,6 +83,14 @@ def _hybrid(*shape, **kw):
 
 
 class TestSeveralHosts:
+    def test_granule_is_the_tpu_slice_else_the_process(self):
+        import types
+
+        assert sharding.granule(jax.devices()[0]) == 0  # a CPU device: no slice, process 0
+        assert sharding.granule(_Dev(5, 3)) == 3
+        tpu = types.SimpleNamespace(id=5, process_index=3, slice_index=1)
+        assert sharding.granule(tpu) == 1
+
     @pytest.mark.parametrize("interleaved", [False, True])
     def test_default_puts_hosts_on_data(self, interleaved):
         devices = _devices(2, 4, interleaved=interleaved)

@@ -509,18 +509,35 @@ class TestDryRun:
         with pytest.raises(build.sharding.MeshLayoutError, match="do not divide"):
             build.dry_run_mesh_sizes(config_types.from_config_dict(c), hosts=2, devices_per_host=4)
 
-    def test_dry_run_lays_the_mesh_over_the_processes(self, monkeypatch, tiny_llama_dir):
+    @pytest.mark.parametrize(
+        "slices, mesh",
+        [
+            (None, {"data": 2, "fsdp": 4, "tensor": 1}),  # GPU nodes: hosts along data
+            ([0] * 8, {"data": 1, "fsdp": 8, "tensor": 1}),  # one TPU slice over both hosts: ICI
+            ([0] * 4 + [1] * 4, {"data": 2, "fsdp": 4, "tensor": 1}),  # two slices: data on DCN
+        ],
+    )
+    def test_dry_run_lays_the_mesh_over_the_hosts(self, monkeypatch, tiny_llama_dir, slices, mesh):
         """`dry_run` on what reads as 2 processes x 4 devices reports (and sizes its per-device
-        memory for) the hybrid (2, 4, 1) mesh of the default shape (1, -1, 1)."""
+        memory for) the mesh the run builds of the default shape (1, -1, 1): data across hosts,
+        or across TPU slices where the devices carry a `slice_index`."""
+        import types
+
         cfg = _config("grpo", tiny_llama_dir)
         assert tuple(cfg.mesh.shape) == (1, -1, 1) and cfg.mesh.layout == "hybrid"
         one = build.dry_run(cfg)
-        monkeypatch.setattr(jax, "process_count", lambda: 2)
-        monkeypatch.setattr(jax, "local_device_count", lambda: 4)
-        two = build.dry_run(cfg)
-        assert one["mesh"] == {"data": 1, "fsdp": jax.device_count(), "tensor": 1}
-        assert two["mesh"] == {"data": 2, "fsdp": 4, "tensor": 1}
-        assert two["param_gib_per_device"] < one["param_gib_per_device"]
+        fake = [types.SimpleNamespace(id=i, process_index=i // 4) for i in range(8)]
+        for d, s in zip(fake, slices or [], strict=False):
+            d.slice_index = s
+        monkeypatch.setattr(jax, "devices", lambda: fake)
+        monkeypatch.setattr(jax, "device_count", lambda: 8)
+        eight = build.dry_run(cfg)
+        assert one["mesh"] == {"data": 1, "fsdp": 1, "tensor": 1}  # this process's 1 device
+        assert eight["mesh"] == mesh
+        assert eight["param_gib_per_device"] < one["param_gib_per_device"]
+        sharding = build.sharding  # the run's grid: make_mesh's default hosts are the granules
+        grid = sharding.device_grid((1, -1, 1), fake, [sharding.granule(d) for d in fake])
+        assert dict(zip(sharding.AXES, grid.shape, strict=True)) == mesh
 
     @pytest.mark.slow
     def test_script_on_two_processes_reports_the_hybrid_mesh(self):

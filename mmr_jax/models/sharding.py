@@ -64,6 +64,15 @@ class MeshLayoutError(ValueError):
     """A mesh shape that does not fit the devices, or the hosts, it is laid over."""
 
 
+def granule(device) -> int:
+    """The unit a hybrid mesh lays along `data`: a TPU slice, whose chips are joined by ICI even
+    across hosts (so one slice of several hosts keeps fsdp over all its chips, and a multislice
+    run puts data across slices, over DCN); elsewhere (GPU nodes, CPU processes) the device's
+    process. As `jax.experimental.mesh_utils.create_hybrid_device_mesh`'s granules."""
+    slice_index = getattr(device, "slice_index", None)
+    return slice_index if slice_index is not None else getattr(device, "process_index", 0)
+
+
 def make_mesh(
     data: int = 1,
     fsdp: int = -1,
@@ -77,10 +86,10 @@ def make_mesh(
 
     `layout` 'flat' (the default here: `devices` in order, reshaped) or 'hybrid' (what a run
     uses by default, `mesh.layout` in configs/base.py: hosts along data); `hosts[i]`: the host of
-    `devices[i]` (default: its `process_index`). See `device_grid`.
+    `devices[i]` (default: its `granule`, the TPU slice or else the process). See `device_grid`.
     """
     devices = list(jax.devices() if devices is None else devices)
-    hosts = [getattr(d, "process_index", 0) for d in devices] if hosts is None else list(hosts)
+    hosts = [granule(d) for d in devices] if hosts is None else list(hosts)
     return Mesh(device_grid((data, fsdp, tensor), devices, hosts, layout=layout), AXES)
 
 
