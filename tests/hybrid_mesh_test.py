@@ -88,8 +88,11 @@ class TestSeveralHosts:
 
         assert sharding.granule(jax.devices()[0]) == 0  # a CPU device: no slice, process 0
         assert sharding.granule(_Dev(5, 3)) == 3
-        tpu = types.SimpleNamespace(id=5, process_index=3, slice_index=1)
+        tpu = types.SimpleNamespace(id=5, process_index=3, slice_index=1, platform="tpu")
         assert sharding.granule(tpu) == 1
+        # a CPU (or GPU) device of a cluster: its slice_index (0 on every process) is not read
+        cpu = types.SimpleNamespace(id=5, process_index=3, slice_index=0, platform="cpu")
+        assert sharding.granule(cpu) == 3
 
     @pytest.mark.parametrize("interleaved", [False, True])
     def test_default_puts_hosts_on_data(self, interleaved):

@@ -116,11 +116,13 @@ class TestStudyOnTwoProcesses:
 
 @pytest.mark.slow
 def test_scripts_study_on_two_processes_equals_one_process_on_two_devices(tmp_path, tiny_llama_dir):
-    """scripts/study.py trains every run on both processes: the study equals one process's on
-    as many devices (the N-processes contract, through the study)."""
+    """scripts/study.py trains its run on both processes: the study equals one process's on as
+    many devices (the N-processes contract, through the study). One run, MMR-GRPO, 2 steps:
+    a run's cluster after another's on the same port is the tests above."""
 
     def cmd(folder, *flags):
         c = tiny_study(tiny_llama_dir, folder, total_steps=2)
+        c.run, c.compare, c.baselines = ("mmr_grpo",), (), ()
         script = multihost.REPO / "scripts" / "study.py"
         config = multihost.REPO / "configs" / "study.py"
         return [sys.executable, str(script), f"--config={config}:pilot", *overrides(c), *flags]
@@ -141,13 +143,13 @@ def test_scripts_study_on_two_processes_equals_one_process_on_two_devices(tmp_pa
     assert [code for code, _, _ in ended] == [0, 0], ended[0][1][-3000:] + ended[1][1][-3000:]
     a = json.loads((tmp_path / "one" / "study.json").read_text())
     b = json.loads((tmp_path / "two" / "study.json").read_text())
-    assert [r["status"] for r in b["runs"]] == ["finished", "finished"]
-    assert [r["curve"]["steps"] for r in b["runs"]] == [[0, 1, 2]] * 2
+    assert [(r["name"], r["status"]) for r in b["runs"]] == [("mmr_grpo_s1", "finished")]
+    assert [r["curve"]["steps"] for r in b["runs"]] == [[0, 1, 2]]
     assert strip_wall_clock(a) == strip_wall_clock(b)
     out0, out1 = ended[0][1], ended[1][1]
-    assert "study: 2/2 runs done" in out0 and "| mmr_grpo |" in out0  # progress and report
+    assert "study: 1/1 runs done" in out0 and "| mmr_grpo |" in out0  # progress and report
     assert "runs done" not in out1 and "| mmr_grpo |" not in out1  # process 0 alone prints
     for folder, several in (("one", False), ("two", True)):  # gathers: only between processes
-        rows = metrics.read_jsonl(tmp_path / folder / "grpo_s1" / metrics.METRICS_FILE)
+        rows = metrics.read_jsonl(tmp_path / folder / "mmr_grpo_s1" / metrics.METRICS_FILE)
         assert any("time/collectives" in r for r in rows) == several
     assert (tmp_path / "two" / "study.process1.log").exists()

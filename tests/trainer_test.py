@@ -528,7 +528,7 @@ class TestDryRun:
         one = build.dry_run(cfg)
         fake = [types.SimpleNamespace(id=i, process_index=i // 4) for i in range(8)]
         for d, s in zip(fake, slices or [], strict=False):
-            d.slice_index = s
+            d.slice_index, d.platform = s, "tpu"
         monkeypatch.setattr(jax, "devices", lambda: fake)
         monkeypatch.setattr(jax, "device_count", lambda: 8)
         eight = build.dry_run(cfg)

@@ -68,9 +68,13 @@ def granule(device) -> int:
     """The unit a hybrid mesh lays along `data`: a TPU slice, whose chips are joined by ICI even
     across hosts (so one slice of several hosts keeps fsdp over all its chips, and a multislice
     run puts data across slices, over DCN); elsewhere (GPU nodes, CPU processes) the device's
-    process. As `jax.experimental.mesh_utils.create_hybrid_device_mesh`'s granules."""
+    process. As `jax.experimental.mesh_utils.create_hybrid_device_mesh`'s granules, but the slice
+    is read on TPUs only: CPU devices of a multi-process cluster carry a `slice_index` too, 0 on
+    every process, which would lay their hosts flat."""
     slice_index = getattr(device, "slice_index", None)
-    return slice_index if slice_index is not None else getattr(device, "process_index", 0)
+    if getattr(device, "platform", None) == "tpu" and slice_index is not None:
+        return slice_index
+    return getattr(device, "process_index", 0)
 
 
 def make_mesh(

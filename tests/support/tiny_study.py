@@ -35,10 +35,11 @@ def tiny_study(ckpt, folder, **train):
 
 
 def overrides(c) -> list[str]:
-    """The CLI flags that make configs/study.py:pilot into `c` (the keys `_tiny_study` sets)."""
+    """The CLI flags that make configs/study.py:pilot into `c` (the keys `tiny_study` sets). Each
+    key once: absl does not take a repeated `--config.run` as the last one given."""
     t = c.train
-    flags = [f"--config.folder={c.folder}", "--config.run=('grpo','mmr_grpo')",
-             "--config.compare=(('mmr_grpo','grpo'),)", "--config.baselines=('grpo',)"]  # fmt: skip
+    flags = [f"--config.folder={c.folder}"]
+    flags += [f"--config.{key}={tuple(c[key])!r}" for key in ("run", "compare", "baselines")]
     for key in ("model.path", "mmr.embedding_model", "data.system_prompt", "eval.system_prompt",
                 "batch.prompts", "batch.generations", "loss.minibatches", "batch.max_prompt_len",
                 "batch.max_completion_len", "optim.lr", "total_steps", "eval.every",
