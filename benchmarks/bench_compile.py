@@ -41,7 +41,7 @@ import time
 import jax
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from mmr_jax import bench_harness as harness
+from mmr_jax.infra import bench_harness as harness
 
 MODELS = {
     # name: (config file, devices)
@@ -79,7 +79,7 @@ def _random_like(args, seed=0):
 
 def _model(name: str):
     """(config, mesh, device count) of a `MODELS` entry."""
-    from mmr_jax import compiled_dry_run
+    from mmr_jax.training import compiled_dry_run
 
     path, devices = MODELS[name]
     cfg = _load_config(path)
@@ -87,7 +87,7 @@ def _model(name: str):
 
 
 def bench_model(name: str, steps: int) -> list[dict]:
-    from mmr_jax import compiled_dry_run
+    from mmr_jax.training import compiled_dry_run
 
     cfg, mesh, devices = _model(name)
     rows = []
@@ -128,7 +128,7 @@ def parse_options(text: str) -> dict:
 
 def compare_options(name: str, steps: int, options: dict) -> list[dict]:
     """Each program of `name` (scanned) compiled with and without `options`, timed ABAB."""
-    from mmr_jax import compiled_dry_run
+    from mmr_jax.training import compiled_dry_run
 
     cfg, mesh, _ = _model(name)
     rows = []
@@ -192,7 +192,7 @@ class ProgramSeconds:
         self.seconds: dict[str, dict[str, float]] = {}
         from jax import monitoring
 
-        from mmr_jax import compile_stats
+        from mmr_jax.infra import compile_stats
 
         self._parts = compile_stats.EVENTS
         monitoring.register_event_duration_secs_listener(self._on_event)
@@ -276,7 +276,8 @@ def bench_run(
     (time/step in metrics.jsonl). `price`: batch.compile_price_steps (None: the config's)."""
     import shutil
 
-    from mmr_jax import compile_stats, trainer
+    from mmr_jax.infra import compile_stats
+    from mmr_jax.training import trainer
 
     jax.clear_caches()  # a second run in this process compiles everything again, as a new one
     clock = compile_stats.CLOCK.start()
@@ -351,7 +352,7 @@ def main():
         "config first: a config's second run, a resumed run, a study's later runs)",
     )
     args = ap.parse_args()
-    from mmr_jax import compile_cache
+    from mmr_jax.infra import compile_cache
 
     # As scripts/train.py compiles on a CPU host (LLVM level 1). By default without the on-disk
     # cache: every program here is compiled, none loaded.

@@ -7,7 +7,7 @@
 Each config runs in its own child process (so each one's device peak is its own), on random
 weights of its model's real shapes (the checkpoint is not read: `third_party/hf_configs` gives the
 architecture), at the config's dtypes, LoRA, remat policy, mesh and largest batch, exactly the
-programs `scripts/train.py --dry_run --dry_run_devices=N` compiles (`mmr_jax/compiled_dry_run`),
+programs `scripts/train.py --dry_run --dry_run_devices=N` compiles (`training/compiled_dry_run`),
 here compiled for the real backend and run.
 
 Per config and program: compile seconds; XLA's memory analysis of the compiled program (per
@@ -33,7 +33,7 @@ from absl import app, flags
 
 _REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(_REPO))
-from mmr_jax import bench_harness as harness  # noqa: E402
+from mmr_jax.infra import bench_harness as harness  # noqa: E402
 
 _CONFIGS = flags.DEFINE_list(
     "configs", ["configs/grpo.py:1.5b", "configs/grpo_7b.py"], "config files (path[:arg])"
@@ -115,8 +115,8 @@ def run_config(spec: str, overrides: list[str], steps: int, programs: list[str])
     """One config's rows (in this process)."""
     import jax
 
-    from mmr_jax import build, compiled_dry_run
     from mmr_jax.models import config as model_config
+    from mmr_jax.training import build, compiled_dry_run
 
     cfg = _load(spec, overrides)
     mesh = compiled_dry_run.config_mesh(cfg)

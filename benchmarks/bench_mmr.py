@@ -44,7 +44,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mmr_jax import mmr
+from mmr_jax.algorithms import mmr
 from mmr_jax.models import sharding
 
 

@@ -20,7 +20,7 @@ import tempfile
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))  # `support`
-from mmr_jax import bench_harness as harness
+from mmr_jax.infra import bench_harness as harness
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SMOLLM2 = ROOT / "checkpoints" / "smollm2-135m-instruct"

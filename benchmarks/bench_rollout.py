@@ -39,9 +39,12 @@ def main(argv) -> None:
     del argv
     import transformers
 
-    from mmr_jax import build, compile_cache, config_types, data
+    from mmr_jax import config_types
+    from mmr_jax.infra import compile_cache
     from mmr_jax.models import hub
+    from mmr_jax.problems import data
     from mmr_jax.rollout import base
+    from mmr_jax.training import build
 
     compile_cache.enable()
     cfg = config_types.from_config_dict(config_types.load_config_file(_CONFIG.value))

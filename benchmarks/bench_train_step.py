@@ -39,7 +39,7 @@ from absl import app, flags
 _REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(_REPO))
 sys.path.insert(0, str(_REPO / "tests"))  # test tooling (`support`): tiny checkpoints, shared data
-from mmr_jax import bench_harness as harness  # noqa: E402
+from mmr_jax.infra import bench_harness as harness  # noqa: E402
 
 _MODEL = flags.DEFINE_enum("model", "smollm2", ["smollm2", "tiny"], "which model")
 _SMOL = flags.DEFINE_string(
@@ -72,7 +72,7 @@ SHAPES = {
 
 def make_groups(shape: Shape, vocab: int, seed: int = 0, long_row: bool = False):
     """Ragged groups of the shape: `experience.Groups` with random tokens (rewards unused)."""
-    from mmr_jax import experience
+    from mmr_jax.step import experience
 
     rng = np.random.default_rng(seed)
     b, g, t = shape.prompts, shape.generations, shape.max_completion_len
@@ -120,7 +120,7 @@ def batches(cfg, groups, adv) -> dict:
     """{path name: Batch} of the same groups, on device (`PATHS`)."""
     import dataclasses as dc
 
-    from mmr_jax import experience, step_batch, train_step
+    from mmr_jax.step import experience, step_batch, train_step
 
     out = {}
     for name, (shared, pack_max_len) in PATHS.items():
@@ -153,7 +153,8 @@ def run_shape(
     """
     import jax
 
-    from mmr_jax import build, train_step
+    from mmr_jax.step import train_step
+    from mmr_jax.training import build
 
     cfg = train_config(shape, model_path)
     policy = build.load_policy(cfg)

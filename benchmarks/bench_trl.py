@@ -41,7 +41,10 @@ import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from mmr_jax import build, config_types, data, rewards, step_batch  # noqa: E402
+from mmr_jax import config_types, rewards  # noqa: E402
+from mmr_jax.problems import data  # noqa: E402
+from mmr_jax.step import step_batch  # noqa: E402
+from mmr_jax.training import build  # noqa: E402
 
 SIDES = ("trl", "ours", "ours_nommr")
 # Our loss aggregation -> TRL's loss_type; advantage estimator -> TRL's scale_rewards.

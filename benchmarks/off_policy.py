@@ -43,8 +43,8 @@ import time
 
 _REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(_REPO))
-from mmr_jax import bench_harness as harness  # noqa: E402
-from mmr_jax import child_process  # noqa: E402
+from mmr_jax.infra import bench_harness as harness  # noqa: E402
+from mmr_jax.infra import child_process  # noqa: E402
 
 rl_step = harness.load("rl_step")
 

@@ -13,7 +13,7 @@ import dataclasses
 
 import peer_batch
 
-from mmr_jax import bench_harness as harness
+from mmr_jax.infra import bench_harness as harness
 
 
 def load_config(spec: str, overrides: list[str]):
@@ -31,7 +31,7 @@ def _device_batch(cfg, batch: peer_batch.PeerBatch, abstract):
     import jax
     import numpy as np
 
-    from mmr_jax import train_step
+    from mmr_jax.step import train_step
 
     n, t = batch.completions_NxT.shape
     ones_nt = np.ones((n, t), bool)
@@ -53,7 +53,8 @@ def make_step(cfg, batch: peer_batch.PeerBatch, checkpoint: str | None):
     """-> (jitted step, [state, batch, frozen, rest] on device, compile figures)."""
     import jax
 
-    from mmr_jax import build, compiled_dry_run, train_step
+    from mmr_jax.step import train_step
+    from mmr_jax.training import build, compiled_dry_run
 
     optimizer, schedule = build.make_optimizer(cfg)
     if checkpoint:
@@ -154,7 +155,7 @@ def shape_of(cfg) -> peer_batch.Shape:
 
 
 def _hf_config_path(cfg, checkpoint: str | None = None):
-    from mmr_jax import build
+    from mmr_jax.training import build
 
     return build._hf_config(checkpoint or cfg.model.path)
 

@@ -37,7 +37,7 @@ import tempfile
 
 _HERE = pathlib.Path(__file__).resolve().parent
 sys.path[:0] = [str(_HERE.parent), str(_HERE)]
-from mmr_jax import bench_harness as harness  # noqa: E402
+from mmr_jax.infra import bench_harness as harness  # noqa: E402
 
 SIDES = ("ours", "torch_ckpt", "torch")
 # --cpu_smoke: a tiny Qwen2 on CPU, fp32 (the parity's dtype), shapes that run in seconds.

@@ -18,7 +18,7 @@ import pathlib
 
 import peer_batch
 
-from mmr_jax import bench_harness as harness
+from mmr_jax.infra import bench_harness as harness
 
 
 def hf_config(config_json: str, **overrides):

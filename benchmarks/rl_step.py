@@ -26,8 +26,8 @@ import tempfile
 
 _REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(_REPO))
-from mmr_jax import bench_harness as harness  # noqa: E402
-from mmr_jax import child_process  # noqa: E402
+from mmr_jax.infra import bench_harness as harness  # noqa: E402
+from mmr_jax.infra import child_process  # noqa: E402
 
 # What makes the run need nothing but this tree (overridable by --set).
 BASE = {

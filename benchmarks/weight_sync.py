@@ -24,7 +24,7 @@ from absl import app, flags
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "tests")]
-from mmr_jax import bench_harness as harness  # noqa: E402
+from mmr_jax.infra import bench_harness as harness  # noqa: E402
 
 from support import weight_sync_worker  # noqa: E402
 

@@ -21,7 +21,7 @@ from ml_collections import config_dict
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _REPO not in sys.path:  # configs load by path; the prompts live in the library
     sys.path.append(_REPO)
-from mmr_jax import data  # noqa: E402
+from mmr_jax.problems import data  # noqa: E402
 
 # Problem files beside the checkout (../shared/data) unless $MMR_JAX_SHARED_DATA points elsewhere.
 SHARED_DATA = os.environ.get(
@@ -106,7 +106,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.batch.pack_max_len = 4096
     # A step that fits a shorter packed length than one the train step is compiled for runs padded
     # to it while the padding paid since the last compile (in steps: the padded share of each row)
-    # stays under one compile, priced in steps here (ski rental, mmr_jax/shape_reuse.py; metrics
+    # stays under one compile, priced in steps here (ski rental, step/shape_reuse.py; metrics
     # batch/packed_len_needed beside batch/packed_len). Same loss to fp32 rounding. 0 = compile
     # every length met. On the CPU default a compile takes about one train step (time/compile).
     c.batch.compile_price_steps = 1.0
@@ -152,7 +152,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.loss.iterations = 1  # passes over each batch (mu); >1 needs old log-probs
     c.loss.minibatches = 8  # gradient-accumulation minibatches per pass (48 / 8 = 6 per device)
     c.loss.tis_cap = 0.0  # truncated IS: weight min(pi_trainer / pi_engine, cap) per token; 0 = off
-    # Rollout/trainer correction (mmr_jax/mismatch.py, docs/algorithms.md), when tis_cap > 0:
+    # Rollout/trainer correction (algorithms/mismatch.py, docs/algorithms.md), when tis_cap > 0:
     # {token, sequence (sum), geometric (mean)}_{truncate (min(r, cap)), mask (0 outside bounds)}.
     c.loss.tis_mode = "token_truncate"
     c.loss.tis_mask_low = 0.0  # '_mask' modes: also reject r below this (0 = no lower bound)

@@ -17,7 +17,7 @@ _SHARED = os.environ.get(
     "MMR_JAX_SHARED_DATA", os.path.join(os.path.dirname(_REPO), "shared", "data")
 )
 BENCHMARKS = ("math500", "aime24", "amc23", "minerva_math", "olympiadbench")
-# The paper's evaluation system prompt; the same text as mmr_jax.data.EVAL_SYSTEM_PROMPT (configs
+# The paper's evaluation system prompt; the same text as problems.data.EVAL_SYSTEM_PROMPT (configs
 # do not import the library).
 EVAL_SYSTEM_PROMPT = (
     "Solve the following math problem efficiently and clearly.  The last line of your response "

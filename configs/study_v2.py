@@ -11,7 +11,7 @@ The plan, committed before the first arm: docs/study_v2/plan.md. Before this stu
     python scripts/study.py --config=configs/study_v2.py:pilot    # 1 seed, 2 steps: the pipeline
 
 `train` is configs/cpu_smollm2.py started from the warm-up's export, with the task's training
-set and its held-out set (`mmr_jax.tasks`); each arm is a delta on it; every run is `train` +
+set and its held-out set (`problems.tasks`); each arm is a delta on it; every run is `train` +
 delta + seed. Runs go seed-major (all arms of seed 1, then seed 2, ...), so a study cut short
 holds whole seeds of every arm.
 """

@@ -2,7 +2,7 @@
 
 Done once, before any candidate is measured or any arm runs; every arm starts from its export.
 The task (sums of two operands 1-9, 81 questions) is disjoint from every study-v2 task
-(`mmr_jax.tasks`), so the arms learn those from scratch, not from the warm-up.
+(`mmr_jax.problems.tasks`), so the arms learn those from scratch, not from the warm-up.
 
     python scripts/train.py --config=configs/study_v2_warmup.py --workdir=runs/study_v2_warmup
     cp -r runs/study_v2_warmup/step_12 checkpoints/smollm2-135m-warm   # the arms' model.path

@@ -6,7 +6,7 @@
 Prints a table (per benchmark and average); writes `eval.json` with per-problem records. With
 `run_dir`: one JSON per step, `eval_summary.json` with the peak step, and `pass1_vs_step.png`.
 Library logs go to `<output dir>/evaluate.log` (`--verbosity=0` shows them on the console too).
-The checkpoint, run folder and output folder may be in a bucket (gs://, `mmr_jax.run_paths`): a
+The checkpoint, run folder and output folder may be in a bucket (gs://, `infra.run_paths`): a
 checkpoint is downloaded, a run's steps one at a time, and the outputs are written locally and
 uploaded at the end.
 The benchmarks are `<config.data_dir>/<name>.jsonl`; when they are missing it exits with one line
@@ -30,8 +30,10 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from mmr_jax import compile_cache, console, data, distributed, evaluation, run_paths
+from mmr_jax import distributed
+from mmr_jax.infra import compile_cache, console, run_paths
 from mmr_jax.models import sharding
+from mmr_jax.problems import data, evaluation
 from mmr_jax.rewards import grading
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Evaluation config.", lock_config=True)

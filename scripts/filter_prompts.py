@@ -21,7 +21,9 @@ import sys
 from absl import app, flags
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from mmr_jax import compile_cache, console, data, evaluation, study_design
+from mmr_jax.infra import compile_cache, console
+from mmr_jax.problems import data, evaluation
+from mmr_jax.studies import study_design
 
 _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "HF folder or hub id of the start policy.")
 _SOURCE = flags.DEFINE_string("source", None, "Training problems (JSONL/parquet or hub name).")

@@ -6,7 +6,7 @@
     python scripts/model_dry_run.py --mesh 1,-1,1 --hosts 4 --devices_per_host 8  # (4, 8, 1)
 
 With --train_config, the real train and decode steps of a training config are lowered and
-compiled (mmr_jax/compiled_dry_run) for a pod of --hosts x --devices_per_host devices: that many
+compiled (training/compiled_dry_run) for a pod of --hosts x --devices_per_host devices: that many
 virtual CPU devices, device i on fake host i // devices_per_host, laid out as the config's mesh
 is on that pod (hybrid by default: data across hosts, fsdp and tensor within one). The programs'
 shardings and XLA's per-device memory are those of the pod's (on the CPU backend):
@@ -84,7 +84,8 @@ def compiled(args) -> dict:
     hosts = dry_run.pod_hosts(args.hosts, args.devices_per_host)
     jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_num_cpu_devices", len(hosts))
-    from mmr_jax import compiled_dry_run, config_types
+    from mmr_jax import config_types
+    from mmr_jax.training import compiled_dry_run
 
     c = config_types.load_config_file(args.train_config)
     config_types.set_keys(c, config_types.parse_assignments(args.set))
@@ -129,7 +130,7 @@ def main(argv=None) -> None:
 
 
 def compiled_dry_run_table(result: dict) -> str:
-    from mmr_jax import compiled_dry_run
+    from mmr_jax.training import compiled_dry_run
 
     rows = "\n".join(
         f"  data row {r}: hosts {sorted(set(h))}" for r, h in enumerate(result["row_hosts"])

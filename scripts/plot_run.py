@@ -21,7 +21,7 @@ import sys
 from absl import app, flags
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from mmr_jax import metrics as metrics_lib
+from mmr_jax.infra import metrics as metrics_lib
 
 _OUT = flags.DEFINE_string("out", "curves.png", "PNG file to write.")
 _METRICS = flags.DEFINE_list("metrics", [], "Metrics to draw (default: the standard set present).")

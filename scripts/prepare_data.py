@@ -4,7 +4,7 @@
     python scripts/prepare_data.py --out=/data/mmr --files=eval/math500.jsonl,eval/aime24.jsonl
     python scripts/prepare_data.py --from_dir=/media/shared/data --out=../shared/data   # offline
 
-Each file is converted by `mmr_jax.data_sources` (the offline folder's field mapping) and written
+Each file is converted by `problems.data_sources` (the offline folder's field mapping) and written
 atomically, one progress line per file. `--from_dir` copies an offline folder's files instead,
 after checking each loads with the expected number of records. See docs/data.md.
 """
@@ -19,7 +19,7 @@ import time
 from absl import app, flags
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from mmr_jax import data, data_sources
+from mmr_jax.problems import data, data_sources
 
 _REPO = pathlib.Path(__file__).resolve().parents[1]
 _OUT = flags.DEFINE_string(

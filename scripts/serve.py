@@ -26,7 +26,7 @@ from absl import app, flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from mmr_jax import console
+from mmr_jax.infra import console
 from mmr_jax.rollout import layout, serve_backend, server
 
 _MODEL = flags.DEFINE_string("model", None, "HF checkpoint folder", required=True)

@@ -35,18 +35,11 @@ sys.path.insert(0, str(_ROOT))
 sys.path.insert(0, str(_ROOT / "scripts"))
 import plot_run  # noqa: E402
 
-from mmr_jax import (  # noqa: E402
-    compile_cache,
-    console,
-    distributed,
-    evaluation,
-    metrics,
-    run_paths,
-    run_process,
-    study,
-    study_hosts,
-    study_report,
-)
+from mmr_jax import distributed  # noqa: E402
+from mmr_jax.infra import compile_cache, console, metrics, run_paths  # noqa: E402
+from mmr_jax.problems import evaluation  # noqa: E402
+from mmr_jax.studies import study, study_hosts, study_mechanism, study_report  # noqa: E402
+from mmr_jax.training import run_process  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Study config (configs/study.py[:pilot]).", lock_config=True
@@ -97,7 +90,7 @@ def write_report(config, specs) -> dict:
             (folder / "curves.png").write_bytes((written / "curves.png").read_bytes())
         plot = "curves.png"
     mechanism = {  # how each run learnt and what it cost, from its metrics
-        s.name: study_report.run_mechanism(metrics.read_jsonl(path))
+        s.name: study_mechanism.run_mechanism(metrics.read_jsonl(path))
         for s in specs
         if (path := folder / s.name / metrics.METRICS_FILE).exists()
     }

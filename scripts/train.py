@@ -27,16 +27,9 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from mmr_jax import (
-    build,
-    checkpoint,
-    compile_cache,
-    config_types,
-    console,
-    distributed,
-    run_paths,
-    trainer,
-)
+from mmr_jax import config_types, distributed
+from mmr_jax.infra import compile_cache, console, run_paths
+from mmr_jax.training import checkpoint, compiled_dry_run, trainer
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Config file (configs/*.py[:arg]).", lock_config=True
@@ -49,7 +42,7 @@ _DRY_RUN_DEVICES = flags.DEFINE_integer(
     "dry_run_devices",
     0,
     "With --dry_run: also lower and compile the train and decode steps for the config's mesh on "
-    "this many virtual CPU devices and print XLA's per-device memory (mmr_jax/compiled_dry_run).",
+    "this many virtual CPU devices and print XLA's per-device memory (training/compiled_dry_run).",
 )
 _DRY_RUN_REMAT = flags.DEFINE_list(
     "dry_run_remat",
@@ -74,7 +67,6 @@ def _parse_flags(argv):
 
 
 def _compiled_dry_run(cfg):
-    from mmr_jax import compiled_dry_run
     from mmr_jax.models import config as model_config
 
     policies = _DRY_RUN_REMAT.value
@@ -94,7 +86,7 @@ def main(argv):
     distributed.start(_PROCESSES)  # before any other JAX operation
     cfg = config_types.from_config_dict(_CONFIG.value)
     if _DRY_RUN.value:
-        build.dry_run(cfg)
+        compiled_dry_run.dry_run(cfg)
         if _DRY_RUN_DEVICES.value:
             _compiled_dry_run(cfg)
         return

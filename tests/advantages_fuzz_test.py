@@ -1,4 +1,4 @@
-"""Property-based tests of mmr_jax.advantages (issue 19): GRPO and Dr.GRPO over fuzzed groups.
+"""Property-based tests of algorithms.advantages (issue 19): GRPO and Dr.GRPO over fuzzed groups.
 
 Cases (tests/fuzz_cases.py): padded groups in float32 or bfloat16, magnitudes 1e-30 to 1e30, ties,
 a large common offset, random masks. Properties: finite output; masked entries get exactly 0 and
@@ -13,7 +13,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mmr_jax import advantages
+from mmr_jax.algorithms import advantages
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
 

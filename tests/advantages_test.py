@@ -1,4 +1,4 @@
-"""Tests for mmr_jax.advantages against hand-worked values."""
+"""Tests for mmr_jax.algorithms.advantages against hand-worked values."""
 
 import math
 
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from absl.testing import parameterized
 
-from mmr_jax import advantages
+from mmr_jax.algorithms import advantages
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
@@ -93,7 +93,7 @@ class UniformGroupGuardTest(chex.TestCase):
         return r, rng.normal(size=(3, 4, 8)).astype(np.float32)
 
     def test_mmr_gives_uniform_groups_advantage_and_the_guard_zeroes_it(self):
-        from mmr_jax import mmr
+        from mmr_jax.algorithms import mmr
 
         r, e = self._case()
         plain = advantages.grpo_advantages(mmr.reweight("mmr", r, e))
@@ -107,7 +107,7 @@ class UniformGroupGuardTest(chex.TestCase):
         np.testing.assert_allclose(np.asarray(guarded)[2], np.asarray(plain)[2], rtol=1e-6)
 
     def test_batch_scope_reweights_only_the_varying_groups(self):
-        from mmr_jax import mmr
+        from mmr_jax.algorithms import mmr
 
         r, e = self._case()
         keep = advantages.varying_groups_mask(r)

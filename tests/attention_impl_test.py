@@ -21,9 +21,10 @@ import pytest
 from absl.testing import parameterized
 from flax import nnx
 
-from mmr_jax import build, train_step
 from mmr_jax.models import attention, attention_impl, decoder, logprobs, shared_prompt
 from mmr_jax.models import config as config_lib
+from mmr_jax.step import train_step
+from mmr_jax.training import build
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
 

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from mmr_jax import bench_harness
+from mmr_jax.infra import bench_harness
 
 
 def _bench_compile():

@@ -4,7 +4,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mmr_jax import bench_harness, models
+from mmr_jax import models
+from mmr_jax.infra import bench_harness
 
 from support import testing
 

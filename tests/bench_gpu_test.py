@@ -6,7 +6,7 @@ import math
 import pytest
 from flax import nnx
 
-from mmr_jax import bench_harness
+from mmr_jax.infra import bench_harness
 from mmr_jax.models import config as model_config
 from mmr_jax.models import loading
 

@@ -1,4 +1,4 @@
-"""`mmr_jax/bench_harness.py`: timing, child processes, JSON and tables shared by benchmarks/."""
+"""`infra/bench_harness.py`: timing, child processes, JSON and tables shared by benchmarks/."""
 
 import itertools
 import json
@@ -7,7 +7,7 @@ import sys
 import pytest
 from absl import flags
 
-from mmr_jax import bench_harness as harness
+from mmr_jax.infra import bench_harness as harness
 
 
 def test_timed_keeps_the_first_call_apart_and_drops_warmups():

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from mmr_jax import bench_harness
+from mmr_jax.infra import bench_harness
 
 kp = bench_harness.load("kernel_profile")
 

@@ -3,7 +3,8 @@
 import numpy as np
 import pytest
 
-from mmr_jax import bench_harness, mmr
+from mmr_jax.algorithms import mmr
+from mmr_jax.infra import bench_harness
 
 bench = bench_harness.load("bench_mmr")
 

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from mmr_jax import bench_harness
+from mmr_jax.infra import bench_harness
 from mmr_jax.rollout import vllm_launch
 
 REPO = pathlib.Path(__file__).resolve().parents[1]

@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from mmr_jax import bench_harness
+from mmr_jax.infra import bench_harness
 
 from support import testing
 

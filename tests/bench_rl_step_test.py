@@ -2,7 +2,8 @@
 
 import pytest
 
-from mmr_jax import bench_harness, config_types
+from mmr_jax import config_types
+from mmr_jax.infra import bench_harness
 
 rl_step = bench_harness.load("rl_step")
 

@@ -4,7 +4,7 @@ import json
 
 import numpy as np
 
-from mmr_jax import bench_harness
+from mmr_jax.infra import bench_harness
 
 from support import testing
 

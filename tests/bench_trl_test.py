@@ -8,7 +8,10 @@ import sys
 
 import pytest
 
-from mmr_jax import bench_harness, build, config_types, data
+from mmr_jax import config_types
+from mmr_jax.infra import bench_harness
+from mmr_jax.problems import data
+from mmr_jax.training import build
 
 from support import testing
 

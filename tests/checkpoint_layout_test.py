@@ -10,9 +10,10 @@ import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
 
-from mmr_jax import build, checkpoint, checkpoint_layout, train_step
 from mmr_jax.models import config as model_config
 from mmr_jax.models import decoder
+from mmr_jax.step import train_step
+from mmr_jax.training import build, checkpoint, checkpoint_layout
 
 
 def _state(num_layers: int, seed: int = 0) -> dict:

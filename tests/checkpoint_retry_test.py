@@ -12,7 +12,7 @@ import orbax.checkpoint as ocp
 import pytest
 from packaging import specifiers, version
 
-from mmr_jax import checkpoint, checkpoint_read
+from mmr_jax.training import checkpoint, checkpoint_read
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mmr_jax import checkpoint
+from mmr_jax.training import checkpoint
 
 from support import checkpoint_trees as trees
 

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from mmr_jax import child_process
+from mmr_jax.infra import child_process
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.skipif(
 # the pid of the process that calls it), prints the child's pid, then waits to be killed.
 _PARENT = """
 import subprocess, sys, time
-from mmr_jax import child_process
+from mmr_jax.infra import child_process
 child = subprocess.Popen(eval(sys.argv[1]))
 print(child.pid, flush=True)
 time.sleep(300)
@@ -60,7 +60,7 @@ def _outlives_its_killed_parent(child_argv_expr: str, wait_s: float = 20) -> boo
 def test_in_process_child_dies_with_its_killed_parent():
     code = (
         "import os, signal\n"
-        "from mmr_jax import child_process\n"
+        "from mmr_jax.infra import child_process\n"
         "child_process.die_with_parent(os.getppid(), signal.SIGKILL)\n" + _READY_THEN_SLEEP
     )
     assert not _outlives_its_killed_parent(repr([sys.executable, "-c", code]))
@@ -79,7 +79,11 @@ def test_without_the_helper_a_child_outlives_its_killed_parent():
 
 def test_a_child_whose_parent_is_gone_already_exits_with_the_reason():
     out = subprocess.run(
-        [sys.executable, "-c", "from mmr_jax import child_process as c; c.die_with_parent(1, 9)"],
+        [
+            sys.executable,
+            "-c",
+            "from mmr_jax.infra import child_process as c; c.die_with_parent(1, 9)",
+        ],
         capture_output=True,
         text=True,
         env={**os.environ, "PYTHONPATH": str(REPO)},

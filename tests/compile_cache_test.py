@@ -1,9 +1,9 @@
-"""The persistent XLA compilation cache the scripts switch on (`mmr_jax.compile_cache`)."""
+"""The persistent XLA compilation cache the scripts switch on (`mmr_jax.infra.compile_cache`)."""
 
 import pathlib
 import textwrap
 
-from mmr_jax import compile_cache
+from mmr_jax.infra import compile_cache
 
 from support import testing
 
@@ -19,7 +19,7 @@ _COMPILE = textwrap.dedent(
     """
     import logging, os, time
     import jax, jax.numpy as jnp
-    from mmr_jax import compile_cache
+    from mmr_jax.infra import compile_cache
     hits = []
     class Hits(logging.Handler):
         def emit(self, record):
@@ -66,7 +66,7 @@ _FLAG = textwrap.dedent(
     """
     import os
     import jax, jax.numpy as jnp
-    from mmr_jax import compile_cache
+    from mmr_jax.infra import compile_cache
     print("ADDED", compile_cache.cpu_compile_flag())
     print("FLAGS", os.environ.get("XLA_FLAGS", ""))
     print("VALUE", float(jax.jit(lambda x: jnp.sin(x).sum())(jnp.ones(8))))  # XLA took the flags

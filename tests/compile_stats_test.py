@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from mmr_jax import compile_stats
+from mmr_jax.infra import compile_stats
 
 
 def test_a_new_program_counts_and_a_cached_call_does_not():

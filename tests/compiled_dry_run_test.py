@@ -24,7 +24,8 @@ _SCRIPT = textwrap.dedent(
     jax.config.update("jax_num_cpu_devices", 4)
     import numpy as np
     from configs import grpo
-    from mmr_jax import compiled_dry_run, config_types
+    from mmr_jax.training import compiled_dry_run
+    from mmr_jax import config_types
 
     c = grpo.get_config("smoke")
     c.model.path = sys.argv[1]
@@ -88,7 +89,7 @@ def test_compiled_steps_hold_the_shards_their_shardings_give(tmp_path):
 
 
 def test_program_names_are_checked():
-    from mmr_jax import compiled_dry_run
+    from mmr_jax.training import compiled_dry_run
 
     with pytest.raises(ValueError, match="unknown program 'prefill'"):
         compiled_dry_run.program("prefill", cfg=None, mesh=None)
@@ -102,7 +103,8 @@ def test_decode_program_takes_the_samplers_compute_dtype_weights(tiny_llama_dir)
     import jax.numpy as jnp
 
     from configs import grpo
-    from mmr_jax import compiled_dry_run, config_types
+    from mmr_jax import config_types
+    from mmr_jax.training import compiled_dry_run
 
     c = grpo.get_config("smoke")
     c.model.path = str(tiny_llama_dir)

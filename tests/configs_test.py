@@ -9,7 +9,9 @@ import pytest
 from absl import flags
 from ml_collections import config_flags
 
-from mmr_jax import build, config_types, losses, mismatch
+from mmr_jax import config_types
+from mmr_jax.algorithms import losses, mismatch
+from mmr_jax.training import build
 
 CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "configs"
 VARIANTS = ["grpo", "dr_grpo", "dapo", "dapo_nods", "grpo_7b", "cpu_smollm2", "base", "gspo"]

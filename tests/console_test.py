@@ -44,7 +44,7 @@ def test_setup_after_a_basic_config_keeps_library_info_off_the_console(tmp_path)
         "from absl import logging as absl_logging\n"
         "absl_logging.info('before setup')  # absl calls logging.basicConfig() here\n"
         "assert logging.getLogger().handlers, 'absl no longer adds the handler: drop this test'\n"
-        "from mmr_jax import console\n"
+        "from mmr_jax.infra import console\n"
         f"console.setup({str(tmp_path / 'x.log')!r}, verbose=False)\n"
         "logging.getLogger('orbax').info('library info')\n"
         "absl_logging.info('absl info')\n"

@@ -11,7 +11,9 @@ import jax
 import numpy as np
 import pytest
 
-from mmr_jax import build, checkpoint, config_types, faults, metrics, trainer
+from mmr_jax import config_types
+from mmr_jax.infra import faults, metrics
+from mmr_jax.training import build, checkpoint, trainer
 
 from support import crash_harness, testing
 

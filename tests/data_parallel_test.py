@@ -20,7 +20,9 @@ _SCRIPT = textwrap.dedent(
     assert sharding.use_cpu_cores_as_devices(2) == 2
     assert jax.device_count() == 2, jax.devices()
     import jax.numpy as jnp
-    from mmr_jax import build, mmr, models
+    from mmr_jax.training import build
+    from mmr_jax.algorithms import mmr
+    from mmr_jax import models
     from mmr_jax.rollout import base, sampler
 
     mesh = sharding.data_parallel_mesh()

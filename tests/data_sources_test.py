@@ -1,4 +1,4 @@
-"""Tests for mmr_jax.data_sources and scripts/prepare_data.py.
+"""Tests for mmr_jax.problems.data_sources and scripts/prepare_data.py.
 
 No hub here: each converter gets `datasets.Dataset` rows in its hub dataset's schema, rebuilt from
 the offline folder's records, and must give back exactly those records (and file bytes).
@@ -12,7 +12,7 @@ import sys
 import datasets
 import pytest
 
-from mmr_jax import data, data_sources
+from mmr_jax.problems import data, data_sources
 
 from support import testing
 

@@ -1,4 +1,4 @@
-"""Tests for mmr_jax.data: loading and schema checks, prompts, PromptIterator, arithmetic; the
+"""Tests for problems.data: loading and schema checks, prompts, PromptIterator, arithmetic; the
 data folder's helpers (missing data named, `testing.require_shared_data`, the frozen tiny BPE)."""
 
 import json
@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from mmr_jax import data
+from mmr_jax.problems import data
 
 from support import testing
 
@@ -75,7 +75,8 @@ class TestLoadProblems:
     def test_trainer_data_paths_name_missing_data(self, tmp_path, tokenizer):
         """The trainer's problems (`data.source`) and benchmarks (`eval.data_dir`)."""
         from configs import base
-        from mmr_jax import build, config_types
+        from mmr_jax import config_types
+        from mmr_jax.training import build
 
         c = base.get_config()
         c.data.source = str(tmp_path / "d" / "train" / "gsm8k_train.jsonl")

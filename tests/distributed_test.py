@@ -13,8 +13,10 @@ import time
 import numpy as np
 import pytest
 
-from mmr_jax import distributed, experience, metrics
+from mmr_jax import distributed
+from mmr_jax.infra import metrics
 from mmr_jax.rollout import base as rollout_base
+from mmr_jax.step import experience
 
 from support import multihost
 
@@ -130,7 +132,7 @@ class TestOneWriter:
 
     def test_console_without_stdout(self, tmp_path):
         script = (
-            "import sys; from mmr_jax import console; "
+            "import sys; from mmr_jax.infra import console; "
             "console.setup(sys.argv[1], stdout=sys.argv[2] == '1'); console.info('hello %d', 7)"
         )
         for shown in ("1", "0"):
@@ -222,7 +224,7 @@ class CountingEncoder:
     """The hashing encoder, counting the texts it embeds."""
 
     def __init__(self):
-        from mmr_jax import embeddings
+        from mmr_jax.step import embeddings
 
         self.inner, self.texts = embeddings.make_encoder("hashing"), 0
         self.dim = self.inner.dim

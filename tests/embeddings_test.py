@@ -1,11 +1,11 @@
-"""Tests for mmr_jax.embeddings: the offline MiniLM encoder, the hashing encoder, errors."""
+"""Tests for mmr_jax.step.embeddings: the offline MiniLM encoder, the hashing encoder, errors."""
 
 import os
 
 import numpy as np
 import pytest
 
-from mmr_jax import embeddings
+from mmr_jax.step import embeddings
 
 SIMILAR = ["The cat sits on the mat.", "A cat is sitting on a mat."]
 UNRELATED = "Quarterly revenue rose five percent on strong bond sales."

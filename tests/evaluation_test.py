@@ -1,4 +1,4 @@
-"""Tests for mmr_jax.evaluation: the pass@k estimator, evaluate() on a fake engine, sweeps."""
+"""Tests for problems.evaluation: the pass@k estimator, evaluate() on a fake engine, sweeps."""
 
 import itertools
 import json
@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from mmr_jax import data, evaluation
+from mmr_jax.problems import data, evaluation
 from mmr_jax.rewards import grading
 from mmr_jax.rollout import base
 

@@ -1,7 +1,7 @@
 """An ordinary Python exception on one process stops every process of a run within a bound, with a
 named error on each (mmr_jax/distributed/failures.py), through scripts/train.py itself.
 
-The fault hook (`MMR_JAX_RAISE_AT=train:2`, mmr_jax/faults.py) raises `InjectedFault` on process 1
+The fault hook (`MMR_JAX_RAISE_AT=train:2`, infra/faults.py) raises `InjectedFault` on process 1
 after it dispatched step 2's update; process 0 goes on into the step's collectives (the weight
 copy for its engine), where it waits for process 1. Before the fix process 1 sat in JAX's exit
 barrier (up to 300 s) while process 0 waited for it in a gather."""
@@ -11,7 +11,8 @@ import time
 
 import pytest
 
-from mmr_jax import distributed, faults, metrics
+from mmr_jax import distributed
+from mmr_jax.infra import faults, metrics
 
 from support import train_script
 

@@ -187,7 +187,8 @@ distributed.initialize(distributed.options_from_flags(
 import jax.numpy as jnp, numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 from configs import grpo
-from mmr_jax import build, config_types
+from mmr_jax.training import build
+from mmr_jax import config_types
 
 def hosts_of(mesh):
     return np.vectorize(lambda d: d.process_index)(mesh.devices).tolist()

@@ -1,4 +1,4 @@
-"""Property-based tests of mmr_jax.losses (issue 19): the policy loss over fuzzed batches.
+"""Property-based tests of algorithms.losses (issue 19): the policy loss over fuzzed batches.
 
 Cases: [B, T] = [8, 12] batches (fewer rows and tokens by masking), float32 or bfloat16, every
 aggregation, no KL or k1/k2/k3, token ratios or GSPO's sequence ratios (issue 37), log-probs
@@ -18,7 +18,8 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mmr_jax import losses, train_step
+from mmr_jax.algorithms import losses
+from mmr_jax.step import train_step
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
 

@@ -1,4 +1,4 @@
-"""Tests for mmr_jax.losses: hand-worked surrogate, aggregation modes, KL, masks, accumulation."""
+"""Tests for algorithms.losses: hand-worked surrogate, aggregations, KL, masks, accumulation."""
 
 import math
 
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from absl.testing import parameterized
 
-from mmr_jax import losses
+from mmr_jax.algorithms import losses
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
 

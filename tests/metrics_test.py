@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from mmr_jax import metrics
+from mmr_jax.infra import metrics
 
 
 class TestMetricWriter:

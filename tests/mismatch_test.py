@@ -1,4 +1,4 @@
-"""Tests for mmr_jax.mismatch: correction modes on constructed mismatches, and the statistics."""
+"""Tests for algorithms.mismatch: correction modes on constructed mismatches, and the statistics."""
 
 import math
 
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from absl.testing import parameterized
 
-from mmr_jax import losses, mismatch
+from mmr_jax.algorithms import losses, mismatch
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
 

@@ -1,4 +1,4 @@
-"""Property-based tests of mmr_jax.mmr (issue 19): MMR and DRA over fuzzed groups.
+"""Property-based tests of mmr_jax.algorithms.mmr (issue 19): MMR and DRA over fuzzed groups.
 
 Each case is a batch of padded groups (tests/fuzz_cases.py) in float32 or bfloat16 with magnitudes
 from 1e-30 to 1e30, ties, duplicate, zero and antipodal embeddings and random masks. Properties:
@@ -15,7 +15,7 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from mmr_jax import mmr
+from mmr_jax.algorithms import mmr
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
 

@@ -1,4 +1,4 @@
-"""Tests for mmr_jax.mmr: Algorithm 1 parity, invariances, masks, DRA, validation, registry."""
+"""Tests for algorithms.mmr: Algorithm 1 parity, invariances, masks, DRA, validation, registry."""
 
 import math
 
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from absl.testing import parameterized
 
-from mmr_jax import mmr
+from mmr_jax.algorithms import mmr
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
 

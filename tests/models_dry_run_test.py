@@ -94,7 +94,8 @@ _POD_SCRIPT = textwrap.dedent(
             "--set", "batch.generations=2", "--set", "batch.max_prompt_len=16",
             "--set", "batch.max_completion_len=8", "--set", "loss.minibatches=1"]
     import jax
-    from mmr_jax import compiled_dry_run, config_types
+    from mmr_jax.training import compiled_dry_run
+    from mmr_jax import config_types
 
     def shard_bytes(tree):
         return sum(math.prod(x.sharding.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize

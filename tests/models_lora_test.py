@@ -144,7 +144,8 @@ def _lora_step_loss(ckpt, *, dtype, frozen_dtype):
     """Loss and grad norm of one jitted LoRA train step (random B) on a fixed full-row batch."""
     import optax
 
-    from mmr_jax import build, train_step
+    from mmr_jax.step import train_step
+    from mmr_jax.training import build
 
     lora = lora_lib.LoraConfig(rank=4, alpha=8, dropout=0.0)
     model = models.from_pretrained(

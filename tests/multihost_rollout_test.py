@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from mmr_jax import metrics
+from mmr_jax.infra import metrics
 
 from support import multihost, multihost_runs, recording_server, testing
 

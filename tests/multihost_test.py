@@ -12,7 +12,8 @@ import time
 import numpy as np
 import pytest
 
-from mmr_jax import build, checkpoint, faults
+from mmr_jax.infra import faults
+from mmr_jax.training import build, checkpoint
 
 from support import crash_harness, multihost, multihost_runs
 

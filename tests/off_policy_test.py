@@ -10,8 +10,10 @@ import threading
 import numpy as np
 import pytest
 
-from mmr_jax import checkpoint, config_types, faults, metrics, rewards, trainer
+from mmr_jax import config_types, rewards
+from mmr_jax.infra import faults, metrics
 from mmr_jax.rollout import embedded, prefetch
+from mmr_jax.training import checkpoint, trainer
 
 from support import fake_server_venv, testing
 
@@ -158,7 +160,7 @@ def test_train_error_then_resume_trains_each_step_once(tmp_path, tiny_llama_dir,
 
 
 def test_benchmark_pins_each_mode_and_sets_its_lag():
-    from mmr_jax import bench_harness
+    from mmr_jax.infra import bench_harness
 
     bench = bench_harness.load("off_policy")
     cmd = bench.command("configs/cpu_smollm2.py", 3, "/tmp/w", ["a.b=1"], 1, "0,1")
@@ -194,7 +196,7 @@ def _vllm_config(ckpt, steps, venv, **overrides):
 
 def _record_servers(monkeypatch):
     """The `vllm_launch.ServerProcess` of every engine `build.make_engine` makes, with its pid."""
-    from mmr_jax import build
+    from mmr_jax.training import build
 
     servers, real = [], build.make_engine
 
@@ -347,7 +349,7 @@ def test_benchmark_vllm_mode_runs_both_modes_beside_one_pinned_server(tmp_path, 
     import json
     import os
 
-    from mmr_jax import bench_harness
+    from mmr_jax.infra import bench_harness
     from mmr_jax.rollout import vllm_client
 
     bench = bench_harness.load("off_policy")

@@ -17,7 +17,8 @@ import sys
 
 import pytest
 
-from mmr_jax import distributed, metrics
+from mmr_jax import distributed
+from mmr_jax.infra import metrics
 from mmr_jax.rollout import layout, server
 
 from support import multihost, multihost_runs, recording_server

@@ -13,9 +13,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from mmr_jax import build, config_types, data, metrics
+from mmr_jax import config_types
+from mmr_jax.infra import metrics
 from mmr_jax.models import config as model_config
 from mmr_jax.models import random_init
+from mmr_jax.problems import data
+from mmr_jax.training import build
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
 REPO = pathlib.Path(__file__).resolve().parents[1]

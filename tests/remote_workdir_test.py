@@ -13,7 +13,9 @@ import jax
 import numpy as np
 import pytest
 
-from mmr_jax import checkpoint, metrics, run_paths, study, trainer
+from mmr_jax.infra import metrics, run_paths
+from mmr_jax.studies import study
+from mmr_jax.training import checkpoint, trainer
 
 from support import checkpoint_trees as trees
 from support import fake_bucket, train_script

@@ -9,7 +9,8 @@ import types
 
 import pytest
 
-from mmr_jax import checkpoint, distributed, run_end
+from mmr_jax import distributed
+from mmr_jax.training import checkpoint, run_end
 
 
 class TestNamedError:

@@ -13,7 +13,8 @@ import time
 
 import pytest
 
-from mmr_jax import checkpoint, metrics, run_paths
+from mmr_jax.infra import metrics, run_paths
+from mmr_jax.training import checkpoint
 
 from support import fake_bucket, multihost
 

@@ -1,4 +1,4 @@
-"""A run in a process of its own (mmr_jax/run_process.py): every way a child ends, in the parent."""
+"""A run in its own process (training/run_process.py): each way a child ends, seen by the parent."""
 
 import os
 import pathlib
@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from mmr_jax import run_process, trainer
+from mmr_jax.training import run_process, trainer
 
 
 # Run bodies for `train_in_child`: module level, so the spawned child can import them by name.

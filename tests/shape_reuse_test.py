@@ -7,8 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from mmr_jax import batch_layout
-from mmr_jax.shape_reuse import LengthChooser
+from mmr_jax.step import batch_layout
+from mmr_jax.step.shape_reuse import LengthChooser
 
 
 def test_hand_worked_sequence():

@@ -18,9 +18,10 @@ import optax
 import pytest
 from flax import nnx
 
-from mmr_jax import batch_layout, build, experience, train_step
 from mmr_jax.models import loading
 from mmr_jax.models import lora as lora_lib
+from mmr_jax.step import batch_layout, experience, train_step
+from mmr_jax.training import build
 
 from support import testing
 
@@ -465,7 +466,7 @@ _SHARDED = textwrap.dedent(
     import sys
     import jax, jax.numpy as jnp, numpy as np
     from flax import nnx
-    from mmr_jax import batch_layout
+    from mmr_jax.step import batch_layout
     from mmr_jax.models import loading, logprobs, lora, sharding
 
     assert jax.device_count() == 8, jax.devices()

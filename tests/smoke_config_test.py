@@ -4,7 +4,8 @@ import importlib.util
 
 import pytest
 
-from mmr_jax import build, config_types
+from mmr_jax import config_types
+from mmr_jax.training import build
 
 from support import testing
 

@@ -81,8 +81,9 @@ class TestEmbeddedEngineStops:
 
         import transformers
 
-        from mmr_jax import build, config_types
+        from mmr_jax import config_types
         from mmr_jax.models import hub
+        from mmr_jax.training import build
 
         t, _ = hub_ckpt
         spec = importlib.util.spec_from_file_location(

@@ -1,10 +1,10 @@
-"""Tests for mmr_jax.study_design: power against published values and a simulation; the filter."""
+"""Tests for studies.study_design: power against published values and a simulation; the filter."""
 
 import numpy as np
 import pytest
 from scipy import stats
 
-from mmr_jax import study_design
+from mmr_jax.studies import study_design
 
 
 class TestPairedTPower:

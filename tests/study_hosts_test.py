@@ -1,4 +1,4 @@
-"""A study on several hosts (mmr_jax/study_hosts.py): local processes forming real JAX clusters.
+"""A study on several hosts (studies/study_hosts.py): local processes forming real JAX clusters.
 
 The study processes form one cluster; each run's children form their own, one port up. The
 runs' bodies here (tests/support/study_hosts_worker.py) gather over the run's cluster instead of
@@ -12,7 +12,9 @@ import sys
 
 import pytest
 
-from mmr_jax import distributed, metrics, study, study_hosts
+from mmr_jax import distributed
+from mmr_jax.infra import metrics
+from mmr_jax.studies import study, study_hosts
 
 from support import multihost, testing
 from support.tiny_study import overrides, strip_wall_clock, tiny_study

@@ -7,7 +7,7 @@ import pathlib
 import numpy as np
 import pytest
 
-from mmr_jax import paired_stats, study_report
+from mmr_jax.studies import paired_stats, study_mechanism, study_report
 
 ARCHIVE = pathlib.Path(__file__).resolve().parents[1] / "docs" / "study_cpu"
 
@@ -70,21 +70,21 @@ class TestMechanism:
                          "time/train": 100.0 if step == 1 else float(step),
                          "time/rollout": 1.0})  # fmt: skip
         rows.append({"step": 8, "time/eval": 30.0})  # same step, another row: merged
-        m = study_report.run_mechanism(rows)
+        m = study_mechanism.run_mechanism(rows)
         assert m["stalled_from"] == 5  # steps 5-8 all zero; step 3's zero is not a stall
         assert m["tail_from"] == 7 and m["tail_grad_norm"] == 0.0  # last quarter: 7, 8
         assert m["tail_zero_variance_frac"] == 1.0
         assert m["tail_uniform_adv_abs_mean"] is None  # not logged by these rows
         rows[-2]["advantage/uniform_abs_mean"] = 0.5  # step 8 only
-        assert study_report.run_mechanism(rows)["tail_uniform_adv_abs_mean"] == 0.5
+        assert study_mechanism.run_mechanism(rows)["tail_uniform_adv_abs_mean"] == 0.5
         assert m["train_s_median"] == pytest.approx(5.0)  # steps 2..8, compile step left out
         assert m["eval_s"] == [10.0, 30.0] and m["eval_total_s"] == 40.0
         rows.append({"step": 9, "grad_norm": 0.5})
-        assert study_report.run_mechanism(rows)["stalled_from"] is None
+        assert study_mechanism.run_mechanism(rows)["stalled_from"] is None
         rows.append({"step": 10, "grad_norm": 0.0})  # 10 steps, tail 8-10: one zero is no stall
-        assert study_report.run_mechanism(rows)["stalled_from"] is None
+        assert study_mechanism.run_mechanism(rows)["stalled_from"] is None
         rows += [{"step": 11, "grad_norm": 0.0}, {"step": 12, "grad_norm": 0.0}]
-        assert study_report.run_mechanism(rows)["stalled_from"] == 10  # tail 10-12: all zero
+        assert study_mechanism.run_mechanism(rows)["stalled_from"] == 10  # tail 10-12: all zero
 
     def test_lengths_and_whole_run_means_by_hand(self):
         rows = []
@@ -93,7 +93,7 @@ class TestMechanism:
                          "completion/truncated_frac": 0.5 if step == 8 else 0.0,
                          "advantage/uniform_abs_mean": 0.1 * step,
                          "groups/zero_variance_frac": 0.25 if step < 5 else 0.75})  # fmt: skip
-        m = study_report.run_mechanism(rows)
+        m = study_mechanism.run_mechanism(rows)
         assert m["tail_length_mean"] == pytest.approx(7.5)
         assert m["tail_truncated_frac"] == pytest.approx(0.25)
         assert m["all_uniform_adv_abs_mean"] == pytest.approx(0.45)  # 0.1 x mean(1..8)
@@ -103,7 +103,7 @@ class TestMechanism:
     def test_per_variant_mechanism_over_finished_runs_only(self):
         def mech(length, stalled, eval_s):
             return {"tail_length_mean": length, "stalled_from": stalled, "eval_total_s": eval_s,
-                    **{k: None for _, k, _ in study_report.ARM_MECHANISM
+                    **{k: None for _, k, _ in study_mechanism.ARM_MECHANISM
                        if k not in ("tail_length_mean", "eval_total_min", "wall_min")}}  # fmt: skip
 
         runs = [
@@ -114,7 +114,7 @@ class TestMechanism:
         ]
         mechanism = {"a_s1": mech(8.0, None, 60.0), "a_s2": mech(12.0, 31, 180.0),
                      "a_s3": mech(32.0, None, 0.0), "b_s1": mech(20.0, None, 0.0)}  # fmt: skip
-        arms = study_report.arm_mechanism(runs, mechanism, ["a", "b"])
+        arms = study_mechanism.arm_mechanism(runs, mechanism, ["a", "b"])
         a = arms["a"]
         assert a["runs"] == 2 and a["stalled"] == 1  # the diverged run is left out
         assert a["tail_length_mean"]["mean"] == pytest.approx(10.0)
@@ -158,7 +158,7 @@ class TestFirstStudyFromItsRecords:
             rows = _records(f"grpo_s{seed}")
             assert all(rows[s]["grad_norm"] == 0.0 for s in range(start, 41))
             assert rows[start - 1]["grad_norm"] > 0.0
-            assert study_report.run_mechanism(list(rows.values()))["stalled_from"] == start
+            assert study_mechanism.run_mechanism(list(rows.values()))["stalled_from"] == start
 
     def test_mechanism_and_format_figures_quoted_in_the_docs(self):
         runs = {f"{v}_s{s}": _records(f"{v}_s{s}") for v in ("grpo", "mmr_grpo", "dra_grpo")

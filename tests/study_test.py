@@ -13,16 +13,9 @@ import time
 import numpy as np
 import pytest
 
-from mmr_jax import (
-    build,
-    checkpoint,
-    data,
-    paired_stats,
-    run_process,
-    study,
-    study_report,
-    trainer,
-)
+from mmr_jax.problems import data
+from mmr_jax.studies import paired_stats, study, study_report
+from mmr_jax.training import build, checkpoint, run_process, trainer
 
 from support import testing
 from support.tiny_study import overrides as _overrides

@@ -3,7 +3,9 @@
 import os
 import sys
 
-from mmr_jax import config_types, study, study_report, tasks
+from mmr_jax import config_types
+from mmr_jax.problems import tasks
+from mmr_jax.studies import study, study_report
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "configs"))
 import study_v2

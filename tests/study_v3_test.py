@@ -6,7 +6,7 @@ import pathlib
 
 import pytest
 
-from mmr_jax import study
+from mmr_jax.studies import study
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 

@@ -6,7 +6,9 @@ import sys
 
 import pytest
 
-from mmr_jax import build, config_types, data, tasks
+from mmr_jax import config_types
+from mmr_jax.problems import data, tasks
+from mmr_jax.training import build
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "configs"))
 import base

@@ -10,9 +10,10 @@ import optax
 import pytest
 from flax import nnx
 
-from mmr_jax import build, train_step
 from mmr_jax.models import loading
 from mmr_jax.models import lora as lora_lib
+from mmr_jax.step import train_step
+from mmr_jax.training import build
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
 

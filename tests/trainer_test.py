@@ -12,17 +12,11 @@ import jax
 import numpy as np
 import pytest
 
-from mmr_jax import (
-    batch_layout,
-    build,
-    checkpoint,
-    config_types,
-    metrics,
-    rewards,
-    step_batch,
-    trainer,
-)
+from mmr_jax import config_types, rewards
+from mmr_jax.infra import metrics
 from mmr_jax.rewards import grading
+from mmr_jax.step import batch_layout, step_batch
+from mmr_jax.training import build, checkpoint, compiled_dry_run, trainer
 
 from support import testing, train_script
 
@@ -471,6 +465,48 @@ class TestResume:
             assert x["reward/mean"] == pytest.approx(y["reward/mean"], abs=1e-6)
             assert x["completion/length_mean"] == y["completion/length_mean"]
 
+    # The last commit before mmr_jax/ was regrouped into role subpackages (issue 48).
+    PRE_REGROUP = "6dd19a4596be57b112beaab249fe3fd9336b16fd"
+
+    @pytest.mark.slow
+    def test_a_run_written_before_the_regroup_resumes_after_it(self, tmp_path, tiny_llama_dir):
+        old = tmp_path / "pre_regroup"
+        old.mkdir()
+        archive = subprocess.run(
+            ["git", "-C", str(train_script.REPO), "archive", self.PRE_REGROUP],
+            capture_output=True,
+        )
+        assert archive.returncode == 0, (
+            f"this test needs the project's git history (commit {self.PRE_REGROUP}): "
+            + archive.stderr.decode()[-500:]
+        )
+        subprocess.run(["tar", "-x", "-C", str(old)], input=archive.stdout, check=True)
+        run = tmp_path / "run"
+        # The old tree first on the path, so its own mmr_jax (flat layout) writes the run.
+        env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(old))
+        first = subprocess.run(
+            train_script.train_cmd(run, tiny_llama_dir, 2, repo=old),
+            env=env,
+            cwd=old,
+            capture_output=True,
+            text=True,
+        )
+        assert first.returncode == 0, first.stderr[-3000:]
+        assert (old / "mmr_jax" / "checkpoint.py").exists()  # the flat layout wrote it
+        assert not (old / "mmr_jax" / "training").exists()
+        env["PYTHONPATH"] = str(train_script.REPO)
+        res = subprocess.run(
+            train_script.train_cmd(run, tiny_llama_dir, 3),
+            env=env,
+            capture_output=True,
+            text=True,
+        )
+        assert res.returncode == 0, res.stderr[-3000:]
+        assert f"workdir {run} | resuming from step 2" in res.stdout
+        rows = metrics.read_jsonl(run / metrics.METRICS_FILE)
+        assert [r["step"] for r in rows] == [1, 2, 3]
+        assert np.isfinite(rows[-1]["reward/mean"])
+
 
 class TestDryRun:
     @pytest.mark.parametrize(
@@ -482,7 +518,7 @@ class TestDryRun:
         ],
     )
     def test_param_counts(self, size, total, trainable):
-        out = build.dry_run(config_types.from_config_dict(grpo.get_config(size)))
+        out = compiled_dry_run.dry_run(config_types.from_config_dict(grpo.get_config(size)))
         assert (out["params_total"], out["trainable"]) == (total, trainable)
 
     @pytest.mark.parametrize(
@@ -500,14 +536,16 @@ class TestDryRun:
         c = grpo.get_config("1.5b")
         c.mesh.shape, c.mesh.layout = shape, layout
         cfg = config_types.from_config_dict(c)
-        sizes = build.dry_run_mesh_sizes(cfg, hosts=2, devices_per_host=4)
+        sizes = compiled_dry_run.dry_run_mesh_sizes(cfg, hosts=2, devices_per_host=4)
         assert sizes == dict(zip(("data", "fsdp", "tensor"), want, strict=True))
 
     def test_mesh_the_run_would_refuse(self):
         c = grpo.get_config("1.5b")
         c.mesh.shape = (3, -1, 1)  # data 3 does not split over 2 hosts
         with pytest.raises(build.sharding.MeshLayoutError, match="do not divide"):
-            build.dry_run_mesh_sizes(config_types.from_config_dict(c), hosts=2, devices_per_host=4)
+            compiled_dry_run.dry_run_mesh_sizes(
+                config_types.from_config_dict(c), hosts=2, devices_per_host=4
+            )
 
     @pytest.mark.parametrize(
         "slices, mesh",
@@ -525,13 +563,13 @@ class TestDryRun:
 
         cfg = _config("grpo", tiny_llama_dir)
         assert tuple(cfg.mesh.shape) == (1, -1, 1) and cfg.mesh.layout == "hybrid"
-        one = build.dry_run(cfg)
+        one = compiled_dry_run.dry_run(cfg)
         fake = [types.SimpleNamespace(id=i, process_index=i // 4) for i in range(8)]
         for d, s in zip(fake, slices or [], strict=False):
             d.slice_index, d.platform = s, "tpu"
         monkeypatch.setattr(jax, "devices", lambda: fake)
         monkeypatch.setattr(jax, "device_count", lambda: 8)
-        eight = build.dry_run(cfg)
+        eight = compiled_dry_run.dry_run(cfg)
         assert one["mesh"] == {"data": 1, "fsdp": 1, "tensor": 1}  # this process's 1 device
         assert eight["mesh"] == mesh
         assert eight["param_gib_per_device"] < one["param_gib_per_device"]

@@ -5,7 +5,8 @@ import sys
 
 import numpy as np
 
-from mmr_jax import config_types, experience
+from mmr_jax import config_types
+from mmr_jax.step import experience
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "configs"))
 import base

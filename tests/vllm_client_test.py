@@ -709,8 +709,9 @@ def test_trainer_engine_launches_its_server_and_close_stops_it(tiny_llama_dir, t
     generates through it; engine.close() stops the whole process group (port free again)."""
     import types
 
-    from mmr_jax import build, config_types
+    from mmr_jax import config_types
     from mmr_jax.rollout import vllm_launch
+    from mmr_jax.training import build
 
     venv = fake_server_venv.make(tmp_path)
     sys.path.insert(0, str(REPO / "configs"))

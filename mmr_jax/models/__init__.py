@@ -1,4 +1,7 @@
-"""Flax decoder of the Llama / Qwen2 families, HF loading and export, LoRA, sharding, log-probs."""
+"""Flax decoder of the Llama / Qwen2 families, HF loading and export, LoRA, sharding, log-probs.
+
+May import: `kernels`, and nothing else of mmr_jax.
+"""
 
 from mmr_jax.models.loading import from_pretrained
 

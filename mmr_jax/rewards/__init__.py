@@ -6,6 +6,8 @@
     s.total  # float32 [N]; s.valid: bool [N], False where the gold answer cannot be parsed
 
 N is the number of completions (groups flattened); `answers[i]` is the gold answer of row i.
+
+May import: nothing of mmr_jax (grading runs in worker subprocesses of its own).
 """
 
 from __future__ import annotations

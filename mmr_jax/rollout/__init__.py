@@ -1,5 +1,8 @@
 """Rollout engines behind one interface (`base.RolloutEngine`): the embedded JAX sampler and a
-vLLM-server client, plus an OpenAI-compatible server over the embedded sampler."""
+vLLM-server client, plus an OpenAI-compatible server over the embedded sampler.
+
+May import: `models`, `infra`, `config_types` (the typed rollout settings).
+"""
 
 from __future__ import annotations
 

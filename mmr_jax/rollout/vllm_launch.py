@@ -40,7 +40,7 @@ import sys
 import time
 import urllib.parse
 
-from mmr_jax import child_process
+from mmr_jax.infra import child_process
 from mmr_jax.rollout import vllm_client
 
 REPO = pathlib.Path(__file__).resolve().parents[2]

@@ -68,7 +68,7 @@ def _install(workdir: str) -> None:
     import jax
     from jax.experimental import multihost_utils
 
-    from mmr_jax import step_batch
+    from mmr_jax.step import step_batch
 
     real, calls = step_batch.make_batch, [0]
 

@@ -186,7 +186,7 @@ def differences(ref_workdir, workdir, restore) -> list[str]:
 
     `restore(workdir)` returns (checkpoint tree, meta) of the latest checkpoint.
     """
-    from mmr_jax import metrics
+    from mmr_jax.infra import metrics
 
     ref_workdir, workdir = pathlib.Path(ref_workdir), pathlib.Path(workdir)
     out = []

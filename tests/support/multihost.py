@@ -234,7 +234,9 @@ def worker(argv: list[str]) -> int:
     import jax
     import ml_collections
 
-    from mmr_jax import config_types, console, trainer
+    from mmr_jax import config_types
+    from mmr_jax.infra import console
+    from mmr_jax.training import trainer
 
     # As scripts/train.py: process 0 prints (and logs to train.log); the others log to a file.
     index = jax.process_index()

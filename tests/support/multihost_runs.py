@@ -17,7 +17,8 @@ import pathlib
 
 import numpy as np
 
-from mmr_jax import build, metrics
+from mmr_jax.infra import metrics
+from mmr_jax.training import build
 
 from support import multihost, testing
 
@@ -74,7 +75,8 @@ def restore(workdir):
     """(checkpoint tree, meta) of `workdir`'s latest checkpoint, read on this process's device."""
     import jax
 
-    from mmr_jax import checkpoint, config_types
+    from mmr_jax import config_types
+    from mmr_jax.training import checkpoint
 
     cfg = config_types.from_config_dict(checkpoint.read_run_config(workdir))
     policy = build.load_policy(cfg)

@@ -62,7 +62,8 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--lr", type=float, default=1e-3)
     args = parser.parse_args(argv)
 
-    from mmr_jax import distributed, study_hosts
+    from mmr_jax import distributed
+    from mmr_jax.studies import study_hosts
 
     # The body by its module name (not __main__), which the spawned children import.
     from support import study_hosts_worker, tiny_study

@@ -90,7 +90,7 @@ def require_shared_data(*relative: str) -> pathlib.Path:
     """
     import pytest
 
-    from mmr_jax import data
+    from mmr_jax.problems import data
 
     root = default_shared_data()
     missing = next((root / r for r in relative if not (root / r).exists()), None)
@@ -221,7 +221,7 @@ def load_script(name: str):
     The absl flags the script defines at import are unregistered again: tests call its functions,
     not its `main`, and two scripts that define the same flag (`--model`) can then share a process.
     """
-    from mmr_jax import bench_harness
+    from mmr_jax.infra import bench_harness
 
     return bench_harness.load_file(REPO / "scripts" / f"{name}.py", name)
 
@@ -292,7 +292,8 @@ def smoke_config(
     checkpoint `ckpt`: arithmetic problems, no system prompt, short rows, a reward a tiny random
     model gets varied values of (`test_target`, registered by the tests that use it), a
     checkpoint every step; then the dotted `overrides`. -> the ConfigDict."""
-    from mmr_jax import build, config_types
+    from mmr_jax import config_types
+    from mmr_jax.training import build
 
     c = module.get_config("smoke")
     c.model.path = str(ckpt)

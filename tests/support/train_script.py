@@ -111,13 +111,15 @@ def output(proc: subprocess.Popen) -> str:
     return pathlib.Path(proc.out_path).read_text()
 
 
-def train_cmd(workdir, ckpt, steps) -> list[str]:
+def train_cmd(workdir, ckpt, steps, *, repo=REPO) -> list[str]:
     """scripts/train.py on configs/grpo.py:smoke for `steps` steps of MMR-GRPO on the checkpoint
-    `ckpt` (arithmetic data, a checkpoint every step, 5 kept), as one process's command line."""
+    `ckpt` (arithmetic data, a checkpoint every step, 5 kept), as one process's command line;
+    `repo`: the source tree whose script and config run (another commit's, unpacked)."""
+    repo = pathlib.Path(repo)
     return [
         sys.executable,
-        str(REPO / "scripts" / "train.py"),
-        f"--config={REPO / 'configs' / 'grpo.py'}:smoke",
+        str(repo / "scripts" / "train.py"),
+        f"--config={repo / 'configs' / 'grpo.py'}:smoke",
         f"--workdir={workdir}",
         f"--config.model.path={ckpt}",
         f"--config.total_steps={steps}",
@@ -138,7 +140,7 @@ def params(workdir, cfg, step=None):
     latest if None), that checkpoint's metadata)."""
     import jax
 
-    from mmr_jax import build, checkpoint
+    from mmr_jax.training import build, checkpoint
 
     ck = checkpoint.Checkpointer(pathlib.Path(workdir) / checkpoint.CKPT_DIR, keep=None)
     policy = build.load_policy(cfg)

@@ -153,11 +153,13 @@ def run(*, path: str, mode: str, syncs: int, model: str, check: bool) -> dict:
     from flax import nnx
     from jax.experimental import multihost_utils
 
-    from mmr_jax import bench_harness, build, distributed
+    from mmr_jax import distributed
     from mmr_jax.distributed import weight_sync
+    from mmr_jax.infra import bench_harness
     from mmr_jax.models import lora as lora_lib
     from mmr_jax.models import random_init, sharding
     from mmr_jax.rollout import embedded
+    from mmr_jax.training import build
 
     lora = mode != "full"
     if not _COMPILES:
@@ -307,7 +309,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--check", type=int, default=1)
     args = parser.parse_args(argv)
     sys.path[:0] = [str(REPO), str(REPO / "tests")]
-    from mmr_jax import bench_harness, distributed
+    from mmr_jax import distributed
+    from mmr_jax.infra import bench_harness
 
     if args.processes > 1:
         distributed.initialize(

@@ -18,7 +18,7 @@ import time
 import traceback
 from collections.abc import Callable
 
-from mmr_jax import child_process, console
+from mmr_jax.infra import child_process, console
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +40,8 @@ def _run_child(train_fn, cfg, workdir, log_file, verbose, cluster) -> tuple[str,
         distributed.initialize(cluster)
     if log_file is not None:  # on several hosts, process 0's child alone prints
         console.setup(log_file, verbose=verbose, stdout=cluster is None or cluster.process_id == 0)
-    from mmr_jax import compile_cache, trainer
+    from mmr_jax.infra import compile_cache
+    from mmr_jax.training import trainer
 
     compile_cache.enable()
     try:
@@ -125,7 +126,7 @@ def train_in_child(
     `cluster` (`distributed.Options`): the child joins this cluster first, one process of a run
     on several hosts (`study_hosts`).
     """
-    from mmr_jax import trainer
+    from mmr_jax.training import trainer
 
     ctx = multiprocessing.get_context("spawn")  # fork after JAX started threads can deadlock
     receive, send = ctx.Pipe(duplex=False)

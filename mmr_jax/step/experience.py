@@ -6,7 +6,7 @@ The step's collection loop (dynamic sampling) and its layout are `step_batch` an
 
 Shape legend: B prompts, G completions per prompt, T completion tokens, D embedding width,
 F reward functions. Everything here is host-side NumPy around the engines; the reweighting and
-advantage math are the jitted functions of `mmr_jax.mmr` and `mmr_jax.advantages`.
+advantage math are the jitted functions of `algorithms.mmr` and `mmr_jax.algorithms.advantages`.
 """
 
 from __future__ import annotations
@@ -19,8 +19,9 @@ from collections.abc import Mapping, Sequence
 import jax
 import numpy as np
 
-from mmr_jax import advantages as advantages_lib
-from mmr_jax import distributed, mmr, rewards
+from mmr_jax import distributed, rewards
+from mmr_jax.algorithms import advantages as advantages_lib
+from mmr_jax.algorithms import mmr
 from mmr_jax.rollout import base as rollout_base
 
 

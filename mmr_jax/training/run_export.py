@@ -19,7 +19,9 @@ import jax
 from absl import logging
 from etils import epath
 
-from mmr_jax import build, checkpoint, config_types, console, distributed, faults, run_paths
+from mmr_jax import config_types, distributed
+from mmr_jax.infra import console, faults, run_paths
+from mmr_jax.training import build, checkpoint
 
 
 def export(cfg: config_types.TrainConfig, model, out_dir, step: int | None = None) -> None:

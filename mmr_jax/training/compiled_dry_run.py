@@ -23,13 +23,17 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from absl import logging
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from mmr_jax import build, config_types, train_step
+from mmr_jax import config_types
 from mmr_jax.models import config as model_config
 from mmr_jax.models import kv_cache, loading, sharding
+from mmr_jax.step import train_step
+from mmr_jax.training import build
 
 GIB = 2.0**30
 
@@ -314,3 +318,62 @@ def format_table(result: dict[str, Any]) -> str:
             f"{c.peak_bytes / GIB:8.2f}"
         )
     return "\n".join(lines)
+
+
+# ----- sizes without compiling ------------------------------------------------------------------
+
+
+def dry_run_mesh_sizes(
+    cfg: config_types.TrainConfig, *, hosts: int, devices_per_host: int
+) -> dict[str, int]:
+    """The (data, fsdp, tensor) sizes `make_mesh` gives `cfg.mesh` on `hosts` x `devices_per_host`
+    devices (`sharding.mesh_sizes`: its layout and errors). A shape written in full is taken as
+    written, whether or not these devices fit it (a pod's mesh dry-run on a laptop)."""
+    shape = tuple(cfg.mesh.shape)
+    if -1 not in shape:
+        return dict(zip(sharding.AXES, shape, strict=True))
+    return sharding.mesh_sizes(
+        shape, hosts=hosts, devices_per_host=devices_per_host, layout=cfg.mesh.layout
+    )
+
+
+def dry_run(cfg: config_types.TrainConfig) -> dict[str, Any]:
+    """Builds model, optimiser state and mesh abstractly (no weights); returns, logs the sizes.
+
+    The mesh is the one this cluster's run builds (`dry_run_mesh_sizes` over its processes).
+    """
+    from mmr_jax.models import dry_run as model_dry_run
+
+    mcfg = model_config.ModelConfig.from_hf(build._hf_config(cfg.model.path), remat=cfg.model.remat)
+    lora = build.lora_config(cfg)
+    abstract = loading.abstract_model(
+        mcfg,
+        dtype=build.DTYPES[cfg.model.dtype],
+        param_dtype=build.DTYPES[cfg.model.param_dtype],
+        lora=lora,
+    )
+    trainable = nnx.LoRAParam if lora is not None else nnx.Param
+    _, params, _, _ = nnx.split(abstract, trainable, nnx.Param, ...)
+    optimizer, _ = build.make_optimizer(cfg)
+    opt_state = jax.eval_shape(optimizer.init, params)
+    granules = len({sharding.granule(d) for d in jax.devices()})  # hosts, or TPU slices
+    mesh = model_dry_run.MeshShape(
+        **dry_run_mesh_sizes(cfg, hosts=granules, devices_per_host=jax.device_count() // granules)
+    )
+    out = model_dry_run.summarize(
+        mcfg, mesh=mesh, lora=lora, param_dtype=build.DTYPES[cfg.model.param_dtype]
+    )
+    out["opt_state_gib"] = (
+        sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(opt_state))
+        / 2**30
+    )
+    out["params_total"] = out["params"] + out["lora_params"]
+    logging.info("dry run %s (%s)", cfg.name, mcfg.model_type)
+    logging.info("%s", model_dry_run.format_summary(cfg.name, out))
+    logging.info(
+        "%s params, %s trainable; optimiser state %.2f GiB in all",
+        f"{out['params_total']:,}",
+        f"{out['trainable']:,}",
+        out["opt_state_gib"],
+    )
+    return out

@@ -6,7 +6,8 @@
 
 Side effects (engines, files, clocks, logging) live here; the math lives in `mmr`, `advantages`,
 `losses` and `train_step`. How a run ends (its named errors, its close) is `run_end`'s; its HF
-exports are `run_export`'s. Entry points: `train(cfg, workdir)`, `build.dry_run(cfg)`, `export_hf`
+exports are `run_export`'s. Entry points: `train(cfg, workdir)`,
+`compiled_dry_run.dry_run(cfg)`, `export_hf`
 (`run_export.export_hf`, kept here as the trainer's API).
 """
 
@@ -21,26 +22,13 @@ from typing import Any
 import jax
 from absl import logging
 
-from mmr_jax import (
-    build,
-    checkpoint,
-    compile_stats,
-    config_types,
-    console,
-    data,
-    distributed,
-    experience,
-    faults,
-    metrics,
-    run_end,
-    run_export,
-    run_paths,
-    shape_reuse,
-    step_batch,
-    train_step,
-)
+from mmr_jax import config_types, distributed
+from mmr_jax.infra import compile_stats, console, faults, metrics, run_paths
 from mmr_jax.models import sharding
+from mmr_jax.problems import data
 from mmr_jax.rollout import prefetch as rollout_prefetch
+from mmr_jax.step import experience, shape_reuse, step_batch, train_step
+from mmr_jax.training import build, checkpoint, run_end, run_export
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -75,7 +63,7 @@ class Run:
 
 def setup(cfg: config_types.TrainConfig, workdir, *, overwrite: bool = False) -> Run:
     """Builds the run, resuming from the latest checkpoint in `workdir` when there is one."""
-    from mmr_jax import embeddings
+    from mmr_jax.step import embeddings
 
     run_paths.check(workdir)  # on every process, before any collective
     distributed.check_same_config(cfg.to_dict())  # before anything is built or written
@@ -259,7 +247,7 @@ def save(run: Run, step: int) -> None:
 
 
 def evaluate(run: Run, step: int) -> dict[str, float]:
-    from mmr_jax import evaluation
+    from mmr_jax.problems import evaluation
 
     e = run.cfg.eval
     t0 = time.perf_counter()

@@ -33,9 +33,9 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from mmr_jax import child_process
+from mmr_jax.infra import child_process
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 BENCHMARKS = REPO / "benchmarks"
 RESULT = "RESULT "  # a child's result line: this prefix, then one JSON object
 GIB = 2.0**30

@@ -35,8 +35,10 @@ from collections.abc import Callable
 
 import numpy as np
 
-from mmr_jax import distributed, run_process, study
+from mmr_jax import distributed
 from mmr_jax.distributed.errors import DistributedError
+from mmr_jax.studies import study
+from mmr_jax.training import run_process
 
 OUTCOMES = ("finished", "diverged", "failed")
 

@@ -21,7 +21,7 @@ import os
 import pathlib
 import sys
 
-NAME = "mmr_jax.console"
+NAME = "mmr_jax.infra.console"
 _FORMAT = "%(asctime)s %(levelname).1s %(name)s %(filename)s:%(lineno)d] %(message)s"
 _logger = logging.getLogger(NAME)
 
@@ -85,7 +85,7 @@ def setup(log_file, *, verbose: bool | None = None, stdout: bool = True) -> path
     """
     from absl import logging as absl_logging
 
-    from mmr_jax import run_paths
+    from mmr_jax.infra import run_paths
 
     verbose = verbosity_given() if verbose is None else verbose
     if run_paths.is_remote(log_file):

@@ -15,7 +15,9 @@ import threading
 import jax
 from absl import logging
 
-from mmr_jax import checkpoint, distributed, run_paths
+from mmr_jax import distributed
+from mmr_jax.infra import run_paths
+from mmr_jax.training import checkpoint
 
 # A process of several that fails joins its checkpoint write in flight this long at most: its
 # peers wait in a collective until it exits (`distributed.failures`).

@@ -7,7 +7,7 @@ TRAIN_SIZE) the training set. The two are disjoint by construction, identical on
 and in every run, and independent of the training seed (which only orders the training data).
 
 Used as `data.source = 'task:<name>'` (training problems) and `eval.source = 'task'` (the same
-task's held-out set); see `mmr_jax.build`. Candidates (docs/study_v2/plan.md):
+task's held-out set); see `mmr_jax.training.build`. Candidates (docs/study_v2/plan.md):
 
     add_2d       a + b, a and b in 10..99                      ("What is 47 + 38?")
     add_sub_2d   a + b or a - b (a >= b), a and b in 10..99     ("What is 83 - 29?")
@@ -27,7 +27,7 @@ import itertools
 import random
 from collections.abc import Callable, Iterator
 
-from mmr_jax import data
+from mmr_jax.problems import data
 
 PREFIX = "task:"  # data.source prefix
 HELDOUT_SIZE = 128

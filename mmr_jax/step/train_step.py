@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from mmr_jax import losses, mismatch
+from mmr_jax.algorithms import losses, mismatch
 from mmr_jax.models import logprobs as logprobs_lib
 
 

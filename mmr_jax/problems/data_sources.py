@@ -21,7 +21,7 @@ import shutil
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from mmr_jax import data
+from mmr_jax.problems import data
 
 # Files of the offline folder that no public hub dataset reproduces (docs/data.md says why).
 OFFLINE_ONLY = {

@@ -18,7 +18,8 @@ from collections.abc import Callable, Mapping, Sequence
 import jax
 import numpy as np
 
-from mmr_jax import data, distributed
+from mmr_jax import distributed
+from mmr_jax.problems import data
 from mmr_jax.rewards import functions, grading
 from mmr_jax.rollout import base
 

@@ -37,7 +37,9 @@ import orbax.checkpoint as ocp
 from absl import logging
 from etils import epath
 
-from mmr_jax import checkpoint_layout, checkpoint_read, distributed, run_paths
+from mmr_jax import distributed
+from mmr_jax.infra import run_paths
+from mmr_jax.training import checkpoint_layout, checkpoint_read
 
 RUN_FILE = "run.json"
 CKPT_DIR = "checkpoints"

@@ -17,8 +17,10 @@ import time
 import numpy as np
 from absl import logging
 
-from mmr_jax import batch_layout, config_types, distributed, experience, faults, rewards, train_step
+from mmr_jax import config_types, distributed, rewards
+from mmr_jax.infra import faults
 from mmr_jax.rollout import base as rollout_base
+from mmr_jax.step import batch_layout, experience, train_step
 
 
 class EngineLogprobError(ValueError):

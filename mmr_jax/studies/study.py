@@ -28,7 +28,9 @@ from typing import Any
 import jax
 import ml_collections
 
-from mmr_jax import checkpoint, config_types, console, metrics, run_paths
+from mmr_jax import config_types
+from mmr_jax.infra import console, metrics, run_paths
+from mmr_jax.training import checkpoint
 
 STUDY_FILE = "study_config.json"
 RUN_FILE = "study_run.json"
@@ -197,7 +199,7 @@ def run_study(
     (`study_hosts.Hosts`; `train_fn` trains each run in a child that joins the run's cluster):
     the processes agree on the folder and on each run's outcome, and process 0 alone writes.
     """
-    from mmr_jax import trainer
+    from mmr_jax.training import trainer
 
     train_fn = train_fn or trainer.train
     specs = plan(study)
@@ -329,7 +331,7 @@ def read_curve(workdir, metric: str = EVAL_METRIC) -> dict:
 
 def collect(study: ml_collections.ConfigDict, specs: list[RunSpec]) -> dict:
     """Everything `study.json` holds: the study keys, every run's status and curves, the summary."""
-    from mmr_jax import study_report
+    from mmr_jax.studies import study_report
 
     folder = run_paths.as_path(study.folder)
     runs = []
@@ -360,9 +362,10 @@ def base_accuracy(cfg: config_types.TrainConfig):
     """Held-out evaluation of the untrained checkpoint, as the run would evaluate it at step 0."""
     import transformers
 
-    from mmr_jax import build, evaluation
     from mmr_jax.models import hub
+    from mmr_jax.problems import evaluation
     from mmr_jax.rollout import embedded
+    from mmr_jax.training import build
 
     path = hub.resolve_checkpoint(cfg.model.path)
     e = cfg.eval

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 import numpy as np
 from etils import epath
 
-from mmr_jax import run_paths
+from mmr_jax.infra import run_paths
 
 METRICS_FILE = "metrics.jsonl"
 

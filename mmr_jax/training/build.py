@@ -1,29 +1,31 @@
 """Builds what a run needs from a `TrainConfig`: model (split for the functional step), optimiser,
-train state, rollout engine, encoder, prompts; and `dry_run`, the same build done abstractly.
+train state, rollout engine, encoder, prompts (`compiled_dry_run.dry_run`: the same, abstractly).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import pathlib
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from absl import logging
 from flax import nnx
 
-from mmr_jax import config_types, data, distributed, rollout, tasks, train_step
+from mmr_jax import config_types, distributed, rollout
 from mmr_jax.models import config as model_config
 from mmr_jax.models import hub, loading, random_init, sharding
 from mmr_jax.models import lora as lora_lib
+from mmr_jax.problems import data, tasks
+from mmr_jax.step import train_step
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 ARITHMETIC = "arithmetic"  # data.source for generated problems (`data.arithmetic_problems`)
-TASK = "task"  # eval.source: the held-out set of data.source='task:<name>' (`mmr_jax.tasks`)
+TASK = (
+    "task"  # eval.source: the held-out set of data.source='task:<name>' (`mmr_jax.problems.tasks`)
+)
 
 
 @dataclasses.dataclass
@@ -313,7 +315,7 @@ def load_prompts(cfg: config_types.TrainConfig, tokenizer) -> TrainPrompts:
 
 def eval_problems(cfg: config_types.TrainConfig) -> dict[str, list[data.Problem]]:
     """Benchmark name -> problems of `cfg.eval`: benchmark files, or the held-out arithmetic set."""
-    from mmr_jax import evaluation
+    from mmr_jax.problems import evaluation
 
     e = cfg.eval
     if e.source == TASK:  # the held-out set of data.source's task, disjoint from its training set
@@ -341,61 +343,8 @@ def _hf_config(path: str) -> pathlib.Path:
     """config.json of a checkpoint folder, else third_party/hf_configs/<name>.json (upstream's)."""
     p = pathlib.Path(path)
     stem = p.name.lower().replace("-", "_").replace(".", "_")
-    models_dir = pathlib.Path(__file__).resolve().parents[1] / "third_party" / "hf_configs"
+    models_dir = pathlib.Path(__file__).resolve().parents[2] / "third_party" / "hf_configs"
     for cand in (p / "config.json", p, models_dir / f"{stem}.json"):
         if cand.is_file():
             return cand
     raise FileNotFoundError(f"no config.json in {path} (nor third_party/hf_configs/{stem}.json)")
-
-
-def dry_run_mesh_sizes(
-    cfg: config_types.TrainConfig, *, hosts: int, devices_per_host: int
-) -> dict[str, int]:
-    """The (data, fsdp, tensor) sizes `make_mesh` gives `cfg.mesh` on `hosts` x `devices_per_host`
-    devices (`sharding.mesh_sizes`: its layout and errors). A shape written in full is taken as
-    written, whether or not these devices fit it (a pod's mesh dry-run on a laptop)."""
-    shape = tuple(cfg.mesh.shape)
-    if -1 not in shape:
-        return dict(zip(sharding.AXES, shape, strict=True))
-    return sharding.mesh_sizes(
-        shape, hosts=hosts, devices_per_host=devices_per_host, layout=cfg.mesh.layout
-    )
-
-
-def dry_run(cfg: config_types.TrainConfig) -> dict[str, Any]:
-    """Builds model, optimiser state and mesh abstractly (no weights); returns, logs the sizes.
-
-    The mesh is the one this cluster's run builds (`dry_run_mesh_sizes` over its processes).
-    """
-    from mmr_jax.models import dry_run as model_dry_run
-
-    mcfg = model_config.ModelConfig.from_hf(_hf_config(cfg.model.path), remat=cfg.model.remat)
-    lora = lora_config(cfg)
-    abstract = loading.abstract_model(
-        mcfg, dtype=DTYPES[cfg.model.dtype], param_dtype=DTYPES[cfg.model.param_dtype], lora=lora
-    )
-    trainable = nnx.LoRAParam if lora is not None else nnx.Param
-    _, params, _, _ = nnx.split(abstract, trainable, nnx.Param, ...)
-    optimizer, _ = make_optimizer(cfg)
-    opt_state = jax.eval_shape(optimizer.init, params)
-    granules = len({sharding.granule(d) for d in jax.devices()})  # hosts, or TPU slices
-    mesh = model_dry_run.MeshShape(
-        **dry_run_mesh_sizes(cfg, hosts=granules, devices_per_host=jax.device_count() // granules)
-    )
-    out = model_dry_run.summarize(
-        mcfg, mesh=mesh, lora=lora, param_dtype=DTYPES[cfg.model.param_dtype]
-    )
-    out["opt_state_gib"] = (
-        sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(opt_state))
-        / 2**30
-    )
-    out["params_total"] = out["params"] + out["lora_params"]
-    logging.info("dry run %s (%s)", cfg.name, mcfg.model_type)
-    logging.info("%s", model_dry_run.format_summary(cfg.name, out))
-    logging.info(
-        "%s params, %s trainable; optimiser state %.2f GiB in all",
-        f"{out['params_total']:,}",
-        f"{out['trainable']:,}",
-        out["opt_state_gib"],
-    )
-    return out

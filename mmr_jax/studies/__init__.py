@@ -1,0 +1,9 @@
+"""Studies: grids of training runs with seeds, their paired statistics and reports.
+
+`study` runs a grid (resumable, one run at a time), `study_hosts` the same on several hosts,
+`study_design` sizes a study before it runs, `paired_stats` (t intervals, exact sign-flip
+p-values) and `study_report` turn finished runs into tables and plots.
+
+May import: `training`, `problems`, `infra`, `distributed`, `config_types`. The top of the
+package: nothing in mmr_jax imports it.
+"""

@@ -1,0 +1,147 @@
+"""The package tree as the architecture (issue 48): which subpackage may import which, no import
+circles between modules, pure math with no I/O, and docs/layout.md generated from the tree."""
+
+import ast
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+PACKAGE = REPO / "mmr_jax"
+
+# What each part of mmr_jax may import of mmr_jax, as each __init__.py states it. Bottom first:
+# infra and kernels import nothing of the library; studies sit on top and nothing imports them.
+ALLOWED = {
+    "infra": set(),
+    "kernels": set(),
+    "algorithms": set(),
+    "rewards": set(),
+    "models": {"kernels"},
+    "config_types": {"models"},
+    "rollout": {"models", "kernels", "infra", "config_types"},
+    "distributed": {"rollout"},
+    "problems": {"rewards", "rollout", "distributed", "infra"},
+    "step": {"algorithms", "models", "rollout", "rewards", "distributed", "infra", "config_types"},
+    "training": {
+        "step",
+        "algorithms",
+        "models",
+        "rollout",
+        "rewards",
+        "distributed",
+        "infra",
+        "config_types",
+        "problems",
+        "kernels",
+    },  # fmt: skip
+    "studies": {
+        "training",
+        "step",
+        "models",
+        "rollout",
+        "distributed",
+        "infra",
+        "config_types",
+        "problems",
+    },  # fmt: skip
+}
+# Standard-library and third-party modules that do I/O, forbidden in the pure math.
+IO_MODULES = {"os", "io", "pathlib", "time", "logging", "absl", "requests", "subprocess", "json"}
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = path.relative_to(REPO).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: pathlib.Path, modules=()) -> set[str]:
+    """Every module `path` imports: `from pkg import name` counts as pkg.name where that is one
+    of `modules`, else as pkg."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for a in node.names:
+                full = f"{node.module}.{a.name}"
+                out.add(full if full in modules else node.module)
+    return out
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    return {
+        name: {m for m in _imports(p, modules) if m in modules and m != name}
+        for name, p in modules.items()
+    }
+
+
+def _part(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else None
+
+
+def test_each_part_imports_only_what_its_init_allows():
+    bad = sorted(
+        f"{m} imports {d}"
+        for m, deps in _graph().items()
+        for d in deps
+        if _part(m) is not None
+        and _part(d) is not None
+        and _part(d) != _part(m)
+        and _part(d) not in ALLOWED[_part(m)]
+    )
+    assert not bad, bad
+
+
+def test_every_part_is_listed_and_no_module_sits_loose_at_the_top():
+    parts = {_part(m) for m in _graph() if _part(m) is not None}
+    assert parts == set(ALLOWED), parts ^ set(ALLOWED)
+    loose = sorted(p.name for p in PACKAGE.glob("*.py") if p.name != "__init__.py")
+    assert loose == ["config_types.py"], loose
+
+
+def test_no_import_circles_between_modules():
+    graph = _graph()
+    state: dict[str, int] = {}  # 1 = on the current path, 2 = done
+
+    def visit(m, path):
+        state[m] = 1
+        for d in sorted(graph[m]):
+            if state.get(d) == 1:
+                pytest.fail("import circle: " + " -> ".join([*path, m, d]))
+            if d not in state:
+                visit(d, [*path, m])
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [])
+
+
+def test_the_math_does_no_io():
+    for p in (PACKAGE / "algorithms").glob("*.py"):
+        roots = {m.split(".")[0] for m in _imports(p)}
+        assert not roots & IO_MODULES, (p.name, roots & IO_MODULES)
+        assert "open(" not in p.read_text(), p.name
+
+
+def test_every_module_says_what_it_holds():
+    missing = [
+        _module_name(p)
+        for p in PACKAGE.rglob("*.py")
+        if not ast.get_docstring(ast.parse(p.read_text()))
+    ]
+    assert not missing, missing
+
+
+def test_docs_layout_is_the_generated_one():
+    out = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "layout_doc.py"), "--check"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
