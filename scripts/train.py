@@ -13,7 +13,8 @@ Several processes (hosts) train as one program on one global mesh (docs/multihos
 
 Re-running the same command resumes from the workdir's latest checkpoint. The console shows a
 header, a line per step, checkpoints, evaluations and warnings; every log (Orbax, JAX, ...) goes to
-<workdir>/train.log, and `--verbosity=0` shows them on the console too. `--workdir` may be a
+<workdir>/train.log, and `--verbosity=0` shows them on the console too. `--export_hf` shows one
+line, "exported <path>" (its logs: <workdir>/export.log). `--workdir` may be a
 bucket, `gs://bucket/runs/x` (with `pip install 'mmr_jax[gcs]'`; docs/multihost.md, "Workdirs on
 a bucket").
 """
@@ -92,17 +93,19 @@ def main(argv):
         return
     if not _WORKDIR.value:
         raise app.UsageError("--workdir is required (except with --dry_run)")
-    if _EXPORT_HF.value:
-        _run(
-            lambda: trainer.export_hf(
-                cfg, _WORKDIR.value, _EXPORT_HF.value, step=_EXPORT_STEP.value
-            ),
-            log_file=_EXPORT_HF.value,
-        )
-        return
     primary = distributed.is_primary()
-    name = "train.log" if primary else f"train.process{jax.process_index()}.log"
-    log_file = os.path.join(_WORKDIR.value, name)
+    suffix = "" if primary else f".process{jax.process_index()}"
+    if _EXPORT_HF.value:
+        log_file = os.path.join(_WORKDIR.value, f"export{suffix}.log")
+
+        def export():
+            console.setup(log_file, stdout=primary)  # Orbax's INFO lines go to the file
+            path = trainer.export_hf(cfg, _WORKDIR.value, _EXPORT_HF.value, step=_EXPORT_STEP.value)
+            console.info("exported %s", path)
+
+        _run(export, log_file=log_file)
+        return
+    log_file = os.path.join(_WORKDIR.value, f"train{suffix}.log")
 
     def train():
         run_paths.check(_WORKDIR.value)  # a named error for a scheme the run cannot write

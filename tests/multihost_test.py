@@ -15,7 +15,7 @@ import pytest
 from mmr_jax.infra import faults
 from mmr_jax.training import build, checkpoint
 
-from support import crash_harness, multihost, multihost_runs
+from support import crash_harness, multihost_runs
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "configs"))
@@ -57,7 +57,7 @@ def killed_two(tmp_path_factory, grpo_reference):
     in step 3's update; checkpoints 1 and 2 are complete. Tests resume copies of it."""
     cfg, _ = grpo_reference
     work = tmp_path_factory.mktemp("multihost") / "killed"
-    procs = multihost.launch(
+    procs = multihost_runs.launch(
         cfg, work, processes=2, devices=1, per_process_env=[{}, {faults.ENV: "train:3"}]
     )
     procs[1].wait(timeout=900)
@@ -192,7 +192,7 @@ class TestFaults:
         """A 1-process run killed in step 3 resumes on 2 processes with the reference metrics."""
         cfg, one = grpo_reference
         work = tmp_path / "w"
-        procs = multihost.launch(
+        procs = multihost_runs.launch(
             cfg, work, processes=1, devices=2, per_process_env=[{faults.ENV: "train:3"}]
         )
         assert procs[0].wait(timeout=900) == -9
@@ -205,7 +205,7 @@ class TestFaults:
         the bound, by PeerLostError or by JAX's own fatal error (its coordination service is
         gone); never a hang."""
         cfg, _ = grpo_reference
-        procs = multihost.launch(
+        procs = multihost_runs.launch(
             cfg,
             tmp_path / "w",
             processes=2,

@@ -70,9 +70,11 @@ def launch(
     extra_env: dict | None = None,
     per_process_config: list[dict] | None = None,
     per_process_env: list[dict] | None = None,
+    cache_dir: str | None = None,
 ) -> list[subprocess.Popen]:
     """Starts the run's processes (outputs to `<workdir>/../<name>.process<i>.out`); process i
-    gets `per_process_config[i]` and `per_process_env[i]` where given."""
+    gets `per_process_config[i]` and `per_process_env[i]` where given. With `cache_dir`, they
+    load and store compiled programs there (XLA's persistent cache)."""
     workdir = pathlib.Path(workdir)
     workdir.parent.mkdir(parents=True, exist_ok=True)
     port = port or free_port()
@@ -81,6 +83,9 @@ def launch(
     # a 2-process run resumed after a kill is not bit for bit the uninterrupted one (Adam's nu of
     # the replicated norm weights differs; tests/multihost_test.py TestFaults, 2026-11-26).
     env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    if cache_dir:  # XLA's persistent cache: its key holds the flags, so the tests' never load
+        env.update(JAX_COMPILATION_CACHE_DIR=str(cache_dir))
+        env.update(JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0.1")
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "tests"), env.get("PYTHONPATH", "")])
     procs = []
     for i in range(processes):

@@ -38,11 +38,16 @@ def config(module, ckpt, *, steps=2, **overrides) -> dict:
     return json.loads(json.dumps(c.to_dict()))
 
 
+def launch(cfg, workdir, *, processes, devices, **kw):
+    """`multihost.launch` with the tests' persistent compilation cache: the runs of a module
+    (the same config on 1 and 2 processes, again after a kill) compile each program once."""
+    kw.setdefault("cache_dir", testing.XLA_CACHE_DIR)
+    return multihost.launch(cfg, workdir, processes=processes, devices=devices, **kw)
+
+
 def run(cfg, workdir, *, processes, devices, timeout=900, **kw):
-    """[(returncode, output)] of a launched run (`multihost.launch`), waited for."""
-    return multihost.wait(
-        multihost.launch(cfg, workdir, processes=processes, devices=devices, **kw), timeout
-    )
+    """[(returncode, output)] of a launched run (`launch`), waited for."""
+    return multihost.wait(launch(cfg, workdir, processes=processes, devices=devices, **kw), timeout)
 
 
 def ok(results):
