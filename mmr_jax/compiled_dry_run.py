@@ -27,7 +27,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from mmr_jax import build, config_types, train_step
+from mmr_jax import build, config_types, step_batch, train_step
 from mmr_jax.models import config as model_config
 from mmr_jax.models import kv_cache, loading, sharding
 
@@ -135,6 +135,11 @@ def _abstract_state(cfg, params, mesh) -> train_step.TrainState:
         params=params,
         opt_state=_opt_state_shardings(opt_state, params, replicated),
         rng=jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=replicated),
+        entropy_coef=(
+            jax.ShapeDtypeStruct((), jnp.float32, sharding=replicated)
+            if cfg.loss.entropy_target > 0
+            else None
+        ),
     )
 
 
@@ -156,7 +161,7 @@ def abstract_batch(cfg: config_types.TrainConfig, mesh) -> train_step.Batch:
         attention_mask=arr((n, t), jnp.bool_),
         completion_mask=arr((n, t), jnp.bool_),
         advantages=arr((n,), jnp.float32),
-        old_logps=arr((n, t), jnp.float32) if cfg.loss.iterations > 1 else None,
+        old_logps=arr((n, t), jnp.float32) if step_batch.needs_old_logps(cfg) else None,
         ref_logps=arr((n, t), jnp.float32) if cfg.loss.beta > 0 else None,
         sampler_logps=arr((n, t), jnp.float32) if cfg.loss.tis_cap > 0 else None,
         prompt_tokens=arr((b, p), jnp.int32),

@@ -196,6 +196,9 @@ def _header(cfg: config_types.TrainConfig, workdir: str, resume_step: int | None
         workdir,
         f"resuming from step {resume_step}" if resume_step is not None else "new run",
     )
+    if distributed.is_primary():
+        for line in config_types.advisories(cfg):
+            logging.warning("config: %s", line)
 
 
 def collect(run: Run, step: int, timings: dict) -> tuple[experience.Groups, dict]:
