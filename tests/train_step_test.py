@@ -152,3 +152,162 @@ class TestRatioMetrics:
         _, m = _step(policy, batch, iterations=iterations)
         assert m["tokens"] == 0.0 and m["loss"] == 0.0
         assert m["ratio/min"] == m["ratio/max"] == m["ratio/mean"] == 1.0, m
+
+
+# Several optimiser updates per batch (issue 47): the step against a written-out loop.
+N8, EPS = 8, 0.2
+
+
+def _rows8(seed: int = 3):
+    """Full rows [8, P + T]: ragged completions, one empty row, ragged across the two halves."""
+    rng = np.random.default_rng(seed)
+    lengths = np.array([6, 1, 0, 2, 6, 5, 6, 4])  # half 1: 9 tokens, half 2: 21
+    tokens = rng.integers(4, 250, (N8, P + T)).astype(np.int32)
+    comp = np.arange(T)[None] < lengths[:, None]
+    attention = np.concatenate([np.ones((N8, P), bool), comp], axis=1)
+    adv = rng.standard_normal(N8).astype(np.float32)
+    return jnp.asarray(tokens), jnp.asarray(attention), jnp.asarray(comp), jnp.asarray(adv)
+
+
+def _written_loss(lp, ref, adv, mask, aggregation):
+    """The clipped surrogate of these rows as one batch, its own normaliser (losses docstring)."""
+    m = mask.astype(jnp.float32)
+    r = jnp.exp(jnp.where(mask, lp - ref, 0.0))
+    a = adv[:, None]
+    per = -jnp.minimum(r * a, jnp.clip(r, 1 - EPS, 1 + EPS) * a) * m
+    if aggregation == "token_mean":
+        return per.sum() / jnp.maximum(m.sum(), 1.0)
+    if aggregation == "seq_mean_token_mean":
+        n = m.sum(-1)
+        return (per.sum(-1) / jnp.maximum(n, 1.0)).sum() / jnp.maximum((n > 0).sum(), 1)
+    return per.sum() / (mask.shape[0] * T)  # Dr.GRPO: rows x max_completion_len
+
+
+def _reference_updates(policy, batch, optimizer, *, updates, iterations, aggregation):
+    """`iterations` passes of `updates` sequential updates, update j on rows j*N/U..(j+1)*N/U,
+    each the gradient of `_written_loss` of its rows; -> (params, losses before each update)."""
+    params = jax.tree.map(jnp.copy, policy.params)
+    opt_state = optimizer.init(params)
+    rows, out = N8 // updates, []
+    for it in range(iterations):
+        for j in range(updates):
+            sl = slice(j * rows, (j + 1) * rows)
+
+            def loss(p, first=(it == 0 and j == 0), sl=sl):
+                model = nnx.merge(policy.graphdef, p, policy.frozen, policy.rest)
+                lp = train_step.completion_logprobs(
+                    model,
+                    batch.tokens[sl],
+                    batch.attention_mask[sl],
+                    num_completion=T,
+                    temperature=TEMPERATURE,
+                )
+                ref = jax.lax.stop_gradient(lp) if first else batch.old_logps[sl]
+                return _written_loss(
+                    lp, ref, batch.advantages[sl], batch.completion_mask[sl], aggregation
+                )
+
+            value, grads = jax.value_and_grad(loss)(params)
+            updates_, opt_state = optimizer.update(grads, opt_state, params)
+            params = optax.apply_updates(params, updates_)
+            out.append(float(value))
+    return params, out
+
+
+def _step_u(policy, batch, optimizer, *, updates, iterations=1, aggregation, minibatches=4):
+    cfg = train_step.StepConfig(
+        minibatches=minibatches,
+        iterations=iterations,
+        temperature=TEMPERATURE,
+        eps_low=EPS,
+        eps_high=EPS,
+        aggregation=aggregation,
+        beta=0.0,
+        kl_estimator="k3",
+        max_completion_len=T,
+        updates_per_batch=updates,
+    )
+    step = train_step.jit_train_step(
+        graphdef=policy.graphdef, optimizer=optimizer, schedule=lambda _: 0.0, cfg=cfg
+    )
+    params = jax.tree.map(jnp.copy, policy.params)
+    state = train_step.TrainState(
+        step=jnp.zeros([], jnp.int32),
+        params=params,
+        opt_state=optimizer.init(params),
+        rng=jax.random.key_data(jax.random.key(0)),
+    )
+    new, metrics = step(state, batch, policy.frozen, policy.rest)
+    return new.params, {k: float(v) for k, v in metrics.items()}
+
+
+def _rel_diff(a_tree, b_tree, base_tree):
+    """max |a - b| / max |a - base|: the gap relative to the update's size."""
+    gap = max(float(jnp.abs(a - b).max()) for a, b in zip(*map(jax.tree.leaves, (a_tree, b_tree))))
+    size = max(
+        float(jnp.abs(a - b).max()) for a, b in zip(*map(jax.tree.leaves, (a_tree, base_tree)))
+    )
+    assert size > 1e-3  # the updates moved the parameters
+    return gap / size
+
+
+class TestUpdatesPerBatch:
+    @pytest.mark.parametrize(
+        "aggregation,updates,iterations",
+        [
+            ("token_mean", 2, 1),
+            pytest.param("seq_mean_token_mean", 4, 1, marks=pytest.mark.slow),
+            pytest.param("seq_mean_token_sum_norm", 2, 2, marks=pytest.mark.slow),
+        ],
+    )
+    def test_equals_sequential_updates_on_sub_batches(self, ckpt, aggregation, updates, iterations):
+        policy = _policy(ckpt)
+        tokens, attention, comp, adv = _rows8()
+        old = _logps(policy, policy.params, tokens, attention)
+        batch = train_step.Batch(tokens, attention, comp, adv, old_logps=old)
+        opt = optax.sgd(0.5, momentum=0.9)  # state carried from update to update (linear:
+        # Adam would blow rounding in near-zero gradients up to its step size)
+        kw = dict(iterations=iterations, aggregation=aggregation)
+        got, m = _step_u(policy, batch, opt, updates=updates, **kw)
+        want, losses_ = _reference_updates(policy, batch, opt, updates=updates, **kw)
+        assert _rel_diff(got, want, policy.params) < 1e-5
+        # One update on the whole batch is another result (the test can fail).
+        whole, _ = _reference_updates(policy, batch, opt, updates=1, **kw)
+        assert _rel_diff(whole, want, policy.params) > 1e-2
+        # A pass's loss: the mean of its updates' losses (each over its own rows).
+        np.testing.assert_allclose(
+            m["loss"], np.mean(np.reshape(losses_, (iterations, updates)), axis=1).mean(), rtol=1e-5
+        )
+        assert m["tokens"] == float(comp.sum())  # each row once per pass
+        assert m["ratio/max"] > 1.0 > m["ratio/min"]  # later updates see a moved policy
+
+    def test_token_mean_is_per_update(self, ckpt):
+        # DAPO's token mean over each update's own tokens (9 and 21 here), not the batch's 30:
+        # a loop dividing every update by 30 ends elsewhere.
+        policy = _policy(ckpt)
+        tokens, attention, comp, adv = _rows8()
+        old = _logps(policy, policy.params, tokens, attention)
+        batch = train_step.Batch(tokens, attention, comp, adv, old_logps=old)
+        opt = optax.sgd(1.0)
+        got, _ = _step_u(policy, batch, opt, updates=2, aggregation="token_mean")
+        own, _ = _reference_updates(
+            policy, batch, opt, updates=2, iterations=1, aggregation="token_mean"
+        )
+        assert _rel_diff(got, own, policy.params) < 1e-5
+        # The same loop with Dr.GRPO's constant normaliser 4 * T = 24 per update (close to the
+        # batch's 30 tokens, far from 9): a clearly different end point.
+        const, _ = _reference_updates(
+            policy, batch, opt, updates=2, iterations=1, aggregation="seq_mean_token_sum_norm"
+        )
+        assert _rel_diff(const, own, policy.params) > 1e-2
+
+    def test_needs_old_logps_and_whole_minibatches(self, ckpt):
+        policy = _policy(ckpt)
+        tokens, attention, comp, adv = _rows8()
+        batch = train_step.Batch(tokens, attention, comp, adv)
+        with pytest.raises(ValueError, match="old_logps"):
+            _step_u(policy, batch, optax.sgd(1.0), updates=2, aggregation="token_mean")
+        old = _logps(policy, policy.params, tokens, attention)
+        batch = train_step.Batch(tokens, attention, comp, adv, old_logps=old)
+        with pytest.raises(ValueError, match="updates_per_batch=3 must divide"):
+            _step_u(policy, batch, optax.sgd(1.0), updates=3, aggregation="token_mean")
