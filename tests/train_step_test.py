@@ -3,6 +3,8 @@ ratio extrema over iterations, and a batch without a loss token."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -243,12 +245,14 @@ def _step_u(policy, batch, optimizer, *, updates, iterations=1, aggregation, min
 
 def _rel_diff(a_tree, b_tree, base_tree):
     """max |a - b| / max |a - base|: the gap relative to the update's size."""
-    gap = max(float(jnp.abs(a - b).max()) for a, b in zip(*map(jax.tree.leaves, (a_tree, b_tree))))
-    size = max(
-        float(jnp.abs(a - b).max()) for a, b in zip(*map(jax.tree.leaves, (a_tree, base_tree)))
-    )
+
+    def max_abs(x_tree, y_tree):
+        pairs = zip(jax.tree.leaves(x_tree), jax.tree.leaves(y_tree), strict=True)
+        return max(float(jnp.abs(x - y).max()) for x, y in pairs)
+
+    size = max_abs(a_tree, base_tree)
     assert size > 1e-3  # the updates moved the parameters
-    return gap / size
+    return max_abs(a_tree, b_tree) / size
 
 
 class TestUpdatesPerBatch:
@@ -311,3 +315,101 @@ class TestUpdatesPerBatch:
         batch = train_step.Batch(tokens, attention, comp, adv, old_logps=old)
         with pytest.raises(ValueError, match="updates_per_batch=3 must divide"):
             _step_u(policy, batch, optax.sgd(1.0), updates=3, aggregation="token_mean")
+
+
+# Issue 47's options off: the step is the one before them, bit for bit.
+_OFF_VARIANTS = {
+    "grpo": dict(aggregation="seq_mean_token_mean", beta=0.04),
+    "dr_grpo": dict(aggregation="seq_mean_token_sum_norm", beta=0.04),
+    "dapo": dict(aggregation="token_mean", eps_high=0.28),
+    "gspo": dict(
+        aggregation="seq_mean_token_mean",
+        importance_sampling_level="sequence",
+        iterations=2,
+        eps_low=3e-4,
+        eps_high=4e-4,
+    ),
+    "tis": dict(aggregation="token_mean", tis_cap=1.5, iterations=2),
+    "lora_dropout": dict(aggregation="seq_mean_token_mean", beta=0.04, lora=0.05, iterations=2),
+}
+
+
+class TestOptionsOff:
+    @pytest.mark.parametrize(
+        "variant",
+        [v if v == "dapo" else pytest.param(v, marks=pytest.mark.slow) for v in _OFF_VARIANTS],
+    )
+    def test_bit_identical_to_the_step_before_issue_47(self, ckpt, variant):
+        from support import legacy_train_step
+
+        opts = dict(_OFF_VARIANTS[variant])
+        lora = opts.pop("lora", None)
+        policy = _policy(ckpt, dropout=lora)
+        cfg = train_step.StepConfig(
+            minibatches=2,
+            temperature=TEMPERATURE,
+            kl_estimator="k3",
+            max_completion_len=T,
+            **{"iterations": 1, "eps_low": 0.2, "eps_high": 0.2, "beta": 0.0, **opts},
+        )
+        tokens, attention, comp, adv = _rows8()
+        old = _logps(policy, policy.params, tokens, attention)
+        ref = None
+        if cfg.beta:
+            ref = train_step.logprobs_fn(
+                policy.params,
+                policy.frozen,
+                policy.rest,
+                tokens,
+                attention,
+                graphdef=policy.eval_graphdef,
+                num_completion=T,
+                temperature=TEMPERATURE,
+                disable_lora=lora is not None,
+            )
+        engine = jnp.where(comp, old - 0.3, 0.0)
+        batch = train_step.Batch(
+            tokens, attention, comp, adv, old_logps=old, ref_logps=ref, sampler_logps=engine
+        )
+        optimizer = optax.adamw(1e-3)
+        results = []
+        for fn in (train_step.train_step, legacy_train_step.train_step):
+            step = jax.jit(
+                functools.partial(
+                    fn,
+                    graphdef=policy.graphdef,
+                    optimizer=optimizer,
+                    schedule=lambda s: 1e-3 * (s + 1),
+                    cfg=cfg,
+                ),
+                donate_argnums=(0,),
+            )
+            params = jax.tree.map(jnp.copy, policy.params)
+            state = train_step.TrainState(
+                step=jnp.zeros([], jnp.int32),
+                params=params,
+                opt_state=optimizer.init(params),
+                rng=jax.random.key_data(jax.random.key(0)),
+            )
+            results.append(step(state, batch, policy.frozen, policy.rest))
+        (new, m_new), (old_state, m_old) = results
+        assert m_new.keys() == m_old.keys()
+        for k in m_old:
+            assert np.array_equal(m_new[k], m_old[k], equal_nan=True), (k, m_new[k], m_old[k])
+        for a, b in zip(*map(jax.tree.leaves, (new.params, old_state.params)), strict=True):
+            assert np.array_equal(a, b)
+        assert float(m_new["grad_norm"]) > 0
+
+    @pytest.mark.parametrize("name", ["grpo", "dr_grpo", "dapo", "dapo_nods", "gspo"])
+    def test_variant_configs_leave_the_options_off(self, name):
+        from mmr_jax import config_types, step_batch
+
+        cfg = config_types.from_config_dict(
+            config_types.load_config_file(f"configs/{name}.py:smoke")
+        )
+        sc = build.step_config(cfg)
+        assert sc.updates_per_batch == 1 and not sc.entropy_on
+        assert not cfg.loss.mask_truncated_completions
+        assert "overlong" not in step_batch.reward_params(cfg)
+        assert step_batch.needs_old_logps(cfg) == (cfg.loss.iterations > 1)
+        assert build._init_state(cfg, {}, optax.sgd(1.0)).entropy_coef is None
