@@ -4,6 +4,7 @@ ratio extrema over iterations, and a batch without a loss token."""
 from __future__ import annotations
 
 import functools
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +20,7 @@ from mmr_jax.models import lora as lora_lib
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
 N, P, T = 4, 3, 6
+CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "configs"
 TEMPERATURE = 0.7
 
 
@@ -405,7 +407,7 @@ class TestOptionsOff:
         from mmr_jax import config_types, step_batch
 
         cfg = config_types.from_config_dict(
-            config_types.load_config_file(f"configs/{name}.py:smoke")
+            config_types.load_config_file(f"{CONFIGS}/{name}.py:smoke")
         )
         sc = build.step_config(cfg)
         assert sc.updates_per_batch == 1 and not sc.entropy_on
@@ -413,3 +415,54 @@ class TestOptionsOff:
         assert "overlong" not in step_batch.reward_params(cfg)
         assert step_batch.needs_old_logps(cfg) == (cfg.loss.iterations > 1)
         assert build._init_state(cfg, {}, optax.sgd(1.0)).entropy_coef is None
+
+
+class TestEntropyCoefficient:
+    def test_adaptive_coefficient_moves_and_is_logged(self, ckpt):
+        from mmr_jax import entropy_control, step_loss
+
+        policy = _policy(ckpt)
+        tokens, attention, comp, adv = _rows8()
+        batch = train_step.Batch(tokens, attention, comp, adv)
+        results = {}
+        for name, target in (("low", 0.01), ("high", 100.0), ("off", None)):
+            control = None
+            if target is not None:
+                control = entropy_control.Control(target=target, step=0.001, low=0.0, high=0.01)
+            cfg = train_step.StepConfig(
+                minibatches=2,
+                iterations=1,
+                temperature=TEMPERATURE,
+                eps_low=0.2,
+                eps_high=0.2,
+                aggregation="token_mean",
+                beta=0.0,
+                kl_estimator="k3",
+                max_completion_len=T,
+                entropy_coef=0.0 if control is None else 0.004,
+                entropy_control=control,
+            )
+            optimizer = optax.sgd(0.1)
+            step = train_step.jit_train_step(
+                graphdef=policy.graphdef, optimizer=optimizer, schedule=lambda _: 0.1, cfg=cfg
+            )
+            params = jax.tree.map(jnp.copy, policy.params)
+            state = train_step.TrainState(
+                step=jnp.zeros([], jnp.int32),
+                params=params,
+                opt_state=optimizer.init(params),
+                rng=jax.random.key_data(jax.random.key(0)),
+                entropy_coef=None if control is None else jnp.float32(0.004),
+            )
+            results[name] = step(state, batch, policy.frozen, policy.rest)
+        (low, m_low), (high, m_high), (off, m_off) = results["low"], results["high"], results["off"]
+        # The random tiny model's entropy (~5 nats) is above 0.01 and below 100.
+        assert 0.01 < float(m_low["entropy"]) < 100.0
+        np.testing.assert_allclose(float(low.entropy_coef), 0.003, atol=1e-9)
+        np.testing.assert_allclose(float(high.entropy_coef), 0.005, atol=1e-9)
+        assert float(m_low["entropy_coef"]) == float(m_high["entropy_coef"]) == np.float32(0.004)
+        assert off.entropy_coef is None and "entropy_coef" not in m_off
+        if step_loss.ENTROPY_BONUS:  # the bonus reaches the loss (after h47math's policy_loss)
+            assert float(m_low["loss"]) != float(m_off["loss"])
+        else:  # only logged until then: the update is the one without a bonus
+            assert float(m_low["loss"]) == float(m_off["loss"])

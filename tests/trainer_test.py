@@ -657,3 +657,14 @@ class TestCompilation:
         trainer.train(cfg, tmp_path / "run")
         assert len(shapes) == 4 and all(packed for *_, packed in shapes)
         assert len(traces) == len(set(shapes))  # one compilation per bucket triple, no more
+
+
+class TestHeader:
+    @pytest.mark.parametrize("tis_cap,warned", [(0.0, True), (2.0, False)])
+    def test_stale_uncorrected_samples_warned_at_start(self, tmp_path, caplog, tis_cap, warned):
+        c = grpo.get_config("smoke")
+        c.rollout.off_policy_lag, c.loss.tis_cap = 1, tis_cap
+        with caplog.at_level("WARNING"):
+            trainer._header(config_types.from_config_dict(c), str(tmp_path), None)
+        lines = [r.getMessage() for r in caplog.records if "off_policy_lag=1" in r.getMessage()]
+        assert len(lines) == (1 if warned else 0), lines
