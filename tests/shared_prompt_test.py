@@ -305,10 +305,20 @@ _VARIANTS = {
         tis_mask_low=0.5,
         iterations=2,
     ),
+    # Several optimiser updates per batch (issue 47): each update's rows are whole stored
+    # prompts (and packed rows) of every layout; GSPO's sequence ratio from the second update.
+    "updates": dict(aggregation="token_mean", minibatches=4, updates_per_batch=2),
+    "updates_gspo": dict(
+        aggregation="seq_mean_token_mean",
+        importance_sampling_level="sequence",
+        minibatches=4,
+        updates_per_batch=4,
+        tis_cap=1.5,
+    ),
 }
 
 
-# One variant in the fast set (20 s on 2 cores); all eight (7 min) under --runslow (issue 40).
+# One variant in the fast set (20 s on 2 cores); all ten (9 min) under --runslow (issue 40; updates per batch: issue 47).
 _FAST_VARIANTS = ("dapo",)
 
 
@@ -336,6 +346,7 @@ def test_train_step_same_metrics_and_update(ckpt, variant):
         tis_mode=opts.pop("tis_mode", "token_truncate"),
         tis_mask_low=opts.pop("tis_mask_low", 0.0),
         importance_sampling_level=opts.pop("importance_sampling_level", "token"),
+        updates_per_batch=opts.pop("updates_per_batch", 1),
     )
     policy = build.split_model(_load(ckpt, lora=lora))
     groups = _groups(4, 4, seed=4)
@@ -396,7 +407,8 @@ def test_train_step_same_metrics_and_update(ckpt, variant):
         )
         args = (policy.frozen, policy.rest, dev["tokens"], dev["attention_mask"])
         ref = logp(policy.params, *args, disable_lora=lora, **kw) if cfg.beta > 0 else None
-        old = logp(policy.params, *args, **kw) if cfg.iterations > 1 else None
+        several = cfg.iterations * cfg.updates_per_batch > 1
+        old = logp(policy.params, *args, **kw) if several else None
         batch = train_step.Batch(
             dev["tokens"],
             dev["attention_mask"],
