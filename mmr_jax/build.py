@@ -196,6 +196,18 @@ def step_config(cfg: config_types.TrainConfig) -> train_step.StepConfig:
     )
 
 
+def train_graphdef(cfg: config_types.TrainConfig, policy: Policy):
+    """The train step's graphdef: LoRA dropout on, except when the step takes more than one
+    optimiser update. From the second update on the ratio divides the training forward by the
+    dropout-free old log-probs, and dropout's noise alone then moves GSPO's sequence ratio past
+    its 3e-4 band (docs/algorithms.md, benchmarks/lora_dropout_ratio.py); with one update the
+    ratio is taken against the same forward and dropout cannot enter it."""
+    several = cfg.loss.iterations * cfg.loss.updates_per_batch > 1
+    if policy.lora and cfg.lora.dropout > 0 and several:
+        return policy.eval_graphdef
+    return policy.graphdef
+
+
 def entropy_control(cfg: config_types.TrainConfig):
     """The adaptive entropy coefficient's constants, or None (a fixed `loss.entropy_coef`)."""
     loss = cfg.loss

@@ -197,7 +197,7 @@ def train_step_program(cfg, mesh, *, remat: str | None = None, unrolled: bool = 
     policy, _, (params, frozen, rest) = abstract_policy(cfg, mesh, remat=remat, unrolled=unrolled)
     optimizer, schedule = build.make_optimizer(cfg)
     step = train_step.jit_train_step(
-        graphdef=policy.graphdef,
+        graphdef=build.train_graphdef(cfg, policy),
         optimizer=optimizer,
         schedule=schedule,
         cfg=build.step_config(cfg),

@@ -422,6 +422,13 @@ def advisories(cfg: TrainConfig) -> list[str]:
             "on samples one weight version stale, uncorrected (set loss.tis_cap, e.g. 2, to "
             "weight them by pi_trainer / pi_engine; docs/off_policy.md)"
         )
+    several = cfg.loss.iterations * cfg.loss.updates_per_batch > 1
+    if cfg.lora.enabled and cfg.lora.dropout > 0 and several:
+        out.append(
+            f"lora.dropout={cfg.lora.dropout} is not applied in the train step: with several "
+            "updates per batch its noise against the dropout-free old log-probs rivals GSPO's "
+            "clip band (docs/algorithms.md); set lora.dropout=0 to silence this"
+        )
     return out
 
 

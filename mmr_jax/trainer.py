@@ -121,7 +121,10 @@ def setup(cfg: config_types.TrainConfig, workdir, *, overwrite: bool = False) ->
             batch_size=cfg.mmr.embedding_batch_size,
         )
     step_fn = train_step.jit_train_step(
-        graphdef=policy.graphdef, optimizer=optimizer, schedule=schedule, cfg=build.step_config(cfg)
+        graphdef=build.train_graphdef(cfg, policy),
+        optimizer=optimizer,
+        schedule=schedule,
+        cfg=build.step_config(cfg),
     )
     logp_fn = jax.jit(
         train_step.logprobs_fn,

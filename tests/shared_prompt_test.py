@@ -318,7 +318,7 @@ _VARIANTS = {
 }
 
 
-# One variant in the fast set (20 s on 2 cores); all ten (9 min) under --runslow (issue 40; updates per batch: issue 47).
+# One variant in the fast set (20 s on 2 cores); all ten (9 min) under --runslow (issues 40, 47).
 _FAST_VARIANTS = ("dapo",)
 
 

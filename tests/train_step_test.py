@@ -466,3 +466,55 @@ class TestEntropyCoefficient:
             assert float(m_low["loss"]) != float(m_off["loss"])
         else:  # only logged until then: the update is the one without a bonus
             assert float(m_low["loss"]) == float(m_off["loss"])
+
+
+class TestLoraDropout:
+    def test_several_updates_train_without_dropout(self, ckpt):
+        # At learning rate 0 the second update sees unchanged weights: with the dropout forward
+        # its ratio against the clean old log-probs is dropout's noise alone; with the forward
+        # `build.train_graphdef` picks for several updates, exactly the same forward.
+        from mmr_jax import config_types
+
+        policy = _policy(ckpt, dropout=0.5)
+        tokens, attention, comp, adv = _rows8()
+        old = _logps(policy, policy.params, tokens, attention)
+        batch = train_step.Batch(tokens, attention, comp, adv, old_logps=old)
+        c = config_types.load_config_file(f"{CONFIGS}/gspo.py:8b,smoke")
+        c.loss.iterations, c.loss.updates_per_batch, c.loss.minibatches = 1, 2, 2
+        cfg = config_types.from_config_dict(c)
+        assert any("lora.dropout" in line for line in config_types.advisories(cfg))
+        graphdef = build.train_graphdef(cfg, policy)
+        assert graphdef is policy.eval_graphdef
+        c.loss.updates_per_batch = 1  # one update: dropout stays (its ratio is the same forward)
+        assert build.train_graphdef(config_types.from_config_dict(c), policy) is policy.graphdef
+        spread = {}
+        for name, gd in (("dropout", policy.graphdef), ("clean", graphdef)):
+            step_cfg = train_step.StepConfig(
+                minibatches=2,
+                iterations=1,
+                temperature=TEMPERATURE,
+                eps_low=3e-4,
+                eps_high=4e-4,
+                aggregation="seq_mean_token_mean",
+                beta=0.0,
+                kl_estimator="k3",
+                max_completion_len=T,
+                importance_sampling_level="sequence",
+                updates_per_batch=2,
+            )
+            optimizer = optax.sgd(0.0)
+            step = train_step.jit_train_step(
+                graphdef=gd, optimizer=optimizer, schedule=lambda _: 0.0, cfg=step_cfg
+            )
+            params = jax.tree.map(jnp.copy, policy.params)
+            state = train_step.TrainState(
+                step=jnp.zeros([], jnp.int32),
+                params=params,
+                opt_state=optimizer.init(params),
+                rng=jax.random.key_data(jax.random.key(0)),
+            )
+            _, m = step(state, batch, policy.frozen, policy.rest)
+            spread[name] = (float(m["ratio/max"]) - 1.0, 1.0 - float(m["ratio/min"]))
+            spread[name + "_clip"] = float(m["clip/frac"])
+        assert max(spread["dropout"]) > 1e-3 and spread["dropout_clip"] > 0  # noise past the band
+        assert max(spread["clean"]) < 1e-6 and spread["clean_clip"] == 0.0
