@@ -11,7 +11,7 @@ d = log pi_dropout - log pi_clean the train step's second update would see at un
 (`step_loss.minibatch_loss` against `Batch.old_logps`): its std over tokens, the std over
 sequences of the sequence mean (GSPO's log-ratio), and the share outside each clip band
 (GRPO's token ratio in [0.8, 1.2], GSPO's sequence ratio in [1 - 3e-4, 1 + 4e-4]). Dropout 0 is
-the same forward without the masks (d = 0 exactly). Prints a table and writes --json.
+the training-mode forward without masks (d ~ 1e-7: fp32 rounding). Prints a table, writes --json.
 """
 
 from __future__ import annotations
@@ -121,7 +121,7 @@ def main():
                 flush=True,
             )
     if a.json:
-        pathlib.Path(a.json).write_text(json.dumps({"rows": out, **vars(a)}, indent=1))
+        pathlib.Path(a.json).write_text(json.dumps({"args": vars(a), "results": out}, indent=1))
 
 
 if __name__ == "__main__":
