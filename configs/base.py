@@ -163,7 +163,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.loss.mask_truncated_completions = False
     c.loss.entropy_coef = 0.0  # entropy bonus -c * H in the loss (0 = off); adaptive: its start
     c.loss.entropy_target = 0.0  # adaptive coefficient's target entropy, nats/token (0 = fixed)
-    c.loss.entropy_coef_step = 0.005  # adaptive: change of the coefficient per step (Skywork-OR1)
+    c.loss.entropy_coef_step = 0.005  # adaptive: change of the coefficient per step
     c.loss.entropy_coef_min = 0.0  # adaptive: lower bound of the coefficient
     c.loss.entropy_coef_max = 0.01  # adaptive: upper bound of the coefficient
     c.loss.tis_cap = 0.0  # truncated IS: weight min(pi_trainer / pi_engine, cap) per token; 0 = off
