@@ -162,7 +162,10 @@ def run_shape(
     state = build.init_state(cfg, policy.params, optimizer)
     groups, adv = make_groups(shape, policy.model().config.vocab_size, long_row=long_row)
     step = train_step.jit_train_step(
-        graphdef=policy.graphdef, optimizer=optimizer, schedule=schedule, cfg=build.step_config(cfg)
+        graphdef=build.train_graphdef(cfg, policy),
+        optimizer=optimizer,
+        schedule=schedule,
+        cfg=build.step_config(cfg),
     )
     bs = batches(cfg, groups, adv)
     tokens = float(bs["full rows"].completion_mask.sum())

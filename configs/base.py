@@ -136,6 +136,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # Accuracy also requires the stated answer to be a plain number (arithmetic prompts, where
     # restating "3 + 9" would otherwise count as correct).
     c.rewards.accuracy_number_only = False
+    # Soft overlong punishment (DAPO eq. 13), the reward 'overlong' when it has a weight: 0 up to
+    # L_max - L_cache completion tokens, linear to -1 at L_max.
+    c.rewards.overlong_max_len = 0  # L_max (0 = batch.max_completion_len)
+    c.rewards.overlong_cache_len = 0  # L_cache (0 = L_max // 5, DAPO's 4096 of 20480)
 
     c.advantage = ml_collections.ConfigDict()
     c.advantage.estimator = "grpo"  # 'grpo' (r - mean) / (std + eps) | 'dr_grpo' (r - mean)
@@ -150,7 +154,18 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.loss.beta = 0.04  # KL coefficient against the reference policy (0 = no reference pass)
     c.loss.kl_estimator = "k3"  # 'k1' | 'k2' | 'k3'
     c.loss.iterations = 1  # passes over each batch (mu); >1 needs old log-probs
-    c.loss.minibatches = 8  # gradient-accumulation minibatches per pass (48 / 8 = 6 per device)
+    c.loss.minibatches = 8  # row chunks per pass, one forward each (48 / 8 = 6 per device)
+    # Optimiser updates per pass (TRL steps_per_generation, verl ppo_mini_batch_size): each takes
+    # minibatches / this of the chunks, its loss normalised over its own rows; divides minibatches.
+    c.loss.updates_per_batch = 1
+    # Completions cut at max_completion_len (no EOS / stop) leave the loss and its normaliser;
+    # their rewards still enter the group mean / std of the advantages (TRL, NeMo overlong filter).
+    c.loss.mask_truncated_completions = False
+    c.loss.entropy_coef = 0.0  # entropy bonus -c * H in the loss (0 = off); adaptive: its start
+    c.loss.entropy_target = 0.0  # adaptive coefficient's target entropy, nats/token (0 = fixed)
+    c.loss.entropy_coef_step = 0.005  # adaptive: change of the coefficient per step
+    c.loss.entropy_coef_min = 0.0  # adaptive: lower bound of the coefficient
+    c.loss.entropy_coef_max = 0.01  # adaptive: upper bound of the coefficient
     c.loss.tis_cap = 0.0  # truncated IS: weight min(pi_trainer / pi_engine, cap) per token; 0 = off
     # Rollout/trainer correction (algorithms/mismatch.py, docs/algorithms.md), when tis_cap > 0:
     # {token, sequence (sum), geometric (mean)}_{truncate (min(r, cap)), mask (0 outside bounds)}.

@@ -4,6 +4,12 @@ groups with zero accuracy variance dropped and refilled (at most 10 generation b
     python scripts/train.py --config=configs/dapo.py:7b --workdir=runs/dapo_7b
     python scripts/train.py --config=configs/dapo.py:1.5b --workdir=runs/mmr_dapo_1.5b \\
         --config.mmr.enabled=True
+
+As the paper's table has it, without overlong shaping. The full DAPO recipe adds the soft overlong
+punishment (eq. 13, reward 'overlong' with weight 1; its lengths rewards.overlong_*) by the
+config argument `full`:
+
+    python scripts/train.py --config=configs/dapo.py:7b,full --workdir=runs/dapo_full_7b
 """
 
 import os
@@ -24,10 +30,16 @@ def dapo_deltas(c):
 
 
 def get_config(arg=None):
+    parts = [p.strip() for p in (arg or "").split(",") if p.strip()]
+    full = "full" in parts
     c = dapo_deltas(base.get_config())
     c.name = "dapo"
     c.total_steps = 200
     c.dynamic_sampling.enabled = True
     c.dynamic_sampling.filter_reward = "accuracy"
     c.dynamic_sampling.max_generation_batches = 10
-    return base.apply_arg(c, arg)
+    if full:  # DAPO's soft overlong punishment (the recipe), lengths from rewards.overlong_*
+        c.rewards.weights = dict(c.rewards.weights, overlong=1.0)
+    base.apply_arg(c, ",".join(p for p in parts if p != "full"))
+    c.name = f"dapo:{arg}" if arg else c.name
+    return c

@@ -4,7 +4,8 @@ seq-mean-token-mean; format 1 + cosine 2 as GRPO. `mmr.enabled=True` gives MMR-G
 
 The ratio is 1 on the first pass over a batch, where GSPO is GRPO; it acts from the second, so
 the variant takes two passes (`loss.iterations=2`, TRL's num_iterations) where the paper splits
-each rollout batch into 4 successive updates.
+each rollout batch into 4 successive updates; that form is one override away (issue 47):
+`--config.loss.iterations=1 --config.loss.updates_per_batch=4`.
 
     python scripts/train.py --config=configs/gspo.py:7b --workdir=runs/gspo_7b
     python scripts/train.py --config=configs/gspo.py:1.5b --workdir=runs/mmr_gspo_1.5b \\

@@ -86,6 +86,8 @@ class RewardsConfig:
     weights: Mapping[str, float] = dataclasses.field(default_factory=dict)
     cosine_form: str = "tokens"
     accuracy_number_only: bool = False
+    overlong_max_len: int = 0  # DAPO's L_max (0 = batch.max_completion_len)
+    overlong_cache_len: int = 0  # DAPO's L_cache (0 = L_max // 5)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,6 +106,13 @@ class LossConfig:
     kl_estimator: str = "k3"
     iterations: int = 1
     minibatches: int = 8
+    updates_per_batch: int = 1
+    mask_truncated_completions: bool = False
+    entropy_coef: float = 0.0
+    entropy_target: float = 0.0
+    entropy_coef_step: float = 0.005
+    entropy_coef_min: float = 0.0
+    entropy_coef_max: float = 0.01
     tis_cap: float = 0.0
     tis_mode: str = "token_truncate"
     tis_mask_low: float = 0.0
@@ -354,6 +363,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         raise ConfigError(f"loss.tis_mode={loss.tis_mode!r} needs loss.tis_cap >= 1 (0 = off)")
     if cfg.loss.iterations < 1 or cfg.total_steps < 1:
         raise ConfigError("loss.iterations and total_steps must be >= 1")
+    _validate_issue47(cfg)
     if cfg.model.init == "random" and cfg.rollout.engine != "embedded":
         raise ConfigError(
             "model.init='random' needs rollout.engine='embedded' (a vLLM server loads model.path)"
@@ -369,6 +379,57 @@ def validate(cfg: TrainConfig) -> TrainConfig:
             f"{sorted(cfg.rewards.weights)}"
         )
     return cfg
+
+
+def _validate_issue47(cfg: TrainConfig) -> None:
+    """Updates per batch, the adaptive entropy coefficient and the overlong punishment."""
+    loss = cfg.loss
+    if loss.updates_per_batch < 1 or loss.minibatches % loss.updates_per_batch:
+        raise ConfigError(
+            f"loss.updates_per_batch={loss.updates_per_batch} must be >= 1 and divide "
+            f"loss.minibatches={loss.minibatches} (each update takes whole minibatches)"
+        )
+    if not (loss.entropy_target >= 0 and abs(loss.entropy_coef) < float("inf")):  # and NaN
+        raise ConfigError(
+            f"loss.entropy_target={loss.entropy_target} must be >= 0 (0: fixed coefficient) "
+            f"and loss.entropy_coef={loss.entropy_coef} finite"
+        )
+    if loss.entropy_target > 0 and not (
+        loss.entropy_coef_step > 0
+        and 0 <= loss.entropy_coef_min <= loss.entropy_coef <= loss.entropy_coef_max < float("inf")
+    ):
+        raise ConfigError(
+            f"adaptive entropy (loss.entropy_target={loss.entropy_target}) needs "
+            f"loss.entropy_coef_step={loss.entropy_coef_step} > 0 and 0 <= "
+            f"loss.entropy_coef_min={loss.entropy_coef_min} <= loss.entropy_coef="
+            f"{loss.entropy_coef} (its start) <= loss.entropy_coef_max={loss.entropy_coef_max}"
+        )
+    r = cfg.rewards
+    l_max = r.overlong_max_len or cfg.batch.max_completion_len
+    if r.overlong_max_len < 0 or not 0 <= r.overlong_cache_len <= l_max:
+        raise ConfigError(
+            f"rewards.overlong_cache_len={r.overlong_cache_len} must lie in [0, L_max={l_max}] "
+            f"(rewards.overlong_max_len={r.overlong_max_len}, 0 = batch.max_completion_len)"
+        )
+
+
+def advisories(cfg: TrainConfig) -> list[str]:
+    """Valid but easily unintended combinations, one line each, logged when a run starts."""
+    out = []
+    if cfg.rollout.off_policy_lag > 0 and cfg.loss.tis_cap == 0:
+        out.append(
+            f"rollout.off_policy_lag={cfg.rollout.off_policy_lag} with loss.tis_cap=0: training "
+            "on samples one weight version stale, uncorrected (set loss.tis_cap, e.g. 2, to "
+            "weight them by pi_trainer / pi_engine; docs/off_policy.md)"
+        )
+    several = cfg.loss.iterations * cfg.loss.updates_per_batch > 1
+    if cfg.lora.enabled and cfg.lora.dropout > 0 and several:
+        out.append(
+            f"lora.dropout={cfg.lora.dropout} is not applied in the train step: with several "
+            "updates per batch its noise against the dropout-free old log-probs rivals GSPO's "
+            "clip band (docs/algorithms.md); set lora.dropout=0 to silence this"
+        )
+    return out
 
 
 def from_config_dict(config) -> TrainConfig:

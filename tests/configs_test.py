@@ -150,6 +150,12 @@ class TestBadInput:
             (("loss", "importance_sampling_level", "seq"), "importance_sampling_level='seq'"),
             (("batch", "pack_max_len", 3582), "pack_max_len=3582 must be 0 .* at least"),
             (("batch", "pack_max_len", -1), "pack_max_len"),
+            (("loss", "updates_per_batch", 3), "updates_per_batch=3 must be >= 1 and divide"),
+            (("loss", "updates_per_batch", 0), "updates_per_batch=0 must be >= 1"),
+            (("loss", "entropy_target", -0.1), "entropy_target=-0.1 must be >= 0"),
+            (("loss", "entropy_coef", float("nan")), "entropy_coef=nan finite"),
+            (("rewards", "overlong_cache_len", 4000), r"overlong_cache_len=4000 must lie in"),
+            (("rewards", "overlong_max_len", -1), "overlong_max_len=-1"),
         ],
     )
     def test_invalid_values(self, override, match):
@@ -180,6 +186,37 @@ class TestBadInput:
                     continue  # no default: an empty placeholder that the config always sets
                 got = getattr(getattr(cfg, name), f.name)
                 assert got == f.default, f"{name}.{f.name}: base {got!r}, dataclass {f.default!r}"
+
+    @pytest.mark.parametrize(
+        "loss",
+        [
+            dict(entropy_target=0.2, entropy_coef=0.02),  # start above entropy_coef_max 0.01
+            dict(entropy_target=0.2, entropy_coef_step=0.0),
+            dict(entropy_target=0.2, entropy_coef_min=-0.01),
+        ],
+    )
+    def test_adaptive_entropy_refused_by_name(self, loss):
+        cfg = _load("grpo").to_dict()
+        cfg["loss"].update(loss)
+        with pytest.raises(config_types.ConfigError, match="adaptive entropy"):
+            config_types.from_config_dict(cfg)
+
+    def test_dapo_full_adds_only_the_overlong_punishment(self):
+        paper = _load("dapo", "7b").to_dict()
+        full = _load("dapo", "7b,full").to_dict()
+        assert full["rewards"]["weights"] == {**paper["rewards"]["weights"], "overlong": 1.0}
+        full["rewards"]["weights"] = paper["rewards"]["weights"]
+        full["name"] = paper["name"]
+        assert full == paper
+        config_types.from_config_dict(_load("dapo", "smoke,full"))
+
+    @pytest.mark.parametrize("lag,tis_cap,lines", [(1, 0.0, 1), (1, 2.0, 0), (0, 0.0, 0)])
+    def test_stale_uncorrected_samples_advised(self, lag, tis_cap, lines):
+        cfg = _load("grpo").to_dict()
+        cfg["rollout"]["off_policy_lag"], cfg["loss"]["tis_cap"] = lag, tis_cap
+        out = config_types.advisories(config_types.from_config_dict(cfg))
+        assert len(out) == lines
+        assert all("off_policy_lag=1 with loss.tis_cap=0" in line for line in out)
 
     def test_mmr_and_dra_exclusive(self):
         cfg = _load("grpo", None, ["--config.mmr.enabled=True", "--config.dra.enabled=True"])

@@ -250,3 +250,42 @@ class TestAccuracyNumberOnly:
             params={"accuracy": {"number_only": True}}, grader=GRADER,
         )  # fmt: skip
         np.testing.assert_array_equal(s.total, [1.0, 0.0])
+
+
+class TestOverlong:
+    @pytest.mark.parametrize(
+        "length,expected",
+        [
+            (0, 0.0),
+            (80, 0.0),  # L_max - L_cache: the last length without punishment
+            (81, -0.05),  # (80 - 81) / 20
+            (90, -0.5),
+            (99, -0.95),
+            (100, -1.0),  # L_max
+            (101, -1.0),  # beyond L_max (a longer engine limit)
+        ],
+    )
+    def test_dapo_eq13_hand_worked(self, length, expected):
+        r = functions.overlong(["x"], ["1"], lengths=[length], max_len=100, cache_len=20)
+        assert r.dtype == np.float32
+        np.testing.assert_allclose(r, [expected], atol=1e-7)
+
+    def test_no_cache_is_a_step_at_l_max(self):
+        r = functions.overlong(["x"] * 3, None, lengths=[99, 100, 101], max_len=100, cache_len=0)
+        np.testing.assert_array_equal(r, [0.0, 0.0, -1.0])
+
+    def test_registered_and_scored_by_name(self):
+        assert "overlong" in rewards.REGISTRY
+        s = rewards.score(
+            ["a", "b"],
+            ["1", "1"],
+            [10, 95],
+            {"overlong": 1.0, "format": 0.0},
+            params={"overlong": {"max_len": 100, "cache_len": 20}},
+        )
+        np.testing.assert_allclose(s.per_fn["overlong"], [0.0, -0.75])
+
+    @pytest.mark.parametrize("kw", [dict(lengths=None), dict(lengths=[1], cache_len=101)])
+    def test_bad_input(self, kw):
+        with pytest.raises(ValueError):
+            functions.overlong(["x"], None, **{"max_len": 100, "cache_len": 20, **kw})

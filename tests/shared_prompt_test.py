@@ -20,7 +20,7 @@ from flax import nnx
 
 from mmr_jax.models import loading
 from mmr_jax.models import lora as lora_lib
-from mmr_jax.step import batch_layout, experience, train_step
+from mmr_jax.step import batch_layout, experience, step_loss, train_step
 from mmr_jax.training import build
 
 from support import testing
@@ -264,7 +264,7 @@ def test_logprobs_and_gradients_equal_full_rows(
     kw = dict(temperature=0.7, chunk=chunk, entropy=True, disable_lora=disable_lora)
 
     def loss(m, arrays, prompts):
-        lp, ent = train_step.batch_logprobs(
+        lp, ent = step_loss.batch_logprobs(
             m,
             jnp.asarray(arrays["tokens"]),
             jnp.asarray(arrays["attention_mask"]),
@@ -306,10 +306,20 @@ _VARIANTS = {
         tis_mask_low=0.5,
         iterations=2,
     ),
+    # Several optimiser updates per batch (issue 47): each update's rows are whole stored
+    # prompts (and packed rows) of every layout; GSPO's sequence ratio from the second update.
+    "updates": dict(aggregation="token_mean", minibatches=4, updates_per_batch=2),
+    "updates_gspo": dict(
+        aggregation="seq_mean_token_mean",
+        importance_sampling_level="sequence",
+        minibatches=4,
+        updates_per_batch=4,
+        tis_cap=1.5,
+    ),
 }
 
 
-# One variant in the fast set (20 s on 2 cores); all eight (7 min) under --runslow (issue 40).
+# One variant in the fast set (20 s on 2 cores); all ten (9 min) under --runslow (issues 40, 47).
 _FAST_VARIANTS = ("dapo",)
 
 
@@ -337,6 +347,7 @@ def test_train_step_same_metrics_and_update(ckpt, variant):
         tis_mode=opts.pop("tis_mode", "token_truncate"),
         tis_mask_low=opts.pop("tis_mask_low", 0.0),
         importance_sampling_level=opts.pop("importance_sampling_level", "token"),
+        updates_per_batch=opts.pop("updates_per_batch", 1),
     )
     policy = build.split_model(_load(ckpt, lora=lora))
     groups = _groups(4, 4, seed=4)
@@ -350,7 +361,7 @@ def test_train_step_same_metrics_and_update(ckpt, variant):
         graphdef=policy.graphdef, optimizer=optimizer, schedule=lambda _: 1.0, cfg=cfg
     )
     logp = jax.jit(
-        train_step.logprobs_fn,
+        step_loss.logprobs_fn,
         static_argnames=(
             "graphdef",
             "num_completion",
@@ -397,7 +408,8 @@ def test_train_step_same_metrics_and_update(ckpt, variant):
         )
         args = (policy.frozen, policy.rest, dev["tokens"], dev["attention_mask"])
         ref = logp(policy.params, *args, disable_lora=lora, **kw) if cfg.beta > 0 else None
-        old = logp(policy.params, *args, **kw) if cfg.iterations > 1 else None
+        several = cfg.iterations * cfg.updates_per_batch > 1
+        old = logp(policy.params, *args, **kw) if several else None
         batch = train_step.Batch(
             dev["tokens"],
             dev["attention_mask"],
@@ -457,8 +469,8 @@ def test_minibatches_must_hold_whole_groups(ckpt):
     groups = _groups(3, 4, seed=6)
     _, shared = _both(groups, np.zeros((3, 4)))  # 3 prompts of 4 rows
     with pytest.raises(ValueError, match="2 minibatches do not split 12 rows sharing 3 prompts"):
-        train_step.check_minibatches(shared["prompt_tokens"], 12, 2)
-    train_step.check_minibatches(shared["prompt_tokens"], 12, 3)
+        step_loss.check_minibatches(shared["prompt_tokens"], 12, 2)
+    step_loss.check_minibatches(shared["prompt_tokens"], 12, 3)
 
 
 _SHARDED = textwrap.dedent(

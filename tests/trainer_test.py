@@ -710,3 +710,45 @@ class TestCompilation:
         trainer.train(cfg, tmp_path / "run")
         assert len(shapes) == 4 and all(packed for *_, packed in shapes)
         assert len(traces) == len(set(shapes))  # one compilation per bucket triple, no more
+
+
+class TestHeader:
+    @pytest.mark.parametrize("tis_cap,warned", [(0.0, True), (2.0, False)])
+    def test_stale_uncorrected_samples_warned_at_start(self, tmp_path, caplog, tis_cap, warned):
+        c = grpo.get_config("smoke")
+        c.rollout.off_policy_lag, c.loss.tis_cap = 1, tis_cap
+        with caplog.at_level("WARNING"):
+            trainer._header(config_types.from_config_dict(c), str(tmp_path), None)
+        lines = [r.getMessage() for r in caplog.records if "off_policy_lag=1" in r.getMessage()]
+        assert len(lines) == (1 if warned else 0), lines
+
+
+class TestLoopOptions:
+    def test_two_steps_with_the_issue_47_loop_options(self, tmp_path, tiny_llama_dir):
+        # Two updates per batch under LoRA (dropout off in the step), DAPO's overlong punishment
+        # and an adaptive entropy coefficient that rises (entropy below the target 100): 0 at
+        # step 1, 0.005 at step 2, as logged.
+        overrides = {
+            "loss.updates_per_batch": 2,
+            "loss.entropy_target": 100.0,
+            "rewards.weights": {"test_target": 1.0, "format": 0.0, "overlong": 1.0},
+        }
+        _check_run(tmp_path, tiny_llama_dir, "dapo", False, True, **overrides)
+        rows = metrics.read_jsonl(tmp_path / "run" / metrics.METRICS_FILE)
+        np.testing.assert_allclose([r["entropy_coef"] for r in rows], [0.0, 0.005], atol=1e-9)
+        assert all("reward/overlong/mean" in r for r in rows)
+
+    def test_truncated_completions_leave_the_loss(self, tmp_path, tiny_llama_dir):
+        # The tiny random model rarely stops before max_completion_len: a step whose every
+        # completion was cut trains on no token with the option, on all of them without it
+        # (step 1 samples the same completions in both runs).
+        first = {}
+        for mask in (True, False):
+            opts = {"loss.mask_truncated_completions": mask, "total_steps": 1}
+            cfg = _config("dapo_nods", tiny_llama_dir, **opts)  # no DAPO filter: all train
+            trainer.train(cfg, tmp_path / f"run_{mask}")
+            first[mask] = metrics.read_jsonl(tmp_path / f"run_{mask}" / metrics.METRICS_FILE)[0]
+        on, off = first[True], first[False]
+        assert on["completion/truncated_frac"] == off["completion/truncated_frac"]
+        assert (on["tokens"] == 0) == (on["completion/truncated_frac"] == 1.0), on
+        assert off["tokens"] == off["throughput/tokens"] > on["tokens"]

@@ -1,4 +1,5 @@
-"""Reward functions of the paper: accuracy, format, cosine (length-scaled accuracy).
+"""Reward functions of the paper: accuracy, format, cosine (length-scaled accuracy); and
+DAPO's soft overlong punishment (`overlong`).
 
 Shapes: N completions (all groups of a batch flattened); every function returns float32 [N].
 Reference: MMR-GRPO (Wei et al.), appendix "Reward Functions", and its released code (open-r1
@@ -183,3 +184,34 @@ def cosine(
 
 # The released code's cosine reward, for reproduction: `params={'cosine': RELEASED_COSINE}`.
 RELEASED_COSINE = dict(unit="chars", clamp=False, max_len=1000)
+
+
+@registry.register("overlong")
+def overlong(
+    completions: Sequence[str],
+    answers: Sequence[str] | None = None,
+    *,
+    lengths: Sequence[int] | None = None,
+    max_len: int = 3584,
+    cache_len: int = 716,
+) -> np.ndarray:
+    """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13), L = completion tokens:
+
+        0                                  L <= L_max - L_cache
+        ((L_max - L_cache) - L) / L_cache  L_max - L_cache < L <= L_max
+        -1                                 L > L_max
+
+    with L_max = `max_len` and L_cache = `cache_len` (DAPO: 20480 and 4096; verl's
+    `overlong_buffer`, TRL's `get_soft_overlong_punishment`). Added to the task reward.
+    """
+    if lengths is None:
+        raise ValueError("the overlong reward needs `lengths` (completion tokens)")
+    if not 0 <= cache_len <= max_len:
+        raise ValueError(f"overlong cache_len={cache_len} must lie in [0, max_len={max_len}]")
+    length_N = np.asarray(lengths, np.float64)
+    if len(length_N) != len(completions):
+        raise ValueError(f"{len(length_N)} lengths for {len(completions)} completions")
+    start = max_len - cache_len
+    ramp = (start - length_N) / max(cache_len, 1)
+    out = np.where(length_N <= start, 0.0, np.where(length_N <= max_len, ramp, -1.0))
+    return out.astype(np.float32)

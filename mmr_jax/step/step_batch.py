@@ -64,6 +64,10 @@ def reward_params(cfg: config_types.TrainConfig) -> dict:
         params["cosine"] = (
             dict(rewards.RELEASED_COSINE) if released else {"max_len": cfg.batch.max_completion_len}
         )
+    if "overlong" in cfg.rewards.weights:
+        l_max = cfg.rewards.overlong_max_len or cfg.batch.max_completion_len
+        cache = cfg.rewards.overlong_cache_len or l_max // 5
+        params["overlong"] = {"max_len": l_max, "cache_len": cache}
     if cfg.rewards.accuracy_number_only and "accuracy" in cfg.rewards.weights:
         params["accuracy"] = {"number_only": True}
     return params
@@ -141,7 +145,7 @@ def host_arrays(cfg: config_types.TrainConfig, groups: experience.Groups, adv, p
         groups.prompt_ids,
         groups.tokens,
         groups.mask,
-        groups.valid,
+        loss_rows(cfg, groups),
         adv,
         groups.sampler_logps,
         layout=layout(cfg),
@@ -151,6 +155,20 @@ def host_arrays(cfg: config_types.TrainConfig, groups: experience.Groups, adv, p
         group=batch_layout.group_size(b.generations, cfg.rows_per_step, cfg.loss.minibatches),
         pad_id=pad_id,
     )
+
+
+def loss_rows(cfg: config_types.TrainConfig, groups: experience.Groups) -> np.ndarray:
+    """bool [B, G] the completions whose tokens enter the loss: valid ones, less the truncated
+    (finish reason 'length') under `loss.mask_truncated_completions`. The advantages are computed
+    before, over every valid completion, so truncated ones still count in their group's stats."""
+    if cfg.loss.mask_truncated_completions:
+        return groups.valid & ~groups.truncated
+    return groups.valid
+
+
+def needs_old_logps(cfg: config_types.TrainConfig) -> bool:
+    """Whether the step compares with the pre-update policy: after its first optimiser update."""
+    return cfg.loss.iterations * cfg.loss.updates_per_batch > 1
 
 
 def layout_metrics(host: dict) -> dict[str, float]:
@@ -199,7 +217,7 @@ def make_batch(
 
     `policy` is the run's `build.Policy`, `params` the trainable parameters of this step,
     `ref_params` the reference policy's (full fine-tune with beta > 0; else None: the base is the
-    adapters switched off), `logp_fn` the jitted `train_step.logprobs_fn`. `packed_length` maps
+    adapters switched off), `logp_fn` the jitted `step_loss.logprobs_fn`. `packed_length` maps
     the packed row length the batch needs to the one it runs at (`shape_reuse`; None: as needed).
     `mesh`: the run's; the batch becomes global arrays with rows split over its (data, fsdp)
     axes, each device holding only its rows (`distributed.global_batch`; a collective with
@@ -244,7 +262,7 @@ def make_batch(
         ref = logp_fn(ref_p, *args, disable_lora=policy.lora, **kw)
     # With LoRA dropout the step's own log-probs are noisy; TIS needs the clean pre-update ones.
     dropout = policy.lora and cfg.lora.dropout > 0
-    if dropout and cfg.loss.iterations == 1 and cfg.loss.tis_cap == 0:
+    if dropout and not needs_old_logps(cfg) and cfg.loss.tis_cap == 0:
         logging.log_first_n(
             logging.WARNING,
             "mismatch/* metrics include LoRA dropout noise (lora.dropout=%s, loss.iterations=1): "
@@ -252,7 +270,7 @@ def make_batch(
             1,
             cfg.lora.dropout,
         )
-    if cfg.loss.iterations > 1 or (dropout and cfg.loss.tis_cap > 0):
+    if needs_old_logps(cfg) or (dropout and cfg.loss.tis_cap > 0):
         old = logp_fn(params, *args, **kw)
     batch = train_step.Batch(
         dev["tokens"],

@@ -1,18 +1,22 @@
-"""The jitted policy update: `iterations` passes over minibatches with exact gradient accumulation.
+"""The jitted policy update: `iterations` passes over the batch, each of `updates_per_batch`
+optimiser updates on successive row slices, each the gradient accumulated over its minibatches.
 
 Shape legend: N rows (completions, B prompts x G), P prompt tokens (left-padded), T completion
-tokens (right-padded to a length bucket), L = P + T, M minibatches of N / M rows, Q = N / g stored
-prompts (g rows share each; `batch_layout`).
+tokens (right-padded to a length bucket), L = P + T, M minibatches of N / M rows, U updates per
+pass of M / U minibatches each, Q = N / g stored prompts (g rows share each; `batch_layout`).
 
 Three batch layouts, one step: full rows (`tokens` [N, L], every prompt repeated in each of its
 rows), shared prompts (`prompt_tokens` [Q, P] set, `tokens` [N, T] the completions alone), where
 each prompt is computed once for its g rows (`models.shared_prompt`), and shared prompts with
 each group's completions packed into one row (`packed` set, `batch_layout.PackedCompletions`),
-where the forward runs over real completion tokens only; same loss and gradients.
+where the forward runs over real completion tokens only; same loss and gradients. Minibatches
+and updates take whole stored prompts (and packed rows) in every layout
+(`step_loss.check_minibatches`).
 
 The model is functional here: `nnx.split` gives a graphdef, the trainable state (all `nnx.Param`,
 or only the `nnx.LoRAParam` adapters), the frozen parameters and the rest (RNG streams). The step
-is a module-level pure function of arrays, jitted once per (P, T) bucket with the state donated.
+is a module-level pure function of arrays, jitted once per (P, T) bucket with the state donated;
+one minibatch's log-probs and loss are `step_loss`.
 """
 
 from __future__ import annotations
@@ -25,10 +29,9 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 import optax
-from flax import nnx
 
-from mmr_jax.algorithms import losses, mismatch
-from mmr_jax.models import logprobs as logprobs_lib
+from mmr_jax.algorithms import entropy_control, losses, mismatch
+from mmr_jax.step import step_loss
 
 
 @flax.struct.dataclass
@@ -39,6 +42,8 @@ class TrainState:
     params: Any  # nnx.State of the trainable parameters
     opt_state: Any  # optax state
     rng: jax.Array  # uint32 [2], raw key data (portable across PRNG implementations)
+    # float32 [], the adaptive entropy coefficient used by the next step (None: not adaptive)
+    entropy_coef: jax.Array | None = None
 
 
 @flax.struct.dataclass
@@ -50,7 +55,7 @@ class Batch:
     attention_mask: jax.Array  # bool, as tokens
     completion_mask: jax.Array  # bool [N, T] tokens that enter the loss (False for invalid rows)
     advantages: jax.Array  # float32 [N]
-    old_logps: jax.Array | None = None  # float32 [N, T], when iterations > 1
+    old_logps: jax.Array | None = None  # float32 [N, T], when iterations * updates > 1
     ref_logps: jax.Array | None = None  # float32 [N, T], when beta > 0
     sampler_logps: jax.Array | None = None  # float32 [N, T] the engine's; mismatch metrics, TIS
     prompt_tokens: jax.Array | None = None  # int32 [Q, P] shared-prompt layout (batch_layout)
@@ -76,6 +81,14 @@ class StepConfig:
     tis_mode: str = "token_truncate"  # mismatch.TIS_MODES
     tis_mask_low: float = 0.0  # lower bound of the '_mask' modes (0 = none)
     importance_sampling_level: str = "token"  # losses.IS_LEVELS: 'sequence' = GSPO
+    updates_per_batch: int = 1  # U optimiser updates per pass, each on M / U minibatches
+    entropy_coef: float = 0.0  # the entropy bonus's coefficient (adaptive: its start)
+    entropy_control: entropy_control.Control | None = None  # adaptive coefficient (None: fixed)
+
+    @property
+    def entropy_on(self) -> bool:
+        """Whether the loss carries an entropy bonus (fixed non-zero, or adaptive)."""
+        return self.entropy_coef != 0 or self.entropy_control is not None
 
 
 def make_optimizer(
@@ -107,197 +120,6 @@ def make_optimizer(
     return optax.chain(*chain), schedule
 
 
-def _with_dropout_key(rest, key):
-    """`rest` with every RNG stream reset to `key` (LoRA dropout draws depend only on the step)."""
-    flat = []
-    for path, var in nnx.to_flat_state(rest):
-        if isinstance(var, nnx.RngKey):
-            var = var.replace(
-                jax.random.wrap_key_data(key, impl=jax.random.key_impl(var.get_value()))
-            )
-        elif isinstance(var, nnx.RngCount):
-            var = var.replace(jnp.zeros_like(var.get_value()))
-        flat.append((path, var))
-    return nnx.from_flat_state(flat)
-
-
-def completion_logprobs(
-    model,
-    tokens_NxL,
-    attention_mask_NxL,
-    *,
-    num_completion: int,
-    temperature: float,
-    chunk: int = 0,
-    entropy: bool = False,
-    disable_lora: bool = False,
-):
-    """Log-probs (and entropy) of the last `num_completion` positions: [N, T] (each)."""
-    out = logprobs_lib.token_logprobs(
-        model,
-        tokens_NxL,
-        attention_mask_NxL,
-        temperature=temperature,
-        chunk_size=chunk or None,
-        return_entropy=entropy,
-        disable_lora=disable_lora,
-    )
-    if entropy:
-        return out[0][:, -num_completion:], out[1][:, -num_completion:]
-    return out[:, -num_completion:]
-
-
-def batch_logprobs(
-    model,
-    tokens,
-    attention_mask,
-    *,
-    prompt_tokens=None,
-    prompt_mask=None,
-    packed=None,
-    num_completion: int,
-    temperature: float,
-    chunk: int = 0,
-    entropy: bool = False,
-    disable_lora: bool = False,
-):
-    """`completion_logprobs` of any layout: shared prompts when `prompt_tokens` is given, their
-    completions packed when `packed` is too."""
-    if prompt_tokens is None:
-        return completion_logprobs(
-            model,
-            tokens,
-            attention_mask,
-            num_completion=num_completion,
-            temperature=temperature,
-            chunk=chunk,
-            entropy=entropy,
-            disable_lora=disable_lora,
-        )
-    if tokens.shape[1] != num_completion:
-        raise ValueError(f"completions of {tokens.shape[1]} tokens, expected {num_completion}")
-    if packed is not None:
-        return logprobs_lib.packed_logprobs(
-            model,
-            prompt_tokens,
-            prompt_mask,
-            tokens,
-            attention_mask,
-            packed,
-            temperature=temperature,
-            chunk_size=chunk or None,
-            return_entropy=entropy,
-            disable_lora=disable_lora,
-        )
-    return logprobs_lib.shared_prompt_logprobs(
-        model,
-        prompt_tokens,
-        prompt_mask,
-        tokens,
-        attention_mask,
-        temperature=temperature,
-        chunk_size=chunk or None,
-        return_entropy=entropy,
-        disable_lora=disable_lora,
-    )
-
-
-def check_minibatches(prompt_tokens, rows: int, minibatches: int) -> None:
-    """Minibatches must hold whole groups: M divides the N rows and the Q stored prompts."""
-    q = None if prompt_tokens is None else prompt_tokens.shape[0]
-    if rows % minibatches or (q is not None and q % minibatches):
-        raise ValueError(
-            f"{minibatches} minibatches do not split {rows} rows"
-            + ("" if q is None else f" sharing {q} prompts")
-            + " into equal whole groups; pack with batch_layout.group_size(G, N, minibatches)"
-        )
-
-
-def _split(x, m):
-    return None if x is None else x.reshape(m, x.shape[0] // m, *x.shape[1:])
-
-
-def _minibatch_loss(
-    params, mb: Batch, key, normaliser, iteration, *, graphdef, frozen, rest, cfg: StepConfig
-):
-    model = nnx.merge(graphdef, params, frozen, _with_dropout_key(rest, key))
-    t = mb.completion_mask.shape[1]
-    logps, entropy = batch_logprobs(
-        model,
-        mb.tokens,
-        mb.attention_mask,
-        prompt_tokens=mb.prompt_tokens,
-        prompt_mask=mb.prompt_mask,
-        packed=mb.packed,
-        num_completion=t,
-        temperature=cfg.temperature,
-        chunk=cfg.logprob_chunk,
-        entropy=True,
-    )
-    # The pre-update policy's log-probs: `old_logps` when given (a clean forward: no dropout),
-    # else this forward's own (the first pass of one iteration, where they are the same policy).
-    same = jax.lax.stop_gradient(logps)
-    behaviour = same if mb.old_logps is None else mb.old_logps
-    # The ratio's reference is the forward it divides: on the first pass this same forward, so
-    # that LoRA dropout noise (absent from the clean old_logps) never enters the ratio or the
-    # clip; later passes compare the updated policy with the pre-update one.
-    ratio_ref = same if mb.old_logps is None else jnp.where(iteration == 0, same, mb.old_logps)
-    tis = None  # rollout/trainer mismatch correction (issues 16, 37): `mismatch.tis_weights`
-    if cfg.tis_cap > 0:
-        if mb.sampler_logps is None:
-            raise ValueError("loss.tis_cap > 0 needs the engine's log-probs (Batch.sampler_logps)")
-        tis = mismatch.tis_weights(
-            behaviour,
-            mb.sampler_logps,
-            mb.completion_mask,
-            cap=cfg.tis_cap,
-            mode=cfg.tis_mode,
-            low=cfg.tis_mask_low,
-        )
-    loss, aux = losses.policy_loss(
-        logps,
-        ratio_ref,
-        mb.advantages,
-        mb.completion_mask,
-        ref_logps_BxT=mb.ref_logps,
-        eps_low=cfg.eps_low,
-        eps_high=cfg.eps_high,
-        aggregation=cfg.aggregation,
-        beta=cfg.beta,
-        kl_estimator=cfg.kl_estimator,
-        max_completion_len=cfg.max_completion_len,
-        normaliser=normaliser,
-        is_weights_BxT=tis,
-        importance_sampling_level=cfg.importance_sampling_level,
-    )
-    mask = mb.completion_mask
-    tokens = jnp.maximum(mask.sum(), 1)
-    out = {
-        "kl": aux["kl"],
-        "clip/low_frac": aux["clip_frac_low"],
-        "clip/high_frac": aux["clip_frac_high"],
-        "ratio/mean": aux["ratio_mean"],
-        "ratio/min": aux["ratio_min"],
-        "ratio/max": aux["ratio_max"],
-        "entropy": jnp.sum(jax.lax.stop_gradient(entropy) * mask) / tokens,
-        "tokens": mask.sum().astype(jnp.float32),
-    }
-    if mb.sampler_logps is not None:  # trainer (pre-update) vs engine log-probs: sums, see _reduce
-        stats = mismatch.mismatch_stats(
-            behaviour,
-            mb.sampler_logps,
-            mask,
-            tis_cap=cfg.tis_cap,
-            tis_mode=cfg.tis_mode,
-            tis_low=cfg.tis_mask_low,
-        )
-        out.update({MISMATCH_STATS + k: v for k, v in stats.items()})
-    return loss, out
-
-
-MISMATCH_STATS = "mismatch_stats/"  # sufficient statistics, combined exactly, then made metrics
-
-
 def _reduce(name: str, values_M: jax.Array, tokens_M: jax.Array) -> jax.Array:
     """Minibatch metrics -> one value: token-weighted means, or min / max / sum.
 
@@ -315,8 +137,8 @@ def _reduce(name: str, values_M: jax.Array, tokens_M: jax.Array) -> jax.Array:
 
 def _over_iterations(name: str, values_I: jax.Array) -> jax.Array:
     """Per-iteration metrics -> one value: the extrema of all passes, else their mean."""
-    if name.startswith(MISMATCH_STATS):  # taken against the same pre-update log-probs each pass
-        return values_I[0]
+    if name.startswith(step_loss.MISMATCH_STATS):
+        return values_I[0]  # taken against the same pre-update log-probs each pass
     if name == "ratio/min":
         return values_I.min()
     if name == "ratio/max":
@@ -330,112 +152,118 @@ def _neutral_ratio(metrics: dict) -> dict:
     return {k: jnp.where(has, v, 1.0) if k.startswith("ratio/") else v for k, v in metrics.items()}
 
 
+def _combine(aux: dict, reduce) -> dict:
+    """Stacked metrics of disjoint row sets -> one value each (`reduce`); mismatch statistics
+    merge jointly (mean and M2 by Chan's update), not key by key."""
+    out = {
+        k: reduce(k, v, aux["tokens"])
+        for k, v in aux.items()
+        if not k.startswith(step_loss.MISMATCH_STATS)
+    }
+    prefix = len(step_loss.MISMATCH_STATS)
+    stats = {k[prefix:]: v for k, v in aux.items() if k.startswith(step_loss.MISMATCH_STATS)}
+    stats = mismatch.combine_mismatch_stats(stats)
+    out.update({step_loss.MISMATCH_STATS + k: v for k, v in stats.items()})
+    return out
+
+
+def _over_updates(name: str, values_U: jax.Array, tokens_U: jax.Array) -> jax.Array:
+    """One pass's U updates -> one value: each update's loss is normalised by its own rows, so
+    the loss (and the gradient norm) is their mean; the rest as over minibatches."""
+    if name in ("loss", "grad_norm"):
+        return values_U.mean()
+    return _reduce(name, values_U, tokens_U)
+
+
+def _update_normalisers(mask_NxT: jax.Array, cfg: StepConfig) -> jax.Array:
+    """[U] the loss denominator of each update's rows (DAPO's token mean: its own tokens)."""
+    masks = step_loss.split(mask_NxT, cfg.updates_per_batch)
+    return jnp.stack(
+        [
+            losses.loss_denominator(
+                mask, aggregation=cfg.aggregation, max_completion_len=cfg.max_completion_len
+            )
+            for mask in masks
+        ]
+    )
+
+
 def train_step(
     state: TrainState, batch: Batch, frozen, rest, *, graphdef, optimizer, schedule, cfg: StepConfig
 ) -> tuple[TrainState, dict[str, jax.Array]]:
-    """`cfg.iterations` optimiser updates, each on the gradient accumulated over all minibatches."""
-    m = cfg.minibatches
-    check_minibatches(batch.prompt_tokens, batch.tokens.shape[0], m)
-    mbs = jax.tree.map(functools.partial(_split, m=m), batch)
-    # Every minibatch loss is divided by the whole batch's normaliser: the sum of the minibatch
-    # gradients is the full-batch gradient exactly (losses module docstring).
-    normaliser = losses.loss_denominator(
-        batch.completion_mask,
-        aggregation=cfg.aggregation,
-        max_completion_len=cfg.max_completion_len,
-    )
+    """`cfg.iterations` passes of `cfg.updates_per_batch` optimiser updates (module docstring).
+
+    Update j of a pass takes minibatches j * M / U ... (j + 1) * M / U - 1, each row once per
+    pass; its gradient is the sum of their losses' gradients, each divided by the update's own
+    denominator (`losses.loss_denominator` of its rows), so that it is the exact gradient of
+    the update's rows as one batch. With U = 1 that is the whole batch, as before this option.
+    """
+    m, u = cfg.minibatches, cfg.updates_per_batch
+    step_loss.check_minibatches(batch.prompt_tokens, batch.tokens.shape[0], m)
+    if m % u:
+        raise ValueError(f"loss.updates_per_batch={u} must divide loss.minibatches={m}")
+    if u > 1 and batch.old_logps is None:
+        raise ValueError("updates_per_batch > 1 needs the pre-update log-probs (Batch.old_logps)")
+    if cfg.entropy_control is not None and state.entropy_coef is None:
+        raise ValueError("an adaptive entropy coefficient needs TrainState.entropy_coef")
+    per = m // u
+    mbs = jax.tree.map(
+        lambda x: step_loss.split(step_loss.split(x, m), u), batch
+    )  # [U, M / U, N / M, ...]
+    normalisers = _update_normalisers(batch.completion_mask, cfg)
+    coef = cfg.entropy_coef if cfg.entropy_control is None else state.entropy_coef
     loss_fn = functools.partial(
-        _minibatch_loss, graphdef=graphdef, frozen=frozen, rest=rest, cfg=cfg
+        step_loss.minibatch_loss, graphdef=graphdef, frozen=frozen, rest=rest, cfg=cfg
     )
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
     step_key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
 
-    def one_update(carry, it):
+    def one_update(carry, it, j, update_mbs, normaliser):
         params, opt_state = carry
+        first = (it == 0) & (j == 0)
 
         def accumulate(grads, xs):
             mb, i = xs
-            key = jax.random.key_data(jax.random.fold_in(jax.random.fold_in(step_key, it), i))
-            (loss, aux), g = grad_fn(params, mb, key, normaliser, it)
+            key = jax.random.fold_in(jax.random.fold_in(step_key, it), j * per + i)
+            (loss, aux), g = grad_fn(params, mb, jax.random.key_data(key), normaliser, first, coef)
             grads = jax.tree.map(jnp.add, grads, g)
             return grads, dict(aux, loss=loss)
 
         zeros = jax.tree.map(jnp.zeros_like, params)
-        grads, aux = jax.lax.scan(accumulate, zeros, (mbs, jnp.arange(m)))
+        grads, aux = jax.lax.scan(accumulate, zeros, (update_mbs, jnp.arange(per)))
         grad_norm = optax.global_norm(grads)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
-        metrics = {
-            k: _reduce(k, v, aux["tokens"])
-            for k, v in aux.items()
-            if not k.startswith(MISMATCH_STATS)
-        }
-        # Mismatch statistics merge jointly (mean and M2 by Chan's update), not key by key.
-        prefix = len(MISMATCH_STATS)
-        stats = {k[prefix:]: v for k, v in aux.items() if k.startswith(MISMATCH_STATS)}
-        stats = mismatch.combine_mismatch_stats(stats)
-        metrics.update({MISMATCH_STATS + k: v for k, v in stats.items()})
+        metrics = _combine(aux, _reduce)
         metrics["grad_norm"] = grad_norm
         return (params, opt_state), metrics
 
+    def one_pass(carry, it):
+        if u == 1:  # the program of a single update, as before updates_per_batch existed
+            first_mbs = jax.tree.map(lambda x: x[0], mbs)
+            return one_update(carry, it, 0, first_mbs, normalisers[0])
+        body = lambda c, xs: one_update(c, it, *xs)
+        carry, metrics = jax.lax.scan(body, carry, (jnp.arange(u), mbs, normalisers))
+        return carry, _combine(metrics, _over_updates)
+
     (params, opt_state), metrics = jax.lax.scan(
-        one_update, (state.params, state.opt_state), jnp.arange(cfg.iterations)
+        one_pass, (state.params, state.opt_state), jnp.arange(cfg.iterations)
     )
     metrics = _neutral_ratio({k: _over_iterations(k, v) for k, v in metrics.items()})
-    names = [k for k in metrics if k.startswith(MISMATCH_STATS)]
+    names = [k for k in metrics if k.startswith(step_loss.MISMATCH_STATS)]
     if names:
-        stats = {k.removeprefix(MISMATCH_STATS): metrics.pop(k) for k in names}
+        stats = {k.removeprefix(step_loss.MISMATCH_STATS): metrics.pop(k) for k in names}
         metrics.update(mismatch.mismatch_metrics(stats))
     metrics["clip/frac"] = metrics["clip/low_frac"] + metrics["clip/high_frac"]
-    metrics["lr"] = schedule(state.step * cfg.iterations)
+    metrics["lr"] = schedule(state.step * cfg.iterations * u)
     new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
+    if cfg.entropy_control is not None:  # this step's coefficient logged, the next one kept
+        metrics["entropy_coef"] = state.entropy_coef
+        coef = entropy_control.update(state.entropy_coef, metrics["entropy"], cfg.entropy_control)
+        new_state = new_state.replace(entropy_coef=coef)
+    elif cfg.entropy_coef:
+        metrics["entropy_coef"] = jnp.asarray(cfg.entropy_coef, jnp.float32)
     return new_state, metrics
-
-
-def logprobs_fn(
-    params,
-    frozen,
-    rest,
-    tokens_NxL,
-    attention_mask_NxL,
-    *,
-    graphdef,
-    num_completion,
-    temperature,
-    chunk=0,
-    disable_lora=False,
-    minibatches=1,
-    prompt_tokens=None,
-    prompt_mask=None,
-    packed=None,
-):
-    """Log-probs [N, T] of the completion under the given parameters, in `minibatches` chunks.
-
-    With `prompt_tokens` [Q, P] / `prompt_mask`, the shared-prompt layout (`tokens_NxL` is then
-    the completions [N, T]), packed with `packed`; as the train step computes them.
-    """
-    model = nnx.merge(graphdef, params, frozen, rest)
-    n = tokens_NxL.shape[0]
-    check_minibatches(prompt_tokens, n, minibatches)
-
-    def one(xs):
-        tokens, mask, ptokens, pmask, pk = xs
-        return batch_logprobs(
-            model,
-            tokens,
-            mask,
-            prompt_tokens=ptokens,
-            prompt_mask=pmask,
-            packed=pk,
-            num_completion=num_completion,
-            temperature=temperature,
-            chunk=chunk,
-            disable_lora=disable_lora,
-        )
-
-    xs = (tokens_NxL, attention_mask_NxL, prompt_tokens, prompt_mask, packed)
-    out = jax.lax.map(one, jax.tree.map(functools.partial(_split, m=minibatches), xs))
-    return out.reshape(n, num_completion)
 
 
 def jit_train_step(*, graphdef, optimizer, schedule, cfg: StepConfig):

@@ -15,11 +15,12 @@ from absl import logging
 from flax import nnx
 
 from mmr_jax import config_types, distributed, rollout
+from mmr_jax.algorithms import entropy_control as entropy_control_lib
 from mmr_jax.models import config as model_config
 from mmr_jax.models import hub, loading, random_init, sharding
 from mmr_jax.models import lora as lora_lib
 from mmr_jax.problems import data, tasks
-from mmr_jax.step import train_step
+from mmr_jax.step import step_loss, train_step
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 ARITHMETIC = "arithmetic"  # data.source for generated problems (`data.arithmetic_problems`)
@@ -132,7 +133,7 @@ def make_optimizer(cfg: config_types.TrainConfig):
     o = cfg.optim
     return train_step.make_optimizer(
         lr=o.lr,
-        total_updates=cfg.total_steps * cfg.loss.iterations,
+        total_updates=cfg.total_steps * cfg.loss.iterations * cfg.loss.updates_per_batch,
         warmup_ratio=o.warmup_ratio,
         min_lr_ratio=o.min_lr_ratio,
         grad_clip=o.grad_clip,
@@ -169,10 +170,13 @@ def _init_state(cfg: config_types.TrainConfig, params, optimizer) -> train_step.
         params=params,
         opt_state=optimizer.init(params),
         rng=jax.random.key_data(jax.random.key(cfg.seed)),
+        entropy_coef=jnp.float32(cfg.loss.entropy_coef) if cfg.loss.entropy_target > 0 else None,
     )
 
 
 def step_config(cfg: config_types.TrainConfig) -> train_step.StepConfig:
+    if (cfg.loss.entropy_coef or cfg.loss.entropy_target) and not step_loss.ENTROPY_BONUS:
+        logging.warning("entropy bonus logged only: losses.policy_loss has no entropy_coef yet")
     return train_step.StepConfig(
         minibatches=cfg.loss.minibatches,
         iterations=cfg.loss.iterations,
@@ -188,6 +192,34 @@ def step_config(cfg: config_types.TrainConfig) -> train_step.StepConfig:
         tis_mode=cfg.loss.tis_mode,
         tis_mask_low=cfg.loss.tis_mask_low,
         importance_sampling_level=cfg.loss.importance_sampling_level,
+        updates_per_batch=cfg.loss.updates_per_batch,
+        entropy_coef=cfg.loss.entropy_coef,
+        entropy_control=entropy_control(cfg),
+    )
+
+
+def train_graphdef(cfg: config_types.TrainConfig, policy: Policy):
+    """The train step's graphdef: LoRA dropout on, except when the step takes more than one
+    optimiser update. From the second update on the ratio divides the training forward by the
+    dropout-free old log-probs, and dropout's noise alone then moves GSPO's sequence ratio past
+    its 3e-4 band (docs/algorithms.md, benchmarks/lora_dropout_ratio.py); with one update the
+    ratio is taken against the same forward and dropout cannot enter it."""
+    several = cfg.loss.iterations * cfg.loss.updates_per_batch > 1
+    if policy.lora and cfg.lora.dropout > 0 and several:
+        return policy.eval_graphdef
+    return policy.graphdef
+
+
+def entropy_control(cfg: config_types.TrainConfig):
+    """The adaptive entropy coefficient's constants, or None (a fixed `loss.entropy_coef`)."""
+    loss = cfg.loss
+    if loss.entropy_target <= 0:
+        return None
+    return entropy_control_lib.Control(
+        target=loss.entropy_target,
+        step=loss.entropy_coef_step,
+        low=loss.entropy_coef_min,
+        high=loss.entropy_coef_max,
     )
 
 

@@ -95,12 +95,15 @@ def write_error(err: BaseException, path, what: str, *, kept: str = "") -> Workd
 def state_tree(state) -> dict:
     """The tree a `train_step.TrainState` is saved as (`<step>/state`); of a freshly built state,
     also the abstract state `Checkpointer.restore` takes."""
-    return {
+    tree = {
         "step": state.step,
         "params": state.params,
         "opt_state": state.opt_state,
         "rng": state.rng,
     }
+    if state.entropy_coef is not None:  # adaptive entropy only: older checkpoints lack it
+        tree["entropy_coef"] = state.entropy_coef
+    return tree
 
 
 class Checkpointer:

@@ -32,7 +32,7 @@ from jax.sharding import PartitionSpec as P
 from mmr_jax import config_types
 from mmr_jax.models import config as model_config
 from mmr_jax.models import kv_cache, loading, sharding
-from mmr_jax.step import train_step
+from mmr_jax.step import step_batch, train_step
 from mmr_jax.training import build
 
 GIB = 2.0**30
@@ -139,6 +139,11 @@ def _abstract_state(cfg, params, mesh) -> train_step.TrainState:
         params=params,
         opt_state=_opt_state_shardings(opt_state, params, replicated),
         rng=jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=replicated),
+        entropy_coef=(
+            jax.ShapeDtypeStruct((), jnp.float32, sharding=replicated)
+            if cfg.loss.entropy_target > 0
+            else None
+        ),
     )
 
 
@@ -160,7 +165,7 @@ def abstract_batch(cfg: config_types.TrainConfig, mesh) -> train_step.Batch:
         attention_mask=arr((n, t), jnp.bool_),
         completion_mask=arr((n, t), jnp.bool_),
         advantages=arr((n,), jnp.float32),
-        old_logps=arr((n, t), jnp.float32) if cfg.loss.iterations > 1 else None,
+        old_logps=arr((n, t), jnp.float32) if step_batch.needs_old_logps(cfg) else None,
         ref_logps=arr((n, t), jnp.float32) if cfg.loss.beta > 0 else None,
         sampler_logps=arr((n, t), jnp.float32) if cfg.loss.tis_cap > 0 else None,
         prompt_tokens=arr((b, p), jnp.int32),
@@ -196,7 +201,7 @@ def train_step_program(cfg, mesh, *, remat: str | None = None, unrolled: bool = 
     policy, _, (params, frozen, rest) = abstract_policy(cfg, mesh, remat=remat, unrolled=unrolled)
     optimizer, schedule = build.make_optimizer(cfg)
     step = train_step.jit_train_step(
-        graphdef=policy.graphdef,
+        graphdef=build.train_graphdef(cfg, policy),
         optimizer=optimizer,
         schedule=schedule,
         cfg=build.step_config(cfg),

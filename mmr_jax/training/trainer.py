@@ -27,7 +27,7 @@ from mmr_jax.infra import compile_stats, console, faults, metrics, run_paths
 from mmr_jax.models import sharding
 from mmr_jax.problems import data
 from mmr_jax.rollout import prefetch as rollout_prefetch
-from mmr_jax.step import experience, shape_reuse, step_batch, train_step
+from mmr_jax.step import experience, shape_reuse, step_batch, step_loss, train_step
 from mmr_jax.training import build, checkpoint, run_end, run_export
 
 
@@ -109,10 +109,13 @@ def setup(cfg: config_types.TrainConfig, workdir, *, overwrite: bool = False) ->
             batch_size=cfg.mmr.embedding_batch_size,
         )
     step_fn = train_step.jit_train_step(
-        graphdef=policy.graphdef, optimizer=optimizer, schedule=schedule, cfg=build.step_config(cfg)
+        graphdef=build.train_graphdef(cfg, policy),
+        optimizer=optimizer,
+        schedule=schedule,
+        cfg=build.step_config(cfg),
     )
     logp_fn = jax.jit(
-        train_step.logprobs_fn,
+        step_loss.logprobs_fn,
         static_argnames=(
             "graphdef",
             "num_completion",
@@ -184,6 +187,9 @@ def _header(cfg: config_types.TrainConfig, workdir: str, resume_step: int | None
         workdir,
         f"resuming from step {resume_step}" if resume_step is not None else "new run",
     )
+    if distributed.is_primary():
+        for line in config_types.advisories(cfg):
+            logging.warning("config: %s", line)
 
 
 def collect(run: Run, step: int, timings: dict) -> tuple[experience.Groups, dict]:

@@ -1,0 +1,102 @@
+"""step_batch: which rows enter the loss (truncated completions), the old log-probs' need, and
+the reward parameters of the overlong punishment."""
+
+import pathlib
+
+import numpy as np
+import pytest
+
+from mmr_jax import config_types
+from mmr_jax.step import batch_layout, experience, step_batch
+
+B, G, T = 2, 4, 8
+DAPO = str(pathlib.Path(__file__).resolve().parents[1] / "configs" / "dapo.py")
+
+
+def _cfg(**loss):
+    c = config_types.load_config_file(DAPO + ":smoke")
+    for k, v in loss.items():
+        c.loss[k] = v
+    c.batch.generations = G
+    c.batch.max_completion_len = T
+    c.batch.pack_max_len = 0
+    return config_types.from_config_dict(c)
+
+
+def _groups():
+    """Two groups; in the first, completions 1 and 3 hit max_completion_len ('length')."""
+    rng = np.random.default_rng(0)
+    lengths = np.array([[3, T, 0, T], [2, 5, 1, 7]])  # an empty completion in group 0
+    mask = np.arange(T)[None, None] < lengths[..., None]
+    truncated = np.zeros((B, G), bool)
+    truncated[0, [1, 3]] = True
+    valid = np.ones((B, G), bool)
+    valid[1, 2] = False  # an unparseable gold answer's row: out of the loss either way
+    return experience.Groups(
+        prompt_ids=[[5, 6, 7], [8, 9]],
+        answers=["1", "2"],
+        tokens=np.where(mask, rng.integers(4, 99, (B, G, T)), 0).astype(np.int32),
+        mask=mask,
+        sampler_logps=-rng.random((B, G, T)).astype(np.float32),
+        truncated=truncated,
+        texts=[[""] * G for _ in range(B)],
+        per_fn={},
+        total=np.array([[1.0, -1.0, 0.5, -1.0], [0.0, 1.0, 2.0, 1.0]], np.float32),
+        valid=valid,
+    )
+
+
+class TestTruncatedCompletions:
+    @pytest.mark.parametrize("layout", ["full", "shared"])
+    def test_leave_the_loss_not_the_group_statistics(self, layout):
+        groups = _groups()
+        cfg = _cfg(mask_truncated_completions=True, minibatches=2)
+        adv = np.arange(B * G, dtype=np.float32).reshape(B, G)  # any advantages, passed through
+        host = batch_layout.pack(
+            groups.prompt_ids,
+            groups.tokens,
+            groups.mask,
+            step_batch.loss_rows(cfg, groups),
+            adv,
+            groups.sampler_logps,
+            layout=layout,
+            buckets=batch_layout.Buckets.geometric(4, 8, T),
+            group=G,
+            pad_id=0,
+        )
+        rows = host["completion_mask"].reshape(B, G, -1).any(-1)
+        # Written out: valid, not truncated, and with a token.
+        np.testing.assert_array_equal(
+            rows, [[True, False, False, False], [True, True, False, True]]
+        )
+        np.testing.assert_array_equal(host["advantages"], adv.reshape(-1))
+        off = step_batch.loss_rows(_cfg(minibatches=2), groups)
+        np.testing.assert_array_equal(off, groups.valid)
+
+    def test_group_statistics_still_count_them(self):
+        # The advantages come from every valid completion, truncated ones included: group 0's
+        # mean is (1 - 1 + 0.5 - 1) / 4 with its two truncated rows (GRPO, ddof 1, eps 1e-4).
+        groups = _groups()
+        _, adv, _ = step_batch._advantages(_cfg(mask_truncated_completions=True), groups)
+        r = groups.total[0]
+        want = (r - r.mean()) / (r.std(ddof=1) + 1e-4)
+        np.testing.assert_allclose(np.asarray(adv)[0], want, rtol=1e-5)
+
+
+class TestOldLogps:
+    @pytest.mark.parametrize(
+        "iterations,updates,needed", [(1, 1, False), (2, 1, True), (1, 2, True)]
+    )
+    def test_needed_after_the_first_update(self, iterations, updates, needed):
+        cfg = _cfg(iterations=iterations, updates_per_batch=updates, minibatches=2)
+        assert step_batch.needs_old_logps(cfg) == needed
+
+
+class TestOverlongParams:
+    def test_lengths_default_to_the_completion_length_and_a_fifth(self):
+        c = config_types.load_config_file(DAPO + ":smoke,full")
+        cfg = config_types.from_config_dict(c)
+        assert step_batch.reward_params(cfg)["overlong"] == {"max_len": 32, "cache_len": 6}
+        c.rewards.overlong_max_len, c.rewards.overlong_cache_len = 30, 10
+        cfg = config_types.from_config_dict(c)
+        assert step_batch.reward_params(cfg)["overlong"] == {"max_len": 30, "cache_len": 10}
