@@ -147,6 +147,9 @@ def test_train_script_runs_steps_on_random_weights(tmp_path):
     assert "RANDOM WEIGHTS" in out
     run = json.loads((workdir / "run.json").read_text())
     assert run["config"]["model"]["init"] == "random"
+    # 'auto' resolved once at start-up (no GPU here: the unfused form), in run.json and header
+    assert run["resolved"]["attention_impl"]["implementation"] == "unfused", run
+    assert "| attention unfused |" in out
     rows = metrics.read_jsonl(workdir / metrics.METRICS_FILE)
     assert [r["step"] for r in rows] == [1, 2]
     assert all(np.isfinite(r["loss"]) for r in rows), rows
