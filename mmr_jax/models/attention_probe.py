@@ -118,26 +118,27 @@ def _probe_one(name, dtype, num_heads, num_kv_heads, head_dim, packed, attend) -
     return None
 
 
-def probe_cases(dtype, num_heads, num_kv_heads, head_dim, packed):
-    """(q, k, v, mask) of the prompts' call and the completions' call at the probe's size."""
-    b, r, p, t = PROBE_B, PROBE_B * PROBE_ROWS, PROBE_P, PROBE_T
+def probe_cases(dtype, num_heads, num_kv_heads, head_dim, packed, *, p=PROBE_P, t=PROBE_T):
+    """(q, k, v, mask) of the prompts' call (P tokens) and the completions' call (T tokens) at
+    the probe's size, or at the run's own P and T (the GPU parity tests)."""
+    b, r = PROBE_B, PROBE_B * PROBE_ROWS
     keys = jax.random.split(jax.random.key(0), 6)
 
     def normal(key, shape):
         return jax.random.normal(key, shape).astype(dtype)
 
-    pvalid = jnp.asarray(np.arange(p)[None] >= np.array([0, 11])[:, None])  # left-padded
+    pvalid = jnp.asarray(np.arange(p)[None] >= np.array([0, p // 3])[:, None])  # left-padded
     prompts = (
         normal(keys[0], (b, p, num_heads, head_dim)),
         normal(keys[1], (b, p, num_kv_heads, head_dim)),
         normal(keys[2], (b, p, num_kv_heads, head_dim)),
         attention_impl.causal(pvalid),
     )
-    lengths = np.array([t, 20, 1, 33])  # right-padded, ragged
+    lengths = np.array([t, t * 4 // 9, 1, t * 3 // 4])  # right-padded, ragged
     own = jnp.asarray(np.arange(t)[None] < lengths[:, None])
     same = None
-    if packed:  # two completions a row: tokens [0, 17) and [17, length)
-        seg = np.where(np.arange(t)[None] < 17, 0, 1) + 2 * np.arange(r)[:, None]
+    if packed:  # two completions a row: tokens [0, 3T/8) and [3T/8, length)
+        seg = np.where(np.arange(t)[None] < t * 3 // 8, 0, 1) + 2 * np.arange(r)[:, None]
         same = jnp.asarray(seg[:, :, None] == seg[:, None, :])
     s = p + t
     completions = (
