@@ -290,7 +290,9 @@ def train(cfg: config_types.TrainConfig, workdir, *, overwrite: bool = False) ->
     run = setup(cfg, workdir, overwrite=overwrite)
     start = int(run.state.step)
     run.prefetch = rollout_prefetch.for_run(run, collect)  # rollout.off_policy_lag=1
-    save_now = metrics.Periodic(cfg.checkpoint.every, last=cfg.total_steps)
+    save_now = metrics.Periodic(
+        cfg.checkpoint.every, last=cfg.total_steps, at_last=cfg.checkpoint.at_end
+    )
     eval_now = metrics.Periodic(cfg.eval.every, last=cfg.total_steps, at_last=cfg.eval.every > 0)
     progress = metrics.Progress(cfg.total_steps, start)
     pending, last_saved, host = None, start or None, {}
