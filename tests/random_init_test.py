@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from mmr_jax import build, config_types, data, metrics
+from mmr_jax import build, checkpoint, config_types, data, metrics
 from mmr_jax.models import config as model_config
 from mmr_jax.models import random_init
 
@@ -138,6 +138,7 @@ def test_train_script_runs_steps_on_random_weights(tmp_path):
         "--config.batch.max_prompt_len=48",
         "--config.batch.max_completion_len=8",
         "--config.checkpoint.every=0",
+        "--config.checkpoint.at_end=False",  # as benchmarks/rl_step.py runs it: nothing saved
         "--config.eval.every=0",
         "--config.logging.samples=0",
     ]
@@ -150,6 +151,8 @@ def test_train_script_runs_steps_on_random_weights(tmp_path):
     # 'auto' resolved once at start-up (no GPU here: the unfused form), in run.json and header
     assert run["resolved"]["attention_impl"]["implementation"] == "unfused", run
     assert "| attention unfused |" in out
+    ckpts = workdir / checkpoint.CKPT_DIR
+    assert not ckpts.exists() or not any(ckpts.iterdir()), list(ckpts.iterdir())
     rows = metrics.read_jsonl(workdir / metrics.METRICS_FILE)
     assert [r["step"] for r in rows] == [1, 2]
     assert all(np.isfinite(r["loss"]) for r in rows), rows

@@ -161,18 +161,12 @@ def apply_rope(x_BxTxNxD, cos, sin):
     """Rotates x (HF `rotate_half` layout) in fp32 and casts back to x's dtype.
 
     rotate_half(x) = [-x2, x1] is taken as x viewed [..., 2, D/2], halves reversed, first
-    negated: elementwise work that fuses, where concatenating slices made the backward pad (the
-    GPU's transpose/concatenate/pad share). On CPU the slice-and-concatenate form: XLA:CPU fuses
-    the flip into every consumer and runs 8 of those fusions on one thread instead of two
-    (docs/performance.md, "The packed-step slowdown"). Same values bit for bit.
+    negated: elementwise work that fuses, where concatenating slices made the backward pad.
     """
     x = x_BxTxNxD.astype(jnp.float32)
     *lead, d = x.shape
-    if jax.default_backend() == "cpu":
-        rotated = jnp.concatenate([-x[..., d // 2 :], x[..., : d // 2]], axis=-1)
-    else:
-        sign = jnp.asarray([-1.0, 1.0], jnp.float32).reshape((1,) * len(lead) + (2, 1))
-        rotated = (jnp.flip(x.reshape(*lead, 2, d // 2), axis=-2) * sign).reshape(x.shape)
+    sign = jnp.asarray([-1.0, 1.0], jnp.float32).reshape((1,) * len(lead) + (2, 1))
+    rotated = (jnp.flip(x.reshape(*lead, 2, d // 2), axis=-2) * sign).reshape(x.shape)
     out = x * cos[:, :, None, :] + rotated * sin[:, :, None, :]
     return out.astype(x_BxTxNxD.dtype)
 
