@@ -16,13 +16,13 @@
 # gets min(its limit, what is left), and one with under 20 s left is skipped.
 #
 # Run A (the attention and the step's kernels, then the decode step):
-#   gpu_tests  55 s   pytest -m gpu: cuDNN's two forms against XLA at the 1.5B's attention and our
+#   gpu_tests  75 s   pytest -m gpu: cuDNN's two forms against XLA at the 1.5B's attention and our
 #                     structure (odd T, padding, packed segments, prompt-then-causal), what 'auto'
 #                     picks, the decode step's HLO and values (pass/fail lines in gpu_check.log)
-#   peer_1024  170 s  benchmarks/peer_step.py, configs/grpo.py:1.5b at 1024-token completions:
-#                     torch without checkpointing (the peer's best; 40 s), then ours (115 s) with
+#   peer_1024  155 s  benchmarks/peer_step.py, configs/grpo.py:1.5b at 1024-token completions:
+#                     torch without checkpointing (the peer's best; 40 s), then ours (105 s) with
 #                     the jax.profiler kernel table (profile.json)
-#   decode     45 s   benchmarks/bench_gpu.py --programs=decode: one decode step of the 1.5B,
+#   decode     40 s   benchmarks/bench_gpu.py --programs=decode: one decode step of the 1.5B,
 #                     48 rows, caches for 512 + 1024 tokens
 # Run B (the whole RL step, the long completions, the 7B):
 #   rl_step    95 s   benchmarks/rl_step.py: scripts/train.py, configs/grpo.py:1.5b,
@@ -177,8 +177,8 @@ else
   T1024=1024 T3584=()
   DECODE_STEPS=10
   RL=(--config=configs/grpo.py:1.5b --steps=2 --set=batch.max_completion_len=1024)
-  L_TESTS=55 L_PEER=170 L_DECODE=45 L_RL=95 L_PEER2=175
-  TIMEOUTS_A="torch=40,ours=115" TIMEOUTS_B="torch=40,ours=125"
+  L_TESTS=75 L_PEER=155 L_DECODE=40 L_RL=95 L_PEER2=175
+  TIMEOUTS_A="torch=40,ours=105" TIMEOUTS_B="torch=40,ours=125"
   TESTS_MODE=()
 fi
 
