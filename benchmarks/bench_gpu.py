@@ -26,6 +26,7 @@ bandwidth.
 
 from __future__ import annotations
 
+import json
 import pathlib
 import sys
 
@@ -111,8 +112,12 @@ def _load(spec: str, overrides: list[str]):
 random_on_device = harness.random_on_device  # (kept: other code imports it from here)
 
 
-def run_config(spec: str, overrides: list[str], steps: int, programs: list[str]) -> dict:
-    """One config's rows (in this process)."""
+def run_config(
+    spec: str, overrides: list[str], steps: int, programs: list[str], on_progress=None
+) -> dict:
+    """One config's rows (in this process); `on_progress(result)` after each measurement (the
+    result so far: a time limit that stops the process keeps it)."""
+    on_progress = on_progress or (lambda result: None)
     import jax
 
     from mmr_jax.models import config as model_config
@@ -142,6 +147,12 @@ def run_config(spec: str, overrides: list[str], steps: int, programs: list[str])
         harness.progress(f"{program}: compiling")
         measured, compiled = compiled_dry_run.measure(program, fn, *args)
         harness.progress(f"{program}: compiled in {measured.compile_s + measured.lower_s:.1f} s")
+        result[program] = {
+            "compile_s": measured.trace_s + measured.lower_s + measured.compile_s,
+            "xla_peak_gib": measured.peak_bytes / GIB,
+            "partial": True,
+        }
+        on_progress(result)
         concrete = list(random_on_device(args))
         # The first call (autotuning, allocation) apart; the donated state is carried over.
         timing = harness.steady_calls(compiled, concrete, steps=steps, donated=donated)
@@ -173,6 +184,7 @@ def run_config(spec: str, overrides: list[str], steps: int, programs: list[str])
             row["read_tb_per_s"] = measured.argument_bytes / step_s / 1e12
             row["bandwidth_share"] = row["read_tb_per_s"] / tbps_peak if tbps_peak else None
         result[program] = row
+        on_progress(result)
         del concrete, compiled
         jax.clear_caches()
     return result
@@ -219,9 +231,19 @@ def format_table(results: list[dict]) -> str:
 def main(argv):
     del argv
     if _CHILD.value:
-        harness.emit(run_config(_CHILD.value, _SET.value, _STEPS.value, _PROGRAMS.value))
+        # The parent's results so far, then this config's as it goes (--json's file).
+        path = pathlib.Path(_JSON.value) if _JSON.value else None
+        done = json.loads(path.read_text()) if path and path.exists() else []
+
+        def on_progress(result):
+            harness.write_json(path, [*done, {**result, "partial": True}])
+
+        harness.emit(
+            run_config(_CHILD.value, _SET.value, _STEPS.value, _PROGRAMS.value, on_progress)
+        )
         return
     results = []
+    harness.write_json(_JSON.value, results)
     for spec in _CONFIGS.value:
         args = [
             f"--child={spec}",
@@ -229,6 +251,7 @@ def main(argv):
             f"--programs={','.join(_PROGRAMS.value)}",
         ]
         args += [f"--set={s}" for s in _SET.value]
+        args += [f"--json={_JSON.value}"] if _JSON.value else []
         print(f"running {spec} ...", flush=True)
         result = harness.run_child(
             harness.self_argv(__file__, *args), timeout_s=_CHILD_TIMEOUT.value

@@ -49,6 +49,7 @@ _SHAPES = flags.DEFINE_list("shapes", ["cpu_default", "long"], "shapes to run")
 _ROUNDS = flags.DEFINE_integer("rounds", 3, "timed rounds per path (interleaved)")
 _LONG_ROW = flags.DEFINE_bool("long_row", False, "cpu_default: one completion truncated at 32")
 _JSON = flags.DEFINE_string("json", None, "also write the results to this JSON file")
+_PATHS = flags.DEFINE_list("paths", None, "time only these paths (default: all; x needs full rows)")
 
 # path name -> (batch.shared_prompt, batch.pack_max_len)
 PATHS = {"full rows": (False, 0), "shared prompt": (True, 0), "packed": (True, 1 << 20)}
@@ -144,7 +145,12 @@ def batches(cfg, groups, adv) -> dict:
 
 
 def run_shape(
-    model_path: str, shape: Shape, rounds: int, long_row: bool = False, same_state: bool = False
+    model_path: str,
+    shape: Shape,
+    rounds: int,
+    long_row: bool = False,
+    same_state: bool = False,
+    paths=None,
 ) -> dict:
     """Times the paths on one shape; returns per-path ms and tokens/s, first-step metrics.
 
@@ -169,6 +175,7 @@ def run_shape(
     )
     bs = batches(cfg, groups, adv)
     tokens = float(bs["full rows"].completion_mask.sum())
+    bs = {name: b for name, b in bs.items() if paths is None or name in paths}
     res = {name: {"ms": [], "compile_s": 0.0} for name in bs}
     first = {}
     for name, batch in bs.items():  # compile, and the first step's metrics
@@ -209,7 +216,7 @@ def run_shape(
             "prompt_len": p,
             "packed_len": packed_len,
         }
-        out[name]["speedup"] = out["full rows"]["ms_per_step"] / ms
+        out[name]["speedup"] = out["full rows"]["ms_per_step"] / ms if "full rows" in out else 0.0
     return out
 
 
@@ -218,7 +225,7 @@ def _table(results: dict) -> str:
         f"{'shape':<12} {'path':<14} {'layout':<22} {'ms/step':>9} {'tok/s':>8} {'x':>6}",
     ]
     for shape, r in results.items():
-        for name in PATHS:
+        for name in (n for n in PATHS if n in r):
             x, dims = r[name], r["shapes"][name]
             layout = "x".join(str(d) for d in dims["tokens"])
             if dims["prompt_len"]:
@@ -246,7 +253,9 @@ def main(argv):
         shapes = {s: SHAPES[s] for s in _SHAPES.value}
     results = {}
     for name, shape in shapes.items():
-        results[name] = run_shape(str(path), shape, _ROUNDS.value, long_row=_LONG_ROW.value)
+        results[name] = run_shape(
+            str(path), shape, _ROUNDS.value, long_row=_LONG_ROW.value, paths=_PATHS.value
+        )
         print(f"{name}: {results[name]['completion_tokens']:.0f} completion tokens", flush=True)
     print(_table(results))
     if _JSON.value:

@@ -197,6 +197,17 @@ def table_rows(results: dict[str, dict], summary: dict) -> list[dict]:
     return rows
 
 
+def side_timeouts(spec: str, default: float) -> dict[str, float]:
+    """'torch=40,ours=115' -> {side: seconds}; sides not named get `default` (0: none)."""
+    out = {side: default for side in SIDES}
+    for item in filter(None, spec.split(",")):
+        side, sep, secs = item.partition("=")
+        if not sep or side not in SIDES:
+            raise SystemExit(f"--side_timeouts: side=seconds with a side of {SIDES}, got {item!r}")
+        out[side] = float(secs)
+    return out
+
+
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--config", default="configs/grpo.py:1.5b", help="config file (path[:arg])")
@@ -211,6 +222,9 @@ def parse_args(argv):
     p.add_argument("--profile_steps", type=int, default=2)
     p.add_argument("--profile_json", default=None, help="write the kernel table here")
     p.add_argument("--side_timeout_s", type=float, default=0, help="per side (0: none)")
+    p.add_argument(
+        "--side_timeouts", default="", help="side=seconds,... (overrides --side_timeout_s)"
+    )
     p.add_argument("--cpu_smoke", action="store_true", help="tiny model and shapes, same weights")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--job", default=None, help=argparse.SUPPRESS)
@@ -225,6 +239,7 @@ def main(argv=None) -> None:
     sides = [s for s in args.sides.split(",") if s]
     if not sides or set(sides) - set(SIDES):
         raise SystemExit(f"--sides: choose from {SIDES}, got {args.sides!r}")
+    timeouts = side_timeouts(args.side_timeouts, args.side_timeout_s)
     import peer_ours
 
     work = pathlib.Path(tempfile.mkdtemp(prefix="peer_step_"))
@@ -255,7 +270,7 @@ def main(argv=None) -> None:
     for side in sides:
         print(f"running {side} ...", flush=True)
         argv_ = harness.self_argv(__file__, f"--child={side}", f"--job={job_path}")
-        results[side] = harness.run_child(argv_, timeout_s=args.side_timeout_s)
+        results[side] = harness.run_child(argv_, timeout_s=timeouts.get(side))
         report["summary"] = summarize(results)
         harness.write_json(args.json, report)
     summary = report["summary"]

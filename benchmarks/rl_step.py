@@ -7,11 +7,12 @@
 The trainer runs as a user runs it, in a child process, with `model.init=random` (random weights
 of the config's architecture and a built tokenizer: no checkpoint, no download), arithmetic
 prompts (no dataset), MMR on with the hashing encoder (no encoder download), the embedded
-engine, no evaluation, checkpoints or TensorBoard; then --set's `key=value` overrides. Reported
-per step from its metrics.jsonl: every `time/*` phase (rollout, rewards, embeddings,
-reweighting, reference log-probs, train, sync, compile), `throughput/tokens` and tokens per
-second, and the completion lengths; the summary is the median over the steps after the first
-(which compiles), or the first when there is only one.
+engine, no evaluation, checkpoints (none at the end either) or TensorBoard; then --set's
+`key=value` overrides. Reported per step from its metrics.jsonl: every `time/*` phase
+(rollout, rewards, embeddings, reweighting, reference log-probs, train, sync, compile),
+`throughput/tokens` and tokens per second, and the completion lengths; the summary is the
+median over the steps after the first (which compiles), or the first when there is only one.
+--json is rewritten as each step's metrics arrive: a run stopped from outside keeps them.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 
 _REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(_REPO))
@@ -35,6 +37,7 @@ BASE = {
     "data.source": "arithmetic",
     "eval.every": 0,
     "checkpoint.every": 0,
+    "checkpoint.at_end": False,  # no final save (the 1.5B's is ~21 GB with Adam's state)
     "logging.every": 1,
     "logging.tensorboard": False,
     "logging.samples": 0,
@@ -76,6 +79,29 @@ def format_summary(summary: dict) -> str:
     return "\n".join(lines)
 
 
+def read_rows(workdir) -> list[dict]:
+    """The run's metrics.jsonl rows so far (a half-written last line is left for later)."""
+    path = pathlib.Path(workdir) / "metrics.jsonl"
+    rows = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            break
+    return rows
+
+
+def report(args, rows: list[dict], rc) -> dict:
+    steps = per_step(rows)
+    return {
+        "config": args.config,
+        "set": args.set,
+        "exit": rc,
+        "steps": steps,
+        "summary": summarize(steps),
+    }
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--config", default="configs/grpo.py:1.5b")
@@ -83,30 +109,36 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--workdir", default=None, help="the run's folder (default: a temp dir)")
     p.add_argument("--timeout_s", type=float, default=0, help="stop the run after (0: never)")
-    p.add_argument("--json", default=None)
+    p.add_argument("--json", default=None, help="written as each step's metrics arrive")
     args = p.parse_args(argv)
     workdir = args.workdir or tempfile.mkdtemp(prefix="rl_step_")
     cmd = command(args.config, args.steps, workdir, args.set)
     print(" ".join(cmd), flush=True)
-    try:
-        # The trainer dies with this process (a time limit that stops this stops it too).
-        run = subprocess.run(
-            child_process.exec_argv(cmd), cwd=_REPO, timeout=args.timeout_s or None
-        )
-        rc = run.returncode
-    except subprocess.TimeoutExpired:
-        rc = "timed out"
-    path = pathlib.Path(workdir) / "metrics.jsonl"
-    rows = (
-        [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
-    )
-    steps = per_step(rows)
-    result = {"config": args.config, "set": args.set, "exit": rc, "steps": steps}
-    result["summary"] = summarize(steps)
-    harness.write_json(args.json, result)
-    print(f"{args.config}: {len(steps)} of {args.steps} steps, exit {rc}")
+    harness.write_json(args.json, report(args, [], "running"))
+    # The trainer dies with this process (a time limit that stops this stops it too). The JSON
+    # is rewritten whenever a step's metrics arrive, so a kill from outside keeps those steps.
+    proc = subprocess.Popen(child_process.exec_argv(cmd), cwd=_REPO)
+    deadline = time.monotonic() + args.timeout_s if args.timeout_s else None
+    seen = 0
+    while True:
+        try:
+            rc = proc.wait(timeout=2)
+        except subprocess.TimeoutExpired:
+            rc = None
+            if deadline is not None and time.monotonic() > deadline:
+                proc.kill()
+                proc.wait()
+                rc = "timed out"
+        rows = read_rows(workdir)
+        if len(rows) != seen or rc is not None:
+            seen = len(rows)
+            harness.write_json(args.json, report(args, rows, "running" if rc is None else rc))
+        if rc is not None:
+            break
+    result = report(args, rows, rc)
+    print(f"{args.config}: {len(result['steps'])} of {args.steps} steps, exit {rc}")
     print(format_summary(result["summary"]))
-    if rc != 0 or len(steps) != args.steps:
+    if rc != 0 or len(result["steps"]) != args.steps:
         sys.exit(1)
 
 

@@ -220,6 +220,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
     c.checkpoint = ml_collections.ConfigDict()
     c.checkpoint.every = 50  # save every N steps (and at the end)
+    c.checkpoint.at_end = True  # also save after the last step (False: benchmarks' runs)
     c.checkpoint.keep = 3  # keep the last K checkpoints
     c.checkpoint.keep_period = 0  # also keep every step divisible by this (0 = off)
     c.checkpoint.export_hf = False  # also write <workdir>/step_<N> as a HF folder (for evaluate.py)

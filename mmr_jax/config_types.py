@@ -174,6 +174,7 @@ class EvalConfig:
 @dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
     every: int = 50
+    at_end: bool = True  # also save after the last step
     keep: int = 3
     keep_period: int = 0
     export_hf: bool = False

@@ -1,56 +1,81 @@
 #!/usr/bin/env bash
-# The prepared GPU check (issues 34 and 35): one command for a session with a lent GPU, under 8
-# minutes, one JSON per measurement in $OUT, going on after a failure. docs/performance.md.
+# The prepared GPU check (issue 45): every GPU figure from two device calls of at most 5 minutes
+# each, one JSON per measurement in $OUT written as it goes, one summary.json, going on after a
+# failure. docs/performance.md ("The prepared GPU check").
 #
-#   bash scripts/gpu_check.sh --fetch_wheels   # HERE, once: the wheels the lent image lacks -> .whl/
-#   bash scripts/gpu_check.sh                  # ON THE DEVICE (carry .whl): every step, in order
-#   bash scripts/gpu_check.sh --only=peer_1024,decode    # some steps
-#   bash scripts/gpu_check.sh --cpu_smoke      # here: every step at tiny shapes on CPU (OUT=/tmp/..)
+#   bash scripts/gpu_check.sh --fetch_wheels   # HERE, once: the 4 wheels the lent image lacks -> .whl/
+#   bash scripts/gpu_check.sh --run=A          # ON THE DEVICE (carry .whl), then --run=B
+#   bash scripts/gpu_check.sh --run=B --only=rl_step       # some steps of a run
+#   bash scripts/gpu_check.sh --cpu_smoke      # here: both runs' steps at tiny shapes on CPU
 #
-# The device call: run(command="bash scripts/gpu_check.sh", carry=[".whl"], timeout_s=540).
-# Steps, in priority order, each with its own time limit, cut to what is left of TOTAL_S:
-#   gpu_tests  pytest -m gpu on the attention and decode parity tests (output in gpu_check.log)
-#   peer_1024  benchmarks/peer_step.py, configs/grpo.py:1.5b at 1024-token completions: ours,
-#              torch with and without checkpointing; plus the jax.profiler kernel table
-#              (profile.json)
-#   decode     benchmarks/bench_gpu.py --programs=decode: one decode step of the 1.5B, 48 rows,
-#              caches for 512 + 1024 tokens
-#   rl_step    benchmarks/rl_step.py: scripts/train.py, configs/grpo.py:1.5b, model.init=random,
-#              1024-token completions, the embedded engine, 2 steps: every phase per step
-#   peer_3584  peer_step.py at the config's own 3584-token completions: torch without
-#              checkpointing (the peer's best), then ours
-#   lora_7b    bench_gpu.py --programs=train on configs/grpo_7b.py at its full shape (at
-#              2026-11-26's speed, 251 s compile + 2 x 49 s: run it alone with --only=lora_7b)
+# The two device calls (the machine's start comes on top of the first, ~2-3 min of the 15):
+#   run(command="bash scripts/gpu_check.sh --run=A", carry=[".whl"], timeout_s=300)
+#   run(command="bash scripts/gpu_check.sh --run=B", carry=[".whl"], timeout_s=300)
+# Each run's steps have limits that add up to at most 270 s of its TOTAL_S=285 s (the wheels'
+# install, ~5 s, counts in it; 15 s are left before the call's 300 s for the summary); a step
+# gets min(its limit, what is left), and one with under 20 s left is skipped.
+#
+# Run A (the attention and the step's kernels, then the decode step):
+#   gpu_tests  75 s   pytest -m gpu: cuDNN's two forms against XLA at the 1.5B's attention and our
+#                     structure (odd T, padding, packed segments, prompt-then-causal), what 'auto'
+#                     picks, the decode step's HLO and values (pass/fail lines in gpu_check.log)
+#   peer_1024  155 s  benchmarks/peer_step.py, configs/grpo.py:1.5b at 1024-token completions:
+#                     torch without checkpointing (the peer's best; 40 s), then ours (105 s) with
+#                     the jax.profiler kernel table (profile.json)
+#   decode     40 s   benchmarks/bench_gpu.py --programs=decode: one decode step of the 1.5B,
+#                     48 rows, caches for 512 + 1024 tokens
+# Run B (the whole RL step, the long completions, the 7B):
+#   rl_step    95 s   benchmarks/rl_step.py: scripts/train.py, configs/grpo.py:1.5b,
+#                     model.init=random, 1024-token completions, the embedded engine, 2 steps,
+#                     every phase per step; no checkpoint (checkpoint.at_end=False)
+#   peer_3584  175 s  peer_step.py at the config's own 3584-token completions: torch (40 s), then
+#                     ours (125 s; its compile was ~2 min on 2026-11-26)
+#   lora_7b    rest   bench_gpu.py --programs=train on configs/grpo_7b.py at its full shape: what
+#                     rl_step and peer_3584 leave (its compile took 251 s on 2026-11-26's code,
+#                     so it finishes only if those end early; its JSON keeps the compile time
+#                     and XLA's memory as soon as they are known). Alone: --run=B --only=lora_7b.
+# Files in $OUT (the device tool returns 8 at most): A: gpu_check.log, summary.json,
+# peer_1024.json, profile.json, decode.json; B: gpu_check.log, summary.json, rl_step.json,
+# peer_3584.json, lora_7b.json.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 REPO=$(pwd)
 
 SMOKE=0
 ONLY=""
+RUN=""
 for arg in "$@"; do
   case "$arg" in
     --fetch_wheels)
       mkdir -p .whl
-      # Pure-Python wheels, pinned as constraints/ci.txt pins them; .whl/ is gitignored.
+      # Pure-Python wheels, pinned as constraints/ci.txt pins them; .whl/ is gitignored. The image
+      # has pytest, hypothesis, absl, sympy, PyYAML: only these four are missing.
       exec python3 -m pip download --no-deps --only-binary=:all: -d .whl \
         ml_collections==1.1.0 math-verify==0.9.0 latex2sympy2_extended==1.11.0 \
-        antlr4-python3-runtime==4.13.2 pytest==9.2.0 pluggy==1.7.0 iniconfig==2.3.1 \
-        hypothesis==6.170.15 sortedcontainers==2.4.0 ;;
+        antlr4-python3-runtime==4.13.2 ;;
     --cpu_smoke) SMOKE=1 ;;
+    --run=A | --run=B) RUN="${arg#--run=}" ;;
     --only=*) ONLY="${arg#--only=}" ;;
     *) echo "unknown argument $arg" >&2; exit 2 ;;
   esac
 done
+if [ "$SMOKE" = 0 ] && [ -z "$RUN" ]; then
+  echo "choose --run=A or --run=B (or --cpu_smoke)" >&2
+  exit 2
+fi
 
+START=$(date +%s)
 if [ "$SMOKE" = 1 ]; then
   OUT="${OUT:-/tmp/gpu_check_smoke}"
   PY="${PYTHON:-$REPO/.venv/bin/python}"
-  TOTAL_S="${TOTAL_S:-3600}"
+  TOTAL_S="${TOTAL_S:-1800}"
+  RUNS="${RUN:-AB}"
   export JAX_PLATFORMS=cpu
 else
   : "${OUT:?set OUT (the device tool sets it)}"
   PY="${PYTHON:-python3}"
-  TOTAL_S="${TOTAL_S:-465}"  # the steps' share of the 8 minutes (the wheels' install apart)
+  TOTAL_S="${TOTAL_S:-285}"
+  RUNS="$RUN"
   if ls .whl/*.whl >/dev/null 2>&1; then
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
       --target /tmp/site .whl/*.whl || echo "wheel install failed" >&2
@@ -63,10 +88,38 @@ export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
 LOG="$OUT/gpu_check.log"
 exec > >(tee -a "$LOG") 2>&1
-START=$(date +%s)
 STATUS=()
 
 wanted() { [ -z "$ONLY" ] || [[ ",$ONLY," == *",$1,"* ]]; }
+
+# The summary, rewritten after every step (a run stopped from outside keeps the steps before).
+summary() {
+  "$PY" - "$OUT/summary.json" "$SMOKE" "$RUNS" "$(( $(date +%s) - START ))" "${STATUS[@]}" <<'EOF'
+import json, os, subprocess, sys, importlib.metadata as md
+path, smoke, runs, seconds, *status = sys.argv[1:]
+steps = {}
+for s in status:
+    name, state, rc, secs = s.split()
+    steps[name] = {"status": state, "exit": int(rc), "seconds": int(secs)}
+    f = os.path.join(os.path.dirname(path), name + ".json")
+    steps[name]["json"] = os.path.basename(f) if os.path.exists(f) else None
+versions = {}
+for p in ("jax", "jaxlib", "flax", "torch", "transformers", "ml_collections", "math-verify"):
+    try:
+        versions[p] = md.version(p)
+    except md.PackageNotFoundError:
+        versions[p] = None
+try:
+    gpu = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True).stdout.strip()
+except OSError:
+    gpu = None
+summary = {"cpu_smoke": smoke == "1", "runs": runs, "seconds": int(seconds), "gpu": gpu,
+           "versions": versions, "steps": steps}
+tmp = path + ".tmp"
+open(tmp, "w").write(json.dumps(summary, indent=1))
+os.replace(tmp, path)
+EOF
+}
 
 # step NAME LIMIT_S COMMAND...: runs COMMAND under min(LIMIT_S, what is left of TOTAL_S).
 step() {
@@ -77,81 +130,85 @@ step() {
   if [ "$limit" -lt 20 ]; then
     echo "=== $name: skipped, ${left}s left of ${TOTAL_S}s"
     STATUS+=("$name skipped 0 0")
+    summary
     return 0
   fi
   echo "=== $name (limit ${limit}s) $(date -u +%H:%M:%S): $*"
   local t0=$(date +%s)
-  timeout -k 10 "$limit" "$@"
+  LIMIT="$limit" timeout -k 5 "$limit" "$@"
   local rc=$? secs=$(( $(date +%s) - t0 ))
   local what=ok
   [ "$rc" = 124 ] || [ "$rc" = 137 ] && what=timed_out
   [ "$what" = ok ] && [ "$rc" != 0 ] && what=failed
   echo "=== $name: $what (exit $rc) in ${secs}s"
   STATUS+=("$name $what $rc $secs")
+  summary
 }
 
 if [ "$SMOKE" = 1 ]; then
+  # A 2-layer Qwen2 (peer_step's TINY_ARCH) for every step: the same programs and flags, seconds.
+  TINY=$(mktemp -d)/tiny
+  "$PY" - "$TINY" <<'EOF'
+import json, os, sys
+sys.path.insert(0, "benchmarks")
+from peer_step import TINY_ARCH
+base = json.load(open("third_party/hf_configs/deepseek_r1_distill_qwen_1_5b.json"))
+os.makedirs(sys.argv[1])
+json.dump({**base, **TINY_ARCH, "max_position_embeddings": 2048}, open(os.path.join(sys.argv[1], "config.json"), "w"))
+EOF
   PEER=(--cpu_smoke --steps=1 --warmup=0)
-  CFG15="configs/cpu_smollm2.py"  # SmolLM2-135M's shapes (bench_gpu's --configs is a comma list)
-  CFG7="configs/cpu_smollm2.py --set=lora.enabled=True"  # LoRA, as the 7B
-  T1024=(--set=batch.max_completion_len=32)
-  T3584=(--set=batch.max_completion_len=48)
-  CFG_RL="configs/grpo.py:1.5b,smoke"  # the 1.5B config shrunk to SmolLM2's architecture
-  # 512 prompt tokens: the built byte-level tokenizer makes the system prompt ~370 tokens long
-  RL_SET=(--steps=1 --set=batch.max_completion_len=32 --set=batch.max_prompt_len=512)
-  L=(1200 600 1200 1200 900)
+  TINY_SET=(--set=model.path="$TINY" --set=model.dtype=float32 --set=model.remat=none
+    --set=batch.prompts=2 --set=batch.generations=2 --set=batch.max_prompt_len=16
+    --set=loss.minibatches=2)
+  CFG15=(--configs=configs/grpo.py:1.5b "${TINY_SET[@]}")
+  CFG7=(--configs=configs/grpo_7b.py "${TINY_SET[@]}" --set=batch.max_completion_len=16)
+  T1024=16 T3584=(--set=batch.max_completion_len=24)
+  DECODE_STEPS=2
+  # the tiny vocabulary's byte-level tokenizer makes the system prompt ~540 tokens: prompts of 768
+  RL=(--config=configs/grpo.py:1.5b,smoke --steps=1 --set=model.path="$TINY"
+    --set=batch.max_completion_len=16 --set=batch.max_prompt_len=768)
+  L_TESTS=120 L_PEER=300 L_DECODE=200 L_RL=300 L_PEER2=300
+  TIMEOUTS_A="" TIMEOUTS_B=""
+  TESTS_MODE=(--collect-only)  # here: only that they are collected under -m gpu
 else
   PEER=(--config=configs/grpo.py:1.5b --steps=2 --warmup=0)
-  CFG15="configs/grpo.py:1.5b"
-  CFG7="configs/grpo_7b.py"
-  T1024=(--set=batch.max_completion_len=1024)
-  T3584=()
-  CFG_RL="configs/grpo.py:1.5b"
-  RL_SET=(--steps=2 --set=batch.max_completion_len=1024)
-  L=(150 50 150 300 560)  # peer_3584 and lora_7b get what is left of TOTAL_S
+  CFG15=(--configs=configs/grpo.py:1.5b)
+  CFG7=(--configs=configs/grpo_7b.py)
+  T1024=1024 T3584=()
+  DECODE_STEPS=10
+  RL=(--config=configs/grpo.py:1.5b --steps=2 --set=batch.max_completion_len=1024)
+  L_TESTS=75 L_PEER=155 L_DECODE=40 L_RL=95 L_PEER2=175
+  TIMEOUTS_A="torch=40,ours=105" TIMEOUTS_B="torch=40,ours=125"
+  TESTS_MODE=()
 fi
 
-# The GPU-only parity tests (cuDNN attention against XLA's, the bf16 decode step's HLO and values):
-# skipped on CPU, so they run only here. Their pass/fail lines go to gpu_check.log.
-if [ "$SMOKE" = 0 ]; then
-  step gpu_tests 90 "$PY" -m pytest -m gpu -q -p no:cacheprovider -o addopts="" \
-    tests/decode_inplace_test.py tests/attention_impl_test.py
+if [[ "$RUNS" == *A* ]]; then
+  # The GPU-only parity tests (skipped on CPU, so they run only here).
+  step gpu_tests "$L_TESTS" "$PY" -m pytest -m gpu -q -p no:cacheprovider -o addopts="" \
+    "${TESTS_MODE[@]}" tests/attention_impl_test.py tests/attention_probe_test.py \
+    tests/decode_inplace_test.py
+
+  step peer_1024 "$L_PEER" "$PY" benchmarks/peer_step.py "${PEER[@]}" \
+    --set=batch.max_completion_len="$T1024" --sides=torch,ours --side_timeouts="$TIMEOUTS_A" \
+    --profile=/tmp/gpu_check_trace --profile_json="$OUT/profile.json" --json="$OUT/peer_1024.json"
+
+  step decode "$L_DECODE" "$PY" benchmarks/bench_gpu.py "${CFG15[@]}" --programs=decode \
+    --steps="$DECODE_STEPS" --set=batch.max_completion_len="$T1024" --json="$OUT/decode.json"
 fi
 
-step peer_1024 "${L[0]}" "$PY" benchmarks/peer_step.py "${PEER[@]}" "${T1024[@]}" \
-  --profile=/tmp/gpu_check_trace --profile_json="$OUT/profile.json" --json="$OUT/peer_1024.json"
+if [[ "$RUNS" == *B* ]]; then
+  # rl_step stops its trainer 5 s before its limit and writes what it measured.
+  step rl_step "$L_RL" bash -c 'exec "$@" --timeout_s=$((LIMIT - 5))' _ \
+    "$PY" benchmarks/rl_step.py "${RL[@]}" --json="$OUT/rl_step.json"
 
-step decode "${L[1]}" "$PY" benchmarks/bench_gpu.py --configs="$CFG15" --programs=decode \
-  --steps=10 --set=batch.max_completion_len="${T1024[0]##*=}" --json="$OUT/decode.json"
+  step peer_3584 "$L_PEER2" "$PY" benchmarks/peer_step.py "${PEER[@]}" "${T3584[@]}" \
+    --sides=torch,ours --side_timeouts="$TIMEOUTS_B" --json="$OUT/peer_3584.json"
 
-step rl_step "${L[2]}" "$PY" benchmarks/rl_step.py --config="$CFG_RL" "${RL_SET[@]}" \
-  --json="$OUT/rl_step.json"
+  step lora_7b 270 "$PY" benchmarks/bench_gpu.py "${CFG7[@]}" --programs=train --steps=1 \
+    --json="$OUT/lora_7b.json"
+fi
 
-step peer_3584 "${L[3]}" "$PY" benchmarks/peer_step.py "${PEER[@]}" "${T3584[@]}" \
-  --sides=torch,ours --json="$OUT/peer_3584.json"  # the peer first: ours compiles ~2 min
-
-# shellcheck disable=SC2086  # CFG7 holds a config and, in the smoke, its override
-step lora_7b "${L[4]}" "$PY" benchmarks/bench_gpu.py --configs=$CFG7 --programs=train \
-  --steps=1 --json="$OUT/lora_7b.json"
-
-"$PY" - "$OUT/summary.json" "$SMOKE" "${STATUS[@]}" <<'EOF'
-import json, subprocess, sys, importlib.metadata as md
-steps = {}
-for s in sys.argv[3:]:
-    name, status, rc, secs = s.split()
-    steps[name] = {"status": status, "exit": int(rc), "seconds": int(secs)}
-versions = {}
-for p in ("jax", "jaxlib", "flax", "torch", "transformers", "ml_collections"):
-    try:
-        versions[p] = md.version(p)
-    except md.PackageNotFoundError:
-        versions[p] = None
-try:
-    gpu = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True).stdout.strip()
-except OSError:
-    gpu = None
-summary = {"cpu_smoke": sys.argv[2] == "1", "gpu": gpu, "versions": versions, "steps": steps}
-open(sys.argv[1], "w").write(json.dumps(summary, indent=1))
-print(json.dumps(summary, indent=1))
-EOF
+summary
+cat "$OUT/summary.json"
+echo
 echo "=== done in $(( $(date +%s) - START ))s"

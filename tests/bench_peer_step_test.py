@@ -103,3 +103,14 @@ def test_cpu_smoke_command_writes_both_sides(tmp_path):
     assert ours["metrics"]["loss"] == pytest.approx(torch_["metrics"]["loss"], rel=1e-5)
     assert r["summary"]["ratio_to_ours"]["torch"] == torch_["step_s"] / ours["step_s"]
     assert "side/ours" in proc.stdout
+
+
+def test_side_timeouts_parse_per_side_and_refuse_unknown_sides():
+    assert peer_step.side_timeouts("torch=40,ours=105", 0) == {
+        "ours": 105.0,
+        "torch_ckpt": 0,
+        "torch": 40.0,
+    }
+    assert peer_step.side_timeouts("", 7) == dict.fromkeys(peer_step.SIDES, 7)
+    with pytest.raises(SystemExit, match="side=seconds"):
+        peer_step.side_timeouts("gpu=3", 0)

@@ -31,3 +31,15 @@ def test_per_step_keeps_phases_in_step_order_and_summary_skips_the_compile_step(
     assert s["time/step"] == 4.0 and s["time/rollout"] == 3.0 and s["throughput/tokens"] == 100
     assert rl_step.summarize(steps[:1])["time/step"] == 30.0  # one step: that one
     assert rl_step.summarize([]) == {}
+
+
+def test_read_rows_keeps_whole_lines_and_leaves_a_half_written_one(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "time/step": 2.0}\n{"step": 2, "ti')
+    assert rl_step.read_rows(tmp_path) == [{"step": 1, "time/step": 2.0}]
+    assert rl_step.read_rows(tmp_path / "absent") == []
+
+
+def test_rl_step_saves_no_checkpoint():
+    argv = rl_step.command("configs/grpo.py:1.5b", 2, "/tmp/w", [])
+    assert "--config.checkpoint.every=0" in argv and "--config.checkpoint.at_end=False" in argv
+    config_types.check_override_keys(argv[1:])

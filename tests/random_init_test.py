@@ -18,7 +18,7 @@ from mmr_jax.infra import metrics
 from mmr_jax.models import config as model_config
 from mmr_jax.models import random_init
 from mmr_jax.problems import data
-from mmr_jax.training import build
+from mmr_jax.training import build, checkpoint
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -141,6 +141,7 @@ def test_train_script_runs_steps_on_random_weights(tmp_path):
         "--config.batch.max_prompt_len=48",
         "--config.batch.max_completion_len=8",
         "--config.checkpoint.every=0",
+        "--config.checkpoint.at_end=False",  # as benchmarks/rl_step.py runs it: nothing saved
         "--config.eval.every=0",
         "--config.logging.samples=0",
     ]
@@ -150,6 +151,11 @@ def test_train_script_runs_steps_on_random_weights(tmp_path):
     assert "RANDOM WEIGHTS" in out
     run = json.loads((workdir / "run.json").read_text())
     assert run["config"]["model"]["init"] == "random"
+    # 'auto' resolved once at start-up (no GPU here: the unfused form), in run.json and header
+    assert run["resolved"]["attention_impl"]["implementation"] == "unfused", run
+    assert "| attention unfused |" in out
+    ckpts = workdir / checkpoint.CKPT_DIR
+    assert not ckpts.exists() or not any(ckpts.iterdir()), list(ckpts.iterdir())
     rows = metrics.read_jsonl(workdir / metrics.METRICS_FILE)
     assert [r["step"] for r in rows] == [1, 2]
     assert all(np.isfinite(r["loss"]) for r in rows), rows

@@ -7,12 +7,18 @@ between the projections and the attention, and no score matrix is written by our
   'xla'         jax.nn.dot_product_attention(implementation='xla'): the CPU default and the
                 numerics reference (scores and softmax fp32, probabilities cast to v's dtype,
                 as `attention.attend`).
-  'cudnn'       cuDNN's fused flash attention (GPU; bf16/fp16, head dim a multiple of 8).
+  'cudnn'       cuDNN's fused flash attention (GPU; bf16/fp16, head dim a multiple of 8), the
+                dense mask passed as a bias (T and S padded to even lengths).
+  'cudnn_maskfree'  cuDNN with no bias: `is_causal` plus sequence lengths, over keys compacted
+                per row (`_maskfree`); exact for causal and prompt-then-causal masks with any
+                padding, not for packed segments.
   'pallas_tpu'  the Pallas splash-attention kernel (TPU; runs in interpret mode elsewhere).
   'unfused'     the einsum forms this replaced (`attention.attend`, and over a shared prompt
                 `shared_prompt.attend_completions`: score matrices concatenated, no per-row
                 keys); on CPU they measured a few % faster than 'xla' (docs/attention.md).
-  'auto'        'cudnn' on a GPU when the dtype and head dim allow it, else 'unfused'.
+  'auto'        resolved once at start-up, outside any trace, by `attention_probe.choose`:
+                on a GPU in bf16/fp16 the first cuDNN form that compiles, runs and matches
+                'xla' on the run's attention structure, else 'xla'; elsewhere 'unfused'.
 
 Which keys a query sees is a `Mask`: a static [T, S] pattern (causal, or prompt-then-causal),
 a per-row validity of the keys [B, S] (padding), and optionally a per-row [B, T, S] extra
@@ -84,8 +90,15 @@ def resolve(implementation: str, dtype, head_dim: int) -> str:
         )
     if implementation != "auto":
         return implementation
-    cudnn_ok = jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) and head_dim % 8 == 0
-    return "cudnn" if jax.default_backend() == "gpu" and cudnn_ok else "unfused"
+    # Never an unprobed cuDNN: `attention_probe.choose` resolves 'auto' before any trace; an
+    # 'auto' left in a config (a test, a script that skipped it) gets the safe default.
+    on_gpu = jax.default_backend() == "gpu"
+    return "xla" if on_gpu and cudnn_eligible(dtype, head_dim) else "unfused"
+
+
+def cudnn_eligible(dtype, head_dim: int) -> bool:
+    """Whether cuDNN's flash attention takes this dtype and head dim at all."""
+    return jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) and head_dim % 8 == 0 and head_dim <= 256
 
 
 def dot_product(
@@ -100,6 +113,8 @@ def dot_product(
     impl = resolve(implementation, q_BxTxNxD.dtype, d)
     if impl == "pallas_tpu":
         o = _splash(q_BxTxNxD, k_BxSxKxD, v_BxSxKxD, mask)
+    elif impl == "cudnn_maskfree":
+        o = _maskfree(q_BxTxNxD, k_BxSxKxD, v_BxSxKxD, mask, "cudnn")
     elif impl == "unfused":
         return attention.attend(
             q_BxTxNxD, k_BxSxKxD, v_BxSxKxD, mask.dense() if dense is None else dense
@@ -137,6 +152,51 @@ def _even_lengths(q_BxTxNxD, k_BxSxKxD, v_BxSxKxD, dense_BxTxS):
     if pt:
         dense = dense.at[:, t, 0].set(True)
     return pad(q_BxTxNxD, pt), pad(k_BxSxKxD, ps), pad(v_BxSxKxD, ps), dense
+
+
+def _maskfree(q_BxTxNxD, k_BxSxKxD, v_BxSxKxD, mask: Mask, backend: str):
+    """`dot_product` with no mask array: `is_causal` plus sequence lengths (cuDNN's
+    PADDING_CAUSAL, which needs no bias, so no bias gradient and no even-length rule).
+
+    The static pattern must be the last T rows of the S x S lower triangle (causal when T = S,
+    prompt-then-causal when S = P + T). Queries go to key positions S - T .. S - 1 of a square
+    S x S problem (the other S - T queries are zeros whose outputs are dropped), then keys and
+    queries are compacted per row so that the valid keys come first in their order: valid query
+    t then sees, causally, exactly the valid keys s <= S - T + t. Packed segments (`extra`) are
+    not expressible so. `backend` 'xla' runs the same form on any platform (the CPU tests).
+    """
+    b, t, n, d = q_BxTxNxD.shape
+    s = k_BxSxKxD.shape[1]
+    if mask.extra_BxTxS is not None:
+        raise NotImplementedError(
+            "the mask-free cuDNN form takes causal and prompt-then-causal masks with padding; "
+            "packed segments need the dense mask ('cudnn' or 'xla')"
+        )
+    if not np.array_equal(mask.static_TxS, np.tril(np.ones((s, s), bool))[s - t :]):
+        raise NotImplementedError("the mask-free cuDNN form needs a (prompt-then-)causal pattern")
+    valid = mask.kv_valid_BxS
+    # order[b, j]: the key at compacted position j (valid keys first, each group in order)
+    order = jnp.argsort(~valid, axis=1, stable=True).astype(jnp.int32)
+    lengths = jnp.sum(valid, axis=1, dtype=jnp.int32)
+    q_full = jnp.pad(q_BxTxNxD, ((0, 0), (s - t, 0), (0, 0), (0, 0)))
+
+    def gather(x):
+        return jnp.take_along_axis(x, order[:, :, None, None], axis=1)
+
+    o = jax.nn.dot_product_attention(
+        gather(q_full),
+        gather(k_BxSxKxD),
+        gather(v_BxSxKxD),
+        is_causal=True,
+        query_seq_lengths=lengths,
+        key_value_seq_lengths=lengths,
+        implementation=backend,
+    )
+    # back to the original positions: position order[b, j] holds compacted output j
+    inverse = jnp.argsort(order, axis=1).astype(jnp.int32)
+    o = jnp.take_along_axis(o, inverse[:, :, None, None], axis=1)[:, s - t :]
+    # queries that see no key (padding) are zeros here, uniform elsewhere: nothing uses them
+    return o
 
 
 def _splash(q_BxTxNxD, k_BxSxKxD, v_BxSxKxD, mask: Mask):

@@ -30,7 +30,7 @@ REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_save
 
 
 # Backends of the training forwards' attention (`attention_impl.dot_product`).
-ATTENTION_IMPLS = ("auto", "xla", "unfused", "cudnn", "pallas_tpu")
+ATTENTION_IMPLS = ("auto", "xla", "unfused", "cudnn", "cudnn_maskfree", "pallas_tpu")
 
 
 def remat_policy_name(value) -> str:

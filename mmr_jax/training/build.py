@@ -5,6 +5,7 @@ train state, rollout engine, encoder, prompts (`compiled_dry_run.dry_run`: the s
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import pathlib
 from typing import Any, NamedTuple
@@ -16,8 +17,8 @@ from flax import nnx
 
 from mmr_jax import config_types, distributed, rollout
 from mmr_jax.algorithms import entropy_control as entropy_control_lib
+from mmr_jax.models import attention_probe, hub, loading, random_init, sharding
 from mmr_jax.models import config as model_config
-from mmr_jax.models import hub, loading, random_init, sharding
 from mmr_jax.models import lora as lora_lib
 from mmr_jax.problems import data, tasks
 from mmr_jax.step import step_loss, train_step
@@ -39,6 +40,7 @@ class Policy:
     frozen: nnx.State  # the other parameters (the base under LoRA; empty otherwise)
     rest: nnx.State  # RNG streams
     lora: bool
+    attention: attention_probe.Choice | None = None  # the training forwards' attention backend
 
     def model(self, params=None, *, train=False) -> nnx.Module:
         """A Decoder viewing `params` (default: the initial ones); no copy."""
@@ -82,7 +84,8 @@ def split_model(model: nnx.Module) -> Policy:
 
 def load_policy(cfg: config_types.TrainConfig, mesh=None) -> Policy:
     """Loads `cfg.model.path` (with adapters when LoRA is on); with `model.init='random'`,
-    random weights of its architecture (`random_init.random_model`)."""
+    random weights of its architecture (`random_init.random_model`). The model's attention
+    backend is `attention_choice(cfg, ...)`: 'auto' resolved here, before any trace."""
     dtypes = dict(dtype=DTYPES[cfg.model.dtype], param_dtype=DTYPES[cfg.model.param_dtype])
     dtypes["frozen_dtype"] = DTYPES.get(cfg.model.frozen_dtype)  # '' -> None: param_dtype
     if cfg.model.init == "random":
@@ -94,17 +97,41 @@ def load_policy(cfg: config_types.TrainConfig, mesh=None) -> Policy:
         model = random_init.random_model(
             mcfg, mesh=mesh, lora=lora_config(cfg), seed=cfg.seed, **dtypes
         )
-        return split_model(model)
-    model = loading.from_pretrained(
-        cfg.model.path,
-        mesh=mesh,
-        lora=lora_config(cfg),
-        rngs=nnx.Rngs(cfg.seed),
-        remat=cfg.model.remat,
-        attention_impl=cfg.model.attention_impl,
-        **dtypes,
+    else:
+        model = loading.from_pretrained(
+            cfg.model.path,
+            mesh=mesh,
+            lora=lora_config(cfg),
+            rngs=nnx.Rngs(cfg.seed),
+            remat=cfg.model.remat,
+            attention_impl=cfg.model.attention_impl,
+            **dtypes,
+        )
+    choice = attention_choice(cfg, model.config)
+    model.config = dataclasses.replace(model.config, attention_impl=choice.implementation)
+    return dataclasses.replace(split_model(model), attention=choice)
+
+
+def attention_choice(
+    cfg: config_types.TrainConfig, mcfg: model_config.ModelConfig
+) -> attention_probe.Choice:
+    """The attention backend of the run's training forwards (`attention_probe.choose`, run once
+    per process and shape: the trainer's header and run.json read the same answer)."""
+    return _attention_choice(
+        mcfg.attention_impl,
+        DTYPES[cfg.model.dtype],
+        mcfg.num_heads,
+        mcfg.num_kv_heads,
+        mcfg.head_dim,
+        packed=bool(cfg.batch.shared_prompt and cfg.batch.pack_max_len),  # step_batch.layout
     )
-    return split_model(model)
+
+
+@functools.cache
+def _attention_choice(impl, dtype, heads, kv_heads, head_dim, *, packed):
+    choice = attention_probe.choose(impl, dtype, heads, kv_heads, head_dim, packed=packed)
+    logging.info("attention: %s (%s)", choice.implementation, choice.reason)
+    return choice
 
 
 def load_tokenizer(cfg: config_types.TrainConfig):

@@ -400,6 +400,15 @@ def prepare_workdir(workdir, config: Mapping[str, Any], *, overwrite: bool = Fal
     return workdir
 
 
+def note_run(workdir, **resolved) -> None:
+    """Adds what the run resolved at start-up (e.g. its attention backend) to run.json, beside
+    the config (which alone is compared on a resume)."""
+    run_file = run_paths.as_path(workdir) / RUN_FILE
+    data = json.loads(run_file.read_text())
+    data["resolved"] = {**data.get("resolved", {}), **resolved}
+    run_file.write_text(json.dumps(data, indent=2, sort_keys=True))
+
+
 def read_run_config(workdir) -> dict:
     """The config dict stored in `workdir/run.json`."""
     return json.loads((run_paths.as_path(workdir) / RUN_FILE).read_text())["config"]

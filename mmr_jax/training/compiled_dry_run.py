@@ -86,6 +86,10 @@ def abstract_policy(
     )
     if unrolled:
         mcfg = dataclasses.replace(mcfg, scan_unroll=mcfg.num_layers)
+    if jax.default_backend() == "gpu":  # the backend a run would use (probed); else 'xla'
+        mcfg = dataclasses.replace(mcfg, attention_impl=cfg.model.attention_impl)
+        impl = build.attention_choice(cfg, mcfg).implementation
+        mcfg = dataclasses.replace(mcfg, attention_impl=impl)
     abstract = loading.abstract_model(
         mcfg,
         dtype=build.DTYPES[cfg.model.dtype],

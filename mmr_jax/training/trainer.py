@@ -95,7 +95,9 @@ def setup(cfg: config_types.TrainConfig, workdir, *, overwrite: bool = False) ->
         prompts.restore(meta["data"])
         resume_step = int(meta["step"])
         lengths_state = meta.get("packed_lengths")  # absent in checkpoints before shape_reuse
-    _header(cfg, workdir, resume_step)
+    _header(cfg, workdir, resume_step, policy.attention)
+    if policy.attention is not None and jax.process_index() == 0:
+        checkpoint.note_run(workdir, attention_impl=policy.attention._asdict())
     if resume_step is not None and cfg.checkpoint.export_hf:
         run_export.export_if_missing(cfg, policy, state, workdir, resume_step)
     # A vLLM server's sync folder and log stay local: a bucket workdir's staging folder.
@@ -175,12 +177,13 @@ def _make_engine(cfg: config_types.TrainConfig, policy, tokenizer, workdir, mesh
     return distributed.ShareEngine(engine)
 
 
-def _header(cfg: config_types.TrainConfig, workdir: str, resume_step: int | None) -> None:
+def _header(cfg: config_types.TrainConfig, workdir: str, resume_step, attention) -> None:
     devices = jax.devices()
     console.info(
-        "%s | %s | %d process(es), %d %s device(s) | workdir %s | %s",
+        "%s | %s | attention %s | %d process(es), %d %s device(s) | workdir %s | %s",
         cfg.name,
         build.weights_note(cfg),
+        attention.implementation if attention is not None else cfg.model.attention_impl,
         jax.process_count(),
         len(devices),
         devices[0].platform,
@@ -281,7 +284,9 @@ def train(cfg: config_types.TrainConfig, workdir, *, overwrite: bool = False) ->
     run = setup(cfg, workdir, overwrite=overwrite)
     start = int(run.state.step)
     run.prefetch = rollout_prefetch.for_run(run, collect)  # rollout.off_policy_lag=1
-    save_now = metrics.Periodic(cfg.checkpoint.every, last=cfg.total_steps)
+    save_now = metrics.Periodic(
+        cfg.checkpoint.every, last=cfg.total_steps, at_last=cfg.checkpoint.at_end
+    )
     eval_now = metrics.Periodic(cfg.eval.every, last=cfg.total_steps, at_last=cfg.eval.every > 0)
     progress = metrics.Progress(cfg.total_steps, start)
     pending, last_saved, host = None, start or None, {}
