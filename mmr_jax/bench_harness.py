@@ -11,8 +11,13 @@ runs it. The pieces:
                     (`emit`): its dict, or {"error": ...} with its stderr's tail when it fails or
                     outruns `timeout_s`. A child per config: each one's device peak is its own,
                     and a crash or an out-of-memory ends one row, not the run.
+  best_of(fn)       (best, median) seconds of repeated calls, for calls too short to time once.
+  alternate(fns)    median seconds of each of several functions called in turns (ABAB...).
+  step_summary      median, min and max of a run's step times after its warm-up steps.
   write_json        the rows, written whole (a file that exists is complete).
   format_table      rows as an aligned text table from (key, header, format) columns.
+  load_config       a config file's TrainConfig with dotted overrides.
+  ProgramSeconds, CacheLoads   JAX's compile events per program, and loads from XLA's cache.
 
 No JAX or torch import at module level: a torch-only child imports this too.
 """
@@ -111,6 +116,48 @@ def timed(fn: Callable[[], Any], *, steps: int, warmup: int = 0, clock=time.perf
         fn()
         times.append(clock() - t0)
     return Timing(first, tuple(times))
+
+
+def best_of(fn: Callable[[], Any], *, min_total=0.3, min_reps=5, max_reps=1000, clock=None):
+    """(best, median) seconds of `fn()` over repeats after one untimed call: at least `min_reps`,
+    more until `min_total` seconds have passed (at most `max_reps`). On a shared CPU noise only
+    adds time, so tables show the best; JSON keeps both."""
+    clock = clock or time.perf_counter
+    fn()
+    times, start = [], clock()
+    while len(times) < min_reps or (clock() - start < min_total and len(times) < max_reps):
+        t0 = clock()
+        fn()
+        times.append(clock() - t0)
+    return min(times), statistics.median(times)
+
+
+def alternate(fns: Sequence[Callable[[], Any]], *, steps: int, clock=None) -> list[float]:
+    """Median seconds of each of `fns` over `steps` calls made in turns, the order reversed every
+    round (ABBA...), so drift on a shared machine falls on all; a first round is a warm-up."""
+    clock = clock or time.perf_counter
+    times: list[list[float]] = [[] for _ in fns]
+    for i in range(steps + 1):
+        order = range(len(fns)) if i % 2 == 0 else reversed(range(len(fns)))
+        for k in order:
+            t0 = clock()
+            fns[k]()
+            if i:
+                times[k].append(clock() - t0)
+    return [statistics.median(t) for t in times]
+
+
+def step_summary(step_s: Sequence[float], warmup: int) -> dict:
+    """Median, min, max of the steps after `warmup` (ValueError when none is left)."""
+    kept = list(step_s)[warmup:]
+    if not kept:
+        raise ValueError(f"{len(step_s)} steps and {warmup} warm-up steps: nothing timed")
+    return {
+        "steps_timed": len(kept),
+        "median_s": statistics.median(kept),
+        "min_s": min(kept),
+        "max_s": max(kept),
+    }
 
 
 def progress(message: str) -> None:
@@ -274,3 +321,75 @@ def jax_peak_bytes() -> int | None:
 
     stats = jax.local_devices()[0].memory_stats() or {}
     return stats.get("peak_bytes_in_use")
+
+
+def load_config(path: str, overrides: dict | None = None):
+    """The TrainConfig of config file `path` (`configs/x.py[:arg]`), dotted `overrides` set."""
+    from mmr_jax import config_types
+
+    config = config_types.load_config_file(path)
+    return config_types.from_config_dict(config_types.set_keys(config, overrides or {}))
+
+
+class ProgramSeconds:
+    """JAX's compile events of this process summed per program (the `fun_name` JAX reports with
+    each event: `train_step`, `_decode_loop`, or the op name of an eager call such as
+    `convert_element_type`), so a run's compilation can be traced to what built it. JAX's
+    listeners cannot be removed: one is registered, and callers take differences (`since`)."""
+
+    def __init__(self):
+        from jax import monitoring
+
+        from mmr_jax import compile_stats
+
+        self.seconds: dict[str, dict[str, float]] = {}
+        self._parts = compile_stats.EVENTS
+        monitoring.register_event_duration_secs_listener(self._on_event)
+
+    def _on_event(self, event: str, duration: float, fun_name: str = "?", **_) -> None:
+        import re
+
+        part = self._parts.get(event)
+        if part is not None:
+            # JAX names the trace `f` and the lowering and backend compile `jit(f)`: one program.
+            name = re.sub(r"^(?:jit|pjit)\((.*)\)$", r"\1", fun_name)
+            row = self.seconds.setdefault(name, {"trace": 0.0, "lower": 0.0, "backend": 0.0})
+            row[part] += duration
+            if part == "backend":
+                row["builds"] = row.get("builds", 0) + 1
+
+    def snapshot(self) -> dict[str, dict[str, float]]:
+        return {k: dict(v) for k, v in self.seconds.items()}
+
+    def since(self, before: dict[str, dict[str, float]]) -> list[dict]:
+        """Per program since `before`: name, builds, trace/lower/backend/total seconds,
+        largest total first."""
+        rows = []
+        for name, now in self.seconds.items():
+            was = before.get(name, {})
+            row = {k: now.get(k, 0.0) - was.get(k, 0.0) for k in ("trace", "lower", "backend")}
+            row["total"] = sum(row.values())
+            row["builds"] = int(now.get("builds", 0) - was.get("builds", 0))
+            if row["total"] > 0:
+                rows.append({"program": name, **row})
+        return sorted(rows, key=lambda r: -r["total"])
+
+
+class CacheLoads:
+    """Programs loaded from XLA's on-disk cache, and the seconds the loads took. JAX reports a
+    load both as its own event (counted here) and as the program's backend compile event (so
+    the compile totals already include it); a loaded program still costs its trace and
+    lowering."""
+
+    EVENT = "/jax/compilation_cache/cache_retrieval_time_sec"
+
+    def __init__(self):
+        from jax import monitoring
+
+        self.seconds, self.loads = 0.0, 0
+        monitoring.register_event_duration_secs_listener(self._on_event)
+
+    def _on_event(self, event: str, duration: float, **_) -> None:
+        if event == self.EVENT:
+            self.seconds += duration
+            self.loads += 1
