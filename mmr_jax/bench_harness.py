@@ -17,6 +17,7 @@ runs it. The pieces:
   write_json        the rows, written whole (a file that exists is complete).
   format_table      rows as an aligned text table from (key, header, format) columns.
   load_config       a config file's TrainConfig with dotted overrides.
+  parse_args        a benchmark's command line from a table of flags (name: default, help).
   ProgramSeconds, CacheLoads   JAX's compile events per program, and loads from XLA's cache.
 
 No JAX or torch import at module level: a torch-only child imports this too.
@@ -321,6 +322,23 @@ def jax_peak_bytes() -> int | None:
 
     stats = jax.local_devices()[0].memory_stats() or {}
     return stats.get("peak_bytes_in_use")
+
+
+def parse_args(doc: str, flags: dict[str, tuple], argv=None):
+    """(args, parser) of a command line given as {name: (default, help[, choices])}: the type is
+    the default's (False: a switch; None: a string), `--json` (a path to write) always there."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawTextHelpFormatter)
+    flags = {"json": (None, "write the results here"), **flags}
+    for name, (default, text, *choices) in flags.items():
+        if default is False:
+            ap.add_argument(f"--{name}", action="store_true", help=text)
+            continue
+        kind = str if default is None else type(default)
+        choices = choices[0] if choices else None
+        ap.add_argument(f"--{name}", type=kind, default=default, help=text, choices=choices)
+    return ap.parse_args(argv), ap
 
 
 def load_config(path: str, overrides: dict | None = None):
