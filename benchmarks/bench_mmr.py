@@ -6,7 +6,7 @@ released per-micro-batch loop, in one run.
     python benchmarks/bench_mmr.py --json out.json
     python benchmarks/bench_mmr.py --forms_only   # the cosine's forms alone (seconds; issue 27 #9)
 
-Baselines, all per group in a Python loop over groups:
+Baselines (benchmarks/mmr_baselines.py), all per group in a Python loop over groups:
   plain  Algorithm 1 as the paper writes it (best_sim recomputed over S each step: O(G^3)).
   vec    the same rule with NumPy vector ops over candidates and an incremental best similarity
          (O(G^2)): a deliberately strong baseline.
@@ -35,102 +35,29 @@ holds the medians. The per-step figure is a median. The Python baselines time at
 """
 
 import argparse
-import json
 import os
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
+import mmr_baselines as baselines  # benchmarks/, beside this file
 import numpy as np
 
 from mmr_jax.algorithms import mmr
+from mmr_jax.infra import bench_harness as harness
 from mmr_jax.models import sharding
 
-
-def numpy_plain_loop(r, e, lam=None):
-    """Algorithm 1 for one group as the paper writes it: NumPy for the similarity matrix (line 2)
-    and each row's max over S (line 5), Python loops where the algorithm loops (lines 6-12)."""
-    norm = np.linalg.norm(e, axis=1, keepdims=True)
-    u = np.divide(e, norm, out=np.zeros_like(e), where=norm > 0)
-    sim = u @ u.T
-    if lam is None:
-        lam = 1.0 / (1.0 + np.exp(-r.std()))
-    out = r.copy()
-    selected = [int(np.argmax(r))]
-    for _ in range(len(r) - 1):
-        rest = [i for i in range(len(r)) if i not in selected]
-        best_sim = {i: sim[i, selected].max() for i in rest}
-        score = {i: lam * r[i] - (1.0 - lam) * best_sim[i] for i in rest}
-        pick = max(rest, key=score.__getitem__)  # the first maximum: lowest index on ties
-        selected.append(pick)
-        out[pick] = score[pick]
-    return out
-
-
-def numpy_vectorised(r, e, lam=None):
-    """Algorithm 1 for one group with NumPy vector ops over candidates and an incremental best
-    similarity (O(G^2) instead of O(G^3)); a Python loop over picks only. A stronger baseline
-    than the plain loop."""
-    norm = np.linalg.norm(e, axis=1, keepdims=True)
-    u = np.divide(e, norm, out=np.zeros_like(e), where=norm > 0)
-    sim = u @ u.T
-    if lam is None:
-        lam = 1.0 / (1.0 + np.exp(-r.std()))
-    out = r.copy()
-    first = int(np.argmax(r))
-    picked = np.zeros(len(r), bool)
-    picked[first] = True
-    best = sim[:, first].copy()
-    for _ in range(len(r) - 1):
-        score = lam * r - (1.0 - lam) * best
-        score[picked] = -np.inf
-        i = int(np.argmax(score))
-        picked[i] = True
-        out[i] = score[i]
-        best = np.maximum(best, sim[:, i])
-    return out
-
-
-def torch_released(rewards, embeddings):
-    """Own port of the released `diverse_adjust_rewards_fast_sigmoid` (one call per micro-batch)."""
-    import torch  # here, not at import: the tests load this script without needing torch
-
-    n = rewards.size(0)
-    lam = torch.sigmoid(rewards.std(unbiased=False))
-    emb = torch.nn.functional.normalize(embeddings, p=2, dim=1)
-    sim = emb @ emb.T
-    sim.fill_diagonal_(0.0)
-    adjusted = torch.zeros_like(rewards)
-    best = torch.zeros(n)
-    selected = torch.zeros(n, dtype=torch.bool)
-    first = torch.argmax(rewards)
-    selected[first] = True
-    adjusted[first] = rewards[first]
-    for _ in range(n - 1):
-        best = torch.maximum(best, sim[:, selected].max(dim=1).values)
-        scores = lam * rewards - (1 - lam) * best
-        scores[selected] = -1e9
-        nxt = torch.argmax(scores)
-        selected[nxt] = True
-        adjusted[nxt] = scores[nxt]
-    return adjusted
-
-
-def _time(fn, *, min_total=0.3, min_reps=5, max_reps=1000):
-    """(best, median) wall time of fn() over repeats, after one untimed call.
-
-    The table uses the best: on a shared CPU, noise only ever adds time; the JSON keeps both.
-    """
-    fn()
-    times, start = [], time.perf_counter()
-    while len(times) < min_reps or (
-        time.perf_counter() - start < min_total and len(times) < max_reps
-    ):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times), statistics.median(times)
+IMPLS = ("jax", "jax_1dev", "numpy_plain", "numpy_vectorised", "torch")
+COLUMNS = [
+    ("B", "B", ""), ("G", "G", ""), ("D", "D", ""),
+    ("jax_groups_per_s", "jax grp/s", ".0f"), ("jax_1dev_groups_per_s", "1-dev", ".0f"),
+    ("numpy_plain_groups_per_s", "plain grp/s", ".0f"),
+    ("numpy_vectorised_groups_per_s", "vec grp/s", ".0f"),
+    ("torch_groups_per_s", "torch grp/s", ".0f"),
+    ("extrapolated", "", ""),
+    ("speedup_vs_numpy_plain", "x plain", ".1f"), ("speedup_1dev_vs_numpy_plain", "1-dev", ".1f"),
+    ("speedup_vs_numpy_vectorised", "x vec", ".1f"), ("speedup_vs_torch", "x torch", ".1f"),
+    ("max_speedup_vs_numpy_vectorised", "max x vec", ".1f"),
+]  # fmt: skip
 
 
 def _data(b, g, d, seed=0):
@@ -144,27 +71,25 @@ _mmr_jit = jax.jit(mmr.mmr_reweight)
 
 
 def bench_cell(b, g, d, args, mesh):
+    """One B x G x D cell: every implementation's (best, median) seconds for the B groups."""
     import torch
 
     r, e = _data(b, g, d)
     rj, ej = jnp.asarray(r), jnp.asarray(e)
-    t_one, t_one_med = _time(lambda: jax.block_until_ready(_mmr_jit(rj, ej)))
+    t = {"jax_1dev": harness.best_of(lambda: jax.block_until_ready(_mmr_jit(rj, ej)))}
     ways = sharding.batch_size(mesh) if b % sharding.batch_size(mesh) == 0 else 1
+    t["jax"] = t["jax_1dev"]
     if ways > 1:
         rs, es = (jax.device_put(x, sharding.batch_sharding(mesh)) for x in (r, e))
-        t_jax, t_jax_med = _time(lambda: jax.block_until_ready(_mmr_jit(rs, es)))
-    else:
-        t_jax, t_jax_med = t_one, t_one_med
+        t["jax"] = harness.best_of(lambda: jax.block_until_ready(_mmr_jit(rs, es)))
 
     def per_group_loop(fn, n):
-        best, med = _time(lambda: [fn(r[i], e[i]) for i in range(n)], min_reps=3)
+        best, med = harness.best_of(lambda: [fn(r[i], e[i]) for i in range(n)], min_reps=3)
         return best * b / n, med * b / n
 
-    n_plain = min(b, args.max_plain_groups)
-    n_vec = min(b, args.max_baseline_groups)
-    t_plain, t_plain_med = per_group_loop(numpy_plain_loop, n_plain)
-    t_vec, t_vec_med = per_group_loop(numpy_vectorised, n_vec)
-
+    n_plain, n_vec = min(b, args.max_plain_groups), min(b, args.max_baseline_groups)
+    t["numpy_plain"] = per_group_loop(baselines.numpy_plain_loop, n_plain)
+    t["numpy_vectorised"] = per_group_loop(baselines.numpy_vectorised, n_vec)
     p = args.torch_prompts_per_call
     calls = max(1, min(b // p, args.max_baseline_groups // p))
     rt, et = torch.from_numpy(r), torch.from_numpy(e)
@@ -172,70 +97,29 @@ def bench_cell(b, g, d, args, mesh):
     def run_torch():
         for c in range(calls):
             sl = slice(c * p, (c + 1) * p)
-            torch_released(rt[sl].reshape(-1), et[sl].reshape(-1, d))
+            baselines.torch_released(rt[sl].reshape(-1), et[sl].reshape(-1, d))
 
     torch.set_num_threads(1)
-    t_torch, t_torch_med = (x * b / (calls * p) for x in _time(run_torch, min_reps=3))
+    t["torch"] = tuple(x * b / (calls * p) for x in harness.best_of(run_torch, min_reps=3))
     # The floor any implementation pays: the B Gram matrices (B*G*G*D multiply-adds), timed as
     # torch's batched matmul on every core; the best ratio to a baseline is baseline / floor.
     torch.set_num_threads(args.gram_threads)
     et_t = et.transpose(1, 2).contiguous()
-    t_gram, _ = _time(lambda: torch.bmm(et, et_t))
+    t_gram = harness.best_of(lambda: torch.bmm(et, et_t))[0]
     torch.set_num_threads(1)
-    return {
-        "B": b,
-        "G": g,
-        "D": d,
-        "jax_devices": ways,
-        "jax_s": t_jax,
-        "jax_1dev_s": t_one,
-        "numpy_plain_s": t_plain,
-        "numpy_vectorised_s": t_vec,
-        "torch_s": t_torch,
-        "gram_floor_s": t_gram,
-        "jax_median_s": t_jax_med,
-        "jax_1dev_median_s": t_one_med,
-        "numpy_plain_median_s": t_plain_med,
-        "numpy_vectorised_median_s": t_vec_med,
-        "torch_median_s": t_torch_med,
-        "jax_groups_per_s": b / t_jax,
-        "jax_1dev_groups_per_s": b / t_one,
-        "numpy_plain_groups_per_s": b / t_plain,
-        "numpy_vectorised_groups_per_s": b / t_vec,
-        "torch_groups_per_s": b / t_torch,
-        "speedup_vs_numpy_plain": t_plain / t_jax,
-        "speedup_1dev_vs_numpy_plain": t_plain / t_one,
-        "speedup_vs_numpy_vectorised": t_vec / t_jax,
-        "speedup_vs_torch": t_torch / t_jax,
-        "max_speedup_vs_numpy_vectorised": t_vec / t_gram,
+    row = {"B": b, "G": g, "D": d, "jax_devices": ways}
+    row |= {f"{k}_s": t[k][0] for k in IMPLS} | {"gram_floor_s": t_gram}
+    row |= {f"{k}_median_s": t[k][1] for k in IMPLS}
+    row |= {f"{k}_groups_per_s": b / t[k][0] for k in IMPLS}
+    best = {k: v[0] for k, v in t.items()}
+    return row | {
+        "speedup_vs_numpy_plain": best["numpy_plain"] / best["jax"],
+        "speedup_1dev_vs_numpy_plain": best["numpy_plain"] / best["jax_1dev"],
+        "speedup_vs_numpy_vectorised": best["numpy_vectorised"] / best["jax"],
+        "speedup_vs_torch": best["torch"] / best["jax"],
+        "max_speedup_vs_numpy_vectorised": best["numpy_vectorised"] / t_gram,
         "baseline_extrapolated": n_plain < b or n_vec < b or calls * p < b,
     }
-
-
-def _unscaled_cosine(embeddings, *, mask=None):
-    """The cosine before the fuzz fixes: no scaling, so extreme rows overflow or underflow."""
-    del mask
-    return mmr._gram_cosine(embeddings)[0]
-
-
-def _always_scaled_cosine(embeddings, *, mask=None):
-    """The fuzz fixes' cosine: every row max-abs scaled on every call."""
-    del mask
-    return mmr.cosine_similarity_scaled(embeddings)
-
-
-def _kernel_with(cosine):
-    """`mmr.mmr_reweight` jitted with `cosine` in place of `mmr.cosine_similarity` (at trace)."""
-
-    def kernel(r, e):
-        saved = mmr.cosine_similarity
-        mmr.cosine_similarity = cosine
-        try:
-            return mmr.mmr_reweight(r, e)
-        finally:
-            mmr.cosine_similarity = saved
-
-    return jax.jit(kernel)
 
 
 def bench_forms(b, g, d, args, rounds=5):
@@ -244,8 +128,8 @@ def bench_forms(b, g, d, args, rounds=5):
     r, e = _data(b, g, d)
     rj, ej = jnp.asarray(r), jnp.asarray(e)
     forms = {
-        "unscaled (before the fuzz fixes)": _kernel_with(_unscaled_cosine),
-        "always scaled (fuzz fixes)": _kernel_with(_always_scaled_cosine),
+        "unscaled (before the fuzz fixes)": baselines.kernel_with(baselines.unscaled_cosine),
+        "always scaled (fuzz fixes)": baselines.kernel_with(baselines.always_scaled_cosine),
         "guarded (now)": _mmr_jit,
     }
     outs = [np.asarray(f(rj, ej)) for f in forms.values()]
@@ -254,11 +138,11 @@ def bench_forms(b, g, d, args, rounds=5):
     best = dict.fromkeys(forms, float("inf"))
     for _ in range(rounds):  # interleaved: a burst of load on the shared machine hits all forms
         for name, f in forms.items():
-            t = _time(lambda f=f: jax.block_until_ready(f(rj, ej)), min_total=0.1)[0]
+            t = harness.best_of(lambda f=f: jax.block_until_ready(f(rj, ej)), min_total=0.1)[0]
             best[name] = min(best[name], t)
     n_plain = min(b, args.max_plain_groups)
-    t_plain = _time(lambda: [numpy_plain_loop(r[i], e[i]) for i in range(n_plain)], min_reps=3)
-    t_plain = t_plain[0] * b / n_plain
+    loop = lambda: [baselines.numpy_plain_loop(r[i], e[i]) for i in range(n_plain)]
+    t_plain = harness.best_of(loop, min_reps=3)[0] * b / n_plain
     return {
         "B": b,
         "G": g,
@@ -286,100 +170,64 @@ def bench_step(args):
     """Per-training-step cost at B=8, G=6, D=512: kernel on device arrays and the host entry."""
     r, e = _data(8, 6, args.step_dim)
     rj, ej = jnp.asarray(r), jnp.asarray(e)
-    t_kernel = _time(lambda: jax.block_until_ready(_mmr_jit(rj, ej)), max_reps=5000)[1]
-    t_entry = _time(lambda: jax.block_until_ready(mmr.reweight("mmr", r, e)), max_reps=5000)[1]
+    kernel = lambda: jax.block_until_ready(_mmr_jit(rj, ej))
+    entry = lambda: jax.block_until_ready(mmr.reweight("mmr", r, e))
     return {
         "B": 8,
         "G": 6,
         "D": args.step_dim,
-        "kernel_ms": 1e3 * t_kernel,
-        "host_entry_ms": 1e3 * t_entry,
+        "kernel_ms": 1e3 * harness.best_of(kernel, max_reps=5000)[1],
+        "host_entry_ms": 1e3 * harness.best_of(entry, max_reps=5000)[1],
     }
+
+
+def _args():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add = ap.add_argument
+    add("--quick", action="store_true", help="small grid")
+    add("--json", default=None, help="write the results to this path")
+    add("--max_baseline_groups", type=int, default=64, help="vec and torch groups timed (then x B)")
+    add("--max_plain_groups", type=int, default=16, help="plain-loop groups timed (then x B)")
+    add("--torch_prompts_per_call", type=int, default=4, help="prompts per released-code call")
+    add("--gram_threads", type=int, default=os.cpu_count(), help="torch threads for the floor")
+    add("--step_dim", type=int, default=512)
+    add("--cpu_devices", type=int, default=0, help="JAX CPU devices (0 = one per core)")
+    add("--forms_only", action="store_true", help="time only the cosine's forms, then exit")
+    add("--forms_cell", default="256,16,512", help="B,G,D of the forms' timing")
+    args = ap.parse_args()
+    args.forms_cell = tuple(int(x) for x in args.forms_cell.split(","))
+    if len(args.forms_cell) != 3:
+        ap.error(f"--forms_cell must be B,G,D, got {args.forms_cell!r}")
+    return args
 
 
 def main():
     import torch
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="small grid")
-    parser.add_argument("--json", default=None, help="write the results to this path")
-    parser.add_argument(
-        "--max_baseline_groups",
-        type=int,
-        default=64,
-        help="time at most this many groups of the vectorised and torch baselines, extrapolate",
-    )
-    parser.add_argument(
-        "--max_plain_groups",
-        type=int,
-        default=16,
-        help="time at most this many groups of the plain loop (O(G^3) Python), extrapolate",
-    )
-    parser.add_argument(
-        "--torch_prompts_per_call",
-        type=int,
-        default=4,
-        help="prompts per released-code call (a micro-batch of P*G completions)",
-    )
-    parser.add_argument(
-        "--gram_threads", type=int, default=os.cpu_count(), help="torch threads for the floor"
-    )
-    parser.add_argument("--step_dim", type=int, default=512)
-    parser.add_argument(
-        "--cpu_devices", type=int, default=0, help="JAX CPU devices (0 = one per core)"
-    )
-    parser.add_argument(
-        "--forms_only", action="store_true", help="time only the cosine's forms, then exit"
-    )
-    parser.add_argument("--forms_cell", default="256,16,512", help="B,G,D of the forms' timing")
-    args = parser.parse_args()
-    forms_cell = tuple(int(x) for x in args.forms_cell.split(","))
-    if len(forms_cell) != 3:
-        parser.error(f"--forms_cell must be B,G,D, got {args.forms_cell!r}")
+    args = _args()
     if args.forms_only:
-        forms = bench_forms(*forms_cell, args)
+        forms = bench_forms(*args.forms_cell, args)
         print(f"jax {jax.__version__}, {jax.devices()[0].platform}")
         print_forms(forms)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"forms": forms}, f, indent=2)
+        harness.write_json(args.json, {"forms": forms})
         return
     devices = sharding.use_cpu_cores_as_devices(args.cpu_devices or None)
     mesh = sharding.data_parallel_mesh()
-    bs, gs, ds = (
+    grid = (
         ((32, 256), (6, 16), (512,)) if args.quick else ((32, 256, 1024), (6, 16, 64), (384, 512))
-    )
-    rows = []
-    header = (
-        f"{'B':>5} {'G':>3} {'D':>4} | {'jax grp/s':>10} {'1-dev':>8} {'plain grp/s':>12} "
-        f"{'vec grp/s':>10} {'torch grp/s':>12} | {'x plain':>8} {'1-dev':>6} {'x vec':>6} "
-        f"{'x torch':>8} | {'max x vec':>9}"
     )
     print(
         f"jax {jax.__version__} on {devices} {jax.devices()[0].platform} devices (B sharded), "
         f"torch {torch.__version__}"
     )
-    print(header)
-    print("-" * len(header))
-    for b in bs:
-        for g in gs:
-            for d in ds:
-                row = bench_cell(b, g, d, args, mesh)
-                rows.append(row)
-                star = "*" if row["baseline_extrapolated"] else " "
-                print(
-                    f"{b:>5} {g:>3} {d:>4} | {row['jax_groups_per_s']:>10.0f} "
-                    f"{row['jax_1dev_groups_per_s']:>8.0f} "
-                    f"{row['numpy_plain_groups_per_s']:>11.0f}{star} "
-                    f"{row['numpy_vectorised_groups_per_s']:>9.0f}{star} "
-                    f"{row['torch_groups_per_s']:>11.0f}{star} | "
-                    f"{row['speedup_vs_numpy_plain']:>8.1f} "
-                    f"{row['speedup_1dev_vs_numpy_plain']:>6.1f} "
-                    f"{row['speedup_vs_numpy_vectorised']:>6.1f} "
-                    f"{row['speedup_vs_torch']:>8.1f} | "
-                    f"{row['max_speedup_vs_numpy_vectorised']:>9.1f}",
-                    flush=True,
-                )
+    rows = []
+    for b in grid[0]:
+        for g in grid[1]:
+            for d in grid[2]:
+                rows.append(bench_cell(b, g, d, args, mesh))
+                rows[-1]["extrapolated"] = "*" if rows[-1]["baseline_extrapolated"] else ""
+                harness.progress(f"B={b} G={g} D={d} done")
+    print(harness.format_table(rows, COLUMNS))
     print(
         "best of repeated calls; * baselines timed on a subset of groups, extrapolated to B\n"
         f"jax: B sharded over {devices} CPU devices; 1-dev: the same kernel on one device\n"
@@ -388,35 +236,25 @@ def main():
         "max x vec: vec time / the Gram floor (torch.bmm of the B Gram matrices on every core),\n"
         "the most any implementation could gain over vec on this machine"
     )
-    forms = bench_forms(*forms_cell, args)
+    forms = bench_forms(*args.forms_cell, args)
     print_forms(forms)
     step = bench_step(args)
     print(
         f"per training step (B=8, G=6, D={step['D']}): kernel {step['kernel_ms']:.3f} ms, "
         f"host entry with validation {step['host_entry_ms']:.3f} ms (target < 1 ms)"
     )
-    target = [x for x in rows if (x["B"], x["G"], x["D"]) == (256, 16, 512)]
-    if target:
-        t = target[0]
+    for t in (x for x in rows if (x["B"], x["G"], x["D"]) == (256, 16, 512)):
         print(
             f"B=256, G=16, D=512: {t['speedup_vs_numpy_plain']:.1f}x the plain NumPy loop "
             f"(target >= 50x; {t['speedup_1dev_vs_numpy_plain']:.1f}x on one device); "
             f"{t['speedup_vs_numpy_vectorised']:.1f}x the vectorised NumPy "
             f"(at most {t['max_speedup_vs_numpy_vectorised']:.1f}x here)"
         )
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(
-                {
-                    "cells": rows,
-                    "forms": forms,
-                    "step": step,
-                    "torch_prompts_per_call": args.torch_prompts_per_call,
-                    "jax_cpu_devices": devices,
-                },
-                f,
-                indent=2,
-            )
+    for row in rows:
+        del row["extrapolated"]
+    out = {"cells": rows, "forms": forms, "step": step}
+    out |= {"torch_prompts_per_call": args.torch_prompts_per_call, "jax_cpu_devices": devices}
+    harness.write_json(args.json, out)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,6 @@ and ours from `time/*`. The ratio column is TRL's median over the side's median.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import pathlib
@@ -37,131 +36,28 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from mmr_jax import config_types, rewards  # noqa: E402
-from mmr_jax.problems import data  # noqa: E402
-from mmr_jax.step import step_batch  # noqa: E402
-from mmr_jax.training import build  # noqa: E402
+import trl_job  # noqa: E402  (benchmarks/, beside this file: the job and TRL's side)
+
+from mmr_jax.infra import bench_harness as harness  # noqa: E402
 
 SIDES = ("trl", "ours", "ours_nommr")
-# Our loss aggregation -> TRL's loss_type; advantage estimator -> TRL's scale_rewards.
-LOSS_TYPES = {
-    "seq_mean_token_mean": "grpo",
-    "token_mean": "dapo",
-    "seq_mean_token_sum_norm": "dr_grpo",
-}
-SCALE_REWARDS = {"grpo": "group", "dr_grpo": "none"}
 # Ours: the phases of `time/step` the trainer logs.
 OUR_PHASES = ("rollout", "rewards", "embeddings", "reweighting", "train", "sync")
-# TRL: its profiling contexts (names as it logs them).
-TRL_PHASES = ("transformers.generate", "_calculate_rewards", "_prepare_inputs", "compute_loss")
-
-
-def overrides(steps: int, mmr: bool, model_path: str | None = None) -> dict:
-    """Config keys both sides change from the config file: length, no checkpoints, MMR on/off."""
-    model = {"model.path": model_path} if model_path else {}
-    return model | {
-        "total_steps": steps,
-        "checkpoint.every": 0,
-        "logging.every": 1,
-        "logging.tensorboard": False,
-        "logging.samples": 0,
-        "mmr.enabled": mmr,
-    }
-
-
-def load_config(path: str, over: dict) -> config_types.TrainConfig:
-    """`path[:arg]`'s get_config(), dotted `over` keys set, converted as scripts/train.py does."""
-    return config_types.from_config_dict(
-        config_types.set_keys(config_types.load_config_file(path), over)
-    )
-
-
-def _problems(cfg: config_types.TrainConfig) -> list[data.Problem]:
-    # build.load_prompts returns ids only; the texts come from the same source here, and
-    # `step_batches` checks that they render to exactly those ids.
-    d = cfg.data
-    if d.source == build.ARITHMETIC:
-        return data.arithmetic_problems(
-            2_000, cfg.seed, max_operand=d.arithmetic_max_operand, ops=d.arithmetic_ops
-        )
-    return data.load_problems(
-        d.source, split=d.split, problem_field=d.problem_field, answer_field=d.answer_field
-    )
-
-
-def messages(problem: data.Problem, system_prompt: str | None) -> list[dict]:
-    """The chat `data.build_prompt` renders: [system,] user."""
-    out = [{"role": "user", "content": problem.problem}]
-    if system_prompt:
-        out.insert(0, {"role": "system", "content": system_prompt})
-    return out
-
-
-def trl_prompt_ids(tokenizer, conversation: list[dict]) -> list[int]:
-    """The ids GRPOTrainer generates from (its `_tokenize_prompts` call on a conversation)."""
-    out = tokenizer.apply_chat_template(
-        conversation=[conversation], add_generation_prompt=True, tokenize=True, return_dict=True
-    )
-    return list(out["input_ids"][0])
-
-
-def step_batches(cfg: config_types.TrainConfig, tokenizer, steps: int) -> list[list[tuple]]:
-    """Per step, the B (prompt ids, answer, messages) our trainer draws, in its order.
-
-    Raises ValueError when the messages do not render (TRL's way) to the trainer's prompt ids.
-    """
-    ids, answers, _ = build.load_prompts(cfg, tokenizer)
-    rebuilt, problems, _ = data.build_prompts(
-        tokenizer,
-        _problems(cfg),
-        cfg.data.system_prompt,
-        max_prompt_length=cfg.batch.max_prompt_len,
-    )
-    if rebuilt != ids or [p.answer for p in problems] != answers:
-        raise ValueError("the problems rebuilt here are not the trainer's")
-    chats = [messages(p, cfg.data.system_prompt) for p in problems]
-    # The trainer's iterator (trainer.setup): the order depends on the count and seed only.
-    it = data.PromptIterator(
-        list(zip(ids, answers, chats, strict=True)), cfg.batch.prompts, cfg.seed
-    )
-    batches = [next(it) for _ in range(steps)]
-    for batch in batches:
-        for prompt_ids, _, chat in batch:
-            if trl_prompt_ids(tokenizer, chat) != list(prompt_ids):
-                raise ValueError(f"TRL would tokenise {chat!r} differently from the trainer")
-    return batches
-
-
-def make_reward_fn(cfg: config_types.TrainConfig, calls: list | None = None):
-    """A TRL reward function scoring as our trainer does (rewards.score, the config's weights)."""
-    weights, params = dict(cfg.rewards.weights), step_batch.reward_params(cfg)
-
-    def accuracy(completions, answer, completion_ids, **kwargs):
-        del kwargs
-        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
-        lengths = [len(c) for c in completion_ids]
-        if calls is not None:
-            calls.append(len(texts))
-        return rewards.score(texts, list(answer), lengths, weights, params=params).total.tolist()
-
-    return accuracy
-
-
-def summarize(step_s: list[float], warmup: int) -> dict:
-    """Median, min, max of the steps after `warmup` (ValueError when none is left)."""
-    timed = step_s[warmup:]
-    if not timed:
-        raise ValueError(f"{len(step_s)} steps and {warmup} warm-up steps: nothing timed")
-    return {
-        "steps_timed": len(timed),
-        "median_s": statistics.median(timed),
-        "min_s": min(timed),
-        "max_s": max(timed),
-    }
+FLAGS = {
+    "config": ("configs/cpu_smollm2.py", "the job's config file"),
+    "sides": (",".join(SIDES), f"comma-separated of {SIDES}"),
+    "steps": (6, "steps per side and round"),
+    "warmup": (2, "first steps of each run left untimed"),
+    "rounds": (1, "runs of every side, interleaved"),
+    "threads": (2, "torch threads (TRL)"),
+    "model_path": (None, "instead of the config's model.path"),
+    "workdir": (None, "keep the runs here (default: a temp dir)"),
+    "worker": (None, "internal: run one side here (trl)"),
+    "worker_out": (None, "internal: the worker's JSON"),
+}
 
 
 def phase_medians(phases: list[dict], warmup: int) -> dict:
@@ -171,7 +67,7 @@ def phase_medians(phases: list[dict], warmup: int) -> dict:
 
 def table(results: dict[str, dict], warmup: int) -> tuple[str, dict]:
     """The printed table and the summary per side; ratio = TRL median / side median."""
-    summary = {side: summarize(r["step_s"], warmup) for side, r in results.items()}
+    summary = {side: harness.step_summary(r["step_s"], warmup) for side, r in results.items()}
     for side, r in results.items():
         summary[side]["phases"] = phase_medians(r["phases"], warmup)
         summary[side]["completion_len_mean"] = statistics.mean(r["completion_len"][warmup:])
@@ -214,9 +110,6 @@ def format_whole_run(whole: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
-# ----- the sides, each in its own process ---------------------------------------------------------
-
-
 def read_our_metrics(workdir: str) -> dict:
     """Per-step seconds, phases, completion lengths and rewards from a run's metrics.jsonl."""
     with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
@@ -250,132 +143,10 @@ def run_trl(args, workdir: str, log) -> dict:
         return json.load(f)
 
 
-def trl_config(cfg: config_types.TrainConfig, steps: int, output_dir: str):
-    """TRL's GRPOConfig for the config's job: B x G completions per optimiser update."""
-    import trl
-
-    b, g, mb = cfg.batch.prompts, cfg.batch.generations, cfg.loss.minibatches
-    if (b * g) % mb:
-        raise ValueError(f"{b} x {g} completions do not split into {mb} minibatches")
-    o = cfg.optim
-    return trl.GRPOConfig(
-        output_dir=output_dir,
-        max_steps=steps,
-        per_device_train_batch_size=b * g // mb,
-        gradient_accumulation_steps=mb,  # steps_per_generation follows: one generation per update
-        num_generations=g,
-        max_completion_length=cfg.batch.max_completion_len,
-        temperature=cfg.rollout.temperature,
-        top_p=cfg.rollout.top_p,
-        top_k=cfg.rollout.top_k,
-        beta=cfg.loss.beta,
-        num_iterations=cfg.loss.iterations,
-        epsilon=cfg.loss.eps_low,
-        epsilon_high=cfg.loss.eps_high,
-        loss_type=LOSS_TYPES[cfg.loss.aggregation],
-        scale_rewards=SCALE_REWARDS[cfg.advantage.estimator],
-        learning_rate=o.lr,
-        lr_scheduler_type="cosine_with_min_lr",
-        lr_scheduler_kwargs={"min_lr_rate": o.min_lr_ratio},
-        warmup_steps=o.warmup_ratio,  # < 1: a fraction of max_steps
-        adam_beta1=o.b1,
-        adam_beta2=o.b2,
-        adam_epsilon=o.eps,
-        weight_decay=o.weight_decay,
-        max_grad_norm=o.grad_clip,
-        bf16=False,
-        activation_checkpointing=cfg.model.remat != "none",
-        use_cpu=True,
-        shuffle_dataset=False,  # the dataset is already in our trainer's order
-        seed=cfg.seed,
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-        disable_tqdm=True,
-    )
-
-
-def trl_worker(args) -> None:
-    """TRL's GRPOTrainer for --steps steps; writes per-step times, phases and logs as JSON."""
-    import datasets
-    import torch
-    import transformers
-    import trl
-    from trl.extras import profiling
-
-    torch.set_num_threads(args.threads)
-    cfg = load_config(args.config, overrides(args.steps, mmr=False, model_path=args.model_path))
-    b, g = cfg.batch.prompts, cfg.batch.generations
-    tokenizer = transformers.AutoTokenizer.from_pretrained(cfg.model.path)
-    batches = step_batches(cfg, tokenizer, args.steps)
-    dataset = datasets.Dataset.from_list(
-        [{"prompt": chat, "answer": answer} for batch in batches for _, answer, chat in batch]
-    )
-    model = transformers.AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=torch.float32)
-    config = trl_config(cfg, args.steps, os.path.dirname(args.worker_out))
-    calls, phases, marks, logged = [], [{}], [], []
-    log_metrics = profiling.ProfilingContext._log_metrics
-
-    def record(self, duration):
-        name = self.name.split(".", 1)[-1]  # "GRPOTrainer.transformers.generate" -> phase
-        phases[-1][name] = phases[-1].get(name, 0.0) + duration
-        log_metrics(self, duration)
-
-    profiling.ProfilingContext._log_metrics = record
-
-    class Clock(transformers.TrainerCallback):
-        def on_train_begin(self, *a, **k):
-            marks.append(time.perf_counter())
-
-        def on_step_end(self, *a, **k):
-            marks.append(time.perf_counter())
-            phases.append({})
-
-        def on_log(self, _args, _state, _control, logs=None, **k):
-            logged.append(dict(logs or {}))
-
-    trainer_ = trl.GRPOTrainer(
-        model=model,
-        reward_funcs=make_reward_fn(cfg, calls),
-        args=config,
-        train_dataset=dataset,
-        processing_class=tokenizer,
-        callbacks=[Clock()],
-    )
-    trainer_.train()
-    step_logs = [x for x in logged if "completions/mean_length" in x]
-    if calls != [b * g] * args.steps:
-        raise RuntimeError(f"expected one reward call of {b * g} per step, got {calls}")
-    result = {
-        "step_s": [t1 - t0 for t0, t1 in zip(marks[:-1], marks[1:], strict=True)],
-        "phases": [{k: p[k] for k in TRL_PHASES if k in p} for p in phases[: args.steps]],
-        "completion_len": [float(x["completions/mean_length"]) for x in step_logs],
-        "reward_mean": [float(x["reward"]) for x in step_logs],
-        "trl_step_time": [float(x["step_time"]) for x in step_logs if "step_time" in x],
-        "versions": {"trl": trl.__version__, "torch": torch.__version__},
-        "torch_threads": torch.get_num_threads(),
-        "generation_kwargs": {k: str(v) for k, v in trainer_.generation_kwargs.items()},
-    }
-    with open(args.worker_out, "w", encoding="utf-8") as f:
-        json.dump(result, f)
-
-
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--config", default="configs/cpu_smollm2.py")
-    p.add_argument("--sides", default=",".join(SIDES), help=f"comma-separated of {SIDES}")
-    p.add_argument("--steps", type=int, default=6, help="steps per side and round")
-    p.add_argument("--warmup", type=int, default=2, help="first steps of each run left untimed")
-    p.add_argument("--rounds", type=int, default=1, help="runs of every side, interleaved")
-    p.add_argument("--threads", type=int, default=2, help="torch threads (TRL)")
-    p.add_argument("--model_path", default=None, help="instead of the config's model.path")
-    p.add_argument("--json", default=None, help="write the results here")
-    p.add_argument("--workdir", default=None, help="keep the runs here (default: a temp dir)")
-    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--worker_out", default=None, help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
+    args, p = harness.parse_args(__doc__, FLAGS, argv)
     if args.worker == "trl":
-        trl_worker(args)
+        trl_job.trl_worker(args)
         return
     sides = [s for s in args.sides.split(",") if s]
     unknown = set(sides) - set(SIDES)
@@ -396,7 +167,9 @@ def main(argv=None) -> None:
                     if side == "trl":
                         r = run_trl(args, workdir, log)
                     else:
-                        over = overrides(args.steps, mmr=side == "ours", model_path=args.model_path)
+                        over = trl_job.overrides(
+                            args.steps, mmr=side == "ours", model_path=args.model_path
+                        )
                         r = run_ours(args.config, over, workdir, log)
             except subprocess.CalledProcessError as e:  # e.g. killed for memory: go on, say so
                 print(f"  {side} FAILED ({e}); see {workdir}/log.txt", flush=True)
@@ -409,9 +182,8 @@ def main(argv=None) -> None:
                 results[side][k] += r[k][args.warmup :]
             steps_s = " ".join(f"{t:.1f}" for t in r["step_s"])
             print(f"  {side}: s/step {steps_s}; load {r['load_1min']}", flush=True)
-            if args.json:  # after every run, so that an interrupted benchmark keeps what it has
-                with open(args.json, "w", encoding="utf-8") as f:
-                    json.dump({"args": vars(args), "results": results}, f, indent=1)
+            # After every run, so that an interrupted benchmark keeps what it has.
+            harness.write_json(args.json, {"args": vars(args), "results": results})
     done = {side: r for side, r in results.items() if r["step_s"]}
     if not done:
         sys.exit("no side completed a run")
@@ -423,9 +195,7 @@ def main(argv=None) -> None:
         f"\n{args.config}, {args.steps} steps x {args.rounds} rounds, first {args.warmup} "
         f"of each untimed; load {os.getloadavg()}\n{text}\n{format_whole_run(whole)}"
     )
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump({"args": vars(args), "summary": summary, "results": results}, f, indent=1)
+    harness.write_json(args.json, {"args": vars(args), "summary": summary, "results": results})
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from mmr_jax.infra import bench_harness
+from mmr_jax.infra import bench_harness, compile_stats
 
 
 def _bench_compile():
@@ -16,7 +16,7 @@ def _bench_compile():
 
 
 def test_programs_are_counted_by_name_and_build():
-    programs = _bench_compile().ProgramSeconds()
+    programs = compile_stats.ProgramSeconds()
 
     @jax.jit
     def counted_twice(x):
@@ -53,7 +53,8 @@ spec.loader.exec_module(bench)
 jax.config.update("jax_compilation_cache_dir", tempfile.mkdtemp())
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-programs, loads = bench.ProgramSeconds(), bench.CacheLoads()
+from mmr_jax.infra import compile_stats
+programs, loads = compile_stats.ProgramSeconds(), compile_stats.CacheLoads()
 
 @jax.jit
 def cached(x):

@@ -73,3 +73,58 @@ def test_load_unregisters_the_benchmark_s_flags():
     harness.load("bench_gpu")  # a second load defines the same flags again without an error
     with pytest.raises(FileNotFoundError, match="no benchmark"):
         harness.load("bench_nothing")
+
+
+def _fake_clock(durations):
+    """(clock, fn): each fn() call advances the clock by the next of `durations`."""
+    durations, now = iter(durations), [0.0]
+    return (lambda: now[0]), (lambda: now.__setitem__(0, now[0] + next(durations)))
+
+
+def test_best_of_skips_the_first_call_and_repeats_until_enough():
+    clock, fn = _fake_clock([100.0, 3.0, 1.0, 2.0, 5.0])
+    assert harness.best_of(fn, min_total=0.0, min_reps=3, clock=clock) == (1.0, 2.0)
+    clock, fn = _fake_clock([100.0] + [0.1] * 50)  # min_total: more than min_reps short calls
+    best, median = harness.best_of(fn, min_total=1.0, min_reps=2, clock=clock)
+    assert (best, median) == pytest.approx((0.1, 0.1))
+
+
+def test_alternate_reverses_the_order_each_round_and_drops_the_first():
+    calls, now = [], [0.0]
+
+    def fn(name, seconds):
+        def call():
+            calls.append(name)
+            now[0] += seconds
+
+        return call
+
+    medians = harness.alternate([fn("a", 1.0), fn("b", 3.0)], steps=3, clock=lambda: now[0])
+    assert calls == ["a", "b", "b", "a", "a", "b", "b", "a"]
+    assert medians == [1.0, 3.0]
+
+
+def test_step_summary_after_warmup():
+    assert harness.step_summary([9.0, 3.0, 1.0, 2.0], warmup=1) == {
+        "steps_timed": 3,
+        "median_s": 2.0,
+        "min_s": 1.0,
+        "max_s": 3.0,
+    }
+    with pytest.raises(ValueError, match="nothing timed"):
+        harness.step_summary([1.0], warmup=1)
+
+
+def test_parse_args_types_from_defaults():
+    flags_ = {"steps": (5, "n"), "quick": (False, "switch"), "path": (None, "p"),
+              "mode": ("off", "m", ("off", "warm"))}  # fmt: skip
+    args, _ = harness.parse_args("doc", flags_, ["--steps=7", "--quick", "--mode=warm"])
+    assert (args.steps, args.quick, args.path, args.mode, args.json) == (
+        7,
+        True,
+        None,
+        "warm",
+        None,
+    )
+    with pytest.raises(SystemExit):
+        harness.parse_args("doc", flags_, ["--mode=hot"])

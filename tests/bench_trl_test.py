@@ -16,6 +16,7 @@ from mmr_jax.training import build
 from support import testing
 
 bench = bench_harness.load("bench_trl")
+job = bench_harness.load("trl_job")
 
 
 @pytest.fixture(scope="module")
@@ -29,24 +30,24 @@ def tokenizer(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def cfg():
-    over = {**bench.overrides(5, mmr=False), "batch.max_prompt_len": 512}
-    return bench.load_config("configs/cpu_smollm2.py", over)
+    over = {**job.overrides(5, mmr=False), "batch.max_prompt_len": 512}
+    return bench_harness.load_config("configs/cpu_smollm2.py", over)
 
 
 def test_overrides_are_config_keys_train_py_accepts():
     argv = ["train.py", "--config=configs/cpu_smollm2.py"]
-    argv += [f"--config.{k}={v}" for k, v in bench.overrides(3, mmr=False).items()]
+    argv += [f"--config.{k}={v}" for k, v in job.overrides(3, mmr=False).items()]
     config_types.check_override_keys(argv)  # raises on a key the config does not have
-    c = bench.load_config("configs/cpu_smollm2.py", bench.overrides(3, mmr=False))
+    c = bench_harness.load_config("configs/cpu_smollm2.py", job.overrides(3, mmr=False))
     assert (c.total_steps, c.checkpoint.every, c.reweighting) == (3, 0, "none")
-    assert bench.load_config(
-        "configs/cpu_smollm2.py", bench.overrides(3, mmr=True)
+    assert bench_harness.load_config(
+        "configs/cpu_smollm2.py", job.overrides(3, mmr=True)
     ).reweighting == ("mmr")
 
 
 def test_step_batches_are_the_trainers_prompts_in_its_order(cfg, tokenizer):
     steps = 5
-    batches = bench.step_batches(cfg, tokenizer, steps)
+    batches = job.step_batches(cfg, tokenizer, steps)
     # The trainer's draw (trainer.setup): load_prompts, then a PromptIterator on (ids, answer).
     ids, answers, _ = build.load_prompts(cfg, tokenizer)
     it = data.PromptIterator(list(zip(ids, answers, strict=True)), cfg.batch.prompts, cfg.seed)
@@ -62,14 +63,14 @@ def test_step_batches_are_the_trainers_prompts_in_its_order(cfg, tokenizer):
 
 
 def test_step_batches_refuses_prompts_trl_would_tokenise_otherwise(cfg, tokenizer, monkeypatch):
-    monkeypatch.setattr(bench, "trl_prompt_ids", lambda tok, chat: [0])
+    monkeypatch.setattr(job, "trl_prompt_ids", lambda tok, chat: [0])
     with pytest.raises(ValueError, match="differently"):
-        bench.step_batches(cfg, tokenizer, 1)
+        job.step_batches(cfg, tokenizer, 1)
 
 
 def test_reward_fn_scores_as_the_trainer_with_number_only(cfg):
     calls = []
-    fn = bench.make_reward_fn(cfg, calls)
+    fn = job.make_reward_fn(cfg, calls)
     completions = [
         [{"role": "assistant", "content": "The answer is 7."}],
         [{"role": "assistant", "content": "The answer is 3 + 4."}],  # restates: not a number
@@ -97,7 +98,7 @@ def test_summary_table_medians_and_ratio():
     assert s["trl"]["phases"] == {"g": 1.0}
     assert "2.50" in text
     with pytest.raises(ValueError, match="nothing timed"):
-        bench.summarize([1.0, 2.0], warmup=2)
+        bench_harness.step_summary([1.0, 2.0], warmup=2)
 
 
 def test_whole_run_counts_every_step_of_every_round():
@@ -139,7 +140,7 @@ def test_read_our_metrics_orders_steps_and_rejects_gaps(tmp_path):
 
 @pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="trl not installed (.[bench])")
 def test_trl_config_generates_once_per_update_of_b_times_g(cfg, tmp_path):
-    c = bench.trl_config(cfg, 3, str(tmp_path))
+    c = job.trl_config(cfg, 3, str(tmp_path))
     b, g, mb = cfg.batch.prompts, cfg.batch.generations, cfg.loss.minibatches
     # One optimiser update = gradient_accumulation_steps micro-batches = one generation batch.
     assert c.generation_batch_size == b * g

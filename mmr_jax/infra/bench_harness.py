@@ -11,8 +11,14 @@ runs it. The pieces:
                     (`emit`): its dict, or {"error": ...} with its stderr's tail when it fails or
                     outruns `timeout_s`. A child per config: each one's device peak is its own,
                     and a crash or an out-of-memory ends one row, not the run.
+  best_of(fn)       (best, median) seconds of repeated calls, for calls too short to time once.
+  alternate(fns)    median seconds of each of several functions called in turns (ABAB...).
+  step_summary      median, min and max of a run's step times after its warm-up steps.
   write_json        the rows, written whole (a file that exists is complete).
   format_table      rows as an aligned text table from (key, header, format) columns.
+  load_config       a config file's TrainConfig with dotted overrides.
+  parse_args        a benchmark's command line from a table of flags (name: default, help).
+  ProgramSeconds, CacheLoads   JAX's compile events per program, and loads from XLA's cache.
 
 No JAX or torch import at module level: a torch-only child imports this too.
 """
@@ -111,6 +117,48 @@ def timed(fn: Callable[[], Any], *, steps: int, warmup: int = 0, clock=time.perf
         fn()
         times.append(clock() - t0)
     return Timing(first, tuple(times))
+
+
+def best_of(fn: Callable[[], Any], *, min_total=0.3, min_reps=5, max_reps=1000, clock=None):
+    """(best, median) seconds of `fn()` over repeats after one untimed call: at least `min_reps`,
+    more until `min_total` seconds have passed (at most `max_reps`). On a shared CPU noise only
+    adds time, so tables show the best; JSON keeps both."""
+    clock = clock or time.perf_counter
+    fn()
+    times, start = [], clock()
+    while len(times) < min_reps or (clock() - start < min_total and len(times) < max_reps):
+        t0 = clock()
+        fn()
+        times.append(clock() - t0)
+    return min(times), statistics.median(times)
+
+
+def alternate(fns: Sequence[Callable[[], Any]], *, steps: int, clock=None) -> list[float]:
+    """Median seconds of each of `fns` over `steps` calls made in turns, the order reversed every
+    round (ABBA...), so drift on a shared machine falls on all; a first round is a warm-up."""
+    clock = clock or time.perf_counter
+    times: list[list[float]] = [[] for _ in fns]
+    for i in range(steps + 1):
+        order = range(len(fns)) if i % 2 == 0 else reversed(range(len(fns)))
+        for k in order:
+            t0 = clock()
+            fns[k]()
+            if i:
+                times[k].append(clock() - t0)
+    return [statistics.median(t) for t in times]
+
+
+def step_summary(step_s: Sequence[float], warmup: int) -> dict:
+    """Median, min, max of the steps after `warmup` (ValueError when none is left)."""
+    kept = list(step_s)[warmup:]
+    if not kept:
+        raise ValueError(f"{len(step_s)} steps and {warmup} warm-up steps: nothing timed")
+    return {
+        "steps_timed": len(kept),
+        "median_s": statistics.median(kept),
+        "min_s": min(kept),
+        "max_s": max(kept),
+    }
 
 
 def progress(message: str) -> None:
@@ -274,3 +322,28 @@ def jax_peak_bytes() -> int | None:
 
     stats = jax.local_devices()[0].memory_stats() or {}
     return stats.get("peak_bytes_in_use")
+
+
+def parse_args(doc: str, flags: dict[str, tuple], argv=None):
+    """(args, parser) of a command line given as {name: (default, help[, choices])}: the type is
+    the default's (False: a switch; None: a string), `--json` (a path to write) always there."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawTextHelpFormatter)
+    flags = {"json": (None, "write the results here"), **flags}
+    for name, (default, text, *choices) in flags.items():
+        if default is False:
+            ap.add_argument(f"--{name}", action="store_true", help=text)
+            continue
+        kind = str if default is None else type(default)
+        choices = choices[0] if choices else None
+        ap.add_argument(f"--{name}", type=kind, default=default, help=text, choices=choices)
+    return ap.parse_args(argv), ap
+
+
+def load_config(path: str, overrides: dict | None = None):
+    """The TrainConfig of config file `path` (`configs/x.py[:arg]`), dotted `overrides` set."""
+    from mmr_jax import config_types
+
+    config = config_types.load_config_file(path)
+    return config_types.from_config_dict(config_types.set_keys(config, overrides or {}))

@@ -11,6 +11,7 @@ event around the load; `tests/bench_compile_test.py` checks it in a subprocess):
 
 from __future__ import annotations
 
+import re
 import threading
 
 from jax import monitoring
@@ -62,3 +63,59 @@ class CompileClock:
 
 
 CLOCK = CompileClock()  # one per process: JAX's listeners are process-wide
+
+
+class ProgramSeconds:
+    """JAX's compile events of this process summed per program (the `fun_name` JAX reports with
+    each event: `train_step`, `_decode_loop`, or the op name of an eager call such as
+    `convert_element_type`), so a run's compilation can be traced to what built it. JAX's
+    listeners cannot be removed: one is registered, and callers take differences (`since`)."""
+
+    def __init__(self):
+        self.seconds: dict[str, dict[str, float]] = {}
+        self._parts = EVENTS
+        monitoring.register_event_duration_secs_listener(self._on_event)
+
+    def _on_event(self, event: str, duration: float, fun_name: str = "?", **_) -> None:
+        part = self._parts.get(event)
+        if part is not None:
+            # JAX names the trace `f` and the lowering and backend compile `jit(f)`: one program.
+            name = re.sub(r"^(?:jit|pjit)\((.*)\)$", r"\1", fun_name)
+            row = self.seconds.setdefault(name, {"trace": 0.0, "lower": 0.0, "backend": 0.0})
+            row[part] += duration
+            if part == "backend":
+                row["builds"] = row.get("builds", 0) + 1
+
+    def snapshot(self) -> dict[str, dict[str, float]]:
+        return {k: dict(v) for k, v in self.seconds.items()}
+
+    def since(self, before: dict[str, dict[str, float]]) -> list[dict]:
+        """Per program since `before`: name, builds, trace/lower/backend/total seconds,
+        largest total first."""
+        rows = []
+        for name, now in self.seconds.items():
+            was = before.get(name, {})
+            row = {k: now.get(k, 0.0) - was.get(k, 0.0) for k in ("trace", "lower", "backend")}
+            row["total"] = sum(row.values())
+            row["builds"] = int(now.get("builds", 0) - was.get("builds", 0))
+            if row["total"] > 0:
+                rows.append({"program": name, **row})
+        return sorted(rows, key=lambda r: -r["total"])
+
+
+class CacheLoads:
+    """Programs loaded from XLA's on-disk cache, and the seconds the loads took. JAX reports a
+    load both as its own event (counted here) and as the program's backend compile event (so
+    the compile totals already include it); a loaded program still costs its trace and
+    lowering."""
+
+    EVENT = "/jax/compilation_cache/cache_retrieval_time_sec"
+
+    def __init__(self):
+        self.seconds, self.loads = 0.0, 0
+        monitoring.register_event_duration_secs_listener(self._on_event)
+
+    def _on_event(self, event: str, duration: float, **_) -> None:
+        if event == self.EVENT:
+            self.seconds += duration
+            self.loads += 1
