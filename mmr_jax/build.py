@@ -186,6 +186,10 @@ def step_config(cfg: config_types.TrainConfig) -> train_step.StepConfig:
         tis_mode=cfg.loss.tis_mode,
         tis_mask_low=cfg.loss.tis_mask_low,
         importance_sampling_level=cfg.loss.importance_sampling_level,
+        objective=cfg.loss.objective,
+        dual_clip_c=cfg.loss.dual_clip_c,
+        entropy_coef=cfg.loss.entropy_coef,
+        top_entropy_quantile=cfg.loss.top_entropy_quantile,
     )
 
 

@@ -76,6 +76,10 @@ class StepConfig:
     tis_mode: str = "token_truncate"  # mismatch.TIS_MODES
     tis_mask_low: float = 0.0  # lower bound of the '_mask' modes (0 = none)
     importance_sampling_level: str = "token"  # losses.IS_LEVELS: 'sequence' = GSPO
+    objective: str = "ppo_clip"  # losses.OBJECTIVES
+    dual_clip_c: float = 0.0  # 0 = off
+    entropy_coef: float = 0.0  # entropy bonus (0 = off)
+    top_entropy_quantile: float = 1.0  # per minibatch (losses.high_entropy_mask); 1 = off
 
 
 def make_optimizer(
@@ -269,6 +273,11 @@ def _minibatch_loss(
         normaliser=normaliser,
         is_weights_BxT=tis,
         importance_sampling_level=cfg.importance_sampling_level,
+        objective=cfg.objective,
+        dual_clip_c=cfg.dual_clip_c,
+        entropy_BxT=entropy,
+        entropy_coef=cfg.entropy_coef,
+        top_entropy_quantile=cfg.top_entropy_quantile,
     )
     mask = mb.completion_mask
     tokens = jnp.maximum(mask.sum(), 1)
@@ -282,6 +291,12 @@ def _minibatch_loss(
         "entropy": jnp.sum(jax.lax.stop_gradient(entropy) * mask) / tokens,
         "tokens": mask.sum().astype(jnp.float32),
     }
+    for key, name in (
+        ("dual_clip_frac", "clip/dual_frac"),
+        ("entropy_kept_frac", "entropy/kept_frac"),
+    ):
+        if key in aux:  # only with the option on
+            out[name] = aux[key]
     if mb.sampler_logps is not None:  # trainer (pre-update) vs engine log-probs: sums, see _reduce
         stats = mismatch.mismatch_stats(
             behaviour,
