@@ -170,14 +170,14 @@ def high_entropy_mask(entropy_BxT: jax.Array, mask_BxT: jax.Array, *, quantile: 
     """
     chex.assert_equal_shape([entropy_BxT, mask_BxT])
     valid = mask_BxT.astype(bool)
-    h = jax.lax.stop_gradient(entropy_BxT).astype(jnp.float32)
+    h = jax.lax.stop_gradient(entropy_BxT)
     n = jnp.sum(valid)
     sorted_h = jnp.sort(jnp.where(valid, h, jnp.inf).reshape(-1))  # valid ones first
-    pos = (1.0 - quantile) * jnp.maximum(n - 1, 0).astype(jnp.float32)
+    pos = (1.0 - quantile) * jnp.maximum(n - 1, 0).astype(h.dtype)  # as torch: in h's dtype
     lo = jnp.floor(pos).astype(jnp.int32)
     hi = jnp.minimum(lo + 1, jnp.maximum(n - 1, 0))
     a, b = sorted_h[lo], sorted_h[hi]
-    threshold = a + (pos - lo.astype(jnp.float32)) * jnp.where(n > 1, b - a, 0.0)
+    threshold = a + (pos - lo.astype(h.dtype)) * jnp.where(n > 1, b - a, 0.0)
     return valid & (h >= threshold)
 
 
