@@ -232,7 +232,8 @@ def policy_loss(
     entropy_coef: float | jax.Array = 0.0,
     top_entropy_quantile: float = 1.0,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Clipped surrogate (PPO / GRPO / DAPO) with KL penalty, aggregated as `aggregation` says.
+    """Clipped surrogate (PPO / GRPO / DAPO) or CISPO, with KL penalty and entropy options,
+    aggregated as `aggregation` says.
 
     The ratio is taken against `old_logps_BxT` (the policy that sampled, or the pre-update policy
     when iterations > 1). On the first pass pass `jax.lax.stop_gradient(logps_BxT)`: the ratio is
