@@ -142,9 +142,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.rewards.overlong_cache_len = 0  # L_cache (0 = L_max // 5, DAPO's 4096 of 20480)
 
     c.advantage = ml_collections.ConfigDict()
-    c.advantage.estimator = "grpo"  # 'grpo' (r - mean) / (std + eps) | 'dr_grpo' (r - mean)
-    c.advantage.std_ddof = 1  # group std convention (TRL: torch.std, ddof=1)
-    c.advantage.eps = 1e-4  # added to the group std
+    # 'grpo' (r - mean) / (std + eps) | 'dr_grpo' (r - mean) | 'rloo' (r - mean of the others)
+    # | 'batch_std' (r - group mean) / (std of the whole batch + eps)
+    c.advantage.estimator = "grpo"
+    c.advantage.std_ddof = 1  # group (or batch) std convention (TRL: torch.std, ddof=1)
+    c.advantage.eps = 1e-4  # added to the group (or batch) std
 
     c.loss = ml_collections.ConfigDict()
     c.loss.eps_low = 0.2  # ratio clip 1 - eps_low
@@ -173,6 +175,13 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.loss.tis_mask_low = 0.0  # '_mask' modes: also reject r below this (0 = no lower bound)
     # Policy ratio: 'token' (GRPO), 'sequence' (GSPO), 'sequence_token' (GSPO-token).
     c.loss.importance_sampling_level = "token"
+    # 'ppo_clip' (the clipped surrogate) | 'cispo' (MiniMax-M1: -sg[clip(ratio)] * A * logp, its
+    # weight clipped to [1 - eps_low, 1 + eps_high]; token ratios only). docs/algorithms.md.
+    c.loss.objective = "ppo_clip"
+    c.loss.dual_clip_c = 0.0  # dual clip: loss of A < 0 tokens capped at -A * c; 0 = off (verl: 3)
+    c.loss.entropy_coef = 0.0  # entropy bonus: loss -= coef * entropy, aggregated as the loss
+    # Policy-gradient term only on each minibatch's top share of tokens by entropy (1 = all).
+    c.loss.top_entropy_quantile = 1.0
 
     c.mmr = ml_collections.ConfigDict()
     c.mmr.enabled = False  # MMR reweighting of rewards before advantages (MMR-GRPO)

@@ -11,7 +11,7 @@ each rollout batch into 4 successive updates; that form is one override away (is
     python scripts/train.py --config=configs/gspo.py:1.5b --workdir=runs/mmr_gspo_1.5b \\
         --config.mmr.enabled=True
     python scripts/train.py --config=configs/gspo.py:8b,smoke --workdir=/tmp/smoke   # CPU
-    # GSPO-token (same loss and gradient with these sequence-level advantages):
+    # GSPO-token (same loss; the same gradient unless loss.tis_mode is token_*):
     python scripts/train.py --config=configs/gspo.py:7b --workdir=runs/gspo_token_7b \\
         --config.loss.importance_sampling_level=sequence_token
 """

@@ -117,6 +117,10 @@ class LossConfig:
     tis_mode: str = "token_truncate"
     tis_mask_low: float = 0.0
     importance_sampling_level: str = "token"
+    objective: str = "ppo_clip"
+    dual_clip_c: float = 0.0
+    entropy_coef: float = 0.0
+    top_entropy_quantile: float = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -241,7 +245,8 @@ _CHOICES = {
     ("model", "attention_impl"): model_config.ATTENTION_IMPLS,
     ("model", "frozen_dtype"): ("", "float32", "bfloat16", "float16"),
     ("model", "init"): ("pretrained", "random"),
-    ("advantage", "estimator"): ("grpo", "dr_grpo"),
+    ("advantage", "estimator"): ("grpo", "dr_grpo", "rloo", "batch_std"),
+    ("loss", "objective"): ("ppo_clip", "cispo"),
     ("loss", "aggregation"): ("seq_mean_token_mean", "token_mean", "seq_mean_token_sum_norm"),
     ("loss", "kl_estimator"): ("k1", "k2", "k3"),
     ("loss", "importance_sampling_level"): ("token", "sequence", "sequence_token"),
@@ -362,6 +367,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         )
     if loss.tis_mode != "token_truncate" and loss.tis_cap == 0:
         raise ConfigError(f"loss.tis_mode={loss.tis_mode!r} needs loss.tis_cap >= 1 (0 = off)")
+    _validate_objective(loss)
     if cfg.loss.iterations < 1 or cfg.total_steps < 1:
         raise ConfigError("loss.iterations and total_steps must be >= 1")
     _validate_issue47(cfg)
@@ -431,6 +437,36 @@ def advisories(cfg: TrainConfig) -> list[str]:
             "clip band (docs/algorithms.md); set lora.dropout=0 to silence this"
         )
     return out
+
+
+def _validate_objective(loss: LossConfig) -> None:
+    """The objective options (`losses.policy_loss`) and the combinations they refuse."""
+    if loss.objective == "cispo":
+        if loss.importance_sampling_level != "token":
+            raise ConfigError(
+                "loss.objective='cispo' weights each token by its own clipped ratio; it does not "
+                f"combine with loss.importance_sampling_level={loss.importance_sampling_level!r}"
+            )
+        if loss.dual_clip_c:
+            raise ConfigError(
+                "loss.dual_clip_c caps the 'ppo_clip' surrogate; loss.objective='cispo' has none"
+            )
+        if not (0 <= loss.eps_low <= 1 and loss.eps_high >= 0):  # also refuses NaN
+            raise ConfigError(
+                f"loss.objective='cispo' clips its weight to [1 - eps_low, 1 + eps_high]: needs "
+                f"0 <= loss.eps_low <= 1 (1 = no lower bound) and loss.eps_high >= 0, got "
+                f"{loss.eps_low}, {loss.eps_high}"
+            )
+    if not (loss.dual_clip_c == 0 or 1 < loss.dual_clip_c < float("inf")):  # also refuses NaN
+        raise ConfigError(
+            f"loss.dual_clip_c={loss.dual_clip_c} must be 0 (off) or finite and > 1 (verl: 3)"
+        )
+    if not 0 <= loss.entropy_coef < float("inf"):
+        raise ConfigError(f"loss.entropy_coef={loss.entropy_coef} must be finite and >= 0")
+    if not 0 < loss.top_entropy_quantile <= 1:
+        raise ConfigError(
+            f"loss.top_entropy_quantile={loss.top_entropy_quantile} must lie in (0, 1] (1 = off)"
+        )
 
 
 def from_config_dict(config) -> TrainConfig:

@@ -10,11 +10,21 @@ from absl import flags
 from ml_collections import config_flags
 
 from mmr_jax import config_types
-from mmr_jax.algorithms import losses, mismatch
+from mmr_jax.algorithms import advantages, losses, mismatch
 from mmr_jax.training import build
 
 CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "configs"
-VARIANTS = ["grpo", "dr_grpo", "dapo", "dapo_nods", "grpo_7b", "cpu_smollm2", "base", "gspo"]
+VARIANTS = [
+    "grpo",
+    "dr_grpo",
+    "dapo",
+    "dapo_nods",
+    "grpo_7b",
+    "cpu_smollm2",
+    "base",
+    "gspo",
+    "cispo",
+]
 
 
 def _load(name, arg=None, overrides=()):
@@ -86,6 +96,36 @@ class TestVariants:
             "sequence_token"
         )
 
+    def test_cispo(self):
+        # MiniMax-M1's objective, no lower bound, cap 1 + 4 = 5 (TRL / ScaleRL), no KL.
+        cfg = config_types.from_config_dict(_load("cispo"))
+        assert cfg.loss.objective == "cispo" and cfg.loss.importance_sampling_level == "token"
+        assert (cfg.loss.eps_low, cfg.loss.eps_high, cfg.loss.beta) == (1.0, 4.0, 0.0)
+        assert cfg.loss.aggregation == "token_mean" and cfg.loss.iterations == 2
+        step = build.step_config(cfg)  # reaches the train step
+        assert step.objective == "cispo" and step.eps_high == 4.0
+        typed = config_types.from_config_dict(
+            _load("cispo", "8b,smoke", ["--config.mmr.enabled=True"])
+        )
+        assert typed.reweighting == "mmr" and typed.loss.objective == "cispo"
+
+    def test_new_options_reach_the_step(self):
+        over = [
+            "--config.loss.dual_clip_c=3.0",
+            "--config.loss.entropy_coef=0.001",
+            "--config.loss.top_entropy_quantile=0.2",
+            "--config.advantage.estimator=rloo",
+            "--config.mmr.enabled=True",
+        ]
+        cfg = config_types.from_config_dict(_load("dapo", None, over))
+        step = build.step_config(cfg)
+        assert (step.objective, step.dual_clip_c) == ("ppo_clip", 3.0)
+        assert (step.entropy_coef, step.top_entropy_quantile) == (0.001, 0.2)
+        assert cfg.advantage.estimator == "rloo" and cfg.reweighting == "mmr"
+        base = build.step_config(config_types.from_config_dict(_load("grpo")))
+        assert (base.objective, base.dual_clip_c, base.entropy_coef) == ("ppo_clip", 0.0, 0.0)
+        assert base.top_entropy_quantile == 1.0
+
     def test_tis_modes_reach_the_step(self):
         over = ["--config.loss.tis_cap=3.0", "--config.loss.tis_mode=sequence_mask"]
         cfg = config_types.from_config_dict(
@@ -100,6 +140,8 @@ class TestVariants:
         assert choices[("loss", "tis_mode")] == mismatch.TIS_MODES
         assert choices[("loss", "importance_sampling_level")] == losses.IS_LEVELS
         assert choices[("loss", "aggregation")] == losses.AGGREGATIONS
+        assert choices[("loss", "objective")] == losses.OBJECTIVES
+        assert choices[("advantage", "estimator")] == tuple(advantages.ESTIMATORS)
 
     def test_overrides(self):
         cfg = _load("grpo_7b", None, ["--config.mmr.enabled=True", "--config.mmr.lam=0.7"])
@@ -148,12 +190,22 @@ class TestBadInput:
             (("loss", "tis_mask_low", 1.0), r"tis_mask_low=1.0 must lie in \[0, 1\)"),
             (("loss", "tis_mask_low", 0.5), "needs a '_mask' loss.tis_mode"),
             (("loss", "importance_sampling_level", "seq"), "importance_sampling_level='seq'"),
+            (("loss", "objective", "ppo"), "loss.objective='ppo'; expected one of"),
+            (("loss", "dual_clip_c", 1.0), r"dual_clip_c=1.0 must be 0 \(off\) or finite and > 1"),
+            (("loss", "dual_clip_c", float("nan")), "dual_clip_c=nan"),
+            (("loss", "entropy_coef", -0.1), "entropy_coef=-0.1 must be finite and >= 0"),
+            (("loss", "entropy_coef", float("nan")), "entropy_coef=nan"),
+            (
+                ("loss", "top_entropy_quantile", 0.0),
+                r"top_entropy_quantile=0.0 must lie in \(0, 1\]",
+            ),
+            (("loss", "top_entropy_quantile", 1.5), "top_entropy_quantile=1.5"),
             (("batch", "pack_max_len", 3582), "pack_max_len=3582 must be 0 .* at least"),
             (("batch", "pack_max_len", -1), "pack_max_len"),
             (("loss", "updates_per_batch", 3), "updates_per_batch=3 must be >= 1 and divide"),
             (("loss", "updates_per_batch", 0), "updates_per_batch=0 must be >= 1"),
             (("loss", "entropy_target", -0.1), "entropy_target=-0.1 must be >= 0"),
-            (("loss", "entropy_coef", float("nan")), "entropy_coef=nan finite"),
+            (("loss", "entropy_coef", float("nan")), "entropy_coef=nan"),
             (("rewards", "overlong_cache_len", 4000), r"overlong_cache_len=4000 must lie in"),
             (("rewards", "overlong_max_len", -1), "overlong_max_len=-1"),
         ],
@@ -217,6 +269,20 @@ class TestBadInput:
         out = config_types.advisories(config_types.from_config_dict(cfg))
         assert len(out) == lines
         assert all("off_policy_lag=1 with loss.tis_cap=0" in line for line in out)
+
+    @pytest.mark.parametrize(
+        "overrides,match",
+        [
+            ({"importance_sampling_level": "sequence"}, "'cispo' .* does not combine with"),
+            ({"dual_clip_c": 3.0}, "dual_clip_c caps the 'ppo_clip' surrogate"),
+            ({"eps_low": 1.5}, r"needs 0 <= loss.eps_low <= 1"),
+        ],
+    )
+    def test_cispo_refuses(self, overrides, match):
+        cfg = _load("cispo").to_dict()
+        cfg["loss"].update(overrides)
+        with pytest.raises(config_types.ConfigError, match=match):
+            config_types.from_config_dict(cfg)
 
     def test_mmr_and_dra_exclusive(self):
         cfg = _load("grpo", None, ["--config.mmr.enabled=True", "--config.dra.enabled=True"])

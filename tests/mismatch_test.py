@@ -61,7 +61,8 @@ class TisWeightsTest(chex.TestCase):
         np.testing.assert_allclose(got["tis/masked_frac"], masked, rtol=1e-6)
 
     def test_modes_are_the_anchors_names(self):
-        # TRL's vllm_importance_sampling_mode values, plus verl's geometric (mean) level.
+        # TRL's vllm_importance_sampling_mode values (its default: sequence_mask, cap 3), plus
+        # the geometric (mean) level of verl's rejection sampling.
         assert set(mismatch.TIS_MODES) == {
             "token_truncate",
             "token_mask",
@@ -123,6 +124,17 @@ class TisInTheLossTest(chex.TestCase):
             )[0]
         )
         np.testing.assert_allclose(fn(w), want, rtol=1e-6)
+
+    def test_rejected_tokens_stay_in_the_normaliser(self):
+        # TRL's semantics (mismatch module docstring), not verl's rejection sampling: on-policy,
+        # sequence_mask at cap 2 rejects seq 0 (e^1.1 > 2); seq 1 (A = -2, weight e^0.3) has
+        # token losses 2 e^0.3. Token mean over all 5 tokens, not over the 3 kept ones.
+        w = mismatch.tis_weights(OLD, ENGINE, MASK, cap=2.0, mode="sequence_mask")
+        loss = losses.policy_loss(
+            OLD, OLD, ADV, MASK, aggregation="token_mean", is_weights_BxT=w, **CLIP
+        )[0]
+        np.testing.assert_allclose(loss, 3 * 2 * e(0.3) / 5, rtol=1e-6)
+        assert abs(float(loss) - 3 * 2 * e(0.3) / 3) > 0.5
 
     @parameterized.parameters(*HAND)
     def test_weights_scale_the_gradient_per_token_not_the_kl(self, mode, cap, low):

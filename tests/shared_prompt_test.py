@@ -316,10 +316,26 @@ _VARIANTS = {
         updates_per_batch=4,
         tis_cap=1.5,
     ),
+    # Issue 47: CISPO's stop-gradient weight, and dual clip with the entropy bonus and the
+    # top-entropy token mask (per minibatch: the entropies of every layout must agree).
+    "cispo": dict(
+        aggregation="token_mean", objective="cispo", eps_low=1.0, eps_high=0.1, iterations=2
+    ),
+    "entropy_dual_clip": dict(
+        aggregation="seq_mean_token_mean",
+        dual_clip_c=1.05,
+        entropy_coef=0.05,
+        top_entropy_quantile=0.5,
+        iterations=2,
+    ),
 }
 
+_OPTIONS_OFF = dict(
+    objective="ppo_clip", dual_clip_c=0.0, entropy_coef=0.0, top_entropy_quantile=1.0
+)
 
-# One variant in the fast set (20 s on 2 cores); all ten (9 min) under --runslow (issues 40, 47).
+
+# One variant in the fast set (20 s on 2 cores); the others under --runslow (issues 40, 47).
 _FAST_VARIANTS = ("dapo",)
 
 
@@ -337,7 +353,7 @@ def test_train_step_same_metrics_and_update(ckpt, variant):
         minibatches=opts.pop("minibatches", 2),
         iterations=opts.pop("iterations", 1),
         temperature=0.7,
-        eps_low=0.2,
+        eps_low=opts.pop("eps_low", 0.2),
         eps_high=opts.pop("eps_high", 0.2),
         aggregation=opts.pop("aggregation"),
         beta=opts.pop("beta", 0.0),
@@ -348,7 +364,9 @@ def test_train_step_same_metrics_and_update(ckpt, variant):
         tis_mask_low=opts.pop("tis_mask_low", 0.0),
         importance_sampling_level=opts.pop("importance_sampling_level", "token"),
         updates_per_batch=opts.pop("updates_per_batch", 1),
+        **{k: opts.pop(k, v) for k, v in _OPTIONS_OFF.items()},
     )
+    assert not opts, opts
     policy = build.split_model(_load(ckpt, lora=lora))
     groups = _groups(4, 4, seed=4)
     adv = np.random.default_rng(5).standard_normal((4, 4)).astype(np.float32)
@@ -441,6 +459,16 @@ def test_train_step_same_metrics_and_update(ckpt, variant):
             )
             token = token_step(fresh_state(), batch, policy.frozen, policy.rest)[1]
             assert abs(float(token["loss"]) - float(metrics["loss"])) > 1e-4
+        if any(getattr(cfg, k) != v for k, v in _OPTIONS_OFF.items()) and not results:
+            # The options reach the loss: without them the same batch gives another loss.
+            off_cfg = dataclasses.replace(cfg, **_OPTIONS_OFF)
+            off_step = train_step.jit_train_step(
+                graphdef=policy.graphdef, optimizer=optimizer, schedule=lambda _: 1.0, cfg=off_cfg
+            )
+            off = off_step(fresh_state(), batch, policy.frozen, policy.rest)[1]
+            assert abs(float(off["loss"]) - float(metrics["loss"])) > 1e-4
+            if cfg.top_entropy_quantile < 1:
+                assert 0.3 < float(metrics["entropy/kept_frac"]) < 0.7
         if old is not None:  # the mismatch metrics are of these log-probs: against float64
             m = np.asarray(arrays["completion_mask"])
             r = np.exp(np.asarray(old, np.float64)[m] - arrays["sampler_logps"][m])

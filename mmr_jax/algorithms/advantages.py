@@ -1,4 +1,5 @@
-"""Group-relative advantages (GRPO, Dr.GRPO) and the DAPO dynamic-sampling predicate.
+"""Group-relative advantages (GRPO, Dr.GRPO, RLOO, batch-std) and the DAPO dynamic-sampling
+predicate.
 
 Shape legend: B prompts, G completions per prompt. `...` is any leading batch shape (usually [B]);
 the last axis is one group of G completions of the same prompt.
@@ -148,3 +149,53 @@ def dr_grpo_advantages(rewards: jax.Array, *, mask: jax.Array | None = None) -> 
     """
     valid = _valid(rewards, mask)
     return _finish(rewards - masked_mean(rewards, mask=valid), rewards, valid)
+
+
+@register("rloo")
+def rloo_advantages(rewards: jax.Array, *, mask: jax.Array | None = None) -> jax.Array:
+    """RLOO: A_i = r_i - mean_{j != i} r_j over the other valid entries of the group.
+
+    Kool et al. 2019; Ahmadian et al. 2024 ("Back to Basics"); verl `adv_estimator='rloo'`,
+    OpenRLHF, tunix. Equal to n / (n - 1) * (r_i - mean(r)) with n valid entries. A group of
+    fewer than two valid entries has no leave-one-out baseline and gets 0 (verl instead passes
+    a lone completion its raw reward).
+
+    Args:
+      rewards: [..., G] rewards.
+      mask: [..., G] bool, True = a real completion; masked entries get 0 and are no baseline.
+
+    Returns:
+      [..., G] advantages.
+    """
+    valid = _valid(rewards, mask)
+    n = _count(valid).astype(rewards.dtype)
+    scale = n / jnp.maximum(n - 1.0, 1.0)
+    return _finish(scale * (rewards - masked_mean(rewards, mask=valid)), rewards, valid)
+
+
+@register("batch_std")
+def batch_std_advantages(
+    rewards: jax.Array, *, mask: jax.Array | None = None, ddof: int = 1, eps: float = 1e-4
+) -> jax.Array:
+    """Group-mean-centred rewards over one std of the whole batch: (r_i - mean_group) / (std + eps).
+
+    TRL `scale_rewards='batch'`: the std of the rewards over every valid entry of every group of
+    the call, ddof and eps as `grpo_advantages`. REINFORCE++-baseline (Hu et al. 2025; verl
+    `reinforce_plus_plus_baseline`) is close but not equal: it divides the centred values by
+    their own std, token-weighted, and re-centres them. Pass the whole step's batch: the std is
+    global only over what it is given (the trainer's `experience.compute_advantages` is).
+
+    Args:
+      rewards: [..., G] (possibly MMR-reweighted) rewards; all leading axes form the batch.
+      mask: [..., G] bool, True = a real completion; masked entries get 0 and are left out of
+        both the group means and the batch std.
+      ddof: the batch std's divisor is n - ddof over the n valid entries of the batch.
+      eps: added to the std.
+
+    Returns:
+      [..., G] advantages.
+    """
+    valid = _valid(rewards, mask)
+    std = masked_std(rewards.reshape(1, -1), mask=valid.reshape(1, -1), ddof=ddof)[0, 0]
+    centred = rewards - masked_mean(rewards, mask=valid)
+    return _finish(centred / (std + eps), rewards, valid)

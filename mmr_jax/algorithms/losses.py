@@ -29,7 +29,30 @@ Importance-sampling level (`IS_LEVELS`, TRL's `importance_sampling_level`, verl'
                       of each token's own log-prob                                 (GSPO-token)
 
 (Zheng et al. 2025, "Group Sequence Policy Optimization", eqs. 5-7 and 13-14.) With the
-sequence-level advantages used here, GSPO and GSPO-token have the same loss and gradient.
+sequence-level advantages used here they have the same loss, and the same gradient as long as
+the correction weights w_t (`is_weights_BxT`) are constant within each sequence (none, or a
+`sequence_*` / `geometric_*` mode). With token-level weights (`tis_mode='token_*'`) the gradients
+differ: for an unclipped sequence i with n_i loss tokens, per unit of the normaliser,
+
+    'sequence'        d loss / d logp_t = -A_i s_i (sum_u w_u) / n_i    (TRL: its sequence-level
+                      ratio, gradient through the mean, times its per-token vLLM IS weights)
+    'sequence_token'  d loss / d logp_t = -A_i s_i w_t                  (verl's GSPO, whose
+                      ratio is this GSPO-token form, times its rollout_is_weights)
+
+Objectives (`OBJECTIVES`): 'ppo_clip' is the clipped surrogate above; 'cispo' (MiniMax-M1, Chen
+et al. 2025, eq. 4) replaces it with a REINFORCE term weighted by the clipped ratio, no gradient
+through the weight: l_t = -sg[clip(ratio_t, 1 - eps_low, 1 + eps_high)] * A * logp_t (verl
+`loss_mode='cispo'`, NeMo-RL; TRL's `loss_type='cispo'` clamps at its `epsilon_high` itself).
+Dual clip (`dual_clip_c` = c > 1; verl `clip_ratio_c`, TRL `delta`; Ye et al. 2020) caps the
+surrogate of negative-advantage tokens: l_t = min(-A c, l_t) where A < 0, so a token whose ratio
+exceeds c adds -A c and no gradient.
+
+Entropy (`entropy_BxT`, the policy's per-token entropy, with its gradient): `entropy_coef`
+subtracts coef * H_t from every loss token, aggregated like l_t (verl `entropy_coeff`), and
+`top_entropy_quantile` = rho < 1 keeps the policy-gradient term only on the tokens whose entropy
+is at least the (1 - rho)-quantile of this call's valid tokens (`high_entropy_mask`; Wang et al.
+2025, "Beyond the 80/20 Rule"; TRL `top_entropy_quantile`). The KL and entropy terms stay on every
+token, and the normaliser is unchanged, as in TRL.
 
 The rollout/trainer mismatch (the engine's log-probs against the trainer's) is measured and
 corrected in `mismatch`; its importance weights enter `policy_loss` as `is_weights_BxT`.
@@ -42,6 +65,7 @@ import jax.numpy as jnp
 AGGREGATIONS = ("seq_mean_token_mean", "token_mean", "seq_mean_token_sum_norm")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 IS_LEVELS = ("token", "sequence", "sequence_token")
+OBJECTIVES = ("ppo_clip", "cispo")
 
 
 def kl_divergence(logps: jax.Array, ref_logps: jax.Array, *, estimator: str = "k3") -> jax.Array:
@@ -128,6 +152,56 @@ def log_importance_ratio(
     return jnp.where(valid, seq_Bx1, 0.0)
 
 
+def high_entropy_mask(entropy_BxT: jax.Array, mask_BxT: jax.Array, *, quantile: float) -> jax.Array:
+    """The valid tokens whose entropy is in the top `quantile` share (TRL `top_entropy_quantile`).
+
+    The threshold is the (1 - quantile)-quantile of the entropies of all valid tokens given
+    (every row of the call), interpolated linearly between order statistics as
+    `torch.quantile`; a token is kept when its entropy is >= the threshold, so ties at the
+    threshold are all kept (TRL's `get_high_entropy_mask`). No gradient.
+
+    Args:
+      entropy_BxT: [B, T] per-token entropies.
+      mask_BxT: [B, T] bool or {0, 1}, True = a loss token.
+      quantile: share kept, in (0, 1]; 1 keeps every valid token.
+
+    Returns:
+      [B, T] bool, False at masked positions; all False when no token is valid.
+    """
+    chex.assert_equal_shape([entropy_BxT, mask_BxT])
+    valid = mask_BxT.astype(bool)
+    h = jax.lax.stop_gradient(entropy_BxT)
+    n = jnp.sum(valid)
+    sorted_h = jnp.sort(jnp.where(valid, h, jnp.inf).reshape(-1))  # valid ones first
+    pos = (1.0 - quantile) * jnp.maximum(n - 1, 0).astype(h.dtype)  # as torch: in h's dtype
+    lo = jnp.floor(pos).astype(jnp.int32)
+    hi = jnp.minimum(lo + 1, jnp.maximum(n - 1, 0))
+    a, b = sorted_h[lo], sorted_h[hi]
+    threshold = a + (pos - lo.astype(h.dtype)) * jnp.where(n > 1, b - a, 0.0)
+    return valid & (h >= threshold)
+
+
+def ppo_clip_loss(ratio_BxT, adv_Bx1, *, eps_low: float, eps_high: float, dual_clip_c: float = 0.0):
+    """Per-token -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A); with `dual_clip_c` = c > 1,
+    capped at -A c where A < 0 (verl `compute_policy_loss_vanilla`)."""
+    clipped = jnp.clip(ratio_BxT, 1.0 - eps_low, 1.0 + eps_high)
+    loss_BxT = -jnp.minimum(ratio_BxT * adv_Bx1, clipped * adv_Bx1)
+    if dual_clip_c:
+        loss_BxT = jnp.where(adv_Bx1 < 0, jnp.minimum(loss_BxT, -adv_Bx1 * dual_clip_c), loss_BxT)
+    return loss_BxT
+
+
+def cispo_loss(logps_BxT, ratio_BxT, adv_Bx1, *, eps_low: float, eps_high: float):
+    """Per-token CISPO: -sg[clip(r, 1 - eps_low, 1 + eps_high)] * A * logp (MiniMax-M1 eq. 4)."""
+    weight = jax.lax.stop_gradient(jnp.clip(ratio_BxT, 1.0 - eps_low, 1.0 + eps_high))
+    return -weight * adv_Bx1 * logps_BxT
+
+
+def _is_zero(x) -> bool:
+    """True for a Python / NumPy scalar equal to 0 (a traced coefficient is never 'off')."""
+    return not isinstance(x, jax.Array) and float(x) == 0.0
+
+
 def _masked_stats(x: jax.Array, valid: jax.Array, m: jax.Array, n: jax.Array) -> dict:
     return {
         "mean": jnp.sum(x * m) / n,
@@ -152,8 +226,14 @@ def policy_loss(
     normaliser: jax.Array | float | None = None,
     is_weights_BxT: jax.Array | None = None,
     importance_sampling_level: str = "token",
+    objective: str = "ppo_clip",
+    dual_clip_c: float = 0.0,
+    entropy_BxT: jax.Array | None = None,
+    entropy_coef: float | jax.Array = 0.0,
+    top_entropy_quantile: float = 1.0,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Clipped surrogate (PPO / GRPO / DAPO) with KL penalty, aggregated as `aggregation` says.
+    """Clipped surrogate (PPO / GRPO / DAPO) or CISPO, with KL penalty and entropy options,
+    aggregated as `aggregation` says.
 
     The ratio is taken against `old_logps_BxT` (the policy that sampled, or the pre-update policy
     when iterations > 1). On the first pass pass `jax.lax.stop_gradient(logps_BxT)`: the ratio is
@@ -178,12 +258,24 @@ def policy_loss(
         verl's TIS, whose KL loss is a separate term). None = no correction (loss unchanged).
       importance_sampling_level: one of IS_LEVELS: 'token' (the surrogate above), 'sequence'
         (GSPO) or 'sequence_token' (GSPO-token); the KL penalty stays per token.
+      objective: one of OBJECTIVES: 'ppo_clip' (the surrogate above) or 'cispo' (its eps_low /
+        eps_high bound the stop-gradient weight; token level only).
+      dual_clip_c: 0 = off, else c > 1: the 'ppo_clip' loss of A < 0 tokens is capped at -A c.
+      entropy_BxT: [B, T] per-token policy entropy (gradient flows through it); needed by the
+        two options below, ignored without them.
+      entropy_coef: entropy bonus: loss -= coef * (entropy aggregated as the loss); a Python
+        number (0 = off, the graph is then unchanged) or a 0-d array (may be traced).
+      top_entropy_quantile: in (0, 1]; below 1 the policy-gradient term counts only on
+        `high_entropy_mask(entropy_BxT, mask_BxT)` tokens (module docstring).
 
     Returns:
       (loss, metrics): scalar loss = numerator / (normaliser or denominator); metrics hold
       loss_numerator, loss_denominator, num_tokens, clip_frac_low, clip_frac_high (token means of
       where the clip binds: at the sequence levels every token of a clipped sequence counts),
-      kl (token mean; 0 without reference) and ratio_mean/min/max (over tokens).
+      kl (token mean; 0 without reference) and ratio_mean/min/max (over tokens). Under 'cispo'
+      the clip shares count the tokens whose weight was clipped, whatever the sign of A. With
+      the options on, also dual_clip_frac (share of tokens with A < 0 and ratio > c) and
+      entropy_kept_frac (share of tokens `high_entropy_mask` keeps).
     """
     chex.assert_rank([logps_BxT, advantages_B], [2, 1])
     b, t = logps_BxT.shape
@@ -193,6 +285,17 @@ def policy_loss(
         raise ValueError(f"unknown aggregation {aggregation!r}; known: {AGGREGATIONS}")
     if beta != 0.0 and ref_logps_BxT is None:
         raise ValueError("beta > 0 needs ref_logps_BxT")
+    if objective not in OBJECTIVES:
+        raise ValueError(f"unknown objective {objective!r}; known: {OBJECTIVES}")
+    if objective == "cispo" and (importance_sampling_level != "token" or dual_clip_c):
+        raise ValueError("objective 'cispo' takes token ratios and no dual clip")
+    if dual_clip_c and not dual_clip_c > 1.0:
+        raise ValueError(f"dual_clip_c must be 0 (off) or > 1, got {dual_clip_c}")
+    if not 0.0 < top_entropy_quantile <= 1.0:
+        raise ValueError(f"top_entropy_quantile must lie in (0, 1], got {top_entropy_quantile}")
+    use_entropy = top_entropy_quantile < 1.0 or not _is_zero(entropy_coef)
+    if use_entropy and entropy_BxT is None:
+        raise ValueError("entropy_coef and top_entropy_quantile < 1 need entropy_BxT")
     valid = mask_BxT.astype(bool)
     m = valid.astype(logps_BxT.dtype)
     logps = jnp.where(valid, logps_BxT, 0.0)
@@ -200,17 +303,30 @@ def policy_loss(
     adv = advantages_B[:, None]
 
     ratio = jnp.exp(log_importance_ratio(logps, old, valid, level=importance_sampling_level))
-    clipped = jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high)
-    loss_BxT = -jnp.minimum(ratio * adv, clipped * adv)
+    clip = dict(eps_low=eps_low, eps_high=eps_high)
+    if objective == "cispo":
+        loss_BxT = cispo_loss(logps, ratio, adv, **clip)
+    else:
+        loss_BxT = ppo_clip_loss(ratio, adv, **clip, dual_clip_c=dual_clip_c)
     if is_weights_BxT is not None:
         chex.assert_shape(is_weights_BxT, (b, t))
         loss_BxT = loss_BxT * jnp.where(valid, jax.lax.stop_gradient(is_weights_BxT), 0.0)
+    extra = {}
+    if use_entropy:
+        chex.assert_shape(entropy_BxT, (b, t))
+        entropy = jnp.where(valid, entropy_BxT, 0.0)
+    if top_entropy_quantile < 1.0:
+        keep = high_entropy_mask(entropy, valid, quantile=top_entropy_quantile)
+        loss_BxT = loss_BxT * keep.astype(loss_BxT.dtype)
+        extra["entropy_kept_frac"] = jnp.sum(keep * m) / jnp.maximum(jnp.sum(m), 1.0)
     kl = jnp.zeros_like(logps)
     if ref_logps_BxT is not None:
         chex.assert_shape(ref_logps_BxT, (b, t))
         ref = jnp.where(valid, jax.lax.stop_gradient(ref_logps_BxT), 0.0)
         kl = kl_divergence(logps, ref, estimator=kl_estimator)
         loss_BxT = loss_BxT + beta * kl
+    if not _is_zero(entropy_coef):
+        loss_BxT = loss_BxT - jnp.asarray(entropy_coef, loss_BxT.dtype) * entropy
 
     num = _numerator(loss_BxT, m, aggregation)
     den = loss_denominator(valid, aggregation=aggregation, max_completion_len=max_completion_len)
@@ -221,6 +337,10 @@ def policy_loss(
     # The clip binds (zero gradient) below 1 - eps_low only for A < 0, above 1 + eps_high for A > 0.
     low = (ratio < 1.0 - eps_low) & (adv < 0)
     high = (ratio > 1.0 + eps_high) & (adv > 0)
+    if objective == "cispo":  # the weight is clipped whatever the sign of A (the token keeps its
+        low, high = ratio < 1.0 - eps_low, ratio > 1.0 + eps_high  # gradient)
+    if dual_clip_c:
+        extra["dual_clip_frac"] = jnp.sum(((ratio > dual_clip_c) & (adv < 0)) * m) / n_tok
     stats = _masked_stats(jax.lax.stop_gradient(ratio), valid, m, n_tok)
     metrics = {
         "loss_numerator": num,
@@ -232,5 +352,6 @@ def policy_loss(
         "ratio_mean": stats["mean"],
         "ratio_min": stats["min"],
         "ratio_max": stats["max"],
+        **extra,
     }
     return loss, metrics

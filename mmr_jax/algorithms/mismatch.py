@@ -9,12 +9,24 @@ backend). With d_t = trainer_logp_t - engine_logp_t on the loss tokens of one se
     level      log-ratio of token t           anchors
     token      d_t                             TRL token_*, verl rollout_is='token'
     sequence   sum_t d_t   (one per sequence)  TRL sequence_*, verl rollout_is='sequence'
-    geometric  mean_t d_t  (one per sequence)  verl rollout_rs='geometric'
+    geometric  mean_t d_t  (one per sequence)  verl rollout_rs='geometric' (a rejection rule)
 
 and r = exp(log-ratio). 'truncate' weights the policy-gradient term by min(r, cap) (truncated
 importance sampling, TIS); 'mask' by r where low <= r <= cap and 0 elsewhere (the token, or the
-whole sequence, is rejected), as TRL's `vllm_importance_sampling_mode` and verl's rollout
-rejection sampling. `TIS_MODES` names the six `level_kind` pairs.
+whole sequence, is rejected). `TIS_MODES` names the six `level_kind` pairs.
+
+What each is, against the anchors:
+- token_truncate, sequence_truncate, token_mask, sequence_mask with low = 0: exactly TRL's
+  `vllm_importance_sampling_mode` of the same name (TRL's default is sequence_mask, cap 3).
+  A rejected token keeps its place in the loss's normaliser, as in TRL: the loss shrinks with
+  the rejection rate.
+- The '_mask' modes are not verl's rollout rejection sampling (`rollout_rs`): verl removes a
+  rejected token from the response mask, hence from the normaliser, defaults the lower bound to
+  1 / upper, and keeps the accepted tokens at weight 1 (its IS weights are a separate option).
+  `low` = 1 / cap gives verl's bounds; the normaliser and the weight of the kept tokens differ.
+- geometric_truncate: min(exp(mean_t d_t), cap) on every token of the sequence. No anchor ships
+  it (verl's 'geometric' level is a rejection rule only); this project's length-normalised
+  sequence TIS, as GSPO's ratio is to the sequence product.
 
 Measurement: `mismatch_stats` keeps per-minibatch sufficient statistics (counts, sums, extrema,
 and the ratio's mean and M2 = sum of squared deviations from it), which `combine_mismatch_stats`
@@ -107,9 +119,11 @@ def tis_weights(
 ) -> jax.Array:
     """Importance weights correcting for the rollout/trainer mismatch, no gradient.
 
-    'token_truncate' is verl's `tis_imp_ratio_cap` and TRL's default: w_t = min(exp(d_t), cap).
-    The other modes (module docstring) take the ratio per sequence (sum or mean of its d_t)
-    and/or reject out-of-bounds ratios instead of truncating them.
+    'token_truncate' is verl's `tis_imp_ratio_cap` and TRL's 'token_truncate': w_t =
+    min(exp(d_t), cap). (TRL's default is 'sequence_mask' with cap 3.) The other modes (module
+    docstring) take the ratio per sequence (sum or mean of its d_t) and/or reject out-of-bounds
+    ratios instead of truncating them; a rejected token's weight is 0 but it stays in the loss's
+    normaliser (TRL's semantics, not verl's rejection sampling).
 
     Args:
       old_logps_BxT: [B, T] trainer log-probs of the sampled tokens (pre-update policy).

@@ -293,7 +293,8 @@ def compute_advantages(total_BxG, embeddings_BxGxD, valid_BxG, opts: AdvantageOp
             if opts.lam is not None
             else mmr.adaptive_lambda(r, mask=m)
         )
-    kwargs = {"ddof": opts.std_ddof, "eps": opts.eps} if opts.estimator == "grpo" else {}
+    scaled = opts.estimator in ("grpo", "batch_std")  # the estimators with a std convention
+    kwargs = {"ddof": opts.std_ddof, "eps": opts.eps} if scaled else {}
     adv = advantages_lib.ESTIMATORS[opts.estimator](
         reweighted, mask=np.asarray(valid_BxG), **kwargs
     )

@@ -11,7 +11,6 @@ forward. Pure functions of arrays and the model's split state.
 from __future__ import annotations
 
 import functools
-import inspect
 
 import jax
 import jax.numpy as jnp
@@ -21,10 +20,6 @@ from mmr_jax.algorithms import losses, mismatch
 from mmr_jax.models import logprobs as logprobs_lib
 
 MISMATCH_STATS = "mismatch_stats/"  # sufficient statistics, combined exactly, then made metrics
-
-# The entropy bonus lives in `losses.policy_loss` (issue 47, branch h47math: keyword-only
-# `entropy_BxT` and `entropy_coef`); until that lands here the coefficient is only logged.
-ENTROPY_BONUS = "entropy_coef" in inspect.signature(losses.policy_loss).parameters
 
 
 def with_dropout_key(rest, key):
@@ -170,9 +165,6 @@ def minibatch_loss(
             mode=cfg.tis_mode,
             low=cfg.tis_mask_low,
         )
-    bonus = {}
-    if ENTROPY_BONUS and cfg.entropy_on:  # issue 47 hook: h47math's policy_loss arguments
-        bonus = dict(entropy_BxT=entropy, entropy_coef=entropy_coef)
     loss, aux = losses.policy_loss(
         logps,
         ratio_ref,
@@ -188,7 +180,11 @@ def minibatch_loss(
         normaliser=normaliser,
         is_weights_BxT=tis,
         importance_sampling_level=cfg.importance_sampling_level,
-        **bonus,
+        objective=cfg.objective,
+        dual_clip_c=cfg.dual_clip_c,
+        entropy_BxT=entropy,
+        entropy_coef=entropy_coef if cfg.entropy_on else 0.0,  # 0: the graph has no bonus term
+        top_entropy_quantile=cfg.top_entropy_quantile,
     )
     mask = mb.completion_mask
     tokens = jnp.maximum(mask.sum(), 1)
@@ -202,6 +198,12 @@ def minibatch_loss(
         "entropy": jnp.sum(jax.lax.stop_gradient(entropy) * mask) / tokens,
         "tokens": mask.sum().astype(jnp.float32),
     }
+    for key, name in (
+        ("dual_clip_frac", "clip/dual_frac"),
+        ("entropy_kept_frac", "entropy/kept_frac"),
+    ):
+        if key in aux:  # only with the option on
+            out[name] = aux[key]
     if mb.sampler_logps is not None:  # trainer (pre-update) vs engine log-probs: sums, combined
         stats = mismatch.mismatch_stats(
             behaviour,

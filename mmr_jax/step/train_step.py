@@ -81,6 +81,9 @@ class StepConfig:
     tis_mode: str = "token_truncate"  # mismatch.TIS_MODES
     tis_mask_low: float = 0.0  # lower bound of the '_mask' modes (0 = none)
     importance_sampling_level: str = "token"  # losses.IS_LEVELS: 'sequence' = GSPO
+    objective: str = "ppo_clip"  # losses.OBJECTIVES
+    dual_clip_c: float = 0.0  # 0 = off
+    top_entropy_quantile: float = 1.0  # per minibatch (losses.high_entropy_mask); 1 = off
     updates_per_batch: int = 1  # U optimiser updates per pass, each on M / U minibatches
     entropy_coef: float = 0.0  # the entropy bonus's coefficient (adaptive: its start)
     entropy_control: entropy_control.Control | None = None  # adaptive coefficient (None: fixed)

@@ -21,7 +21,7 @@ from mmr_jax.models import attention_probe, hub, loading, random_init, sharding
 from mmr_jax.models import config as model_config
 from mmr_jax.models import lora as lora_lib
 from mmr_jax.problems import data, tasks
-from mmr_jax.step import step_loss, train_step
+from mmr_jax.step import train_step
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 ARITHMETIC = "arithmetic"  # data.source for generated problems (`data.arithmetic_problems`)
@@ -202,8 +202,6 @@ def _init_state(cfg: config_types.TrainConfig, params, optimizer) -> train_step.
 
 
 def step_config(cfg: config_types.TrainConfig) -> train_step.StepConfig:
-    if (cfg.loss.entropy_coef or cfg.loss.entropy_target) and not step_loss.ENTROPY_BONUS:
-        logging.warning("entropy bonus logged only: losses.policy_loss has no entropy_coef yet")
     return train_step.StepConfig(
         minibatches=cfg.loss.minibatches,
         iterations=cfg.loss.iterations,
@@ -222,6 +220,9 @@ def step_config(cfg: config_types.TrainConfig) -> train_step.StepConfig:
         updates_per_batch=cfg.loss.updates_per_batch,
         entropy_coef=cfg.loss.entropy_coef,
         entropy_control=entropy_control(cfg),
+        objective=cfg.loss.objective,
+        dual_clip_c=cfg.loss.dual_clip_c,
+        top_entropy_quantile=cfg.loss.top_entropy_quantile,
     )
 
 
