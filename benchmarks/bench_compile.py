@@ -38,6 +38,7 @@ import time
 import jax
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from mmr_jax.config import config_overrides
 from mmr_jax.infra import bench_harness as harness
 
 MODELS = {
@@ -65,7 +66,7 @@ def _model(name: str):
     from mmr_jax.training import compiled_dry_run
 
     path, devices = MODELS[name]
-    cfg = harness.load_config(path)
+    cfg = config_overrides.load_config(path)
     return cfg, compiled_dry_run.config_mesh(cfg, devices=jax.devices()[:devices]), devices
 
 
@@ -97,11 +98,11 @@ def bench_model(name: str, steps: int) -> list[dict]:
 
 def parse_options(text: str) -> dict:
     """'a=false,b=2' -> {'a': False, 'b': 2}: XLA compiler options as JAX's `compile` takes them."""
-    from mmr_jax import config_types
+    from mmr_jax.config import config_overrides
 
     items = [part for part in text.split(",") if part.strip()]
     try:
-        return config_types.parse_assignments(items)
+        return config_overrides.parse_assignments(items)
     except ValueError as e:
         raise ValueError(f"an XLA option is name=value: {e}") from None
 
@@ -158,7 +159,7 @@ def bench_run(steps, workdir, price=None, programs=None, loads=None) -> dict:
     overrides = {"total_steps": steps, "checkpoint.every": 0, "eval.every": 0}
     if price is not None:
         overrides["batch.compile_price_steps"] = price
-    cfg = harness.load_config(MODELS["smollm2"][0], overrides)
+    cfg = config_overrides.load_config(MODELS["smollm2"][0], overrides)
     shutil.rmtree(workdir, ignore_errors=True)
     trainer.train(cfg, workdir)
     compile_s = {k: v - before[k] for k, v in clock.totals().items()}

@@ -102,11 +102,11 @@ def train_flops(mcfg, *, lora: bool, prompts, generations, prompt_len, completio
 def _load(spec: str, overrides: list[str]):
     """The config file's TrainConfig with `key=value` overrides (values as Python literals,
     else strings: `batch.max_completion_len=1024`, `model.path=/ckpt`)."""
-    from mmr_jax import config_types
+    from mmr_jax.config import config_checks, config_overrides
 
-    parsed = config_types.parse_assignments(overrides)
-    config = config_types.set_keys(config_types.load_config_file(spec), parsed)
-    return config_types.from_config_dict(config)
+    parsed = config_overrides.parse_assignments(overrides)
+    config = config_overrides.set_keys(config_overrides.load_config_file(spec), parsed)
+    return config_checks.from_config_dict(config)
 
 
 random_on_device = harness.random_on_device  # (kept: other code imports it from here)

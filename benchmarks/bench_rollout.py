@@ -39,7 +39,7 @@ def main(argv) -> None:
     del argv
     import transformers
 
-    from mmr_jax import config_types
+    from mmr_jax.config import config_checks, config_overrides
     from mmr_jax.infra import compile_cache
     from mmr_jax.models import hub
     from mmr_jax.problems import data
@@ -47,7 +47,7 @@ def main(argv) -> None:
     from mmr_jax.training import build
 
     compile_cache.enable()
-    cfg = config_types.from_config_dict(config_types.load_config_file(_CONFIG.value))
+    cfg = config_checks.from_config_dict(config_overrides.load_config_file(_CONFIG.value))
     tokenizer = transformers.AutoTokenizer.from_pretrained(hub.resolve_checkpoint(cfg.model.path))
     policy = build.load_policy(cfg)
     engine = build.make_engine(cfg, policy, tokenizer, workdir=None)

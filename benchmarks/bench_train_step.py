@@ -102,7 +102,7 @@ def make_groups(shape: Shape, vocab: int, seed: int = 0, long_row: bool = False)
 
 def train_config(shape: Shape, model_path: str):
     """configs/cpu_smollm2.py with the shape's batch sizes and `model_path`."""
-    from mmr_jax import config_types
+    from mmr_jax.config import config_checks
 
     sys.path.insert(0, str(_REPO / "configs"))
     import cpu_smollm2
@@ -114,7 +114,7 @@ def train_config(shape: Shape, model_path: str):
         shape.max_prompt_len,
         shape.max_completion_len,
     )
-    return config_types.from_config_dict(c)
+    return config_checks.from_config_dict(c)
 
 
 def batches(cfg, groups, adv) -> dict:

@@ -18,11 +18,11 @@ from mmr_jax.infra import bench_harness as harness
 
 def load_config(spec: str, overrides: list[str]):
     """`path[:arg]`'s TrainConfig with `key=value` overrides (values parsed as Python literals)."""
-    from mmr_jax import config_types
+    from mmr_jax.config import config_checks, config_overrides
 
-    parsed = config_types.parse_assignments(overrides)
-    return config_types.from_config_dict(
-        config_types.set_keys(config_types.load_config_file(spec), parsed)
+    parsed = config_overrides.parse_assignments(overrides)
+    return config_checks.from_config_dict(
+        config_overrides.set_keys(config_overrides.load_config_file(spec), parsed)
     )
 
 

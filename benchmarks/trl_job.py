@@ -12,7 +12,8 @@ from __future__ import annotations
 import os
 import time
 
-from mmr_jax import config_types, rewards
+from mmr_jax import rewards
+from mmr_jax.config import config_overrides, config_types
 from mmr_jax.infra import bench_harness as harness
 from mmr_jax.problems import data
 from mmr_jax.step import step_batch
@@ -167,7 +168,7 @@ def trl_worker(args) -> None:
     from trl.extras import profiling
 
     torch.set_num_threads(args.threads)
-    cfg = harness.load_config(
+    cfg = config_overrides.load_config(
         args.config, overrides(args.steps, mmr=False, model_path=args.model_path)
     )
     b, g = cfg.batch.prompts, cfg.batch.generations

@@ -28,7 +28,8 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from mmr_jax import config_types, distributed
+from mmr_jax import distributed
+from mmr_jax.config import config_checks, config_overrides
 from mmr_jax.infra import compile_cache, console, run_paths
 from mmr_jax.training import checkpoint, compiled_dry_run, trainer
 
@@ -61,7 +62,7 @@ _PROCESSES = distributed.define_flags()
 
 def _parse_flags(argv):
     try:
-        config_types.check_override_keys(argv)
+        config_overrides.check_override_keys(argv)
     except (KeyError, FileNotFoundError) as e:
         sys.exit(f"FATAL: {e}")
     return flags.FLAGS(argv)
@@ -85,7 +86,7 @@ def main(argv):
         jax.config.update("jax_platforms", "cpu")
         jax.config.update("jax_num_cpu_devices", _DRY_RUN_DEVICES.value)
     distributed.start(_PROCESSES)  # before any other JAX operation
-    cfg = config_types.from_config_dict(_CONFIG.value)
+    cfg = config_checks.from_config_dict(_CONFIG.value)
     if _DRY_RUN.value:
         compiled_dry_run.dry_run(cfg)
         if _DRY_RUN_DEVICES.value:

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from mmr_jax import config_types
+from mmr_jax.config import config_overrides
 from mmr_jax.infra import bench_harness
 from mmr_jax.problems import data
 from mmr_jax.training import build
@@ -31,16 +31,16 @@ def tokenizer(tmp_path_factory):
 @pytest.fixture(scope="module")
 def cfg():
     over = {**job.overrides(5, mmr=False), "batch.max_prompt_len": 512}
-    return bench_harness.load_config("configs/cpu_smollm2.py", over)
+    return config_overrides.load_config("configs/cpu_smollm2.py", over)
 
 
 def test_overrides_are_config_keys_train_py_accepts():
     argv = ["train.py", "--config=configs/cpu_smollm2.py"]
     argv += [f"--config.{k}={v}" for k, v in job.overrides(3, mmr=False).items()]
-    config_types.check_override_keys(argv)  # raises on a key the config does not have
-    c = bench_harness.load_config("configs/cpu_smollm2.py", job.overrides(3, mmr=False))
+    config_overrides.check_override_keys(argv)  # raises on a key the config does not have
+    c = config_overrides.load_config("configs/cpu_smollm2.py", job.overrides(3, mmr=False))
     assert (c.total_steps, c.checkpoint.every, c.reweighting) == (3, 0, "none")
-    assert bench_harness.load_config(
+    assert config_overrides.load_config(
         "configs/cpu_smollm2.py", job.overrides(3, mmr=True)
     ).reweighting == ("mmr")
 

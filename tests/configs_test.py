@@ -9,8 +9,8 @@ import pytest
 from absl import flags
 from ml_collections import config_flags
 
-from mmr_jax import config_types
 from mmr_jax.algorithms import advantages, losses, mismatch
+from mmr_jax.config import config_checks, config_overrides, config_types
 from mmr_jax.training import build
 
 CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "configs"
@@ -41,19 +41,19 @@ class TestVariants:
     @pytest.mark.parametrize("name", VARIANTS)
     @pytest.mark.parametrize("arg", [None, "1.5b", "7b", "8b", "smoke", "8b,smoke"])
     def test_loads_and_converts(self, name, arg):
-        cfg = config_types.from_config_dict(_load(name, arg))
+        cfg = config_checks.from_config_dict(_load(name, arg))
         assert dataclasses.is_dataclass(cfg) and cfg.rows_per_step > 0
         if arg and "smoke" in arg:
             assert cfg.total_steps <= 4 and cfg.batch.max_completion_len <= 64
 
     @pytest.mark.parametrize("size,lora", [("1.5b", False), ("7b", True), ("8b", True)])
     def test_model_sizes(self, size, lora):
-        cfg = config_types.from_config_dict(_load("grpo", size))
+        cfg = config_checks.from_config_dict(_load("grpo", size))
         assert cfg.lora.enabled == lora
         assert cfg.lora.rank == 64 and cfg.lora.alpha == 128 and cfg.lora.dropout == 0.05
 
     def test_paper_shared_hyperparameters(self):
-        cfg = config_types.from_config_dict(_load("grpo"))
+        cfg = config_checks.from_config_dict(_load("grpo"))
         assert (cfg.optim.lr, cfg.optim.min_lr_ratio, cfg.optim.warmup_ratio) == (1e-6, 0.1, 0.1)
         assert cfg.optim.grad_clip == 1.0 and cfg.seed == 2025 and cfg.total_steps == 500
         assert cfg.rows_per_step == 48 and cfg.batch.generations == 6
@@ -66,45 +66,45 @@ class TestVariants:
         }
 
     def test_dapo(self):
-        cfg = config_types.from_config_dict(_load("dapo"))
+        cfg = config_checks.from_config_dict(_load("dapo"))
         assert (cfg.loss.eps_low, cfg.loss.eps_high, cfg.loss.beta) == (0.2, 0.28, 0.0)
         assert cfg.dynamic_sampling.enabled and cfg.dynamic_sampling.filter_reward == "accuracy"
         assert cfg.dynamic_sampling.max_generation_batches == 10 and cfg.total_steps == 200
         assert cfg.rewards.weights["accuracy"] == 1.0 and cfg.rewards.weights["cosine"] == 1.0
-        nods = config_types.from_config_dict(_load("dapo_nods"))
+        nods = config_checks.from_config_dict(_load("dapo_nods"))
         assert not nods.dynamic_sampling.enabled and nods.loss.eps_high == 0.28
 
     def test_dr_grpo(self):
-        cfg = config_types.from_config_dict(_load("dr_grpo"))
+        cfg = config_checks.from_config_dict(_load("dr_grpo"))
         assert cfg.advantage.estimator == "dr_grpo"
         assert cfg.loss.aggregation == "seq_mean_token_sum_norm"
 
     def test_gspo(self):
         # The paper's v2 settings (TRL paper index): sequence ratio, clip 3e-4 / 4e-4, no KL.
-        cfg = config_types.from_config_dict(_load("gspo"))
+        cfg = config_checks.from_config_dict(_load("gspo"))
         assert cfg.loss.importance_sampling_level == "sequence"
         assert (cfg.loss.eps_low, cfg.loss.eps_high, cfg.loss.beta) == (3e-4, 4e-4, 0.0)
         assert cfg.loss.aggregation == "seq_mean_token_mean" and cfg.loss.iterations == 2
         step = build.step_config(cfg)  # reaches the train step
         assert step.importance_sampling_level == "sequence" and step.eps_high == 4e-4
         mmr = _load("gspo", "8b,smoke", ["--config.mmr.enabled=True"])
-        typed = config_types.from_config_dict(mmr)
+        typed = config_checks.from_config_dict(mmr)
         assert typed.reweighting == "mmr" and typed.loss.importance_sampling_level == "sequence"
         assert typed.total_steps <= 4 and typed.lora.enabled
         token = _load("gspo", None, ["--config.loss.importance_sampling_level=sequence_token"])
-        assert config_types.from_config_dict(token).loss.importance_sampling_level == (
+        assert config_checks.from_config_dict(token).loss.importance_sampling_level == (
             "sequence_token"
         )
 
     def test_cispo(self):
         # MiniMax-M1's objective, no lower bound, cap 1 + 4 = 5 (TRL / ScaleRL), no KL.
-        cfg = config_types.from_config_dict(_load("cispo"))
+        cfg = config_checks.from_config_dict(_load("cispo"))
         assert cfg.loss.objective == "cispo" and cfg.loss.importance_sampling_level == "token"
         assert (cfg.loss.eps_low, cfg.loss.eps_high, cfg.loss.beta) == (1.0, 4.0, 0.0)
         assert cfg.loss.aggregation == "token_mean" and cfg.loss.iterations == 2
         step = build.step_config(cfg)  # reaches the train step
         assert step.objective == "cispo" and step.eps_high == 4.0
-        typed = config_types.from_config_dict(
+        typed = config_checks.from_config_dict(
             _load("cispo", "8b,smoke", ["--config.mmr.enabled=True"])
         )
         assert typed.reweighting == "mmr" and typed.loss.objective == "cispo"
@@ -117,18 +117,18 @@ class TestVariants:
             "--config.advantage.estimator=rloo",
             "--config.mmr.enabled=True",
         ]
-        cfg = config_types.from_config_dict(_load("dapo", None, over))
+        cfg = config_checks.from_config_dict(_load("dapo", None, over))
         step = build.step_config(cfg)
         assert (step.objective, step.dual_clip_c) == ("ppo_clip", 3.0)
         assert (step.entropy_coef, step.top_entropy_quantile) == (0.001, 0.2)
         assert cfg.advantage.estimator == "rloo" and cfg.reweighting == "mmr"
-        base = build.step_config(config_types.from_config_dict(_load("grpo")))
+        base = build.step_config(config_checks.from_config_dict(_load("grpo")))
         assert (base.objective, base.dual_clip_c, base.entropy_coef) == ("ppo_clip", 0.0, 0.0)
         assert base.top_entropy_quantile == 1.0
 
     def test_tis_modes_reach_the_step(self):
         over = ["--config.loss.tis_cap=3.0", "--config.loss.tis_mode=sequence_mask"]
-        cfg = config_types.from_config_dict(
+        cfg = config_checks.from_config_dict(
             _load("grpo", None, [*over, "--config.loss.tis_mask_low=0.5"])
         )
         step = build.step_config(cfg)
@@ -136,7 +136,7 @@ class TestVariants:
 
     def test_choices_are_the_modules(self):
         # config_types spells the choices out (it imports no JAX); they must stay the modules'.
-        choices = config_types._CHOICES
+        choices = config_checks._CHOICES
         assert choices[("loss", "tis_mode")] == mismatch.TIS_MODES
         assert choices[("loss", "importance_sampling_level")] == losses.IS_LEVELS
         assert choices[("loss", "aggregation")] == losses.AGGREGATIONS
@@ -145,9 +145,9 @@ class TestVariants:
 
     def test_overrides(self):
         cfg = _load("grpo_7b", None, ["--config.mmr.enabled=True", "--config.mmr.lam=0.7"])
-        typed = config_types.from_config_dict(cfg)
+        typed = config_checks.from_config_dict(cfg)
         assert typed.reweighting == "mmr" and typed.mmr.lam == 0.7 and typed.lora.enabled
-        assert config_types.from_config_dict(_load("grpo")).mmr.lam is None
+        assert config_checks.from_config_dict(_load("grpo")).mmr.lam is None
 
 
 class TestBadInput:
@@ -158,15 +158,15 @@ class TestBadInput:
     @pytest.mark.parametrize("key", ["mmr.lamda", "mmrr.lam", "loss.beta.x"])
     def test_check_override_keys(self, key):
         argv = ["prog", f"--config={CONFIGS / 'grpo.py'}:smoke", f"--config.{key}=1"]
-        with pytest.raises(config_types.UnknownKeyError, match="valid keys"):
-            config_types.check_override_keys(argv)
-        config_types.check_override_keys([*argv[:2], "--config.mmr.lam=0.5"])
+        with pytest.raises(config_overrides.UnknownKeyError, match="valid keys"):
+            config_overrides.check_override_keys(argv)
+        config_overrides.check_override_keys([*argv[:2], "--config.mmr.lam=0.5"])
 
     def test_unknown_key_in_dict(self):
         cfg = _load("grpo").to_dict()
         cfg["loss"]["bogus"] = 1
         with pytest.raises(ValueError, match=r"unknown keys \['bogus'\].*valid keys"):
-            config_types.from_config_dict(cfg)
+            config_checks.from_config_dict(cfg)
 
     def test_bad_arg(self):
         with pytest.raises(Exception, match="unknown config argument"):
@@ -215,21 +215,23 @@ class TestBadInput:
         section, key, value = override
         cfg[section][key] = value
         with pytest.raises(config_types.ConfigError, match=match):
-            config_types.from_config_dict(cfg)
+            config_checks.from_config_dict(cfg)
 
     def test_edge_values_accepted(self):
         cfg = _load("grpo").to_dict()
         cfg["loss"]["tis_cap"] = 1.0
         cfg["batch"]["pack_max_len"] = cfg["batch"]["max_completion_len"] - 1
-        config_types.from_config_dict(cfg)
+        config_checks.from_config_dict(cfg)
         cfg["batch"]["pack_max_len"] = 0  # no packing
-        config_types.from_config_dict(cfg)
+        config_checks.from_config_dict(cfg)
 
     def test_dataclass_defaults_are_the_base_config(self):
         # One default per key: a dataclass default that differs from configs/base.py is a twin
         # that a run built without the base (tests, scripts) would silently get instead.
-        cfg = config_types.from_config_dict(config_types.load_config_file(str(CONFIGS / "base.py")))
-        for name, section in config_types._SECTIONS.items():
+        cfg = config_checks.from_config_dict(
+            config_overrides.load_config_file(str(CONFIGS / "base.py"))
+        )
+        for name, section in config_checks._SECTIONS.items():
             for f in dataclasses.fields(section):
                 if (
                     f.default in (dataclasses.MISSING, "", ())
@@ -251,7 +253,7 @@ class TestBadInput:
         cfg = _load("grpo").to_dict()
         cfg["loss"].update(loss)
         with pytest.raises(config_types.ConfigError, match="adaptive entropy"):
-            config_types.from_config_dict(cfg)
+            config_checks.from_config_dict(cfg)
 
     def test_dapo_full_adds_only_the_overlong_punishment(self):
         paper = _load("dapo", "7b").to_dict()
@@ -260,13 +262,13 @@ class TestBadInput:
         full["rewards"]["weights"] = paper["rewards"]["weights"]
         full["name"] = paper["name"]
         assert full == paper
-        config_types.from_config_dict(_load("dapo", "smoke,full"))
+        config_checks.from_config_dict(_load("dapo", "smoke,full"))
 
     @pytest.mark.parametrize("lag,tis_cap,lines", [(1, 0.0, 1), (1, 2.0, 0), (0, 0.0, 0)])
     def test_stale_uncorrected_samples_advised(self, lag, tis_cap, lines):
         cfg = _load("grpo").to_dict()
         cfg["rollout"]["off_policy_lag"], cfg["loss"]["tis_cap"] = lag, tis_cap
-        out = config_types.advisories(config_types.from_config_dict(cfg))
+        out = config_checks.advisories(config_checks.from_config_dict(cfg))
         assert len(out) == lines
         assert all("off_policy_lag=1 with loss.tis_cap=0" in line for line in out)
 
@@ -282,9 +284,9 @@ class TestBadInput:
         cfg = _load("cispo").to_dict()
         cfg["loss"].update(overrides)
         with pytest.raises(config_types.ConfigError, match=match):
-            config_types.from_config_dict(cfg)
+            config_checks.from_config_dict(cfg)
 
     def test_mmr_and_dra_exclusive(self):
         cfg = _load("grpo", None, ["--config.mmr.enabled=True", "--config.dra.enabled=True"])
         with pytest.raises(ValueError, match="exclusive"):
-            config_types.from_config_dict(cfg)
+            config_checks.from_config_dict(cfg)

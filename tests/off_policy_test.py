@@ -10,7 +10,8 @@ import threading
 import numpy as np
 import pytest
 
-from mmr_jax import config_types, rewards
+from mmr_jax import rewards
+from mmr_jax.config import config_checks, config_overrides, config_types
 from mmr_jax.infra import faults, metrics
 from mmr_jax.rollout import embedded, prefetch
 from mmr_jax.training import checkpoint, trainer
@@ -43,8 +44,8 @@ def _config(ckpt, steps, lag=None, **overrides):
         del c.rollout.off_policy_lag  # the key absent: the dataclass default
     else:
         c.rollout.off_policy_lag = lag
-    c = config_types.set_keys(c, {"checkpoint.keep": 10, **overrides})
-    return config_types.from_config_dict(c)
+    c = config_overrides.set_keys(c, {"checkpoint.keep": 10, **overrides})
+    return config_checks.from_config_dict(c)
 
 
 def _rows(workdir):
@@ -82,8 +83,8 @@ def _prefetch_threads():
 
 def test_config_validation():
     with pytest.raises(config_types.ConfigError, match="off_policy_lag=2"):
-        config_types.from_config_dict(
-            config_types.set_keys(grpo.get_config("smoke"), {"rollout.off_policy_lag": 2})
+        config_checks.from_config_dict(
+            config_overrides.set_keys(grpo.get_config("smoke"), {"rollout.off_policy_lag": 2})
         )
 
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from mmr_jax import config_types
+from mmr_jax.config import config_checks, config_types
 from mmr_jax.infra import metrics
 from mmr_jax.models import config as model_config
 from mmr_jax.models import random_init
@@ -54,7 +54,7 @@ def _grpo_config(arg: str, **overrides) -> config_types.TrainConfig:
     for key, value in overrides.items():
         section, name = key.split(".")
         setattr(getattr(c, section), name, value)
-    return config_types.from_config_dict(c)
+    return config_checks.from_config_dict(c)
 
 
 class TestRandomPolicy:

@@ -137,7 +137,7 @@ def test_train_killed_and_resumed_in_a_bucket_matches_local(tmp_path, tiny_llama
     assert not (cwd / "gs:").exists() and not (REPO / "gs:").exists()
     assert not list(tmp_path.glob("**/gs:"))
     # Everything in the bucket: checkpoints, exports, metadata, metrics, the console log.
-    cfg = __import__("mmr_jax.config_types").config_types.from_config_dict(
+    cfg = __import__("mmr_jax.config.config_types").config_checks.from_config_dict(
         checkpoint.read_run_config(run)
     )
     _, a, meta_a = train_script.params(ref, cfg)

@@ -4,7 +4,7 @@ import importlib.util
 
 import pytest
 
-from mmr_jax import config_types
+from mmr_jax.config import config_checks
 from mmr_jax.training import build
 
 from support import testing
@@ -24,7 +24,7 @@ def test_smoke_keeps_most_gsm8k_prompts_with_the_real_tokenizer():
     spec = importlib.util.spec_from_file_location("grpo", testing.REPO / "configs" / "grpo.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    cfg = config_types.from_config_dict(module.get_config("8b,smoke"))
+    cfg = config_checks.from_config_dict(module.get_config("8b,smoke"))
     assert cfg.model.path == "checkpoints/smollm2-135m-instruct"
     prompts = build.load_prompts(cfg, transformers.AutoTokenizer.from_pretrained(path))
     kept = len(prompts.ids)

@@ -6,7 +6,7 @@ import pathlib
 import numpy as np
 import pytest
 
-from mmr_jax import config_types
+from mmr_jax.config import config_checks, config_overrides
 from mmr_jax.step import batch_layout, experience, step_batch
 
 B, G, T = 2, 4, 8
@@ -14,13 +14,13 @@ DAPO = str(pathlib.Path(__file__).resolve().parents[1] / "configs" / "dapo.py")
 
 
 def _cfg(**loss):
-    c = config_types.load_config_file(DAPO + ":smoke")
+    c = config_overrides.load_config_file(DAPO + ":smoke")
     for k, v in loss.items():
         c.loss[k] = v
     c.batch.generations = G
     c.batch.max_completion_len = T
     c.batch.pack_max_len = 0
-    return config_types.from_config_dict(c)
+    return config_checks.from_config_dict(c)
 
 
 def _groups():
@@ -94,9 +94,9 @@ class TestOldLogps:
 
 class TestOverlongParams:
     def test_lengths_default_to_the_completion_length_and_a_fifth(self):
-        c = config_types.load_config_file(DAPO + ":smoke,full")
-        cfg = config_types.from_config_dict(c)
+        c = config_overrides.load_config_file(DAPO + ":smoke,full")
+        cfg = config_checks.from_config_dict(c)
         assert step_batch.reward_params(cfg)["overlong"] == {"max_len": 32, "cache_len": 6}
         c.rewards.overlong_max_len, c.rewards.overlong_cache_len = 30, 10
-        cfg = config_types.from_config_dict(c)
+        cfg = config_checks.from_config_dict(c)
         assert step_batch.reward_params(cfg)["overlong"] == {"max_len": 30, "cache_len": 10}

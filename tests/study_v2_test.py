@@ -3,7 +3,7 @@
 import os
 import sys
 
-from mmr_jax import config_types
+from mmr_jax.config import config_checks
 from mmr_jax.problems import tasks
 from mmr_jax.studies import study, study_report
 
@@ -49,7 +49,7 @@ def test_fixed_thresholds_reach_the_report():
 def test_pilot_and_warmup():
     pilot = study.plan(study_v2.get_config("pilot"))
     assert len(pilot) == 5 and pilot[0].cfg.total_steps == 2
-    w = config_types.from_config_dict(study_v2_warmup.get_config())
+    w = config_checks.from_config_dict(study_v2_warmup.get_config())
     assert w.reweighting == "none" and w.total_steps == 12 and w.seed not in range(1, 7)
     # The export the arms start from is written at the last step.
     assert w.checkpoint.export_hf and w.total_steps % w.checkpoint.every == 0

@@ -405,11 +405,11 @@ class TestOptionsOff:
 
     @pytest.mark.parametrize("name", ["grpo", "dr_grpo", "dapo", "dapo_nods", "gspo"])
     def test_variant_configs_leave_the_options_off(self, name):
-        from mmr_jax import config_types
+        from mmr_jax.config import config_checks, config_overrides
         from mmr_jax.step import step_batch
 
-        cfg = config_types.from_config_dict(
-            config_types.load_config_file(f"{CONFIGS}/{name}.py:smoke")
+        cfg = config_checks.from_config_dict(
+            config_overrides.load_config_file(f"{CONFIGS}/{name}.py:smoke")
         )
         sc = build.step_config(cfg)
         assert sc.updates_per_batch == 1 and not sc.entropy_on
@@ -472,20 +472,20 @@ class TestLoraDropout:
         # At learning rate 0 the second update sees unchanged weights: with the dropout forward
         # its ratio against the clean old log-probs is dropout's noise alone; with the forward
         # `build.train_graphdef` picks for several updates, exactly the same forward.
-        from mmr_jax import config_types
+        from mmr_jax.config import config_checks, config_overrides
 
         policy = _policy(ckpt, dropout=0.5)
         tokens, attention, comp, adv = _rows8()
         old = _logps(policy, policy.params, tokens, attention)
         batch = train_step.Batch(tokens, attention, comp, adv, old_logps=old)
-        c = config_types.load_config_file(f"{CONFIGS}/gspo.py:8b,smoke")
+        c = config_overrides.load_config_file(f"{CONFIGS}/gspo.py:8b,smoke")
         c.loss.iterations, c.loss.updates_per_batch, c.loss.minibatches = 1, 2, 2
-        cfg = config_types.from_config_dict(c)
-        assert any("lora.dropout" in line for line in config_types.advisories(cfg))
+        cfg = config_checks.from_config_dict(c)
+        assert any("lora.dropout" in line for line in config_checks.advisories(cfg))
         graphdef = build.train_graphdef(cfg, policy)
         assert graphdef is policy.eval_graphdef
         c.loss.updates_per_batch = 1  # one update: dropout stays (its ratio is the same forward)
-        assert build.train_graphdef(config_types.from_config_dict(c), policy) is policy.graphdef
+        assert build.train_graphdef(config_checks.from_config_dict(c), policy) is policy.graphdef
         spread = {}
         for name, gd in (("dropout", policy.graphdef), ("clean", graphdef)):
             step_cfg = train_step.StepConfig(

@@ -12,7 +12,8 @@ import jax
 import numpy as np
 import pytest
 
-from mmr_jax import config_types, rewards
+from mmr_jax import rewards
+from mmr_jax.config import config_checks
 from mmr_jax.infra import metrics
 from mmr_jax.rewards import grading
 from mmr_jax.step import batch_layout, step_batch
@@ -51,7 +52,7 @@ def _target_reward(completions, answers, *, lengths=None):
 
 def _config(algo, ckpt, *, mmr=False, lora=False, steps=2, **overrides):
     c = testing.smoke_config(ALGOS[algo], ckpt, steps=steps, mmr=mmr, lora=lora, **overrides)
-    return config_types.from_config_dict(c)
+    return config_checks.from_config_dict(c)
 
 
 # The fast set trains one variant (20-25 s on 2 cores); each algorithm, MMR on and off, LoRA and
@@ -464,7 +465,7 @@ class TestResume:
         )
         assert res.returncode == 0, res.stderr[-3000:]
         assert f"workdir {run} | resuming from step {killed_at}" in res.stdout
-        cfg = config_types.from_config_dict(
+        cfg = config_checks.from_config_dict(
             json.loads((run / checkpoint.RUN_FILE).read_text())["config"]
         )
         _, a, meta_a = train_script.params(ref, cfg)
@@ -533,7 +534,7 @@ class TestDryRun:
         ],
     )
     def test_param_counts(self, size, total, trainable):
-        out = compiled_dry_run.dry_run(config_types.from_config_dict(grpo.get_config(size)))
+        out = compiled_dry_run.dry_run(config_checks.from_config_dict(grpo.get_config(size)))
         assert (out["params_total"], out["trainable"]) == (total, trainable)
 
     @pytest.mark.parametrize(
@@ -550,7 +551,7 @@ class TestDryRun:
         device_grid), not -1 filled from all 8 devices as one flat block."""
         c = grpo.get_config("1.5b")
         c.mesh.shape, c.mesh.layout = shape, layout
-        cfg = config_types.from_config_dict(c)
+        cfg = config_checks.from_config_dict(c)
         sizes = compiled_dry_run.dry_run_mesh_sizes(cfg, hosts=2, devices_per_host=4)
         assert sizes == dict(zip(("data", "fsdp", "tensor"), want, strict=True))
 
@@ -559,7 +560,7 @@ class TestDryRun:
         c.mesh.shape = (3, -1, 1)  # data 3 does not split over 2 hosts
         with pytest.raises(build.sharding.MeshLayoutError, match="do not divide"):
             compiled_dry_run.dry_run_mesh_sizes(
-                config_types.from_config_dict(c), hosts=2, devices_per_host=4
+                config_checks.from_config_dict(c), hosts=2, devices_per_host=4
             )
 
     @pytest.mark.parametrize(
@@ -718,7 +719,7 @@ class TestHeader:
         c = grpo.get_config("smoke")
         c.rollout.off_policy_lag, c.loss.tis_cap = 1, tis_cap
         with caplog.at_level("WARNING"):
-            trainer._header(config_types.from_config_dict(c), str(tmp_path), None)
+            trainer._header(config_checks.from_config_dict(c), str(tmp_path), None)
         lines = [r.getMessage() for r in caplog.records if "off_policy_lag=1" in r.getMessage()]
         assert len(lines) == (1 if warned else 0), lines
 

@@ -5,7 +5,7 @@ import sys
 
 import numpy as np
 
-from mmr_jax import config_types
+from mmr_jax.config import config_checks
 from mmr_jax.step import experience
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "configs"))
@@ -22,7 +22,7 @@ def test_config_key_defaults_off_and_reaches_the_typed_config():
     c = base.get_config()
     assert c.mmr.uniform_group_guard is False
     c.mmr.uniform_group_guard = True
-    assert config_types.from_config_dict(c).mmr.uniform_group_guard is True
+    assert config_checks.from_config_dict(c).mmr.uniform_group_guard is True
 
 
 def test_compute_advantages_zeroes_uniform_groups_only_with_the_guard():

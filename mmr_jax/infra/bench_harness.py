@@ -16,9 +16,8 @@ runs it. The pieces:
   step_summary      median, min and max of a run's step times after its warm-up steps.
   write_json        the rows, written whole (a file that exists is complete).
   format_table      rows as an aligned text table from (key, header, format) columns.
-  load_config       a config file's TrainConfig with dotted overrides.
   parse_args        a benchmark's command line from a table of flags (name: default, help).
-  ProgramSeconds, CacheLoads   JAX's compile events per program, and loads from XLA's cache.
+  (compile_stats.ProgramSeconds and CacheLoads: JAX's compile events, XLA cache loads.)
 
 No JAX or torch import at module level: a torch-only child imports this too.
 """
@@ -339,11 +338,3 @@ def parse_args(doc: str, flags: dict[str, tuple], argv=None):
         choices = choices[0] if choices else None
         ap.add_argument(f"--{name}", type=kind, default=default, help=text, choices=choices)
     return ap.parse_args(argv), ap
-
-
-def load_config(path: str, overrides: dict | None = None):
-    """The TrainConfig of config file `path` (`configs/x.py[:arg]`), dotted `overrides` set."""
-    from mmr_jax import config_types
-
-    config = config_types.load_config_file(path)
-    return config_types.from_config_dict(config_types.set_keys(config, overrides or {}))

@@ -1,7 +1,7 @@
 """Rollout engines behind one interface (`base.RolloutEngine`): the embedded JAX sampler and a
 vLLM-server client, plus an OpenAI-compatible server over the embedded sampler.
 
-May import: `models`, `infra`, `config_types` (the typed rollout settings).
+May import: `models`, `infra`, `config` (the typed rollout settings).
 """
 
 from __future__ import annotations

@@ -241,7 +241,7 @@ def for_run(run, collect) -> OffPolicyRollouts | None:
     `collect(run, step, timings)`; its engine gets a copy of the run's weights."""
     import jax
 
-    from mmr_jax import config_types
+    from mmr_jax.config import config_types
 
     if run.cfg.rollout.off_policy_lag == 0:
         return None

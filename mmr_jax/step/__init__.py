@@ -7,5 +7,5 @@ applies the algorithms) -> `batch_layout` (full rows or the shared-prompt packin
 losses, gradient accumulation, the optimiser).
 
 May import: `algorithms`, `models`, `rollout`, `rewards`, `distributed`, `infra`,
-`config_types`. Nothing here runs a loop, saves a checkpoint or prints.
+`config`. Nothing here runs a loop, saves a checkpoint or prints.
 """

@@ -17,7 +17,8 @@ import time
 import numpy as np
 from absl import logging
 
-from mmr_jax import config_types, distributed, rewards
+from mmr_jax import distributed, rewards
+from mmr_jax.config import config_types
 from mmr_jax.infra import faults
 from mmr_jax.rollout import base as rollout_base
 from mmr_jax.step import batch_layout, experience, train_step

@@ -4,6 +4,6 @@
 `study_design` sizes a study before it runs, `paired_stats` (t intervals, exact sign-flip
 p-values) and `study_report` turn finished runs into tables and plots.
 
-May import: `training`, `problems`, `infra`, `distributed`, `config_types`. The top of the
+May import: `training`, `problems`, `infra`, `distributed`, `config`. The top of the
 package: nothing in mmr_jax imports it.
 """

@@ -28,7 +28,7 @@ from typing import Any
 import jax
 import ml_collections
 
-from mmr_jax import config_types
+from mmr_jax.config import config_checks, config_types
 from mmr_jax.infra import console, metrics, run_paths
 from mmr_jax.training import checkpoint
 
@@ -100,7 +100,7 @@ def plan(study: ml_collections.ConfigDict) -> list[RunSpec]:
     # every variant, so its paired comparisons are usable at any point.
     for seed in study.seeds:
         for variant in study.run:
-            cfg = config_types.from_config_dict(train_config(study, variant, seed))
+            cfg = config_checks.from_config_dict(train_config(study, variant, seed))
             if cfg.eval.every <= 0:
                 raise ValueError("a study needs held-out evaluation: set train.eval.every > 0")
             if cfg.logging.every != 1:

@@ -15,8 +15,9 @@ import jax.numpy as jnp
 from absl import logging
 from flax import nnx
 
-from mmr_jax import config_types, distributed, rollout
+from mmr_jax import distributed, rollout
 from mmr_jax.algorithms import entropy_control as entropy_control_lib
+from mmr_jax.config import config_types
 from mmr_jax.models import attention_probe, hub, loading, random_init, sharding
 from mmr_jax.models import config as model_config
 from mmr_jax.models import lora as lora_lib

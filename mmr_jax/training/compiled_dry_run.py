@@ -29,7 +29,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from mmr_jax import config_types
+from mmr_jax.config import config_types
 from mmr_jax.models import config as model_config
 from mmr_jax.models import kv_cache, loading, sharding
 from mmr_jax.step import step_batch, train_step

@@ -19,7 +19,8 @@ import jax
 from absl import logging
 from etils import epath
 
-from mmr_jax import config_types, distributed
+from mmr_jax import distributed
+from mmr_jax.config import config_types
 from mmr_jax.infra import console, faults, run_paths
 from mmr_jax.training import build, checkpoint
 

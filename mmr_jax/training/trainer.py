@@ -22,7 +22,8 @@ from typing import Any
 import jax
 from absl import logging
 
-from mmr_jax import config_types, distributed
+from mmr_jax import distributed
+from mmr_jax.config import config_checks, config_types
 from mmr_jax.infra import compile_stats, console, faults, metrics, run_paths
 from mmr_jax.models import sharding
 from mmr_jax.problems import data
@@ -191,7 +192,7 @@ def _header(cfg: config_types.TrainConfig, workdir: str, resume_step, attention)
         f"resuming from step {resume_step}" if resume_step is not None else "new run",
     )
     if distributed.is_primary():
-        for line in config_types.advisories(cfg):
+        for line in config_checks.advisories(cfg):
             logging.warning("config: %s", line)
 
 

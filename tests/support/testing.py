@@ -292,7 +292,7 @@ def smoke_config(
     checkpoint `ckpt`: arithmetic problems, no system prompt, short rows, a reward a tiny random
     model gets varied values of (`test_target`, registered by the tests that use it), a
     checkpoint every step; then the dotted `overrides`. -> the ConfigDict."""
-    from mmr_jax import config_types
+    from mmr_jax.config import config_overrides
     from mmr_jax.training import build
 
     c = module.get_config("smoke")
@@ -310,4 +310,4 @@ def smoke_config(
     c.dynamic_sampling.filter_reward = "test_target"
     c.checkpoint.every = 1
     c.logging.samples = 0
-    return config_types.set_keys(c, overrides)
+    return config_overrides.set_keys(c, overrides)

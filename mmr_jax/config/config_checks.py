@@ -1,0 +1,263 @@
+"""A ConfigDict made typed and checked: `from_config_dict`, the choices and cross-field rules
+(`validate`), and the valid-but-surprising combinations a run warns about (`advisories`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from mmr_jax.config import config_types
+from mmr_jax.models import config as model_config
+
+_CHOICES = {
+    ("rollout", "engine"): ("embedded", "vllm"),
+    ("rollout", "off_policy_lag"): (0, 1),
+    ("model", "remat"): model_config.REMAT_POLICIES,
+    ("model", "attention_impl"): model_config.ATTENTION_IMPLS,
+    ("model", "frozen_dtype"): ("", "float32", "bfloat16", "float16"),
+    ("model", "init"): ("pretrained", "random"),
+    ("advantage", "estimator"): ("grpo", "dr_grpo", "rloo", "batch_std"),
+    ("loss", "objective"): ("ppo_clip", "cispo"),
+    ("loss", "aggregation"): ("seq_mean_token_mean", "token_mean", "seq_mean_token_sum_norm"),
+    ("loss", "kl_estimator"): ("k1", "k2", "k3"),
+    ("loss", "importance_sampling_level"): ("token", "sequence", "sequence_token"),
+    ("loss", "tis_mode"): tuple(
+        f"{level}_{kind}"
+        for level in ("token", "sequence", "geometric")
+        for kind in ("truncate", "mask")
+    ),
+    ("mmr", "scope"): ("group", "batch"),
+    ("rewards", "cosine_form"): ("tokens", "released"),
+    ("eval", "source"): ("benchmarks", "arithmetic", "task"),
+    ("mesh", "layout"): ("hybrid", "flat"),
+}
+
+
+def _plain(value):
+    """ConfigDict / FieldReference / list -> dict / scalar / tuple."""
+    if hasattr(value, "to_dict"):
+        value = value.to_dict()
+    if hasattr(value, "get") and callable(value.get) and not isinstance(value, Mapping):
+        value = value.get()  # FieldReference
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return tuple(_plain(v) for v in value)
+    return value
+
+
+def _build(cls, values: Mapping[str, Any], where: str):
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - set(fields))
+    missing = sorted(n for n, f in fields.items() if n not in values and _required(f))
+    if unknown or missing:
+        raise ValueError(
+            f"config section {where!r}: unknown keys {unknown}, missing keys {missing}; "
+            f"valid keys: {sorted(fields)}"
+        )
+    kwargs = {}
+    for name, value in values.items():
+        sub = _SECTIONS.get(name) if cls is config_types.TrainConfig else None
+        if sub is not None:
+            if not isinstance(value, Mapping):
+                raise ValueError(f"config section {name!r} must be a dict, got {value!r}")
+            value = _build(sub, value, name)
+        elif name == "weights":
+            value = {str(k): float(v) for k, v in value.items()}
+        kwargs[name] = value
+    return cls(**kwargs)
+
+
+def _required(f: dataclasses.Field) -> bool:
+    return f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+
+
+_SECTIONS = {
+    "model": config_types.ModelConfig,
+    "lora": config_types.LoraConfig,
+    "optim": config_types.OptimConfig,
+    "batch": config_types.BatchConfig,
+    "rollout": config_types.RolloutConfig,
+    "rewards": config_types.RewardsConfig,
+    "advantage": config_types.AdvantageConfig,
+    "loss": config_types.LossConfig,
+    "mmr": config_types.MmrConfig,
+    "dra": config_types.DraConfig,
+    "dynamic_sampling": config_types.DynamicSamplingConfig,
+    "data": config_types.DataConfig,
+    "eval": config_types.EvalConfig,
+    "checkpoint": config_types.CheckpointConfig,
+    "logging": config_types.LoggingConfig,
+    "mesh": config_types.MeshConfig,
+}
+
+
+def validate(cfg: config_types.TrainConfig) -> config_types.TrainConfig:
+    """Checks choices and cross-field constraints; returns `cfg`."""
+    for (section, key), choices in _CHOICES.items():
+        value = getattr(getattr(cfg, section), key)
+        if value not in choices:
+            raise config_types.ConfigError(
+                f"config {section}.{key}={value!r}; expected one of {choices}"
+            )
+    if cfg.mmr.enabled and cfg.dra.enabled:
+        raise config_types.ConfigError(
+            "mmr.enabled and dra.enabled are exclusive; pick one reweighting"
+        )
+    if cfg.mmr.lam is not None and not 0.0 <= cfg.mmr.lam <= 1.0:
+        raise config_types.ConfigError(
+            f"mmr.lam={cfg.mmr.lam} must lie in [0, 1] (or None for adaptive)"
+        )
+    if cfg.rows_per_step % cfg.loss.minibatches:
+        raise config_types.ConfigError(
+            f"loss.minibatches={cfg.loss.minibatches} must divide "
+            "batch.prompts * batch.generations "
+            f"= {cfg.rows_per_step}"
+        )
+    b = cfg.batch
+    if b.pack_max_len < 0 or 0 < b.pack_max_len < b.max_completion_len - 1:
+        # A completion of T tokens is T - 1 packed inputs: the longest must fit one packed row.
+        raise config_types.ConfigError(
+            f"batch.pack_max_len={b.pack_max_len} must be 0 (no packing) or at least "
+            f"batch.max_completion_len - 1 = {b.max_completion_len - 1}"
+        )
+    if not cfg.batch.compile_price_steps >= 0:  # also refuses NaN
+        raise config_types.ConfigError(
+            f"batch.compile_price_steps={cfg.batch.compile_price_steps} must be >= 0 "
+            "(0: compile every packed length a step needs)"
+        )
+    if cfg.batch.min_bucket_len < 1:
+        raise config_types.ConfigError(
+            f"batch.min_bucket_len={cfg.batch.min_bucket_len} must be >= 1"
+        )
+    loss = cfg.loss
+    if not (loss.tis_cap == 0 or 1 <= loss.tis_cap < float("inf")):  # also refuses NaN
+        # w = min(pi_trainer / pi_engine, cap): a cap below 1 would scale down tokens on which
+        # both agree (w = 1), which is no truncation of the importance weight.
+        raise config_types.ConfigError(
+            f"loss.tis_cap={loss.tis_cap} must be 0 (off) or finite and >= 1 (verl/TRL use 2)"
+        )
+    if not 0 <= loss.tis_mask_low < 1:  # also refuses NaN
+        raise config_types.ConfigError(f"loss.tis_mask_low={loss.tis_mask_low} must lie in [0, 1)")
+    if loss.tis_mask_low > 0 and not (loss.tis_cap > 0 and loss.tis_mode.endswith("_mask")):
+        raise config_types.ConfigError(
+            f"loss.tis_mask_low={loss.tis_mask_low} needs a '_mask' loss.tis_mode and "
+            f"loss.tis_cap > 0 (got tis_mode={loss.tis_mode!r}, tis_cap={loss.tis_cap})"
+        )
+    if loss.tis_mode != "token_truncate" and loss.tis_cap == 0:
+        raise config_types.ConfigError(
+            f"loss.tis_mode={loss.tis_mode!r} needs loss.tis_cap >= 1 (0 = off)"
+        )
+    _validate_objective(loss)
+    if cfg.loss.iterations < 1 or cfg.total_steps < 1:
+        raise config_types.ConfigError("loss.iterations and total_steps must be >= 1")
+    _validate_issue47(cfg)
+    if cfg.model.init == "random" and cfg.rollout.engine != "embedded":
+        raise config_types.ConfigError(
+            "model.init='random' needs rollout.engine='embedded' (a vLLM server loads model.path)"
+        )
+    if cfg.model.init == "random" and cfg.checkpoint.export_hf:
+        raise config_types.ConfigError(
+            "model.init='random' has no tokenizer files to export: export_hf=False"
+        )
+    if not any(cfg.rewards.weights.values()):
+        raise config_types.ConfigError(
+            f"rewards.weights={dict(cfg.rewards.weights)} has no non-zero weight"
+        )
+    ds = cfg.dynamic_sampling
+    if ds.enabled and ds.filter_reward not in cfg.rewards.weights:
+        raise config_types.ConfigError(
+            f"dynamic_sampling.filter_reward={ds.filter_reward!r} is not among rewards.weights "
+            f"{sorted(cfg.rewards.weights)}"
+        )
+    return cfg
+
+
+def _validate_issue47(cfg: config_types.TrainConfig) -> None:
+    """Updates per batch, the adaptive entropy coefficient and the overlong punishment."""
+    loss = cfg.loss
+    if loss.updates_per_batch < 1 or loss.minibatches % loss.updates_per_batch:
+        raise config_types.ConfigError(
+            f"loss.updates_per_batch={loss.updates_per_batch} must be >= 1 and divide "
+            f"loss.minibatches={loss.minibatches} (each update takes whole minibatches)"
+        )
+    if not (loss.entropy_target >= 0 and abs(loss.entropy_coef) < float("inf")):  # and NaN
+        raise config_types.ConfigError(
+            f"loss.entropy_target={loss.entropy_target} must be >= 0 (0: fixed coefficient) "
+            f"and loss.entropy_coef={loss.entropy_coef} finite"
+        )
+    if loss.entropy_target > 0 and not (
+        loss.entropy_coef_step > 0
+        and 0 <= loss.entropy_coef_min <= loss.entropy_coef <= loss.entropy_coef_max < float("inf")
+    ):
+        raise config_types.ConfigError(
+            f"adaptive entropy (loss.entropy_target={loss.entropy_target}) needs "
+            f"loss.entropy_coef_step={loss.entropy_coef_step} > 0 and 0 <= "
+            f"loss.entropy_coef_min={loss.entropy_coef_min} <= loss.entropy_coef="
+            f"{loss.entropy_coef} (its start) <= loss.entropy_coef_max={loss.entropy_coef_max}"
+        )
+    r = cfg.rewards
+    l_max = r.overlong_max_len or cfg.batch.max_completion_len
+    if r.overlong_max_len < 0 or not 0 <= r.overlong_cache_len <= l_max:
+        raise config_types.ConfigError(
+            f"rewards.overlong_cache_len={r.overlong_cache_len} must lie in [0, L_max={l_max}] "
+            f"(rewards.overlong_max_len={r.overlong_max_len}, 0 = batch.max_completion_len)"
+        )
+
+
+def advisories(cfg: config_types.TrainConfig) -> list[str]:
+    """Valid but easily unintended combinations, one line each, logged when a run starts."""
+    out = []
+    if cfg.rollout.off_policy_lag > 0 and cfg.loss.tis_cap == 0:
+        out.append(
+            f"rollout.off_policy_lag={cfg.rollout.off_policy_lag} with loss.tis_cap=0: training "
+            "on samples one weight version stale, uncorrected (set loss.tis_cap, e.g. 2, to "
+            "weight them by pi_trainer / pi_engine; docs/off_policy.md)"
+        )
+    several = cfg.loss.iterations * cfg.loss.updates_per_batch > 1
+    if cfg.lora.enabled and cfg.lora.dropout > 0 and several:
+        out.append(
+            f"lora.dropout={cfg.lora.dropout} is not applied in the train step: with several "
+            "updates per batch its noise against the dropout-free old log-probs rivals GSPO's "
+            "clip band (docs/algorithms.md); set lora.dropout=0 to silence this"
+        )
+    return out
+
+
+def _validate_objective(loss: config_types.LossConfig) -> None:
+    """The objective options (`losses.policy_loss`) and the combinations they refuse."""
+    if loss.objective == "cispo":
+        if loss.importance_sampling_level != "token":
+            raise config_types.ConfigError(
+                "loss.objective='cispo' weights each token by its own clipped ratio; it does not "
+                f"combine with loss.importance_sampling_level={loss.importance_sampling_level!r}"
+            )
+        if loss.dual_clip_c:
+            raise config_types.ConfigError(
+                "loss.dual_clip_c caps the 'ppo_clip' surrogate; loss.objective='cispo' has none"
+            )
+        if not (0 <= loss.eps_low <= 1 and loss.eps_high >= 0):  # also refuses NaN
+            raise config_types.ConfigError(
+                f"loss.objective='cispo' clips its weight to [1 - eps_low, 1 + eps_high]: needs "
+                f"0 <= loss.eps_low <= 1 (1 = no lower bound) and loss.eps_high >= 0, got "
+                f"{loss.eps_low}, {loss.eps_high}"
+            )
+    if not (loss.dual_clip_c == 0 or 1 < loss.dual_clip_c < float("inf")):  # also refuses NaN
+        raise config_types.ConfigError(
+            f"loss.dual_clip_c={loss.dual_clip_c} must be 0 (off) or finite and > 1 (verl: 3)"
+        )
+    if not 0 <= loss.entropy_coef < float("inf"):
+        raise config_types.ConfigError(
+            f"loss.entropy_coef={loss.entropy_coef} must be finite and >= 0"
+        )
+    if not 0 < loss.top_entropy_quantile <= 1:
+        raise config_types.ConfigError(
+            f"loss.top_entropy_quantile={loss.top_entropy_quantile} must lie in (0, 1] (1 = off)"
+        )
+
+
+def from_config_dict(config) -> config_types.TrainConfig:
+    """ConfigDict (or nested dict) -> validated `config_types.TrainConfig`."""
+    return validate(_build(config_types.TrainConfig, _plain(config), "<root>"))
