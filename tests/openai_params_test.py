@@ -8,6 +8,7 @@ from mmr_jax.rollout.openai_format import HTTPError
 
 class _Backend:
     max_model_len = 64
+    vocab_size = 1000
 
     def __init__(self):
         self.rendered = []

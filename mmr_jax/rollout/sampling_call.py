@@ -42,6 +42,17 @@ class Sampling:
         r, loop = self.real_rows, self.loop
         return loop.toks[r], loop.logps[r], loop.stopped[r], loop.done[r]
 
+    def progress(self):
+        """(lengths [B * n], tokens [B * n, N], log-probs, stopped [B * n]) so far: a row's
+        length is its tokens up to its stop token when stopped, else the steps run."""
+        toks, logps, stopped, _ = self.decoded()
+        return (
+            row_lengths(toks, stopped, self.stops, min(self.loop.t, self.max_new)),
+            toks,
+            logps,
+            stopped,
+        )
+
     def batch(self) -> base.RolloutBatch:
         toks, logps, stopped, _ = self.decoded()
         args = (self.num_prompts, self.n, self.max_new, self.stops, self.pad_id)
@@ -67,13 +78,19 @@ class Whole:
         raise ValueError("cancel needs chunked decoding")
 
 
+def row_lengths(toks, stopped, stops, steps: int) -> np.ndarray:
+    """Tokens of each row [R]: up to its first stop id when `stopped`, else `steps`."""
+    toks = toks[:, :steps]
+    is_stop = np.isin(toks, np.asarray(stops, np.int32)) if stops else np.zeros_like(toks, bool)
+    first_stop = np.where(is_stop.any(-1), is_stop.argmax(-1) + 1, steps)
+    return np.where(stopped, first_stop, steps)
+
+
 def to_batch(toks, logps, stopped, num_prompts, n, max_new, stops, pad_id) -> base.RolloutBatch:
     """Device outputs [R, N] -> a host `RolloutBatch` [B, n, T] with T = the longest completion."""
     r = num_prompts * n
     toks, logps, stopped = toks[:r, :max_new], logps[:r, :max_new], stopped[:r]
-    is_stop = np.isin(toks, np.asarray(stops, np.int32)) if stops else np.zeros_like(toks, bool)
-    first_stop = np.where(is_stop.any(-1), is_stop.argmax(-1) + 1, max_new)
-    lengths = np.where(stopped, first_stop, max_new)
+    lengths = row_lengths(toks, stopped, stops, max_new)
     t = max(1, int(lengths.max()))
     mask = np.arange(t)[None, :] < lengths[:, None]
     toks = np.where(mask, toks[:, :t], pad_id).astype(np.int32)
