@@ -68,7 +68,7 @@ class FakeBackend:
     def encode(self, text, *, add_special_tokens=True):
         return [ord(c) % 50 for c in text]
 
-    def decode(self, ids):
+    def decode(self, ids, *, skip_special_tokens=True):
         return " ".join(map(str, ids))
 
     def token_strings(self, ids):
