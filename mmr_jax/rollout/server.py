@@ -205,8 +205,10 @@ class OpenAIServer:
         data += [card(name, path, b.model_name) for name, path in b.adapters().items()]
         return 200, {"object": "list", "data": data}, None
 
-    def _resolve_model(self, name: str | None) -> str:
+    def _resolve_model(self, name: Any) -> str:
         b = self.backend
+        if name is not None and not isinstance(name, str):
+            raise HTTPError(400, f"model must be a string, got {name!r}"[:200], param="model")
         if name is None or name == b.model_name or name in b.adapters():
             return name or b.model_name
         raise HTTPError(
