@@ -248,6 +248,7 @@ def start(
     weights: nnx.State | None = None,
     n_slots: int | None = None,
     logprobs_mode: str = "scaled_logprobs",
+    kernels=None,
 ) -> sampling_call.Sampling:
     """Prefills `prompt_ids` and returns the `Sampling` that decodes them (`sample`'s arguments).
 
@@ -265,6 +266,8 @@ def start(
         that a few programs serve every request. Rows keep the keys of b * n + i, so the tokens
         do not depend on it.
       logprobs_mode: what the reported log-probs are (`sampling.LOGPROBS_MODES`).
+      kernels: with `weights`, their weight-major kernels (`sampler_weights`), kept by a caller
+        that samples many times from one weight version (None: made here when used).
     """
     num_prompts = len(prompt_ids)
     if num_prompts == 0:
@@ -312,7 +315,9 @@ def start(
         rows(packed.gather),
         cache_sharding=None if mesh is None else cache_sharding(mesh),
     )
-    kernels_t = _weight_major_kernels(graphdef, state) if weight_major(state) else None
+    kernels_t = kernels
+    if kernels_t is None and weight_major(state):
+        kernels_t = _weight_major_kernels(graphdef, state)
     sampling = (
         scalar(np.float32(params.temperature if not greedy else 1.0)),
         scalar(np.int32(params.top_k)),

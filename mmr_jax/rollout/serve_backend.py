@@ -146,6 +146,7 @@ class EmbeddedBackend:
         self._adapters: dict[str, tuple[str, dict, dict]] = {}
         self._adapter_models: dict[str, nnx.Module] = {}
         self._lock = threading.RLock()
+        self._weight_cache: dict[str, tuple] = {}
 
     @classmethod
     def from_pretrained(
@@ -205,6 +206,7 @@ class EmbeddedBackend:
         """The prefilled decode of `prompt_ids` (`sampler.start`), to advance in chunks; call
         with `exclusive()` held until it is finished."""
         with self._lock:
+            weights, kernels = self._weights(model)
             return sampler.start(
                 self._decoder(model),
                 prompt_ids,
@@ -216,7 +218,22 @@ class EmbeddedBackend:
                 max_len=self.max_model_len,
                 n_slots=n_slots,
                 logprobs_mode=self.logprobs_mode,
+                weights=weights,
+                kernels=kernels,
             )
+
+    def _weights(self, model: str):
+        """(sampling weights, weight-major kernels or None) of `model`, made once per weight
+        version (the kernels are a transposed copy of the weights: made per call, they cost
+        SmolLM2 a few hundred ms of every request's time to first token)."""
+        if model not in self._weight_cache:
+            decoder = self._decoder(model)
+            state = sampler.sampling_weights(decoder)
+            kernels = None
+            if sampler.weight_major(state):
+                kernels = sampler._weight_major_kernels(nnx.graphdef(decoder), state)
+            self._weight_cache[model] = (state, kernels)
+        return self._weight_cache[model]
 
     def top_logprobs(
         self,
@@ -283,11 +300,13 @@ class EmbeddedBackend:
         with self._lock:  # Built now, so an adapter that does not fit fails here.
             self._adapter_models[name] = build_lora_model(self.engine.model, config, tensors)
             self._adapters[name] = (str(path), config, tensors)
+            self._weight_cache.pop(name, None)
 
     def unload_adapter(self, name: str) -> None:
         with self._lock:
             self._adapters.pop(name)
             self._adapter_models.pop(name, None)
+            self._weight_cache.pop(name, None)
 
     def reload_weights(self, weights_path: str) -> dict:
         """Loads the HF safetensors in `path` (shapes of the served model) into the base model."""
@@ -299,6 +318,7 @@ class EmbeddedBackend:
         with self._lock:
             nnx.update(model, nnx.state(new, nnx.Param))
             self._adapter_models.clear()  # Rebuilt on the new base when next used.
+            self._weight_cache.clear()
         return {"path": str(path), "num_tensors": len(nnx.to_flat_state(nnx.state(new)))}
 
     def collective_rpc(self, method: str, args: list, kwargs: dict):
