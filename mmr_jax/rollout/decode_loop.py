@@ -10,6 +10,8 @@ loops, each once per shape. (SmolLM2 decode step at 32 rows 121 ms, at 8 rows 60
 not quartering, gave 1.22x on the CPU default's rollouts against 1.03x:
 benchmarks/bench_rollout.py.)
 Rows keep their random keys, so the tokens are those of the uncompacted loop, up to rounding.
+The loop also stops at a traced step `until`, so the host can run it in chunks (`Chunked`: a
+server streaming, or ending rows early between chunks) without recompiling.
 
 Legend: B prompts, n samples per prompt, R = B * n rows, P prompt slots, N new-token slots.
 """

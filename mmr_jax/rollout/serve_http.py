@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 
 HTTPError = fmt.HTTPError
 OPEN_ROUTES = ("/health", "/ping", "/version")  # answered without the API key, as vLLM's
-READ_TIMEOUT_S = 60  # a client that stops sending mid-request is dropped after this
+READ_TIMEOUT_S = 300  # a connection idle (or stalled mid-request) this long is closed
 
 
 class Stream:
