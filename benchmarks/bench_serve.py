@@ -5,17 +5,17 @@ time to first token, whole-reply time, tokens/s and errors at 1, 4 and 16 concur
     python benchmarks/bench_serve.py --servers=ours --clients=1,4 --max_tokens=32
 
 Each server is started alone (one at a time, so neither competes with the other for the cores),
-warmed up with untimed bursts that make every power-of-two batch size occur (our server compiles a
-program per batch bucket; vLLM warms its own), then timed: at concurrency c, c client threads (the
-official `openai` client, one each) send --rounds * c streamed chat requests in all, each thread one
-after another. Every request is the same for both servers: a GSM8K-style question through the chat
-template, `max_tokens` tokens generated (`ignore_eos`, so both produce exactly that many),
-temperature 0.7, unseeded. TTFT: from sending to the first content chunk; reply: to the last;
-tokens/s: all completion tokens (from the usage chunk) over the level's wall time. The goals it
-reports on (issue 46): TTFT at 1 client below a fifth of the reply; the mean reply at 4 clients
-within 2.5x of 1 client's; our tokens/s at 16 clients at least vLLM's. vLLM: launched from its venv
-as the trainer launches it (`vllm_launch`, scripts/setup_vllm_env.sh); its rows are absent with a
-message when there is no venv.
+warmed up with an untimed round at every level and each question alone (our server compiles a
+program per batch and prompt-length bucket; vLLM warms its own), then timed: at concurrency c, c
+client threads (the official `openai` client, one each) send --rounds * c streamed chat requests in
+all, each thread one after another. Every request is the same for both servers: a GSM8K-style
+question through the chat template, `max_tokens` tokens generated (`ignore_eos`, so both produce
+exactly that many), temperature 0.7, unseeded. TTFT: from sending to the first content chunk;
+reply: to the last; tokens/s: all completion tokens (from the usage chunk) over the level's wall
+time. The goals it reports on (issue 46): TTFT at 1 client below a fifth of the reply; the mean
+reply at 4 clients within 2.5x of 1 client's; our tokens/s at 16 clients at least vLLM's. vLLM:
+launched from its venv as the trainer launches it (`vllm_launch`, scripts/setup_vllm_env.sh); its
+rows are absent with a message when there is no venv.
 """
 
 from __future__ import annotations
@@ -109,13 +109,14 @@ def one_request(client, question: str) -> dict:
     return {"ttft": first, "reply": time.perf_counter() - start, "tokens": tokens}
 
 
-def level(url: str, clients: int, rounds: int) -> dict:
+def level(url: str, clients: int, rounds: int, first: int = 0) -> dict:
     """`clients` threads, `rounds` requests each; the level's row."""
     import openai
 
     def worker(k):
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=900)
-        return [one_request(client, QUESTIONS[(k + r) % len(QUESTIONS)]) for r in range(rounds)]
+        questions = [QUESTIONS[(first + k + r) % len(QUESTIONS)] for r in range(rounds)]
+        return [one_request(client, q) for q in questions]
 
     start = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(clients) as pool:
@@ -151,12 +152,13 @@ def bench(server: str) -> list[dict]:
     rows = []
     try:
         levels = [int(c) for c in _CLIENTS.value]
-        # Warm-up, untimed: bursts of 1 + k requests, so that (the first decoding alone, the k
-        # others waiting) batches of every power-of-two size up to the most clients occur
-        # (our server compiles a program per batch bucket; vLLM warms its own).
-        for k in [1] + [b for b in (1, 2, 4, 8, 16, 32, 64) if b <= max(levels)]:
-            harness.progress(f"{server}: warm-up burst of {k + 1}")
-            level(url, k + 1, 1)
+        # Warm-up, untimed: one round at every level, and one request per question (our server
+        # compiles a program per batch and prompt-length bucket; vLLM warms its own).
+        for clients in [*levels, len(QUESTIONS)]:
+            harness.progress(f"{server}: warm-up at {clients} clients")
+            level(url, clients, 1)
+        for k in range(1, len(QUESTIONS)):
+            level(url, 1, 1, first=k)
         for clients in levels:
             harness.progress(f"{server}: {clients} clients")
             rows.append({"server": server, **level(url, clients, _ROUNDS.value)})

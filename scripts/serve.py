@@ -69,6 +69,9 @@ _LOGPROBS_MODE = flags.DEFINE_enum(
     "(vLLM's processed_logprobs), or of the raw logits (vLLM's raw_logprobs)",
 )
 _CHUNK_STEPS = flags.DEFINE_integer("stream_chunk_steps", 8, "decode steps between stream chunks")
+_BATCH_WAIT_MS = flags.DEFINE_float(
+    "batch_wait_ms", 20, "once a request arrives, wait this long for others to batch with it"
+)
 _LOG_FILE = flags.DEFINE_string(
     "log_file", None, "request and library logs (default: mmr_jax_serve_<pid>.log in the temp dir)"
 )
@@ -103,6 +106,7 @@ def main(argv):
         api_key=_API_KEY.value or os.environ.get("VLLM_API_KEY"),
         weights_dir=_WEIGHTS_DIR.value,
         chunk_steps=_CHUNK_STEPS.value,
+        gather_s=_BATCH_WAIT_MS.value / 1000,
     )
     print(f"serving {backend.model_name!r} at {srv.url}", flush=True)  # clients parse this line
     print(f"logs: {log_file}", flush=True)

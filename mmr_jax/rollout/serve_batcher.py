@@ -1,6 +1,7 @@
 """Requests decoded together, in chunks of steps, for `server.OpenAIServer`.
 
-Each request is a `Job`; one thread (`Batcher`) takes every job waiting when it is free, groups
+Each request is a `Job`; one thread (`Batcher`) takes every job waiting when it is free (after
+waiting `gather_s` for requests sent at the same time to arrive), groups
 those that can share one decode call (same model and sampling controls; no explicit seed, whose
 tokens must not depend on other requests) up to `max_num_seqs` rows, and decodes them with the
 backend held (`Backend.exclusive()`: a weight reload waits for the whole batch, top log-probs
@@ -19,6 +20,7 @@ import dataclasses
 import logging
 import queue
 import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -114,8 +116,16 @@ class Finished:
 class Batcher:
     """The decode thread over `backend` (a `server.Backend`); `submit(job)` queues a job."""
 
-    def __init__(self, backend: Any, limits: serve_limits.Limits, *, chunk_steps: int = 8):
+    def __init__(
+        self,
+        backend: Any,
+        limits: serve_limits.Limits,
+        *,
+        chunk_steps: int = 8,
+        gather_s: float = 0.02,
+    ):
         self.backend, self.limits, self.chunk_steps = backend, limits, chunk_steps
+        self.gather_s = gather_s
         self._waiting: collections.deque[Job] = collections.deque()
         self._cond = threading.Condition()
         self._closed = False
@@ -140,6 +150,13 @@ class Batcher:
         with self._cond:
             while not self._waiting and not self._closed:
                 self._cond.wait()
+            # Requests sent together arrive a few ms apart: wait that long for them, so that
+            # they share this batch rather than wait for the whole of it.
+            deadline = time.monotonic() + self.gather_s
+            while not self._closed and (left := deadline - time.monotonic()) > 0:
+                if sum(j.rows for j in self._waiting) >= self.limits.max_num_seqs:
+                    break
+                self._cond.wait(timeout=left)
             if self._closed:
                 return None
             first = self._waiting.popleft()

@@ -124,6 +124,7 @@ class OpenAIServer:
       weights_dir: turns the weight-reload and adapter routes on, for paths inside this folder
         (None: those routes answer 404).
       chunk_steps: decode steps between the batcher's hand-overs (stream chunks, early ends).
+      gather_s: how long the batcher waits, once a request arrives, for others to join it.
     """
 
     def __init__(
@@ -137,11 +138,14 @@ class OpenAIServer:
         api_key: str | None = None,
         weights_dir: str | os.PathLike | None = None,
         chunk_steps: int = 8,
+        gather_s: float = 0.02,
     ):
         self.backend, self.default_max_tokens = backend, default_max_tokens
         self.limits, self.api_key = limits or serve_limits.Limits(), api_key or None
         self.weights_dir = None if weights_dir is None else os.path.realpath(weights_dir)
-        self.batcher = serve_batcher.Batcher(backend, self.limits, chunk_steps=chunk_steps)
+        self.batcher = serve_batcher.Batcher(
+            backend, self.limits, chunk_steps=chunk_steps, gather_s=gather_s
+        )
         self._http = serve_http.HTTPServer((host, port), serve_http.Handler)
         self._http.app = self
         self._thread: threading.Thread | None = None
