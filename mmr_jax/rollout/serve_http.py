@@ -200,4 +200,6 @@ class Handler(BaseHTTPRequestHandler):
 
 class HTTPServer(ThreadingHTTPServer):
     daemon_threads = True
+    # socketserver's listen backlog is 5: 16 clients connecting at once had connections refused.
+    request_queue_size = 1024
     app: Any  # the `server.OpenAIServer`
