@@ -46,10 +46,10 @@ _DEFAULT_MAX_TOKENS = flags.DEFINE_integer(
 )
 _MIN_PROMPTS = flags.DEFINE_integer("min_batch_bucket", 1, "smallest padded prompt count")
 _MAX_NUM_SEQS = flags.DEFINE_integer(
-    "max_num_seqs", 64, "sequences (prompts x n) decoded together; more in one request: 400"
+    "max_num_seqs", 256, "sequences (prompts x n) decoded together; more in one request: 400"
 )
 _MAX_REQUEST_TOKENS = flags.DEFINE_integer(
-    "max_request_tokens", 2**16, "a request's prompts x n x (prompt + max_tokens) tokens at most"
+    "max_request_tokens", 2**18, "a request's prompts x n x (prompt + max_tokens) tokens at most"
 )
 _MAX_BODY_BYTES = flags.DEFINE_integer("max_body_bytes", 4 * 2**20, "request body size limit")
 _API_KEY = flags.DEFINE_string(

@@ -22,8 +22,8 @@ class Limits:
     max_request_tokens: sum over a request's rows of prompt + max_tokens.
     max_body_bytes: a request body's size (Content-Length)."""
 
-    max_num_seqs: int = 64
-    max_request_tokens: int = 2**16
+    max_num_seqs: int = 256
+    max_request_tokens: int = 2**18
     max_body_bytes: int = 4 * 2**20
 
     def __post_init__(self):
