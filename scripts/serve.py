@@ -7,13 +7,15 @@
          "messages": [{"role": "user", "content": "What is 2 + 3?"}], "stream": true}'
 
 Serves one checkpoint on a CPU or TPU host to the official `openai` client (models.list,
-completions and chat completions, streamed or not, with log-probs and usage; docs/serving.md),
-and speaks the routes the vLLM rollout client uses (/v1/completions, /v1/models, /health,
-/collective_rpc, /reset_prefix_cache, /v1/load_lora_adapter, /v1/unload_lora_adapter), so the
-trainer's `rollout.engine='vllm'` path runs against it unchanged. The weight routes take paths on
-this host: bind to localhost or a private network. See mmr_jax/rollout/server.py for what is and
-is not supported. Request and library logs go to --log_file; the console shows the address and
-warnings (`--verbosity=0`: everything).
+completions and chat completions, streamed as they are decoded or not, with log-probs and usage;
+docs/serving.md), and speaks the routes the vLLM rollout client uses (/v1/completions,
+/v1/models, /health, /reset_prefix_cache, and with --weights_dir /collective_rpc,
+/v1/load_lora_adapter, /v1/unload_lora_adapter), so the trainer's `rollout.engine='vllm'` path
+runs against it unchanged. Limits (--max_num_seqs, --max_model_len, --max_request_tokens,
+--max_body_bytes) answer 400 to requests that ask more; --api_key (or $VLLM_API_KEY) requires
+`Authorization: Bearer <key>`. See mmr_jax/rollout/server.py for what is and is not supported.
+Request and library logs go to --log_file; the console shows the address and warnings
+(`--verbosity=0`: everything).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from absl import app, flags
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from mmr_jax.infra import console
-from mmr_jax.rollout import layout, serve_backend, server
+from mmr_jax.rollout import layout, serve_backend, serve_limits, server
 
 _MODEL = flags.DEFINE_string("model", None, "HF checkpoint folder", required=True)
 _NAME = flags.DEFINE_string("served_model_name", None, "model name clients use (default: --model)")
@@ -43,6 +45,33 @@ _DEFAULT_MAX_TOKENS = flags.DEFINE_integer(
     "OpenAI; the sampler's cache and cost grow with it)",
 )
 _MIN_PROMPTS = flags.DEFINE_integer("min_batch_bucket", 1, "smallest padded prompt count")
+_MAX_NUM_SEQS = flags.DEFINE_integer(
+    "max_num_seqs", 256, "sequences (prompts x n) decoded together; more in one request: 400"
+)
+_MAX_REQUEST_TOKENS = flags.DEFINE_integer(
+    "max_request_tokens", 2**18, "a request's prompts x n x (prompt + max_tokens) tokens at most"
+)
+_MAX_BODY_BYTES = flags.DEFINE_integer("max_body_bytes", 4 * 2**20, "request body size limit")
+_API_KEY = flags.DEFINE_string(
+    "api_key", None, "key clients send as 'Authorization: Bearer <key>' (default $VLLM_API_KEY)"
+)
+_WEIGHTS_DIR = flags.DEFINE_string(
+    "weights_dir",
+    None,
+    "turns on /collective_rpc (weight reload) and the LoRA adapter routes, for paths inside this "
+    "folder (default: those routes are off)",
+)
+_LOGPROBS_MODE = flags.DEFINE_enum(
+    "logprobs_mode",
+    "scaled_logprobs",
+    ["scaled_logprobs", "processed_logprobs", "raw_logprobs"],
+    "reported log-probs: after temperature (default), also after top-k/top-p renormalised "
+    "(vLLM's processed_logprobs), or of the raw logits (vLLM's raw_logprobs)",
+)
+_CHUNK_STEPS = flags.DEFINE_integer("stream_chunk_steps", 8, "decode steps between stream chunks")
+_BATCH_WAIT_MS = flags.DEFINE_float(
+    "batch_wait_ms", 20, "once a request arrives, wait this long for others to batch with it"
+)
 _LOG_FILE = flags.DEFINE_string(
     "log_file", None, "request and library logs (default: mmr_jax_serve_<pid>.log in the temp dir)"
 )
@@ -61,9 +90,23 @@ def main(argv):
         seed=_SEED.value,
         max_model_len=_MAX_LEN.value,
         buckets=layout.Buckets(min_prompts=_MIN_PROMPTS.value),
+        logprobs_mode=_LOGPROBS_MODE.value,
+    )
+    limits = serve_limits.Limits(
+        max_num_seqs=_MAX_NUM_SEQS.value,
+        max_request_tokens=_MAX_REQUEST_TOKENS.value,
+        max_body_bytes=_MAX_BODY_BYTES.value,
     )
     srv = server.OpenAIServer(
-        backend, host=_HOST.value, port=_PORT.value, default_max_tokens=_DEFAULT_MAX_TOKENS.value
+        backend,
+        host=_HOST.value,
+        port=_PORT.value,
+        default_max_tokens=_DEFAULT_MAX_TOKENS.value,
+        limits=limits,
+        api_key=_API_KEY.value or os.environ.get("VLLM_API_KEY"),
+        weights_dir=_WEIGHTS_DIR.value,
+        chunk_steps=_CHUNK_STEPS.value,
+        gather_s=_BATCH_WAIT_MS.value / 1000,
     )
     print(f"serving {backend.model_name!r} at {srv.url}", flush=True)  # clients parse this line
     print(f"logs: {log_file}", flush=True)

@@ -8,6 +8,7 @@ from mmr_jax.rollout.openai_format import HTTPError
 
 class _Backend:
     max_model_len = 64
+    vocab_size = 1000
 
     def __init__(self):
         self.rendered = []
@@ -15,8 +16,9 @@ class _Backend:
     def encode(self, text, *, add_special_tokens=True):
         return [ord(c) for c in text]
 
-    def chat_prompt(self, messages):
+    def chat_prompt(self, messages, template_kwargs=None):
         self.rendered.append(messages)
+        self.template_kwargs = template_kwargs
         return [1] * (4 * len(messages))
 
 
@@ -62,12 +64,42 @@ class TestParseCompletionRequest:
             ({"temperature": -1}, "temperature must be >= 0"),
             ({"max_tokens": 60}, "maximum context length is 64"),
             ({"echo": True}, "echo is not supported"),
+            # Types and ranges: checked before anything is generated.
+            ({"temperature": float("nan")}, "temperature must be a finite number"),
+            ({"temperature": "0.5"}, "temperature must be a finite number"),
+            ({"temperature": True}, "temperature must be a finite number"),
+            ({"top_p": 0}, r"top_p must be in \(0, 1\]"),
+            ({"top_p": float("inf")}, "top_p must be a finite number"),
+            ({"seed": 1.5}, "seed must be an integer"),
+            ({"prompt": [1, 1000]}, "token id 1000 is out of vocabulary"),
+            ({"prompt": [[1, 2], [-1]]}, "token id -1 is out of vocabulary"),
+            ({"prompt": [True, 2]}, "prompt"),
+            ({"stop_token_ids": "12"}, "stop_token_ids must be a list of integer"),
+            ({"stop_token_ids": [1.0]}, "stop_token_ids must be a list of integer"),
+            ({"stop_token_ids": [5000]}, "out of vocabulary"),
+            ({"model": 3}, "model must be a string"),
+            ({"ignore_eos": "yes"}, "ignore_eos must be a boolean"),
+            # Parameters that would change the output: honoured below, or refused by name.
+            ({"guided_json": {"type": "object"}}, "'guided_json' is not supported"),
+            ({"guided_regex": "a+"}, "'guided_regex' is not supported"),
+            ({"prompt_logprobs": 1}, "'prompt_logprobs' is not supported"),
+            ({"allowed_token_ids": [1]}, "'allowed_token_ids' is not supported"),
+            ({"spaces_between_special_tokens": False}, "spaces_between_special_tokens"),
+            ({"best_of": True}, "best_of"),
+            ({"no_such_parameter": 1}, "'no_such_parameter' is not supported"),
         ],
     )
     def test_refused(self, extra, match):
         with pytest.raises(HTTPError, match=match) as e:
             openai_params.parse_completion_request({"prompt": [1] * 8, **extra}, _Backend())
         assert e.value.status == 400
+
+    def test_output_flags_are_honoured(self):
+        body = {"prompt": [1], "include_stop_str_in_output": True, "skip_special_tokens": False}
+        r = openai_params.parse_completion_request({**body, "stop_token_ids": [7]}, _Backend())
+        assert r.include_stop_str and not r.skip_special_tokens and r.params.stop_token_ids == (7,)
+        r = openai_params.parse_completion_request({"prompt": [1], "user": "u"}, _Backend())
+        assert not r.include_stop_str and r.skip_special_tokens
 
     def test_context_error_has_openais_code(self):
         with pytest.raises(HTTPError) as e:
@@ -121,12 +153,23 @@ class TestParseChatRequest:
             ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "only text"),
             ({"max_tokens": 61}, "maximum context length"),
             ({"presence_penalty": 0.5}, "presence_penalty"),
+            ({"chat_template": "{{ x }}"}, "'chat_template' is not supported"),
+            ({"chat_template_kwargs": {"tokenize": True}}, "may not set 'tokenize'"),
+            ({"chat_template_kwargs": [1]}, "chat_template_kwargs must be an object"),
+            ({"guided_choice": ["a"]}, "'guided_choice' is not supported"),
         ],
     )
     def test_refused(self, extra, match):
         with pytest.raises(HTTPError, match=match) as e:
             openai_params.parse_chat_request(_chat(**extra), _Backend())
         assert e.value.status == 400
+
+    def test_chat_template_kwargs_reach_the_template(self):
+        backend = _Backend()
+        openai_params.parse_chat_request(
+            _chat(chat_template_kwargs={"enable_thinking": False}), backend
+        )
+        assert backend.template_kwargs == {"enable_thinking": False}
 
     def test_template_error_is_a_400(self):
         backend = _Backend()

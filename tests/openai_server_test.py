@@ -105,6 +105,10 @@ class TestCompletions:
         assert cut.model_extra["stop_reason"] == stop
         chunks = _stream(client.completions.create, stop=stop, **kw)
         assert "".join(ch.choices[0].text for ch in chunks) == cut.text
+        kept = client.completions.create(
+            stop=[stop], extra_body={"include_stop_str_in_output": True}, **kw
+        )
+        assert kept.choices[0].text == full[: full.find(stop) + len(stop)]
 
 
 class TestChatCompletions:
@@ -234,3 +238,46 @@ class TestErrors:
         assert "could not parse the JSON body" in r.json()["error"]["message"]
         r = requests.post(f"{srv.url}/v1/embeddings", json={}, timeout=10)
         assert r.status_code == 404 and r.json()["error"]["type"] == "invalid_request_error"
+
+
+class TestServing:
+    def test_waiting_requests_are_batched_together(self, served):
+        import concurrent.futures
+
+        _, srv, client = served
+        before = len(srv.batcher.batches)
+
+        def ask(i):
+            kw = dict(model="tiny", prompt=[5, 6, 7 + i], max_tokens=8, temperature=0.7)
+            return client.completions.create(**kw).choices[0].text
+
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+            list(pool.map(ask, range(6)))
+        batches = srv.batcher.batches[before:]
+        assert sum(batches) == 6 and max(batches) > 1, batches  # later ones waited together
+
+    def test_weight_routes_off_by_default_and_inside_their_folder(self, served, tmp_path):
+        backend, srv, _ = served
+        r = requests.post(f"{srv.url}/v1/load_lora_adapter", json={"lora_name": "a"}, timeout=10)
+        assert r.status_code == 404
+        allowed, secret = tmp_path / "allowed", tmp_path / "secret"
+        (allowed / "broken").mkdir(parents=True)
+        secret.mkdir()
+        (secret / "adapter_config.json").write_text("{}")
+        with server.OpenAIServer(backend, weights_dir=allowed) as on:
+
+            def load(path):
+                body = {"lora_name": "x", "lora_path": str(path)}
+                r = requests.post(f"{on.url}/v1/load_lora_adapter", json=body, timeout=10)
+                return r.status_code, r.json()["error"]["message"].replace(str(path), "P")
+
+            outside = [load(secret), load(tmp_path / "missing"), load(allowed / ".." / "secret")]
+            assert outside[0][0] == 400 and "must lie inside" in outside[0][1]
+            assert outside == [outside[0]] * 3  # the same answer whether the path exists or not
+            inside = [load(allowed / "broken"), load(allowed / "missing")]
+            assert (
+                inside == [(400, "could not load a LoRA adapter from 'P' (see the server log)")] * 2
+            )
+            body = {"method": "reload_weights", "kwargs": {"weights_path": str(secret)}}
+            r = requests.post(f"{on.url}/collective_rpc", json=body, timeout=10)
+            assert r.status_code == 400 and "must lie inside" in r.json()["error"]["message"]

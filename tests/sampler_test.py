@@ -157,6 +157,32 @@ class TestSample:
         sampler.sample(llama, prompts, params, stop_token_ids=stops, stats=again)
         assert sampler.trace_count() == traces and again.loop_rows == loops
 
+    def test_chunks_and_n_slots_give_the_same_completions(self, llama):
+        # The host runs the loop 3 steps at a time (with compaction between chunks), and n = 3
+        # is compiled as 4 rows per prompt: the tokens are those of one whole call.
+        params = base.SamplingParams(max_new_tokens=20, temperature=1.0, n=3, seed=5)
+        ref = sampler.sample(llama, PROMPTS, params, stop_token_ids=(EOS, 7, 11))
+        for slots in (3, 4):
+            call = sampler.start(llama, PROMPTS, params, stop_token_ids=(EOS, 7, 11), n_slots=slots)
+            chunks = 0
+            while not call.finished:
+                call.advance(3)
+                chunks += 1
+                lengths, toks, _, _ = call.progress()
+                assert (lengths <= min(3 * chunks, 20)).all()
+            out = call.batch()
+            assert chunks > 1
+            np.testing.assert_array_equal(out.tokens, ref.tokens)
+            np.testing.assert_allclose(out.logprobs, ref.logprobs, atol=1e-5, rtol=1e-5)
+            assert out.finish_reasons == ref.finish_reasons
+        traces = sampler.trace_count()
+        call = sampler.start(llama, PROMPTS, params, n_slots=4)
+        call.advance(2)
+        call.cancel(range(9))  # every row ends at the next chunk
+        call.advance(5)
+        assert call.finished and call.stats.decode_steps == 2
+        assert sampler.trace_count() == traces  # chunk sizes are traced: nothing recompiles
+
     def test_compiles_once_per_bucket(self, llama):
         params = base.SamplingParams(max_new_tokens=10, temperature=0.9, n=2)
         sampler.sample(llama, PROMPTS, params)
@@ -216,6 +242,54 @@ class TestFilter:
         logits = jax.random.normal(jax.random.key(0), (2, 50))
         out = sampling.filter_top_k_top_p(logits, jnp.int32(0), jnp.float32(1.0))
         np.testing.assert_array_equal(out, logits)
+
+
+class TestLogprobsMode:
+    """`sample_step`'s reported log-prob per `logprobs_mode`, against the distribution worked
+    out by hand on a 5-token vocabulary: p = [0.05, 0.4, 0.1, 0.3, 0.15], temperature 0.5,
+    top-k 3 then top-p 0.6 (the filter keeps tokens 1 and 3)."""
+
+    P = np.array([0.05, 0.4, 0.1, 0.3, 0.15])
+
+    def _step(self, mode, *, greedy=False):
+        logits = jnp.asarray(np.log(self.P)[None].repeat(64, 0), jnp.float32)
+        keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.key(0), i))(jnp.arange(64))
+        tok, logp = sampling.sample_step(
+            logits,
+            keys,
+            jnp.float32(0.5),
+            jnp.int32(3),
+            jnp.float32(0.6),
+            greedy=greedy,
+            use_filter=not greedy,
+            logprobs_mode=mode,
+        )
+        return np.asarray(tok), np.asarray(logp)
+
+    def test_each_mode_against_the_hand_computed_distribution(self):
+        scaled = self.P**2 / (self.P**2).sum()  # softmax(log p / 0.5)
+        kept = np.zeros(5)
+        kept[[1, 3]] = scaled[[1, 3]] / scaled[[1, 3]].sum()  # 0.64, 0.36 after top-k/top-p
+        want = {
+            "scaled_logprobs": np.log(scaled),
+            "processed_logprobs": np.log(np.where(kept > 0, kept, 1.0)),
+            "raw_logprobs": np.log(self.P),
+        }
+        for mode, table in want.items():
+            tok, logp = self._step(mode)
+            assert set(tok.tolist()) == {1, 3}  # samples only from the filtered distribution
+            np.testing.assert_allclose(logp, table[tok], rtol=1e-5, err_msg=mode)
+        np.testing.assert_allclose(np.exp(want["processed_logprobs"][[1, 3]]), [16 / 25, 9 / 25])
+
+    def test_greedy_reports_the_untempered_distribution_in_every_mode(self):
+        for mode in sampling.LOGPROBS_MODES:
+            tok, logp = self._step(mode, greedy=True)
+            assert (tok == 1).all()
+            np.testing.assert_allclose(logp, np.log(0.4), rtol=1e-5)
+
+    def test_unknown_mode_is_refused(self):
+        with pytest.raises(ValueError, match="logprobs_mode"):
+            self._step("processed_logits")
 
 
 class TestCategorical:

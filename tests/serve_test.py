@@ -18,7 +18,7 @@ GREEDY = base.SamplingParams(max_new_tokens=16, temperature=0.0, n=2)
 @pytest.fixture(scope="module")
 def served(tiny_llama_dir):
     backend = serve_backend.EmbeddedBackend.from_pretrained(tiny_llama_dir, model_name="tiny")
-    with server.OpenAIServer(backend) as srv:
+    with server.OpenAIServer(backend, weights_dir="/") as srv:  # tmp_path varies per test
         yield backend, srv
 
 
@@ -180,7 +180,7 @@ class TestServeScript:
 
         script = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "serve.py"
         argv = [sys.executable, str(script), f"--model={tiny_llama_dir}", "--port=0"]
-        argv.append("--served_model_name=tiny")
+        argv += ["--served_model_name=tiny", f"--weights_dir={tmp_path}"]
         proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         try:
             line = proc.stdout.readline()  # "serving 'tiny' at http://127.0.0.1:PORT"

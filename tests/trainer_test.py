@@ -317,7 +317,7 @@ class TestMismatch:
 
         seen = _capture_batches(monkeypatch)
         backend = serve_backend.EmbeddedBackend.from_pretrained(tiny_llama_dir, model_name="tiny")
-        with server.OpenAIServer(backend) as srv:
+        with server.OpenAIServer(backend, weights_dir=tmp_path) as srv:
             cfg = _config(
                 "dapo_nods",
                 tiny_llama_dir,

@@ -29,6 +29,7 @@ class FakeBackend:
 
     model_name = "fake"
     max_model_len = 256
+    vocab_size = 1000
     eos_token_ids = (2,)
 
     def __init__(self):
@@ -57,10 +58,17 @@ class FakeBackend:
             toks.append(rows[0]), lps.append(rows[1]), reasons.append(rows[2])
         return base.batch_from_lists(toks, lps, reasons)
 
+    def exclusive(self):
+        return contextlib.nullcontext()
+
+    def start(self, prompt_ids, params, *, model, ignore_eos, n_slots):
+        batch = self.generate(prompt_ids, params, model=model, ignore_eos=ignore_eos)
+        return server.Finished(batch)
+
     def encode(self, text, *, add_special_tokens=True):
         return [ord(c) % 50 for c in text]
 
-    def decode(self, ids):
+    def decode(self, ids, *, skip_special_tokens=True):
         return " ".join(map(str, ids))
 
     def token_strings(self, ids):
@@ -83,7 +91,7 @@ class FakeBackend:
 @pytest.fixture
 def fake():
     backend = FakeBackend()
-    with server.OpenAIServer(backend) as srv:
+    with server.OpenAIServer(backend, weights_dir="/") as srv:
         yield backend, srv
 
 

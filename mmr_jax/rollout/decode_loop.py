@@ -10,6 +10,8 @@ loops, each once per shape. (SmolLM2 decode step at 32 rows 121 ms, at 8 rows 60
 not quartering, gave 1.22x on the CPU default's rollouts against 1.03x:
 benchmarks/bench_rollout.py.)
 Rows keep their random keys, so the tokens are those of the uncompacted loop, up to rounding.
+The loop also stops at a traced step `until`, so the host can run it in chunks (`Chunked`: a
+server streaming, or ending rows early between chunks) without recompiling.
 
 Legend: B prompts, n samples per prompt, R = B * n rows, P prompt slots, N new-token slots.
 """
@@ -50,15 +52,19 @@ class Rows:
     logps: jax.Array  # [R, N] float32
 
 
-def run(model, kernels_t, rows, max_new_tokens, min_live, sampling, greedy, use_filter):
-    """The decode `while_loop` from `rows.t` until every row is done or at most `min_live` are
-    still decoding (`min_live` 0: to the end). Rows are grouped n = R / B per prompt; `sampling`
-    is (temperature, top_k, top_p, stop_ids)."""
+def run(model, kernels_t, rows, limits, sampling, greedy, use_filter, logprobs_mode):
+    """The decode `while_loop` from `rows.t` until every row is done, at most `min_live` are
+    still decoding (`min_live` 0: to the end) or step `until` is reached (a traced scalar: the
+    host runs the loop in chunks without recompiling). `limits` is (max_new_tokens, min_live,
+    until). Rows are grouped n = R / B per prompt; `sampling` is (temperature, top_k, top_p,
+    stop_ids)."""
     temperature, top_k, top_p, stop_ids = sampling
+    max_new_tokens, min_live, until = limits
 
     def cond(rows):
         live = jnp.sum(~rows.done)
-        return (rows.t < max_new_tokens) & (live > 0) & (live > min_live)
+        t_end = jnp.minimum(max_new_tokens, until)
+        return (rows.t < t_end) & (live > 0) & (live > min_live)
 
     def body(rows):
         t = rows.t
@@ -73,7 +79,14 @@ def run(model, kernels_t, rows, max_new_tokens, min_live, sampling, greedy, use_
         )
         keys = jax.vmap(lambda k: jax.random.fold_in(k, t))(rows.row_keys)
         tok, logp = sampling_lib.sample_step(
-            logits[:, 0], keys, temperature, top_k, top_p, greedy=greedy, use_filter=use_filter
+            logits[:, 0],
+            keys,
+            temperature,
+            top_k,
+            top_p,
+            greedy=greedy,
+            use_filter=use_filter,
+            logprobs_mode=logprobs_mode,
         )
         live = ~rows.done
         hit = live & jnp.any(tok[:, None] == stop_ids[None, :], axis=-1)
@@ -117,15 +130,17 @@ def compact(rows: Rows, keep_S, real_S, *, n: int) -> Rows:
 
 
 @functools.partial(
-    jax.jit, static_argnames=("graphdef", "greedy", "use_filter"), donate_argnames=("rows",)
+    jax.jit,
+    static_argnames=("graphdef", "greedy", "use_filter", "logprobs_mode"),
+    donate_argnames=("rows",),
 )
 def resume(
-    graphdef, state, kernels_t, rows, max_new_tokens, min_live, sampling, *, greedy, use_filter
+    graphdef, state, kernels_t, rows, limits, sampling, *, greedy, use_filter, logprobs_mode
 ):
-    """The decode loop resumed on compacted `rows` (one row per prompt; donated: the loop's
-    caches are updated in place, not copied first); `sampling` as `run`'s."""
+    """The decode loop resumed on `rows` (compacted, or a chunk's end; donated: the loop's caches
+    are updated in place, not copied first); `limits` and `sampling` as `run`'s."""
     model = nnx.merge(graphdef, state)
-    return run(model, kernels_t, rows, max_new_tokens, min_live, sampling, greedy, use_filter)
+    return run(model, kernels_t, rows, limits, sampling, greedy, use_filter, logprobs_mode)
 
 
 _COMPACT_FACTOR = 2  # rows halve at each compaction
@@ -154,35 +169,74 @@ class LoopStats:
     loop_rows: tuple[int, ...] = ()
 
 
-def finish_compacting(rows: Rows, resume_loop, *, n: int, stats: LoopStats):
-    """Runs compacted loops until every row of `rows` (the first loop's state) is done.
+class Chunked:
+    """A decode driven from the host in chunks of steps, with compaction between them.
 
-    `resume_loop(rows, min_live)` runs `resume` on compacted rows. Returns host arrays tokens
-    [R, N], log-probs [R, N] and stopped [R] of the original rows.
+    `start(until)` runs the first loop (`sampler._generate` with `keep_rows`) up to step `until`;
+    `resume_loop(rows, min_live, until)` runs `resume`. After each `advance`, `toks`, `logps`,
+    `stopped` and `done` ([R, N] / [R] host arrays of the original rows) hold what is decoded so
+    far and `t` the steps run; `cancel(rows)` ends rows at the next chunk (stop strings, clients
+    that left). Rows keep their keys, so the tokens do not depend on the chunk sizes.
     """
-    size = rows.toks.shape[0]
-    toks = np.zeros(rows.toks.shape, np.int32)
-    logps = np.zeros(rows.logps.shape, np.float32)
-    stopped = np.zeros((size,), bool)
-    origin = np.arange(size)  # the original row of each current row (-1: padding)
-    group = n
-    while True:
-        done = np.asarray(rows.done)
-        real = origin >= 0
-        toks[origin[real]] = np.asarray(rows.toks)[real]
-        logps[origin[real]] = np.asarray(rows.logps)[real]
-        stopped[origin[real]] = np.asarray(rows.stopped)[real]
-        if done.all():  # (a loop that reached max_new_tokens marked every row done)
-            break
-        # At most min_live(size) rows are live: go on with them alone, in half as many rows.
-        live = np.flatnonzero(~done)
-        size = compacted_size(size)
+
+    def __init__(self, start, resume_loop, *, n: int, rows: int, num_new: int, max_new: int):
+        self._start, self._resume = start, resume_loop
+        self._rows, self._group, self._size, self.max_new = None, n, rows, max_new
+        self.toks = np.zeros((rows, num_new), np.int32)
+        self.logps = np.zeros((rows, num_new), np.float32)
+        self.stopped = np.zeros((rows,), bool)
+        self.done = np.zeros((rows,), bool)
+        self._cancel = np.zeros((rows,), bool)
+        self._origin = np.arange(rows)  # the original row of each current row (-1: padding)
+        self.t, self.finished = 0, False
+        self.stats = LoopStats(loop_rows=(rows,))
+
+    def cancel(self, rows) -> None:
+        self._cancel[np.asarray(rows, int)] = True
+
+    def advance(self, steps: int | None = None) -> None:
+        """Runs up to `steps` more decode steps (None: to the end), compacting when at most
+        `min_live` rows are live."""
+        if self.finished:
+            return
+        until = self.max_new if steps is None else self.t + steps
+        if self._rows is None:
+            self._rows = self._start(until)
+            self._collect()
+        while not self.finished:
+            rows, real = self._rows, self._origin >= 0
+            cancel = np.zeros(self._size, bool)
+            cancel[real] = self._cancel[self._origin[real]]
+            if cancel.any():
+                self._rows = rows = rows.replace(done=rows.done | jnp.asarray(cancel))
+            live = np.flatnonzero(~np.asarray(rows.done))
+            if len(live) == 0:
+                self._collect()
+                break
+            if self.t >= until:
+                break
+            if len(live) <= min_live(self._size):
+                self._compact(live)
+            self._rows = self._resume(self._rows, min_live(self._size), until)
+            self._collect()
+
+    def _compact(self, live) -> None:
+        """Goes on with the `live` rows alone, in a loop of `compacted_size` rows."""
+        self._size = size = compacted_size(self._size)
         keep = np.full((size,), live[0], np.int32)
         keep[: len(live)] = live
-        rows = compact(rows, jnp.asarray(keep), jnp.asarray(np.arange(size) < len(live)), n=group)
-        origin = np.where(np.arange(size) < len(live), origin[keep], -1)
-        group = 1
-        stats.loop_rows += (size,)
-        rows = resume_loop(rows, min_live(size))
-    stats.decode_steps = int(rows.t)
-    return toks, logps, stopped
+        real = jnp.asarray(np.arange(size) < len(live))
+        self._rows = compact(self._rows, jnp.asarray(keep), real, n=self._group)
+        self._origin = np.where(np.arange(size) < len(live), self._origin[keep], -1)
+        self._group = 1
+        self.stats.loop_rows += (size,)
+
+    def _collect(self) -> None:
+        rows, origin = self._rows, self._origin
+        real = origin >= 0
+        self.toks[origin[real]] = np.asarray(rows.toks)[real]
+        self.logps[origin[real]] = np.asarray(rows.logps)[real]
+        self.stopped[origin[real]] = np.asarray(rows.stopped)[real]
+        self.done[origin[real]] = np.asarray(rows.done)[real]
+        self.t = self.stats.decode_steps = int(rows.t)
+        self.finished = bool(self.done.all())

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from mmr_jax.rollout import base, openai_params
 from mmr_jax.rollout import openai_format as fmt
@@ -23,27 +24,36 @@ class _Output:
     pieces: list[str] | None
 
 
-def _output(backend, ids, logprobs, reason, *, with_pieces: bool) -> _Output:
+def decoder(backend, request: openai_params.Request):
+    """`backend.decode` as the request asks (skip_special_tokens)."""
+    if request.skip_special_tokens:
+        return backend.decode
+    return functools.partial(backend.decode, skip_special_tokens=False)
+
+
+def output(backend, ids, logprobs, reason, *, with_pieces: bool, decode=None) -> _Output:
     """Text without the stop token; stop_reason: a stop id that is not an EOS id (as vLLM)."""
+    decode = decode or backend.decode
     text_ids, stop_reason = ids, None
     if reason == base.FINISH_STOP and ids:
         text_ids = ids[:-1]
         stop_reason = ids[-1] if ids[-1] not in set(backend.eos_token_ids) else None
-    text = backend.decode(text_ids)
+    text = decode(text_ids)
     pieces = None
     if with_pieces:
-        pieces = fmt.text_pieces(backend.decode, text_ids, text)
+        pieces = fmt.text_pieces(decode, text_ids, text)
         pieces += [""] * (len(ids) - len(text_ids))
     return _Output(ids, logprobs, text, reason, stop_reason, pieces)
 
 
-def _cut_at_stop(out: _Output, stops) -> _Output:
+def cut_at_stop(out: _Output, stops, *, include: bool = False) -> _Output:
     """`out` ended by the first stop string it completes (tokens up to the one completing it,
-    text up to where it starts), or unchanged."""
+    text up to where it starts, or where it ends with `include`), or unchanged."""
     cut = fmt.stop_at_strings(out.pieces, stops)
     if cut is None:
         return out
     keep, chars, stop = cut
+    chars += len(stop) if include else 0
     pieces, done = [], 0
     for p in out.pieces[:keep]:
         pieces.append(p[: max(0, chars - done)])
@@ -62,37 +72,45 @@ def build_choices(
     `Backend.top_logprobs` of each completion (same order), or None. `as_ids`: token texts as
     'token_id:<id>' (vLLM's return_tokens_as_token_ids).
     """
-    names = (lambda ids: [f"token_id:{t}" for t in ids]) if as_ids else backend.token_strings
     choices = []
     for b, prompt in enumerate(request.prompts):
         for i in range(request.params.n):
             ids = batch.completion_ids(b, i)
             logps = [float(x) for x in batch.logprobs[b, i, : len(ids)]]
-            reason = batch.finish_reasons[b][i]
-            out = _output(
-                backend, ids, logps, reason, with_pieces=bool(request.stream or request.stop)
-            )
-            if request.stop:
-                out = _cut_at_stop(out, request.stop)
-            top = None
-            if tops is not None:
-                top_ids, top_lps = tops[len(choices)]
-                top = [
-                    list(zip(names(top_ids[t].tolist()), top_lps[t].tolist(), strict=True))
-                    for t in range(len(out.ids))
-                ]
-            choices.append(
-                fmt.Choice(
-                    index=len(choices),
-                    prompt_ids=list(prompt),
-                    token_ids=out.ids,
-                    logprobs=out.logprobs,
-                    tokens=names(out.ids),
-                    text=out.text,
-                    finish_reason=out.finish_reason,
-                    stop_reason=out.stop_reason,
-                    pieces=out.pieces,
-                    top=top,
-                )
-            )
+            out = finished_output(backend, request, ids, logps, batch.finish_reasons[b][i])
+            top = None if tops is None else tops[len(choices)]
+            choices.append(choice(backend, len(choices), prompt, out, top, as_ids=as_ids))
     return choices
+
+
+def finished_output(backend, request: openai_params.Request, ids, logps, reason) -> _Output:
+    """A finished completion's `_Output`, cut at the request's stop strings."""
+    with_pieces = bool(request.stream or request.stop)
+    decode = decoder(backend, request)
+    out = output(backend, ids, logps, reason, with_pieces=with_pieces, decode=decode)
+    if request.stop:
+        out = cut_at_stop(out, request.stop, include=request.include_stop_str)
+    return out
+
+
+def choice(backend, index: int, prompt, out: _Output, top, *, as_ids: bool) -> fmt.Choice:
+    """The `Choice` of `out`; `top`: (ids [T, k], log-probs [T, k]) of its tokens, or None."""
+    names = (lambda ids: [f"token_id:{t}" for t in ids]) if as_ids else backend.token_strings
+    if top is not None:
+        top_ids, top_lps = top
+        top = [
+            list(zip(names(top_ids[t].tolist()), top_lps[t].tolist(), strict=True))
+            for t in range(len(out.ids))
+        ]
+    return fmt.Choice(
+        index=index,
+        prompt_ids=list(prompt),
+        token_ids=out.ids,
+        logprobs=out.logprobs,
+        tokens=names(out.ids),
+        text=out.text,
+        finish_reason=out.finish_reason,
+        stop_reason=out.stop_reason,
+        pieces=out.pieces,
+        top=top,
+    )

@@ -240,6 +240,14 @@ def completion_chunks(
 ) -> Iterator[dict]:
     """The /v1/completions stream: a chunk per token (its text piece), then the finish reason."""
     head = {"id": rid, "object": "text_completion", "created": created, "model": model}
+    first, token, last = completion_stream_parts(logprobs=logprobs)
+    use = choices_usage(choices, prompt_tokens) if include_usage else None
+    yield from _stream(choices, head=head, usage_chunk=use, first=first, token=token, last=last)
+
+
+def completion_stream_parts(*, logprobs: bool):
+    """(first, token, last): the choice entries of a /v1/completions stream's chunks for a
+    `Choice` (first: None, no opening chunk; token(c, t): token t's piece; last: the finish)."""
 
     def token(c, t):
         lp = completion_logprobs(_one_token(c, t)) if logprobs else None
@@ -254,10 +262,7 @@ def completion_chunks(
             "stop_reason": c.stop_reason,
         }
 
-    use = choices_usage(choices, prompt_tokens) if include_usage else None
-    yield from _stream(
-        choices, head=head, usage_chunk=use, first=lambda c: None, token=token, last=last
-    )
+    return (lambda c: None), token, last
 
 
 # ---- /v1/chat/completions -----------------------------------------------------------------------
@@ -319,6 +324,13 @@ def chat_chunks(
     """The chat stream: per choice a delta with the role, one per token with its content, then an
     empty delta with the finish reason."""
     head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
+    first, token, last = chat_stream_parts(logprobs=logprobs)
+    use = choices_usage(choices, prompt_tokens) if include_usage else None
+    yield from _stream(choices, head=head, usage_chunk=use, first=first, token=token, last=last)
+
+
+def chat_stream_parts(*, logprobs: bool):
+    """(first, token, last) of the chat stream (`completion_stream_parts`); first: the role."""
 
     def first(c):
         delta = {"role": "assistant", "content": ""}
@@ -338,5 +350,4 @@ def chat_chunks(
             "stop_reason": c.stop_reason,
         }
 
-    use = choices_usage(choices, prompt_tokens) if include_usage else None
-    yield from _stream(choices, head=head, usage_chunk=use, first=first, token=token, last=last)
+    return first, token, last

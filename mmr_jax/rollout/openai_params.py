@@ -2,12 +2,16 @@
 
 A request is answered as asked or refused (`openai_format.HTTPError` 400), never answered as if a
 parameter were absent: controls this sampler does not apply are accepted only at their neutral
-values, and features it lacks (tools, beam search, echo, ...) are refused by name.
+values, features it lacks (tools, beam search, echo, guided decoding, prompt log-probs, ...) are
+refused by name, and so is every key outside the ones listed here (`_COMMON`, `_COMPLETION`,
+`_CHAT` and the neutral tables). Values are type-checked (numbers finite, ids inside the
+vocabulary) before anything is generated or compiled.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 from mmr_jax.rollout import base
@@ -48,7 +52,23 @@ _CHAT_NEUTRAL = {
     "response_format": (None, {"type": "text"}),
     "modalities": (None, ["text"]),
     "add_generation_prompt": (None, True),
+    "parallel_tool_calls": (None, True, False),  # only means something with tools
 }
+# Keys both routes take (handled below); keys with no effect on the output are in _NO_EFFECT.
+_COMMON = {
+    "model", "max_tokens", "temperature", "top_p", "top_k", "n", "seed", "stop",
+    "stop_token_ids", "ignore_eos", "stream", "stream_options", "logprobs",
+    "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",
+}  # fmt: skip
+_NO_EFFECT = {"user", "metadata", "store", "request_id", "service_tier", "priority"}
+_COMPLETION = {"prompt", "return_token_ids", "return_tokens_as_token_ids", "add_special_tokens"}
+_CHAT = {"messages", "max_completion_tokens", "top_logprobs", "chat_template_kwargs"}
+# chat_template_kwargs that would change how the template is called, not what it renders.
+_TEMPLATE_RESERVED = {
+    "conversation", "messages", "tools", "documents", "chat_template", "tokenize",
+    "add_generation_prompt", "continue_final_message", "return_dict", "return_tensors",
+    "padding", "truncation", "max_length", "tokenizer_kwargs", "return_assistant_tokens_mask",
+}  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,15 +86,72 @@ class Request:
     stream: bool = False
     include_usage: bool = False
     ignore_eos: bool = False
+    include_stop_str: bool = False
+    skip_special_tokens: bool = True
 
 
-def _check_supported(body: dict, unsupported: dict, neutral: dict) -> None:
+def _check_supported(body: dict, unsupported: dict, neutral: dict, known: set) -> None:
     for key, what in unsupported.items():
         if body.get(key):
             raise HTTPError(400, f"{what} is not supported by this server", param=key)
     for key, values in neutral.items():
-        if body.get(key) not in values:
+        value = body.get(key)
+        if not any(type(value) is type(v) and value == v for v in values):
             raise HTTPError(400, f"{key}={body[key]!r} is not supported by this server", param=key)
+    for key in body:
+        if key not in known and key not in unsupported and key not in neutral:
+            raise HTTPError(
+                400, f"the parameter {key!r} is not supported by this server", param=key
+            )
+    if body.get("spaces_between_special_tokens") not in (None, True):
+        raise HTTPError(
+            400,
+            "spaces_between_special_tokens=false is not supported by this server",
+            param="spaces_between_special_tokens",
+        )
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise HTTPError(400, f"model must be a string, got {model!r}", param="model")
+
+
+def _bool(body: dict, key: str, default: bool) -> bool:
+    value = body.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise HTTPError(400, f"{key} must be a boolean, got {value!r}", param=key)
+    return value
+
+
+def _float(body: dict, key: str, default: float, *, low: float, high: float | None = None):
+    """A finite number in [low, high] (`low` excluded for top_p), or `default` when absent."""
+    value = body.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise HTTPError(400, f"{key} must be a finite number, got {value!r}", param=key)
+    open_low = key == "top_p"
+    if value < low or (open_low and value == low) or (high is not None and value > high):
+        if high is None:
+            bound = f">= {low:g}"
+        else:
+            bound = f"in {'(' if open_low else '['}{low:g}, {high:g}]"
+        raise HTTPError(400, f"{key} must be {bound}, got {value}", param=key)
+    return float(value)
+
+
+def _token_ids(ids, vocab_size: int, param: str) -> list[int]:
+    """`ids` as a list of ints in [0, vocab_size), or a 400 naming `param`."""
+    if not isinstance(ids, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) for t in ids
+    ):
+        raise HTTPError(400, f"{param} must be a list of integer token ids", param=param)
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise HTTPError(
+            400, f"{param}: token id {bad[0]} is out of vocabulary (size {vocab_size})", param=param
+        )
+    return list(ids)
 
 
 def _int(body: dict, key: str, *, low: int, high: int | None = None) -> int | None:
@@ -130,23 +207,26 @@ def _check_context(prompts: list[list[int]], max_new: int, max_model_len: int, p
         )
 
 
-def _request(body, prompts, max_tokens, max_model_len, param, logprobs) -> Request:
-    temperature, top_p = body.get("temperature"), body.get("top_p")
+def _request(body, backend, prompts, max_tokens, param, logprobs) -> Request:
     top_k = _int(body, "top_k", low=-1)
     stream, include_usage = _stream(body)
+    stop_ids = body.get("stop_token_ids")
+    stop_ids = (
+        () if stop_ids is None else _token_ids(stop_ids, backend.vocab_size, "stop_token_ids")
+    )
     try:
         params = base.SamplingParams(
             max_new_tokens=max_tokens,
-            temperature=1.0 if temperature is None else float(temperature),
-            top_p=1.0 if top_p is None else float(top_p),
+            temperature=_float(body, "temperature", 1.0, low=0.0),
+            top_p=_float(body, "top_p", 1.0, low=0.0, high=1.0),
             top_k=0 if top_k is None or top_k < 0 else top_k,
             n=_int(body, "n", low=1) or 1,
-            stop_token_ids=tuple(body.get("stop_token_ids") or ()),
-            seed=_int(body, "seed", low=-(2**63)),
+            stop_token_ids=tuple(stop_ids or ()),
+            seed=_int(body, "seed", low=-(2**63), high=2**64 - 1),
         )
     except (TypeError, ValueError) as e:
         raise HTTPError(400, f"invalid sampling parameters: {e}") from e
-    _check_context(prompts, params.max_new_tokens, max_model_len, param)
+    _check_context(prompts, params.max_new_tokens, backend.max_model_len, param)
     return Request(
         prompts=prompts,
         params=params,
@@ -154,27 +234,29 @@ def _request(body, prompts, max_tokens, max_model_len, param, logprobs) -> Reque
         logprobs=logprobs,
         stream=stream,
         include_usage=include_usage,
-        ignore_eos=bool(body.get("ignore_eos")),
+        ignore_eos=_bool(body, "ignore_eos", False),
+        include_stop_str=_bool(body, "include_stop_str_in_output", False),
+        skip_special_tokens=_bool(body, "skip_special_tokens", True),
     )
 
 
 def _prompts(body: dict, backend: Any) -> list[list[int]]:
     prompt = body.get("prompt")
-    add_special = bool(body.get("add_special_tokens", True))
+    add_special = _bool(body, "add_special_tokens", True)
     if isinstance(prompt, str):
         prompt = [prompt]
     if not isinstance(prompt, list) or not prompt:
         raise HTTPError(
             400, "prompt must be a string, a list of strings or token ids", param="prompt"
         )
-    if all(isinstance(t, int) for t in prompt):
+    if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         prompt = [prompt]
     out = []
     for p in prompt:
         if isinstance(p, str):
             out.append(backend.encode(p, add_special_tokens=add_special))
-        elif isinstance(p, list) and all(isinstance(t, int) and t >= 0 for t in p):
-            out.append(list(p))
+        elif isinstance(p, list) and all(isinstance(t, int) for t in p):
+            out.append(_token_ids(p, backend.vocab_size, "prompt"))
         else:
             raise HTTPError(400, "mixed or invalid prompt list", param="prompt")
         if not out[-1]:
@@ -184,11 +266,13 @@ def _prompts(body: dict, backend: Any) -> list[list[int]]:
 
 def parse_completion_request(body: dict, backend: Any) -> Request:
     """The `Request` of a /v1/completions body (`backend`: a `server.Backend`)."""
-    _check_supported(body, _UNSUPPORTED, _NEUTRAL)
+    _check_supported(body, _UNSUPPORTED, _NEUTRAL, _COMMON | _NO_EFFECT | _COMPLETION)
+    for key in ("return_token_ids", "return_tokens_as_token_ids"):
+        _bool(body, key, False)
     prompts = _prompts(body, backend)
     logprobs = _int(body, "logprobs", low=0, high=MAX_TOP_LOGPROBS)
     max_tokens = _int(body, "max_tokens", low=1)
-    return _request(body, prompts, max_tokens or 16, backend.max_model_len, "prompt", logprobs)
+    return _request(body, backend, prompts, max_tokens or 16, "prompt", logprobs)
 
 
 def _messages(body: dict) -> list[dict]:
@@ -221,8 +305,11 @@ def parse_chat_request(
     tokenizer's chat template with the assistant's generation prompt (`backend.chat_prompt`).
     Without max_tokens, as many as the context allows (OpenAI's rule), at most
     `default_max_tokens` when given."""
-    _check_supported(body, _CHAT_UNSUPPORTED, {**_NEUTRAL, **_CHAT_NEUTRAL})
+    _check_supported(
+        body, _CHAT_UNSUPPORTED, {**_NEUTRAL, **_CHAT_NEUTRAL}, _COMMON | _NO_EFFECT | _CHAT
+    )
     messages = _messages(body)
+    template_kwargs = _template_kwargs(body)
     want = body.get("logprobs")
     if want not in (None, True, False):
         raise HTTPError(400, f"logprobs must be a boolean, got {want!r}", param="logprobs")
@@ -230,7 +317,10 @@ def parse_chat_request(
     if top and not want:
         raise HTTPError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
     try:
-        prompt = backend.chat_prompt(messages)
+        if template_kwargs:
+            prompt = backend.chat_prompt(messages, template_kwargs=template_kwargs)
+        else:
+            prompt = backend.chat_prompt(messages)
     except Exception as e:  # A template's own error (roles out of order, ...) is the request's.
         raise HTTPError(400, f"chat template failed: {e}", param="messages") from e
     room = backend.max_model_len - len(prompt)
@@ -239,4 +329,21 @@ def parse_chat_request(
     _check_context([prompt], 1, backend.max_model_len, "messages")
     max_tokens = _int(body, "max_completion_tokens", low=1) or _int(body, "max_tokens", low=1)
     logprobs = (top or 0) if want else None
-    return _request(body, [prompt], max_tokens or room, backend.max_model_len, "messages", logprobs)
+    return _request(body, backend, [prompt], max_tokens or room, "messages", logprobs)
+
+
+def _template_kwargs(body: dict) -> dict:
+    """chat_template_kwargs: extra variables the chat template renders with (as vLLM)."""
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+        raise HTTPError(400, "chat_template_kwargs must be an object", param="chat_template_kwargs")
+    reserved = sorted(set(kwargs) & _TEMPLATE_RESERVED)
+    if reserved:
+        raise HTTPError(
+            400,
+            f"chat_template_kwargs may not set {reserved[0]!r}",
+            param="chat_template_kwargs",
+        )
+    return kwargs

@@ -104,8 +104,29 @@ def categorical(keys_R: jax.Array, logits_RxV: jax.Array) -> jax.Array:
     return (b * _CDF_BLOCK + jnp.minimum(inner, last_nonzero)).astype(jnp.int32)
 
 
-def sample_step(logits_RxV, keys_R, temperature, top_k, top_p, *, greedy, use_filter):
-    """Next token [R] and its log-prob [R] under log softmax(logits / temperature)."""
+# What the reported log-prob of a sampled token is the log-probability under (`sample_step`).
+# scaled_logprobs: log softmax(logits / temperature), before top-k/top-p (the trainer's quantity);
+# processed_logprobs: after temperature and top-k/top-p, renormalised over the kept tokens
+# (vLLM's `--logprobs-mode processed_logprobs`); raw_logprobs: log softmax(logits), before
+# temperature (vLLM's `raw_logprobs`). Greedy steps report log softmax(logits) in every mode.
+LOGPROBS_MODES = ("scaled_logprobs", "processed_logprobs", "raw_logprobs")
+
+
+def sample_step(
+    logits_RxV,
+    keys_R,
+    temperature,
+    top_k,
+    top_p,
+    *,
+    greedy,
+    use_filter,
+    logprobs_mode: str = "scaled_logprobs",
+):
+    """Next token [R] and its log-prob [R] under the distribution `logprobs_mode` names
+    (`LOGPROBS_MODES`; default log softmax(logits / temperature), before top-k/top-p)."""
+    if logprobs_mode not in LOGPROBS_MODES:
+        raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {logprobs_mode!r}")
     if greedy:
         tok = jnp.argmax(logits_RxV, axis=-1).astype(jnp.int32)
         logp_all = jax.nn.log_softmax(logits_RxV, axis=-1)
@@ -115,5 +136,9 @@ def sample_step(logits_RxV, keys_R, temperature, top_k, top_p, *, greedy, use_fi
         if use_filter:
             scaled = filter_top_k_top_p(scaled, top_k, top_p)
         tok = categorical(keys_R, scaled)
+        if logprobs_mode == "processed_logprobs":
+            logp_all = jax.nn.log_softmax(scaled, axis=-1)
+        elif logprobs_mode == "raw_logprobs":
+            logp_all = jax.nn.log_softmax(logits_RxV, axis=-1)
     logp = jnp.take_along_axis(logp_all, tok[:, None], axis=-1)[:, 0]
     return tok, logp

@@ -20,7 +20,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from mmr_jax.rollout import base, embedded, layout, sampler, vllm_engine
+from mmr_jax.rollout import base, embedded, layout, sampler, sampling, sampling_call, vllm_engine
 
 _PEFT_PREFIX = "base_model.model."
 
@@ -118,7 +118,9 @@ class EmbeddedBackend:
       engine: the base model's `EmbeddedEngine`.
       tokenizer: a transformers tokenizer (text prompts, output text, logprob token strings).
       model_name: the name clients use (vLLM's --served-model-name).
-      max_model_len: prompt + completion limit (default: the model's max positions).
+      max_model_len: prompt + completion limit (default: the model's max positions; more is
+        refused).
+      logprobs_mode: what the reported log-probs are (`sampling.LOGPROBS_MODES`).
     """
 
     def __init__(
@@ -128,13 +130,23 @@ class EmbeddedBackend:
         *,
         model_name: str,
         max_model_len: int | None = None,
+        logprobs_mode: str = "scaled_logprobs",
     ):
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
+        if max_model_len and engine.max_len and max_model_len > engine.max_len:
+            raise ValueError(
+                f"max_model_len {max_model_len} exceeds the model's {engine.max_len} positions"
+            )
         self.max_model_len = int(max_model_len or engine.max_len or 2**31 - 1)
         self.eos_token_ids = engine.stop_token_ids
+        self.vocab_size = int(engine.model.config.vocab_size)
+        if logprobs_mode not in sampling.LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {sampling.LOGPROBS_MODES}")
+        self.logprobs_mode = logprobs_mode
         self._adapters: dict[str, tuple[str, dict, dict]] = {}
         self._adapter_models: dict[str, nnx.Module] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
+        self._weight_cache: dict[str, tuple] = {}
 
     @classmethod
     def from_pretrained(
@@ -146,6 +158,7 @@ class EmbeddedBackend:
         seed: int = 0,
         max_model_len: int | None = None,
         buckets=layout.DEFAULT_BUCKETS,
+        logprobs_mode: str = "scaled_logprobs",
     ):
         import transformers
 
@@ -155,7 +168,11 @@ class EmbeddedBackend:
             path, seed=seed, pad_id=pad, buckets=buckets
         )
         return cls(
-            engine, tokenizer, model_name=model_name or str(path), max_model_len=max_model_len
+            engine,
+            tokenizer,
+            model_name=model_name or str(path),
+            max_model_len=max_model_len,
+            logprobs_mode=logprobs_mode,
         )
 
     # ---- generation ------------------------------------------------------------------------------
@@ -169,18 +186,54 @@ class EmbeddedBackend:
         ignore_eos: bool = False,
     ) -> base.RolloutBatch:
         with self._lock:
-            decoder = self._decoder(model)
-            seed = self.engine.next_seed()
-            return sampler.sample(
-                decoder,
+            call = self.start(prompt_ids, params, model=model, ignore_eos=ignore_eos)
+            call.advance(None)
+            return call.batch()
+
+    def exclusive(self):
+        """Held while a batch is decoded (and its top log-probs computed): weights stay put."""
+        return self._lock
+
+    def start(
+        self,
+        prompt_ids: Sequence[Sequence[int]],
+        params: base.SamplingParams,
+        *,
+        model: str,
+        ignore_eos: bool = False,
+        n_slots: int | None = None,
+    ) -> sampling_call.Sampling:
+        """The prefilled decode of `prompt_ids` (`sampler.start`), to advance in chunks; call
+        with `exclusive()` held until it is finished."""
+        with self._lock:
+            weights, kernels = self._weights(model)
+            return sampler.start(
+                self._decoder(model),
                 prompt_ids,
                 params,
                 stop_token_ids=() if ignore_eos else self.eos_token_ids,
-                seed=seed,
+                seed=self.engine.next_seed(),
                 pad_id=self.engine.pad_id,
                 buckets=self.engine.buckets,
                 max_len=self.max_model_len,
+                n_slots=n_slots,
+                logprobs_mode=self.logprobs_mode,
+                weights=weights,
+                kernels=kernels,
             )
+
+    def _weights(self, model: str):
+        """(sampling weights, weight-major kernels or None) of `model`, made once per weight
+        version (the kernels are a transposed copy of the weights: made per call, they cost
+        SmolLM2 a few hundred ms of every request's time to first token)."""
+        if model not in self._weight_cache:
+            decoder = self._decoder(model)
+            state = sampler.sampling_weights(decoder)
+            kernels = None
+            if sampler.weight_major(state):
+                kernels = sampler._weight_major_kernels(nnx.graphdef(decoder), state)
+            self._weight_cache[model] = (state, kernels)
+        return self._weight_cache[model]
 
     def top_logprobs(
         self,
@@ -208,21 +261,22 @@ class EmbeddedBackend:
                 out.append((np.asarray(ids[0, at]), np.asarray(logps[0, at])))
         return out
 
-    def chat_prompt(self, messages: list[dict]) -> list[int]:
+    def chat_prompt(self, messages: list[dict], template_kwargs: dict | None = None) -> list[int]:
         """The prompt ids of `messages`: the chat template rendered with the assistant's
-        generation prompt, then tokenized without added special tokens (as vLLM does)."""
+        generation prompt (and `template_kwargs` as extra template variables), then tokenized
+        without added special tokens (as vLLM does)."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError(f"the tokenizer of {self.model_name!r} has no chat template")
         text = self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True
+            messages, tokenize=False, add_generation_prompt=True, **(template_kwargs or {})
         )
         return self.encode(text, add_special_tokens=False)
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
-    def decode(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def token_strings(self, ids: Sequence[int]) -> list[str]:
         return [self.tokenizer.decode([int(t)]) for t in ids]
@@ -246,11 +300,13 @@ class EmbeddedBackend:
         with self._lock:  # Built now, so an adapter that does not fit fails here.
             self._adapter_models[name] = build_lora_model(self.engine.model, config, tensors)
             self._adapters[name] = (str(path), config, tensors)
+            self._weight_cache.pop(name, None)
 
     def unload_adapter(self, name: str) -> None:
         with self._lock:
             self._adapters.pop(name)
             self._adapter_models.pop(name, None)
+            self._weight_cache.pop(name, None)
 
     def reload_weights(self, weights_path: str) -> dict:
         """Loads the HF safetensors in `path` (shapes of the served model) into the base model."""
@@ -262,6 +318,7 @@ class EmbeddedBackend:
         with self._lock:
             nnx.update(model, nnx.state(new, nnx.Param))
             self._adapter_models.clear()  # Rebuilt on the new base when next used.
+            self._weight_cache.clear()
         return {"path": str(path), "num_tensors": len(nnx.to_flat_state(nnx.state(new)))}
 
     def collective_rpc(self, method: str, args: list, kwargs: dict):

@@ -10,8 +10,10 @@ Routes:
                                   generation prompt; n, seed, max_tokens / max_completion_tokens,
                                   temperature, top_p, top_k, stop, logprobs + top_logprobs (0-20),
                                   stream (+ stream_options.include_usage)
-  POST /collective_rpc            {"method", "args", "kwargs"} -> {"results": [one per worker]}
   POST /reset_prefix_cache        -> {"success": true}
+  with `weights_dir` only (off by default, as vLLM's dev-mode and runtime-LoRA routes; the paths
+  they take must lie inside `weights_dir`):
+  POST /collective_rpc            {"method", "args", "kwargs"} -> {"results": [one per worker]}
   POST /v1/load_lora_adapter      {"lora_name", "lora_path"}
   POST /v1/unload_lora_adapter    {"lora_name"}
 Bodies and stream chunks: `openai_format`; request parsing and what is refused: `openai_params`
@@ -21,35 +23,45 @@ refused, never answered as if a parameter were absent). Errors are OpenAI's shap
 {"error": {"message", "type", "param", "code"}}: unknown model 404 `model_not_found`, a prompt
 over the context 400 `context_length_exceeded`, malformed JSON or bad parameters 400.
 
-Streaming (`stream=true`) sends server-sent events after the whole batch is generated: the
-sampler's decode loop runs on the device under one jit, so tokens are not seen as they are made.
-Stop strings are applied to the finished text (the sampler still runs to a stop token or
-max_tokens). Log-probs follow `base`'s convention (after temperature, before top-k/top-p); with k
-alternatives (k > 0) the server runs one extra forward pass over prompt + completion for them.
+Limits (`serve_limits`): rows, context and body size, each a 400 before anything is generated.
+Generation: `serve_batcher` decodes the requests waiting together, in chunks of steps; streams
+send each chunk's tokens as it is decoded (`openai_stream`), stop strings and clients that leave
+end their rows early. Log-probs follow the backend's `logprobs_mode` (default: after temperature,
+before top-k/top-p); with k alternatives (k > 0) the server runs one extra forward pass over
+prompt + completion for them, under the same hold of the backend as the generation.
+HTTP: `serve_http` (bodies always read or the connection closed; the optional API key).
 
-Stdlib only (`http.server.ThreadingHTTPServer`); the backend serialises generation itself.
+Stdlib only (`http.server.ThreadingHTTPServer`).
 Start in-process with `OpenAIServer(backend, port=0).start()`; `.url` gives the bound address.
 """
 
 from __future__ import annotations
 
-import json
 import logging
+import os
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Sequence
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import numpy as np
 
-from mmr_jax.rollout import base, openai_choices, openai_params
+from mmr_jax.rollout import (
+    base,
+    openai_params,
+    openai_stream,
+    serve_batcher,
+    serve_http,
+    serve_limits,
+    vllm_engine,
+)
 from mmr_jax.rollout import openai_format as fmt
 
 log = logging.getLogger(__name__)
 
 HTTPError = fmt.HTTPError
+Finished = serve_batcher.Finished
 parse_completion_request = openai_params.parse_completion_request
 
 
@@ -58,16 +70,23 @@ class Backend(Protocol):
 
     model_name: str
     max_model_len: int
+    vocab_size: int
     eos_token_ids: tuple[int, ...]
 
-    def generate(
+    def exclusive(self) -> Any:
+        """A context manager held while a batch is decoded (no weight changes meanwhile)."""
+
+    def start(
         self,
         prompt_ids: Sequence[Sequence[int]],
         params: base.SamplingParams,
         *,
         model: str,
         ignore_eos: bool,
-    ) -> base.RolloutBatch: ...
+        n_slots: int,
+    ) -> Any:
+        """A decode in progress, as `sampler.start`'s `Sampling` (or `serve_batcher.Finished`
+        over a whole batch): advance(steps), progress(), cancel(rows), finished."""
 
     def top_logprobs(
         self,
@@ -95,105 +114,18 @@ class Backend(Protocol):
     def collective_rpc(self, method: str, args: list, kwargs: dict) -> Any: ...
 
 
-class _Stream:
-    """A route's reply sent as server-sent events (already encoded)."""
-
-    def __init__(self, events: Iterable[bytes]):
-        self.events = events
-
-
-def _sse(chunks: Iterable[dict]) -> _Stream:
-    def events():
-        for chunk in chunks:
-            yield fmt.sse(chunk)
-        yield fmt.SSE_DONE
-
-    return _Stream(events())
-
-
-class _Handler(BaseHTTPRequestHandler):
-    server: _HTTPServer
-    protocol_version = "HTTP/1.1"
-
-    def log_message(self, fmt_, *args):
-        log.debug("%s %s", self.address_string(), fmt_ % args)
-
-    def _send(self, status: int, payload: Any = None, text: str | None = None) -> None:
-        data = b"" if payload is None else json.dumps(payload).encode()
-        ctype = "application/json"
-        if text is not None:
-            data, ctype = text.encode(), "text/plain; charset=utf-8"
-        self.send_response(status)
-        self.send_header("Content-Type", ctype)
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def _send_stream(self, stream: _Stream) -> None:
-        """Server-sent events in HTTP/1.1 chunked transfer encoding, one chunk per event."""
-        self.send_response(200)
-        self.send_header("Content-Type", "text/event-stream; charset=utf-8")
-        self.send_header("Cache-Control", "no-cache")
-        self.send_header("Transfer-Encoding", "chunked")
-        self.end_headers()
-        try:
-            for event in stream.events:
-                self.wfile.write(b"%x\r\n%s\r\n" % (len(event), event))
-                self.wfile.flush()
-            self.wfile.write(b"0\r\n\r\n")
-        except (BrokenPipeError, ConnectionResetError):
-            log.info("client left during a stream")
-            self.close_connection = True
-
-    def _body(self) -> dict:
-        n = int(self.headers.get("Content-Length") or 0)
-        raw = self.rfile.read(n) if n else b""
-        try:
-            body = json.loads(raw or b"{}")
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise HTTPError(
-                400, f"We could not parse the JSON body of your request: {e}", code="invalid_json"
-            ) from e
-        if not isinstance(body, dict):
-            raise HTTPError(400, "request body must be a JSON object", code="invalid_json")
-        return body
-
-    def _dispatch(self, method: str) -> None:
-        route = self.path.split("?", 1)[0]
-        handler = self.server.app.routes.get((method, route))
-        try:
-            if handler is None:
-                raise HTTPError(404, f"Invalid URL ({method} {route})")
-            body = self._body() if method == "POST" else {}
-            status, payload, text = handler(body)
-        except HTTPError as e:
-            status, payload, text = e.status, e.payload(), None
-        except Exception as e:
-            log.exception("error serving %s %s", method, route)
-            status, text = 500, None
-            payload = fmt.error_payload(
-                f"{type(e).__name__}: {e}", kind="server_error", param=None, code=None
-            )
-        if isinstance(payload, _Stream):
-            self._send_stream(payload)
-        else:
-            self._send(status, payload, text)
-
-    def do_GET(self):
-        self._dispatch("GET")
-
-    def do_POST(self):
-        self._dispatch("POST")
-
-
-class _HTTPServer(ThreadingHTTPServer):
-    daemon_threads = True
-    app: OpenAIServer
-
-
 class OpenAIServer:
     """The routes above over `backend`, on (host, port); port 0 picks a free port.
-    `default_max_tokens`: a chat request's limit when it sets none (None: the context's room)."""
+
+    Args:
+      default_max_tokens: a chat request's limit when it sets none (None: the context's room).
+      limits: what one request may ask (`serve_limits.Limits`).
+      api_key: the key clients must send as `Authorization: Bearer <key>` (None: no key).
+      weights_dir: turns the weight-reload and adapter routes on, for paths inside this folder
+        (None: those routes answer 404).
+      chunk_steps: decode steps between the batcher's hand-overs (stream chunks, early ends).
+      gather_s: how long the batcher waits, once a request arrives, for others to join it.
+    """
 
     def __init__(
         self,
@@ -202,21 +134,32 @@ class OpenAIServer:
         host: str = "127.0.0.1",
         port: int = 0,
         default_max_tokens: int | None = None,
+        limits: serve_limits.Limits | None = None,
+        api_key: str | None = None,
+        weights_dir: str | os.PathLike | None = None,
+        chunk_steps: int = 8,
+        gather_s: float = 0.02,
     ):
         self.backend, self.default_max_tokens = backend, default_max_tokens
-        self._http = _HTTPServer((host, port), _Handler)
+        self.limits, self.api_key = limits or serve_limits.Limits(), api_key or None
+        self.weights_dir = None if weights_dir is None else os.path.realpath(weights_dir)
+        self.batcher = serve_batcher.Batcher(
+            backend, self.limits, chunk_steps=chunk_steps, gather_s=gather_s
+        )
+        self._http = serve_http.HTTPServer((host, port), serve_http.Handler)
         self._http.app = self
         self._thread: threading.Thread | None = None
         self.routes = {
-            ("GET", "/health"): lambda body: (200, None, None),
+            ("GET", "/health"): lambda body, conn: (200, None, None),
             ("GET", "/v1/models"): self._models,
             ("POST", "/v1/completions"): self._completions,
             ("POST", "/v1/chat/completions"): self._chat,
-            ("POST", "/collective_rpc"): self._collective_rpc,
-            ("POST", "/reset_prefix_cache"): lambda body: (200, {"success": True}, None),
-            ("POST", "/v1/load_lora_adapter"): self._load_lora,
-            ("POST", "/v1/unload_lora_adapter"): self._unload_lora,
+            ("POST", "/reset_prefix_cache"): lambda body, conn: (200, {"success": True}, None),
         }
+        if self.weights_dir is not None:
+            self.routes[("POST", "/collective_rpc")] = self._collective_rpc
+            self.routes[("POST", "/v1/load_lora_adapter")] = self._load_lora
+            self.routes[("POST", "/v1/unload_lora_adapter")] = self._unload_lora
 
     @property
     def url(self) -> str:
@@ -234,6 +177,7 @@ class OpenAIServer:
     def shutdown(self) -> None:
         self._http.shutdown()
         self._http.server_close()
+        self.batcher.close()
         if self._thread is not None:
             self._thread.join(timeout=5)
 
@@ -245,7 +189,7 @@ class OpenAIServer:
 
     # ---- routes ----------------------------------------------------------------------------------
 
-    def _models(self, body):
+    def _models(self, body, conn):
         now = int(time.time())
         b = self.backend
 
@@ -265,86 +209,121 @@ class OpenAIServer:
         data += [card(name, path, b.model_name) for name, path in b.adapters().items()]
         return 200, {"object": "list", "data": data}, None
 
-    def _resolve_model(self, name: str | None) -> str:
+    def _resolve_model(self, name: Any) -> str:
         b = self.backend
+        if name is not None and not isinstance(name, str):
+            raise HTTPError(400, f"model must be a string, got {name!r}"[:200], param="model")
         if name is None or name == b.model_name or name in b.adapters():
             return name or b.model_name
         raise HTTPError(
             404, f"The model `{name}` does not exist.", param="model", code="model_not_found"
         )
 
-    def _generate(self, request: openai_params.Request, model: str, *, as_ids: bool = False):
-        """(choices, the reply's common fields) of `request`, generated in full."""
-        batch = self.backend.generate(
-            request.prompts, request.params, model=model, ignore_eos=request.ignore_eos
-        )
-        tops = None
-        if request.logprobs:
-            n = request.params.n
-            sequences = [
-                (request.prompts[r // n], batch.completion_ids(r // n, r % n))
-                for r in range(len(request.prompts) * n)
-            ]
-            temperature = request.params.temperature or 1.0  # greedy: untempered, as the sampler
-            tops = self.backend.top_logprobs(
-                sequences, request.logprobs, temperature=temperature, model=model
-            )
-        choices = openai_choices.build_choices(self.backend, request, batch, tops, as_ids=as_ids)
+    def _reply(self, request: openai_params.Request, model: str, conn, *, chat: bool, body):
+        """The reply of a parsed request: a JSON body, or a stream as tokens are decoded."""
+        serve_limits.check(request, self.limits)
+        job = self.batcher.submit(serve_batcher.Job(request, model))
+        as_ids = bool(body.get("return_tokens_as_token_ids"))
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         meta = {
             "created": int(time.time()),
             "model": model,
             "prompt_tokens": sum(len(p) for p in request.prompts),
             "logprobs": request.logprobs is not None,
         }
-        return choices, meta
-
-    def _completions(self, body):
-        model = self._resolve_model(body.get("model"))
-        request = openai_params.parse_completion_request(body, self.backend)
-        as_ids = bool(body.get("return_tokens_as_token_ids"))
-        choices, meta = self._generate(request, model, as_ids=as_ids)
-        rid = f"cmpl-{uuid.uuid4().hex}"
         if request.stream:
-            chunks = fmt.completion_chunks(
-                choices, rid=rid, include_usage=request.include_usage, **meta
+            kind = "chat.completion.chunk" if chat else "text_completion"
+            head = {"id": rid, "object": kind, "created": meta["created"], "model": model}
+            chunks = openai_stream.stream(
+                self.backend,
+                job,
+                conn.client_gone,
+                head=head,
+                chat=chat,
+                as_ids=as_ids,
+                include_usage=request.include_usage,
             )
-            return 200, _sse(chunks), None
+            return 200, serve_http.sse(chunks, on_close=job.cancel), None
+        try:
+            choices = openai_stream.collect(self.backend, job, conn.client_gone, as_ids=as_ids)
+        except ConnectionAbortedError:
+            conn.close_connection = True
+            return 499, None, None
+        if chat:
+            return 200, fmt.chat_response(choices, rid=rid, **meta), None
         token_ids = bool(body.get("return_token_ids"))
         return 200, fmt.completion_response(choices, rid=rid, token_ids=token_ids, **meta), None
 
-    def _chat(self, body):
+    def _completions(self, body, conn):
+        model = self._resolve_model(body.get("model"))
+        request = openai_params.parse_completion_request(body, self.backend)
+        return self._reply(request, model, conn, chat=False, body=body)
+
+    def _chat(self, body, conn):
         model = self._resolve_model(body.get("model"))
         request = openai_params.parse_chat_request(
             body, self.backend, default_max_tokens=self.default_max_tokens
         )
-        choices, meta = self._generate(request, model)
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
-        if request.stream:
-            chunks = fmt.chat_chunks(choices, rid=rid, include_usage=request.include_usage, **meta)
-            return 200, _sse(chunks), None
-        return 200, fmt.chat_response(choices, rid=rid, **meta), None
+        return self._reply(request, model, conn, chat=True, body=body)
 
-    def _collective_rpc(self, body):
-        method = body.get("method")
+    # ---- weight routes (with `weights_dir` only) -------------------------------------------------
+
+    def _inside(self, path: Any, param: str) -> str:
+        """`path` if it lies inside `weights_dir` (symlinks resolved), else a 400 that says
+        nothing about whether it exists."""
+        if not isinstance(path, str) or not path:
+            raise HTTPError(400, f"{param} must be a path", param=param)
+        real = os.path.realpath(path)
+        if os.path.commonpath([real, self.weights_dir]) != self.weights_dir:
+            raise HTTPError(
+                400, f"{param} must lie inside the folder this server loads from", param=param
+            )
+        return path
+
+    def _load(self, what: str, path: str, param: str, load) -> Any:
+        """`load()`, with any failure a 400 that names the path but not the cause (logged)."""
+        try:
+            return load()
+        except Exception:
+            log.exception("loading %s from %s failed", what, path)
+            raise HTTPError(
+                400, f"could not load {what} from {path!r} (see the server log)", param=param
+            ) from None
+
+    def _collective_rpc(self, body, conn):
+        method, args, kwargs = body.get("method"), body.get("args") or [], body.get("kwargs") or {}
         if not method:
             raise HTTPError(400, "Missing 'method' in request body")
-        result = self.backend.collective_rpc(
-            method, body.get("args") or [], body.get("kwargs") or {}
+        if method != vllm_engine.RELOAD_METHOD:
+            raise HTTPError(400, f"unknown collective_rpc method {str(method)[:64]!r}")
+        if not isinstance(args, list) or not isinstance(kwargs, dict) or len(args) > 1:
+            raise HTTPError(400, "args must be a list of at most one path, kwargs an object")
+        if set(kwargs) - {"weights_path"} or (args and kwargs):
+            raise HTTPError(400, "reload takes one argument, weights_path")
+        path = self._inside(args[0] if args else kwargs.get("weights_path"), "weights_path")
+        result = self._load(
+            "weights",
+            path,
+            "weights_path",
+            lambda: self.backend.collective_rpc(method, [], {"weights_path": path}),
         )
         return 200, {"results": [result]}, None
 
-    def _load_lora(self, body):
+    def _load_lora(self, body, conn):
         name, path = body.get("lora_name"), body.get("lora_path")
-        if not name or not path:
+        if not name or not path or not isinstance(name, str):
             raise HTTPError(400, "Both 'lora_name' and 'lora_path' must be provided.")
         if name in self.backend.adapters():
             raise HTTPError(400, f"The lora adapter '{name}' has already been loaded.")
-        self.backend.load_adapter(name, path)
+        path = self._inside(path, "lora_path")
+        self._load(
+            "a LoRA adapter", path, "lora_path", lambda: self.backend.load_adapter(name, path)
+        )
         return 200, None, f"Success: LoRA adapter '{name}' added successfully."
 
-    def _unload_lora(self, body):
+    def _unload_lora(self, body, conn):
         name = body.get("lora_name")
-        if name not in self.backend.adapters():
+        if not isinstance(name, str) or name not in self.backend.adapters():
             raise HTTPError(404, f"The lora adapter '{name}' cannot be found.", param="lora_name")
         self.backend.unload_adapter(name)
         return 200, None, f"Success: LoRA adapter '{name}' removed successfully."

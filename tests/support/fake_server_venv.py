@@ -23,12 +23,16 @@ if args[0] == "-c":
 flag = lambda name: args[args.index(name) + 1]
 os.environ["PYTHONPATH"] = {repo!r}
 os.execv({python!r}, [{python!r}, {serve!r}, "--model=" + flag("--model"),
-    "--host=" + flag("--host"), "--port=" + flag("--port"), "--max_model_len=512"])
+    "--host=" + flag("--host"), "--port=" + flag("--port"), "--max_model_len=512"]
+    # vLLM serves its weight routes in dev mode, which the launcher turns on; so does this.
+    + (["--weights_dir=/"] if os.environ.get("VLLM_SERVER_DEV_MODE") == "1" else []))
 """
 
 
 def make(root) -> pathlib.Path:
-    """Writes `<root>/venv/bin/python` (the stand-in interpreter); returns `<root>/venv`."""
+    """Writes `<root>/venv/bin/python` (the stand-in interpreter); returns `<root>/venv`. Its
+    server has the weight routes on (any path) when VLLM_SERVER_DEV_MODE=1, as the launcher sets
+    it for vLLM."""
     venv = pathlib.Path(root) / "venv"
     (venv / "bin").mkdir(parents=True)
     python = venv / "bin" / "python"

@@ -26,10 +26,10 @@ class RecordingBackend(serve_backend.EmbeddedBackend):
         self.requests, self.reloads = [], []
         self._record = threading.Lock()
 
-    def generate(self, prompt_ids, params, *, model, ignore_eos=False):
+    def start(self, prompt_ids, params, **kwargs):
         with self._record:
             self.requests.extend((tuple(int(t) for t in p), params.seed) for p in prompt_ids)
-        return super().generate(prompt_ids, params, model=model, ignore_eos=ignore_eos)
+        return super().start(prompt_ids, params, **kwargs)
 
     def reload_weights(self, weights_path: str) -> dict:
         with self._record:
@@ -48,5 +48,5 @@ def serve(checkpoint_dir):
     backend = RecordingBackend.from_pretrained(
         checkpoint_dir, model_name=MODEL_NAME, buckets=layout.Buckets(min_prompts=1)
     )
-    with server.OpenAIServer(backend) as srv:
+    with server.OpenAIServer(backend, weights_dir="/") as srv:  # the runs' sync folders
         yield backend, srv.url

