@@ -14,10 +14,10 @@ import sys
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 OUT = REPO / "docs" / "layout.md"
-# The library's parts in the order of the data flow of one step (DESIGN.md), bottom-up.
+# The library's parts: the method's math and one step first, then what they stand on.
 ORDER = (
-    "algorithms", "step", "training", "models", "kernels", "rollout", "rewards", "problems",
-    "distributed", "studies", "config", "infra",
+    "algorithms", "step", "training", "models", "kernels", "rollout", "serving", "rewards",
+    "problems", "distributed", "studies", "config", "infra",
 )  # fmt: skip
 HEADER = """# Layout: what each module holds
 

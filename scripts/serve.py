@@ -13,7 +13,7 @@ docs/serving.md), and speaks the routes the vLLM rollout client uses (/v1/comple
 /v1/load_lora_adapter, /v1/unload_lora_adapter), so the trainer's `rollout.engine='vllm'` path
 runs against it unchanged. Limits (--max_num_seqs, --max_model_len, --max_request_tokens,
 --max_body_bytes) answer 400 to requests that ask more; --api_key (or $VLLM_API_KEY) requires
-`Authorization: Bearer <key>`. See mmr_jax/rollout/server.py for what is and is not supported.
+`Authorization: Bearer <key>`. See mmr_jax/serving/server.py for what is and is not supported.
 Request and library logs go to --log_file; the console shows the address and warnings
 (`--verbosity=0`: everything).
 """
@@ -29,7 +29,8 @@ from absl import app, flags
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from mmr_jax.infra import console
-from mmr_jax.rollout import layout, serve_backend, serve_limits, server
+from mmr_jax.rollout import layout
+from mmr_jax.serving import serve_backend, serve_limits, server
 
 _MODEL = flags.DEFINE_string("model", None, "HF checkpoint folder", required=True)
 _NAME = flags.DEFINE_string("served_model_name", None, "model name clients use (default: --model)")

@@ -19,7 +19,8 @@ import pytest
 
 from mmr_jax import distributed
 from mmr_jax.infra import metrics
-from mmr_jax.rollout import layout, server
+from mmr_jax.rollout import layout
+from mmr_jax.serving import server
 
 from support import multihost, multihost_runs, recording_server
 

@@ -3,7 +3,8 @@ with a byte-level fake backend so every value is worked out by hand."""
 
 import numpy as np
 
-from mmr_jax.rollout import base, openai_choices, openai_params
+from mmr_jax.rollout import base
+from mmr_jax.serving import openai_choices, openai_params
 
 EOS = 0
 

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from mmr_jax.rollout import openai_format as fmt
+from mmr_jax.serving import openai_format as fmt
 
 
 def _bytes_decode(ids):

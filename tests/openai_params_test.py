@@ -2,8 +2,8 @@
 
 import pytest
 
-from mmr_jax.rollout import openai_params
-from mmr_jax.rollout.openai_format import HTTPError
+from mmr_jax.serving import openai_params
+from mmr_jax.serving.openai_format import HTTPError
 
 
 class _Backend:

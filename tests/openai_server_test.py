@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import requests
 
-from mmr_jax.rollout import base, sampler, serve_backend, server
+from mmr_jax.rollout import base, sampler
+from mmr_jax.serving import serve_backend, server
 
 openai = pytest.importorskip("openai")
 

@@ -21,6 +21,7 @@ ALLOWED = {
     "models": {"kernels"},
     "config": {"models"},
     "rollout": {"models", "kernels", "infra", "config"},
+    "serving": {"rollout", "models", "infra", "config"},
     "distributed": {"rollout"},
     "problems": {"rewards", "rollout", "distributed", "infra"},
     "step": {"algorithms", "models", "rollout", "rewards", "distributed", "infra", "config"},

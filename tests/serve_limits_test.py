@@ -2,8 +2,9 @@
 
 import pytest
 
-from mmr_jax.rollout import base, openai_params, serve_limits
-from mmr_jax.rollout.openai_format import HTTPError
+from mmr_jax.rollout import base
+from mmr_jax.serving import openai_params, serve_limits
+from mmr_jax.serving.openai_format import HTTPError
 
 
 def _request(prompts, n, max_tokens):

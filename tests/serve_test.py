@@ -8,7 +8,8 @@ import pytest
 import requests
 from flax import nnx
 
-from mmr_jax.rollout import base, sampler, serve_backend, server, vllm_client, vllm_engine
+from mmr_jax.rollout import base, sampler, vllm_client, vllm_engine
+from mmr_jax.serving import serve_backend, server
 
 EOS = 2
 PROMPTS = [[5, 17, 33, 9, 100], [7, 8], list(range(40, 61))]

@@ -313,7 +313,7 @@ class TestMismatch:
         # The project's OpenAI-compatible server stands in for vLLM: the engine's log-probs come
         # back over HTTP. Step 2 samples after a weight sync, so a small mismatch there also
         # shows the server generated with the updated weights (lr 1e-3 moves them far more).
-        from mmr_jax.rollout import serve_backend, server
+        from mmr_jax.serving import serve_backend, server
 
         seen = _capture_batches(monkeypatch)
         backend = serve_backend.EmbeddedBackend.from_pretrained(tiny_llama_dir, model_name="tiny")

@@ -17,7 +17,8 @@ import time
 import numpy as np
 import pytest
 
-from mmr_jax.rollout import base, server, vllm_client, vllm_engine
+from mmr_jax.rollout import base, vllm_client, vllm_engine
+from mmr_jax.serving import server
 
 from support import fake_server_venv
 

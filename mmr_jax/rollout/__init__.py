@@ -1,5 +1,6 @@
-"""Rollout engines behind one interface (`base.RolloutEngine`): the embedded JAX sampler and a
-vLLM-server client, plus an OpenAI-compatible server over the embedded sampler.
+"""Rollout engines behind one interface (`base.RolloutEngine`): the embedded JAX sampler (its
+prefill, decode loop and sampling) and a vLLM-server client with its launcher; the OpenAI-compatible
+server over the embedded sampler is `serving/`.
 
 May import: `models`, `infra`, `config` (the typed rollout settings).
 """

@@ -1,4 +1,4 @@
-"""The project's OpenAI-compatible server (mmr_jax/rollout/server.py) over a real tiny model,
+"""The project's OpenAI-compatible server (mmr_jax/serving/server.py) over a real tiny model,
 recording what it was asked: the stand-in for one vLLM server per host in the multi-process
 tests. It proves the protocol and the routing, not vLLM itself.
 
@@ -13,7 +13,8 @@ from __future__ import annotations
 import contextlib
 import threading
 
-from mmr_jax.rollout import layout, serve_backend, server
+from mmr_jax.rollout import layout
+from mmr_jax.serving import serve_backend, server
 
 MODEL_NAME = "tiny"
 

@@ -47,16 +47,9 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from mmr_jax.rollout import (
-    base,
-    openai_params,
-    openai_stream,
-    serve_batcher,
-    serve_http,
-    serve_limits,
-    vllm_engine,
-)
-from mmr_jax.rollout import openai_format as fmt
+from mmr_jax.rollout import base, vllm_engine
+from mmr_jax.serving import openai_format as fmt
+from mmr_jax.serving import openai_params, openai_stream, serve_batcher, serve_http, serve_limits
 
 log = logging.getLogger(__name__)
 

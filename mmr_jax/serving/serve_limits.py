@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from mmr_jax.rollout import openai_params
-from mmr_jax.rollout.openai_format import HTTPError
+from mmr_jax.serving import openai_params
+from mmr_jax.serving.openai_format import HTTPError
 
 
 @dataclasses.dataclass(frozen=True)

@@ -8,8 +8,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from mmr_jax.rollout import base, openai_params
-from mmr_jax.rollout import openai_format as fmt
+from mmr_jax.rollout import base
+from mmr_jax.serving import openai_format as fmt
+from mmr_jax.serving import openai_params
 
 
 @dataclasses.dataclass

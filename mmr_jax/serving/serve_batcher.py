@@ -25,7 +25,8 @@ from typing import Any
 
 import numpy as np
 
-from mmr_jax.rollout import base, openai_params, serve_limits
+from mmr_jax.rollout import base
+from mmr_jax.serving import openai_params, serve_limits
 
 log = logging.getLogger(__name__)
 

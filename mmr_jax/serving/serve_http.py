@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from mmr_jax.rollout import openai_format as fmt
+from mmr_jax.serving import openai_format as fmt
 
 log = logging.getLogger(__name__)
 

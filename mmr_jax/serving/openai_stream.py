@@ -14,8 +14,9 @@ from __future__ import annotations
 import queue
 from collections.abc import Callable, Iterator
 
-from mmr_jax.rollout import base, openai_choices, serve_batcher
-from mmr_jax.rollout import openai_format as fmt
+from mmr_jax.rollout import base
+from mmr_jax.serving import openai_choices, serve_batcher
+from mmr_jax.serving import openai_format as fmt
 
 POLL_S = 0.25  # how often a waiting handler checks that its client is still there
 

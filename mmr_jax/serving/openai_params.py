@@ -15,7 +15,7 @@ import math
 from typing import Any
 
 from mmr_jax.rollout import base
-from mmr_jax.rollout.openai_format import HTTPError
+from mmr_jax.serving.openai_format import HTTPError
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat (and vLLM's default max_logprobs)
 MAX_STOPS = 4  # OpenAI's limit on stop strings
