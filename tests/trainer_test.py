@@ -719,7 +719,7 @@ class TestHeader:
         c = grpo.get_config("smoke")
         c.rollout.off_policy_lag, c.loss.tis_cap = 1, tis_cap
         with caplog.at_level("WARNING"):
-            trainer._header(config_checks.from_config_dict(c), str(tmp_path), None, "xla")
+            trainer._header(config_checks.from_config_dict(c), str(tmp_path), None, None)
         lines = [r.getMessage() for r in caplog.records if "off_policy_lag=1" in r.getMessage()]
         assert len(lines) == (1 if warned else 0), lines
 
