@@ -37,6 +37,18 @@ def _policy(path, *, dropout: float | None = None) -> build.Policy:
     return build.split_model(model)
 
 
+def _fresh_state(params, optimizer, **extra) -> train_step.TrainState:
+    """Step 0's state: a copy of `params` (the step donates it), fresh optimiser state, key 0."""
+    params = jax.tree.map(jnp.copy, params)
+    return train_step.TrainState(
+        step=jnp.zeros([], jnp.int32),
+        params=params,
+        opt_state=optimizer.init(params),
+        rng=jax.random.key_data(jax.random.key(0)),
+        **extra,
+    )
+
+
 def _rows(seed: int = 0, *, lengths=(6, 4, 2, 5)):
     """Full rows [N, P + T] of random tokens, completions of `lengths` tokens."""
     rng = np.random.default_rng(seed)
@@ -78,13 +90,7 @@ def _step(policy, batch, *, iterations=1, tis_cap=0.0, lr=0.5, minibatches=2):
     step = train_step.jit_train_step(
         graphdef=policy.graphdef, optimizer=optimizer, schedule=lambda _: lr, cfg=cfg
     )
-    params = jax.tree.map(jnp.copy, policy.params)
-    state = train_step.TrainState(
-        step=jnp.zeros([], jnp.int32),
-        params=params,
-        opt_state=optimizer.init(params),
-        rng=jax.random.key_data(jax.random.key(0)),
-    )
+    state = _fresh_state(policy.params, optimizer)
     new, metrics = step(state, batch, policy.frozen, policy.rest)
     return new, {k: float(v) for k, v in metrics.items()}
 
@@ -235,13 +241,7 @@ def _step_u(policy, batch, optimizer, *, updates, iterations=1, aggregation, min
     step = train_step.jit_train_step(
         graphdef=policy.graphdef, optimizer=optimizer, schedule=lambda _: 0.0, cfg=cfg
     )
-    params = jax.tree.map(jnp.copy, policy.params)
-    state = train_step.TrainState(
-        step=jnp.zeros([], jnp.int32),
-        params=params,
-        opt_state=optimizer.init(params),
-        rng=jax.random.key_data(jax.random.key(0)),
-    )
+    state = _fresh_state(policy.params, optimizer)
     new, metrics = step(state, batch, policy.frozen, policy.rest)
     return new.params, {k: float(v) for k, v in metrics.items()}
 
@@ -387,13 +387,7 @@ class TestOptionsOff:
                 ),
                 donate_argnums=(0,),
             )
-            params = jax.tree.map(jnp.copy, policy.params)
-            state = train_step.TrainState(
-                step=jnp.zeros([], jnp.int32),
-                params=params,
-                opt_state=optimizer.init(params),
-                rng=jax.random.key_data(jax.random.key(0)),
-            )
+            state = _fresh_state(policy.params, optimizer)
             results.append(step(state, batch, policy.frozen, policy.rest))
         (new, m_new), (old_state, m_old) = results
         assert m_new.keys() == m_old.keys()
@@ -448,12 +442,9 @@ class TestEntropyCoefficient:
             step = train_step.jit_train_step(
                 graphdef=policy.graphdef, optimizer=optimizer, schedule=lambda _: 0.1, cfg=cfg
             )
-            params = jax.tree.map(jnp.copy, policy.params)
-            state = train_step.TrainState(
-                step=jnp.zeros([], jnp.int32),
-                params=params,
-                opt_state=optimizer.init(params),
-                rng=jax.random.key_data(jax.random.key(0)),
+            state = _fresh_state(
+                policy.params,
+                optimizer,
                 entropy_coef=None if control is None else jnp.float32(0.004),
             )
             results[name] = step(state, batch, policy.frozen, policy.rest)
@@ -505,13 +496,7 @@ class TestLoraDropout:
             step = train_step.jit_train_step(
                 graphdef=gd, optimizer=optimizer, schedule=lambda _: 0.0, cfg=step_cfg
             )
-            params = jax.tree.map(jnp.copy, policy.params)
-            state = train_step.TrainState(
-                step=jnp.zeros([], jnp.int32),
-                params=params,
-                opt_state=optimizer.init(params),
-                rng=jax.random.key_data(jax.random.key(0)),
-            )
+            state = _fresh_state(policy.params, optimizer)
             _, m = step(state, batch, policy.frozen, policy.rest)
             spread[name] = (float(m["ratio/max"]) - 1.0, 1.0 - float(m["ratio/min"]))
             spread[name + "_clip"] = float(m["clip/frac"])
