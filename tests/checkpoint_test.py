@@ -98,6 +98,17 @@ class TestWorkdir:
         ):
             checkpoint.prepare_workdir(tmp_path, {"loss": {"beta": 0.0}})
 
+    def test_a_key_added_since_counts_as_its_default(self, tmp_path):
+        # A run stored before loss.objective existed ran as its default 'ppo_clip'.
+        checkpoint.prepare_workdir(tmp_path, {"loss": {"beta": 0.0}})
+        checkpoint.prepare_workdir(tmp_path, {"loss": {"beta": 0.0, "objective": "ppo_clip"}})
+        with pytest.raises(
+            checkpoint.RunMismatchError, match=r"loss.objective: 'ppo_clip' -> 'cispo'"
+        ):
+            checkpoint.prepare_workdir(tmp_path, {"loss": {"beta": 0.0, "objective": "cispo"}})
+        with pytest.raises(checkpoint.RunMismatchError, match=r"made.up: '<absent>' -> 1"):
+            checkpoint.prepare_workdir(tmp_path, {"loss": {"beta": 0.0}, "made": {"up": 1}})
+
     def test_overwrite_deletes_run(self, tmp_path):
         checkpoint.prepare_workdir(tmp_path, {"a": 1})
         (tmp_path / "checkpoints").mkdir()

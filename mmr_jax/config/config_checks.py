@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Mapping
 from typing import Any
 
@@ -256,6 +257,19 @@ def _validate_objective(loss: config_types.LossConfig) -> None:
         raise config_types.ConfigError(
             f"loss.top_entropy_quantile={loss.top_entropy_quantile} must lie in (0, 1] (1 = off)"
         )
+
+
+def key_defaults() -> dict[str, Any]:
+    """{'section.key': default} of every keyed field with a default (configs/base.py's values:
+    `tests/configs_test.py` holds the two equal). A run stored before a key existed ran as its
+    default, so a resume may take the key as absent-equals-default (`checkpoint.prepare_workdir`).
+    """
+    out = {}
+    for name, section in _SECTIONS.items():
+        for f in dataclasses.fields(section):
+            if f.default is not dataclasses.MISSING:
+                out[f"{name}.{f.name}"] = json.loads(json.dumps(f.default, default=list))
+    return out
 
 
 def from_config_dict(config) -> config_types.TrainConfig:

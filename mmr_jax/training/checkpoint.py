@@ -38,6 +38,7 @@ from absl import logging
 from etils import epath
 
 from mmr_jax import distributed
+from mmr_jax.config import config_checks
 from mmr_jax.infra import run_paths
 from mmr_jax.training import checkpoint_layout, checkpoint_read
 
@@ -346,7 +347,11 @@ def _flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def _differences(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[str]:
+    """The keys whose values differ, as 'key: old -> new'. A key the stored run lacks (added to
+    the config since) counts as its default there: the run ran with it."""
     a, b = _flatten(old), _flatten(new)
+    added = {k: v for k, v in config_checks.key_defaults().items() if k not in a and k in b}
+    a.update(added)
     diffs = []
     for key in sorted(set(a) | set(b)):
         if key in RESUMABLE_KEYS or key.split(".")[0] in RESUMABLE_KEYS:
