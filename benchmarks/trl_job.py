@@ -17,7 +17,7 @@ from mmr_jax.config import config_overrides, config_types
 from mmr_jax.infra import bench_harness as harness
 from mmr_jax.problems import data
 from mmr_jax.step import step_batch
-from mmr_jax.training import build
+from mmr_jax.training import run_data
 
 # Our loss aggregation -> TRL's loss_type; advantage estimator -> TRL's scale_rewards.
 LOSS_TYPES = {
@@ -44,10 +44,10 @@ def overrides(steps: int, mmr: bool, model_path: str | None = None) -> dict:
 
 
 def _problems(cfg: config_types.TrainConfig) -> list[data.Problem]:
-    # build.load_prompts returns ids only; the texts come from the same source here, and
+    # run_data.load_prompts returns ids only; the texts come from the same source here, and
     # `step_batches` checks that they render to exactly those ids.
     d = cfg.data
-    if d.source == build.ARITHMETIC:
+    if d.source == run_data.ARITHMETIC:
         return data.arithmetic_problems(
             2_000, cfg.seed, max_operand=d.arithmetic_max_operand, ops=d.arithmetic_ops
         )
@@ -77,7 +77,7 @@ def step_batches(cfg: config_types.TrainConfig, tokenizer, steps: int) -> list[l
 
     Raises ValueError when the messages do not render (TRL's way) to the trainer's prompt ids.
     """
-    ids, answers, _ = build.load_prompts(cfg, tokenizer)
+    ids, answers, _ = run_data.load_prompts(cfg, tokenizer)
     rebuilt, problems, _ = data.build_prompts(
         tokenizer,
         _problems(cfg),

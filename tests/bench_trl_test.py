@@ -11,7 +11,7 @@ import pytest
 from mmr_jax.config import config_overrides
 from mmr_jax.infra import bench_harness
 from mmr_jax.problems import data
-from mmr_jax.training import build
+from mmr_jax.training import run_data
 
 from support import testing
 
@@ -49,7 +49,7 @@ def test_step_batches_are_the_trainers_prompts_in_its_order(cfg, tokenizer):
     steps = 5
     batches = job.step_batches(cfg, tokenizer, steps)
     # The trainer's draw (trainer.setup): load_prompts, then a PromptIterator on (ids, answer).
-    ids, answers, _ = build.load_prompts(cfg, tokenizer)
+    ids, answers, _ = run_data.load_prompts(cfg, tokenizer)
     it = data.PromptIterator(list(zip(ids, answers, strict=True)), cfg.batch.prompts, cfg.seed)
     for batch in batches:
         want = next(it)

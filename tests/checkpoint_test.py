@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mmr_jax.training import checkpoint
+from mmr_jax.training import checkpoint, run_guard
 
 from support import checkpoint_trees as trees
 
@@ -87,32 +87,32 @@ class TestUnreadableCheckpoint:
 
 class TestWorkdir:
     def test_same_config_resumes(self, tmp_path):
-        checkpoint.prepare_workdir(tmp_path, {"a": 1, "total_steps": 5})
-        checkpoint.prepare_workdir(tmp_path, {"a": 1, "total_steps": 9})  # extending is fine
-        assert checkpoint.read_run_config(tmp_path) == {"a": 1, "total_steps": 9}
+        run_guard.prepare_workdir(tmp_path, {"a": 1, "total_steps": 5})
+        run_guard.prepare_workdir(tmp_path, {"a": 1, "total_steps": 9})  # extending is fine
+        assert run_guard.read_run_config(tmp_path) == {"a": 1, "total_steps": 9}
 
     def test_other_config_refused(self, tmp_path):
-        checkpoint.prepare_workdir(tmp_path, {"loss": {"beta": 0.04}})
+        run_guard.prepare_workdir(tmp_path, {"loss": {"beta": 0.04}})
         with pytest.raises(
-            checkpoint.RunMismatchError, match=r"loss.beta: 0.04 -> 0.0.*--overwrite"
+            run_guard.RunMismatchError, match=r"loss.beta: 0.04 -> 0.0.*--overwrite"
         ):
-            checkpoint.prepare_workdir(tmp_path, {"loss": {"beta": 0.0}})
+            run_guard.prepare_workdir(tmp_path, {"loss": {"beta": 0.0}})
 
     def test_a_key_added_since_counts_as_its_default(self, tmp_path):
         # A run stored before loss.objective existed ran as its default 'ppo_clip'.
-        checkpoint.prepare_workdir(tmp_path, {"loss": {"beta": 0.0}})
-        checkpoint.prepare_workdir(tmp_path, {"loss": {"beta": 0.0, "objective": "ppo_clip"}})
+        run_guard.prepare_workdir(tmp_path, {"loss": {"beta": 0.0}})
+        run_guard.prepare_workdir(tmp_path, {"loss": {"beta": 0.0, "objective": "ppo_clip"}})
         with pytest.raises(
-            checkpoint.RunMismatchError, match=r"loss.objective: 'ppo_clip' -> 'cispo'"
+            run_guard.RunMismatchError, match=r"loss.objective: 'ppo_clip' -> 'cispo'"
         ):
-            checkpoint.prepare_workdir(tmp_path, {"loss": {"beta": 0.0, "objective": "cispo"}})
-        with pytest.raises(checkpoint.RunMismatchError, match=r"made.up: '<absent>' -> 1"):
-            checkpoint.prepare_workdir(tmp_path, {"loss": {"beta": 0.0}, "made": {"up": 1}})
+            run_guard.prepare_workdir(tmp_path, {"loss": {"beta": 0.0, "objective": "cispo"}})
+        with pytest.raises(run_guard.RunMismatchError, match=r"made.up: '<absent>' -> 1"):
+            run_guard.prepare_workdir(tmp_path, {"loss": {"beta": 0.0}, "made": {"up": 1}})
 
     def test_overwrite_deletes_run(self, tmp_path):
-        checkpoint.prepare_workdir(tmp_path, {"a": 1})
+        run_guard.prepare_workdir(tmp_path, {"a": 1})
         (tmp_path / "checkpoints").mkdir()
         (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1}) + "\n")
-        checkpoint.prepare_workdir(tmp_path, {"a": 2}, overwrite=True)
+        run_guard.prepare_workdir(tmp_path, {"a": 2}, overwrite=True)
         assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "metrics.jsonl").exists()
-        assert checkpoint.read_run_config(tmp_path) == {"a": 2}
+        assert run_guard.read_run_config(tmp_path) == {"a": 2}

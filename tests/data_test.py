@@ -76,16 +76,16 @@ class TestLoadProblems:
         """The trainer's problems (`data.source`) and benchmarks (`eval.data_dir`)."""
         from configs import base
         from mmr_jax.config import config_checks
-        from mmr_jax.training import build
+        from mmr_jax.training import run_data
 
         c = base.get_config()
         c.data.source = str(tmp_path / "d" / "train" / "gsm8k_train.jsonl")
         c.eval.source, c.eval.data_dir = "benchmarks", str(tmp_path / "d" / "eval")
         cfg = config_checks.from_config_dict(c)
         with pytest.raises(data.DataNotFoundError, match=re.escape(f"--out={tmp_path / 'd'}`")):
-            build.load_prompts(cfg, tokenizer)
+            run_data.load_prompts(cfg, tokenizer)
         with pytest.raises(data.DataNotFoundError, match=r"d.eval does not exist"):
-            build.eval_problems(cfg)
+            run_data.eval_problems(cfg)
 
 
 class TestRequireSharedData:

@@ -16,7 +16,7 @@ import pytest
 from mmr_jax.config import config_checks
 from mmr_jax.infra import metrics, run_paths
 from mmr_jax.studies import study
-from mmr_jax.training import checkpoint, trainer
+from mmr_jax.training import checkpoint, run_guard, trainer
 
 from support import checkpoint_trees as trees
 from support import fake_bucket, train_script
@@ -138,7 +138,7 @@ def test_train_killed_and_resumed_in_a_bucket_matches_local(tmp_path, tiny_llama
     assert not (cwd / "gs:").exists() and not (REPO / "gs:").exists()
     assert not list(tmp_path.glob("**/gs:"))
     # Everything in the bucket: checkpoints, exports, metadata, metrics, the console log.
-    cfg = config_checks.from_config_dict(checkpoint.read_run_config(run))
+    cfg = config_checks.from_config_dict(run_guard.read_run_config(run))
     _, a, meta_a = train_script.params(ref, cfg)
     _, b, meta_b = train_script.params(run, cfg)
     assert meta_a == meta_b  # same step and data-iterator position

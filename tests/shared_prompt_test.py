@@ -133,7 +133,7 @@ class TestLayout:
     @pytest.mark.parametrize("layout", batch_layout.LAYOUTS)
     def test_too_long_is_an_error_not_a_truncation(self, layout):
         # One policy in every layout: over-long prompts never reach the packer (the trainer
-        # drops them at load, build.load_prompts); one that does is refused, never cut.
+        # drops them at load, run_data.load_prompts); one that does is refused, never cut.
         groups = _groups(2, 2, seed=1)
         groups.prompt_ids[1] = list(range(4, 4 + MAX_P + 1))
         with pytest.raises(batch_layout.TooLongError, match="prompt of 13 tokens"):

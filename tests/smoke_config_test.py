@@ -5,7 +5,7 @@ import importlib.util
 import pytest
 
 from mmr_jax.config import config_checks
-from mmr_jax.training import build
+from mmr_jax.training import run_data
 
 from support import testing
 
@@ -26,7 +26,7 @@ def test_smoke_keeps_most_gsm8k_prompts_with_the_real_tokenizer():
     spec.loader.exec_module(module)
     cfg = config_checks.from_config_dict(module.get_config("8b,smoke"))
     assert cfg.model.path == "checkpoints/smollm2-135m-instruct"
-    prompts = build.load_prompts(cfg, transformers.AutoTokenizer.from_pretrained(path))
+    prompts = run_data.load_prompts(cfg, transformers.AutoTokenizer.from_pretrained(path))
     kept = len(prompts.ids)
     # At max_prompt_len 128 none was kept (the run stopped at start-up); most must fit now.
     assert kept > 0.8 * (kept + prompts.dropped)

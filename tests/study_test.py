@@ -15,7 +15,7 @@ import pytest
 
 from mmr_jax.problems import data
 from mmr_jax.studies import paired_stats, study, study_report
-from mmr_jax.training import build, checkpoint, run_process, trainer
+from mmr_jax.training import checkpoint, run_data, run_process, trainer
 
 from support import testing
 from support.tiny_study import overrides as _overrides
@@ -275,10 +275,10 @@ class TestHeldOut:
         c = _tiny_study(tok_dir, tmp_path / "s")
         c.train.data.arithmetic_max_operand = 20
         cfg = study.plan(c)[0].cfg
-        heldout = {p.problem for p in build.eval_problems(cfg)["heldout"]}
+        heldout = {p.problem for p in run_data.eval_problems(cfg)["heldout"]}
         train_all = data.arithmetic_problems(2000, cfg.seed, max_operand=20, ops=("+",))
         assert heldout & {p.problem for p in train_all}  # the raw draws do overlap (400 sums)
-        prompts, answers, _ = build.load_prompts(cfg, tok)
+        prompts, answers, _ = run_data.load_prompts(cfg, tok)
         texts = {tok.decode(p) for p in prompts}
         assert not any(q in t for q in heldout for t in texts)
         assert len(prompts) == sum(p.problem not in heldout for p in train_all)

@@ -17,7 +17,7 @@ from mmr_jax.config import config_checks
 from mmr_jax.infra import metrics
 from mmr_jax.rewards import grading
 from mmr_jax.step import batch_layout, step_batch
-from mmr_jax.training import build, checkpoint, compiled_dry_run, trainer
+from mmr_jax.training import build, checkpoint, compiled_dry_run, run_guard, trainer
 
 from support import testing, train_script
 
@@ -466,7 +466,7 @@ class TestResume:
         assert res.returncode == 0, res.stderr[-3000:]
         assert f"workdir {run} | resuming from step {killed_at}" in res.stdout
         cfg = config_checks.from_config_dict(
-            json.loads((run / checkpoint.RUN_FILE).read_text())["config"]
+            json.loads((run / run_guard.RUN_FILE).read_text())["config"]
         )
         _, a, meta_a = train_script.params(ref, cfg)
         _, b, meta_b = train_script.params(run, cfg)
@@ -652,8 +652,8 @@ class TestBadInput:
             trainer.train(cfg, tmp_path / "run")
 
     def test_workdir_of_another_config(self, tmp_path, tiny_llama_dir):
-        checkpoint.prepare_workdir(tmp_path / "run", _config("grpo", tiny_llama_dir).to_dict())
-        with pytest.raises(checkpoint.RunMismatchError, match="loss.beta"):
+        run_guard.prepare_workdir(tmp_path / "run", _config("grpo", tiny_llama_dir).to_dict())
+        with pytest.raises(run_guard.RunMismatchError, match="loss.beta"):
             trainer.train(_config("dapo", tiny_llama_dir), tmp_path / "run")
 
     def test_non_finite_loss_stops_and_keeps_checkpoint(

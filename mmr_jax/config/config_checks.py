@@ -262,7 +262,7 @@ def _validate_objective(loss: config_types.LossConfig) -> None:
 def key_defaults() -> dict[str, Any]:
     """{'section.key': default} of every keyed field with a default (configs/base.py's values:
     `tests/configs_test.py` holds the two equal). A run stored before a key existed ran as its
-    default, so a resume may take the key as absent-equals-default (`checkpoint.prepare_workdir`).
+    default, so a resume may take the key as absent-equals-default (`run_guard.prepare_workdir`).
     """
     out = {}
     for name, section in _SECTIONS.items():

@@ -30,7 +30,7 @@ import ml_collections
 
 from mmr_jax.config import config_checks, config_types
 from mmr_jax.infra import console, metrics, run_paths
-from mmr_jax.training import checkpoint
+from mmr_jax.training import checkpoint, run_guard
 
 STUDY_FILE = "study_config.json"
 RUN_FILE = "study_run.json"
@@ -275,7 +275,7 @@ def _release_run_memory() -> None:
 
 # What `archive` keeps: the study's own files, and of each ended run what the report reads.
 ARCHIVE_STUDY_FILES = (STUDY_FILE, "study.json", "report.md", "curves.png")
-ARCHIVE_RUN_FILES = (metrics.METRICS_FILE, checkpoint.RUN_FILE, RUN_FILE)
+ARCHIVE_RUN_FILES = (metrics.METRICS_FILE, run_guard.RUN_FILE, RUN_FILE)
 
 
 def archive(folder, dest) -> list[str]:
@@ -365,14 +365,14 @@ def base_accuracy(cfg: config_types.TrainConfig):
     from mmr_jax.models import hub
     from mmr_jax.problems import evaluation
     from mmr_jax.rollout import embedded
-    from mmr_jax.training import build
+    from mmr_jax.training import run_data
 
     path = hub.resolve_checkpoint(cfg.model.path)
     e = cfg.eval
     return evaluation.evaluate(
         embedded.EmbeddedEngine.from_pretrained(path, seed=cfg.seed),
         transformers.AutoTokenizer.from_pretrained(path),
-        build.eval_problems(cfg),
+        run_data.eval_problems(cfg),
         n=e.n,
         temperature=e.temperature,
         top_p=e.top_p,

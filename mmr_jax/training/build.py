@@ -1,5 +1,6 @@
 """Builds what a run needs from a `TrainConfig`: model (split for the functional step), optimiser,
-train state, rollout engine, encoder, prompts (`compiled_dry_run.dry_run`: the same, abstractly).
+train state, rollout engine, encoder (`compiled_dry_run.dry_run`: the same, abstractly; the
+prompts are `run_data`'s).
 """
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ import dataclasses
 import functools
 import os
 import pathlib
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -21,14 +22,9 @@ from mmr_jax.config import config_types
 from mmr_jax.models import attention_probe, hub, loading, random_init, sharding
 from mmr_jax.models import config as model_config
 from mmr_jax.models import lora as lora_lib
-from mmr_jax.problems import data, tasks
 from mmr_jax.step import train_step
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
-ARITHMETIC = "arithmetic"  # data.source for generated problems (`data.arithmetic_problems`)
-TASK = (
-    "task"  # eval.source: the held-out set of data.source='task:<name>' (`mmr_jax.problems.tasks`)
-)
 
 
 @dataclasses.dataclass
@@ -328,73 +324,6 @@ def make_engine(cfg: config_types.TrainConfig, policy: Policy, tokenizer, workdi
         raise
     engine.server = server
     return engine
-
-
-class TrainPrompts(NamedTuple):
-    ids: list[list[int]]  # prompt token ids
-    answers: list[str]  # gold answers
-    dropped: int  # problems whose prompt exceeds batch.max_prompt_len (never truncated)
-
-
-def load_prompts(cfg: config_types.TrainConfig, tokenizer) -> TrainPrompts:
-    """The training prompts that fit `batch.max_prompt_len`; longer ones are dropped, counted."""
-    d = cfg.data
-    if d.source == ARITHMETIC:
-        problems = data.arithmetic_problems(
-            2_000, cfg.seed, max_operand=d.arithmetic_max_operand, ops=d.arithmetic_ops
-        )
-    elif tasks.task_name(d.source):  # 'task:<name>': its fixed training set (issue 26)
-        problems = tasks.train_problems(tasks.task_name(d.source))
-    else:
-        problems = data.load_problems(
-            d.source, split=d.split, problem_field=d.problem_field, answer_field=d.answer_field
-        )
-    if cfg.eval.source == ARITHMETIC:  # the held-out set is never trained on
-        problems, removed = data.without(problems, eval_problems(cfg)["heldout"])
-        logging.info("data: %d training problems removed (in the held-out set)", removed)
-    prompts, kept, dropped = data.build_prompts(
-        tokenizer, problems, d.system_prompt, max_prompt_length=cfg.batch.max_prompt_len
-    )
-    if dropped:
-        logging.info(
-            "data: %d of %d problems longer than %d tokens dropped",
-            dropped,
-            len(problems),
-            cfg.batch.max_prompt_len,
-        )
-    if not prompts:
-        shortest = min(
-            len(data.build_prompt(tokenizer, p, d.system_prompt)) for p in problems[:100]
-        )
-        raise ValueError(
-            f"no training problem of {d.source} fits "
-            f"batch.max_prompt_len={cfg.batch.max_prompt_len} "
-            f"tokens (with the system prompt; shortest of the first 100: {shortest})"
-        )
-    return TrainPrompts(prompts, [p.answer for p in kept], dropped)
-
-
-def eval_problems(cfg: config_types.TrainConfig) -> dict[str, list[data.Problem]]:
-    """Benchmark name -> problems of `cfg.eval`: benchmark files, or the held-out arithmetic set."""
-    from mmr_jax.problems import evaluation
-
-    e = cfg.eval
-    if e.source == TASK:  # the held-out set of data.source's task, disjoint from its training set
-        name = tasks.task_name(cfg.data.source)
-        if name is None:
-            raise ValueError(
-                f"eval.source='task' needs data.source='task:<name>', got {cfg.data.source!r}"
-            )
-        return {"heldout": tasks.heldout_problems(name)}
-    if e.source == ARITHMETIC:
-        heldout = data.heldout_arithmetic(
-            e.arithmetic_problems,
-            e.arithmetic_seed,
-            max_operand=cfg.data.arithmetic_max_operand,
-            ops=cfg.data.arithmetic_ops,
-        )
-        return {"heldout": heldout}
-    return evaluation.load_benchmarks(e.data_dir, e.benchmarks, max_problems=e.max_problems)
 
 
 # ----- dry run ------------------------------------------------------------------------------------

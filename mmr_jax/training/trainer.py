@@ -29,7 +29,7 @@ from mmr_jax.models import sharding
 from mmr_jax.problems import data
 from mmr_jax.rollout import prefetch as rollout_prefetch
 from mmr_jax.step import experience, shape_reuse, step_batch, step_loss, train_step
-from mmr_jax.training import build, checkpoint, run_end, run_export
+from mmr_jax.training import build, checkpoint, run_data, run_end, run_export, run_guard
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -56,7 +56,7 @@ class Run:
     logp_fn: Any
     checkpointer: checkpoint.Checkpointer
     writer: metrics.MetricWriter
-    prompts_dropped: int = 0  # training problems over batch.max_prompt_len (build.load_prompts)
+    prompts_dropped: int = 0  # training problems over batch.max_prompt_len (run_data.load_prompts)
     lengths: shape_reuse.LengthChooser | None = None  # packed steps, batch.reuse_compiled_lengths
     mesh: Any = None  # the global mesh: the step's batch is split over its (data, fsdp) axes
     prefetch: rollout_prefetch.OffPolicyRollouts | None = None  # rollout.off_policy_lag=1
@@ -69,10 +69,10 @@ def setup(cfg: config_types.TrainConfig, workdir, *, overwrite: bool = False) ->
     run_paths.check(workdir)  # on every process, before any collective
     distributed.check_same_config(cfg.to_dict())  # before anything is built or written
     distributed.check_batch_split(cfg.batch.prompts)
-    prepare = lambda: checkpoint.prepare_workdir(workdir, cfg.to_dict(), overwrite=overwrite)
+    prepare = lambda: run_guard.prepare_workdir(workdir, cfg.to_dict(), overwrite=overwrite)
     workdir = os.fspath(distributed.primary_first(prepare, "to prepare the workdir") or workdir)
     tokenizer = build.load_tokenizer(cfg)  # model.init=random: built in memory, no download
-    prompt_ids, answers, prompts_dropped = build.load_prompts(cfg, tokenizer)
+    prompt_ids, answers, prompts_dropped = run_data.load_prompts(cfg, tokenizer)
     prompts = data.PromptIterator(
         list(zip(prompt_ids, answers, strict=True)), cfg.batch.prompts, cfg.seed
     )
@@ -98,7 +98,7 @@ def setup(cfg: config_types.TrainConfig, workdir, *, overwrite: bool = False) ->
         lengths_state = meta.get("packed_lengths")  # absent in checkpoints before shape_reuse
     _header(cfg, workdir, resume_step, policy.attention)
     if policy.attention is not None and jax.process_index() == 0:
-        checkpoint.note_run(workdir, attention_impl=policy.attention._asdict())
+        run_guard.note_run(workdir, attention_impl=policy.attention._asdict())
     if resume_step is not None and cfg.checkpoint.export_hf:
         run_export.export_if_missing(cfg, policy, state, workdir, resume_step)
     # A vLLM server's sync folder and log stay local: a bucket workdir's staging folder.
@@ -261,7 +261,7 @@ def evaluate(run: Run, step: int) -> dict[str, float]:
 
     e = run.cfg.eval
     t0 = time.perf_counter()
-    problems = build.eval_problems(run.cfg)
+    problems = run_data.eval_problems(run.cfg)
     result = evaluation.evaluate(
         run.engine,
         run.tokenizer,

@@ -81,9 +81,9 @@ def restore(workdir):
     import jax
 
     from mmr_jax.config import config_checks
-    from mmr_jax.training import checkpoint
+    from mmr_jax.training import checkpoint, run_guard
 
-    cfg = config_checks.from_config_dict(checkpoint.read_run_config(workdir))
+    cfg = config_checks.from_config_dict(run_guard.read_run_config(workdir))
     policy = build.load_policy(cfg)
     optimizer, _ = build.make_optimizer(cfg)
     state = build.init_state(cfg, policy.params, optimizer)

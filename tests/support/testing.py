@@ -293,14 +293,14 @@ def smoke_config(
     model gets varied values of (`test_target`, registered by the tests that use it), a
     checkpoint every step; then the dotted `overrides`. -> the ConfigDict."""
     from mmr_jax.config import config_overrides
-    from mmr_jax.training import build
+    from mmr_jax.training import run_data
 
     c = module.get_config("smoke")
     c.model.path = str(ckpt)
     c.total_steps = steps
     c.lora.enabled = lora
     c.mmr.enabled = mmr
-    c.data.source = build.ARITHMETIC
+    c.data.source = run_data.ARITHMETIC
     c.data.system_prompt = ""
     c.batch.max_prompt_len = 32
     c.batch.max_completion_len = 16

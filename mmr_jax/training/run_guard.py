@@ -1,0 +1,115 @@
+"""run.json: the config a run was started with, and the guard that refuses another config's resume.
+
+`prepare_workdir` writes it at a run's start, or compares it with the config of a resumed run
+(keys in `RESUMABLE_KEYS`, and keys the stored run lacks that hold their default, may differ);
+`note_run` adds what the run resolved at start-up beside the config.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from absl import logging
+from etils import epath
+
+from mmr_jax.config import config_checks
+from mmr_jax.infra import run_paths
+from mmr_jax.training import checkpoint
+
+RUN_FILE = "run.json"
+# Keys that may change when a run resumes (they do not change what is trained).
+RESUMABLE_KEYS = frozenset({
+    "total_steps", "logging", "eval", "checkpoint", "rollout.url", "rollout.timeout_s",
+    "rollout.max_retries", "rollout.sync_dir", "rollout.model_name", "rollout.server_venv",
+})  # fmt: skip
+
+
+class RunMismatchError(ValueError):
+    """The workdir holds a run of another config."""
+
+
+def _flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, Mapping):
+            out.update(_flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def _differences(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[str]:
+    """The keys whose values differ, as 'key: old -> new'. A key the stored run lacks (added to
+    the config since) counts as its default there: the run ran with it."""
+    a, b = _flatten(old), _flatten(new)
+    added = {k: v for k, v in config_checks.key_defaults().items() if k not in a and k in b}
+    a.update(added)
+    diffs = []
+    for key in sorted(set(a) | set(b)):
+        if key in RESUMABLE_KEYS or key.split(".")[0] in RESUMABLE_KEYS:
+            continue
+        if a.get(key, "<absent>") != b.get(key, "<absent>"):
+            diffs.append(f"{key}: {a.get(key, '<absent>')!r} -> {b.get(key, '<absent>')!r}")
+    return diffs
+
+
+def prepare_workdir(workdir, config: Mapping[str, Any], *, overwrite: bool = False) -> epath.Path:
+    """Creates `workdir` (a local path or a bucket URL, `run_paths`) or checks that it holds a run
+    of the same `config` (a plain dict).
+
+    A workdir holding another config's run is refused with the differing keys listed, unless
+    `overwrite`, which deletes any existing run's checkpoints, metrics and metadata first.
+    """
+    run_paths.check(workdir)
+    workdir = run_paths.as_path(workdir)
+    run_file = workdir / RUN_FILE
+    config = json.loads(json.dumps(config))
+    if run_file.exists():
+        old = json.loads(run_file.read_text())
+        diffs = _differences(old.get("config", {}), config)
+        if diffs and not overwrite:
+            raise RunMismatchError(
+                f"workdir {workdir} holds a run of another config ({len(diffs)} differences: "
+                + "; ".join(diffs[:10])
+                + "). Use another --workdir, or pass --overwrite to delete that run."
+            )
+        if overwrite:
+            logging.warning("--overwrite: deleting the run in %s", workdir)
+            for name in (checkpoint.CKPT_DIR, "metrics.jsonl", "tb", RUN_FILE):
+                path = workdir / name
+                if path.is_dir():
+                    path.rmtree()
+                elif path.exists():
+                    path.unlink()
+    text = json.dumps({"config": config}, indent=2, sort_keys=True)
+    try:
+        workdir.mkdir(parents=True, exist_ok=True)
+        if run_paths.is_remote(workdir):  # an object is written whole: no temporary needed
+            run_file.write_text(text)
+        else:
+            tmp = run_file.with_suffix(".tmp")
+            tmp.write_text(text)
+            tmp.replace(run_file)  # atomic on POSIX
+    except OSError as e:
+        if e.errno not in checkpoint.WRITE_ERRNOS:
+            raise
+        kept = "Nothing in it was changed. "
+        raise checkpoint.write_error(e, workdir, "the run metadata", kept=kept) from e
+    return workdir
+
+
+def note_run(workdir, **resolved) -> None:
+    """Adds what the run resolved at start-up (e.g. its attention backend) to run.json, beside
+    the config (which alone is compared on a resume)."""
+    run_file = run_paths.as_path(workdir) / RUN_FILE
+    data = json.loads(run_file.read_text())
+    data["resolved"] = {**data.get("resolved", {}), **resolved}
+    run_file.write_text(json.dumps(data, indent=2, sort_keys=True))
+
+
+def read_run_config(workdir) -> dict:
+    """The config dict stored in `workdir/run.json`."""
+    return json.loads((run_paths.as_path(workdir) / RUN_FILE).read_text())["config"]
