@@ -15,13 +15,13 @@ device) and the device's own peak bytes in use; the steady time of a call (media
 calls after one warm-up call). For the train step: tokens per second (prompt tokens once per
 group, as the shared-prompt layout computes them, plus every completion token) and MFU, the
 model FLOPs of the step over its time and the device's dense bf16 peak. Model FLOPs
-(`train_flops`) count the matmuls and causal attention, forward 2 FLOPs per multiply-add, the
-backward twice the forward for a full fine-tune and once for LoRA (activation gradients only;
-the adapters' own FLOPs are left out), and no remat recomputation: MFU in PaLM's sense, not the
-hardware's utilisation. For the decode step (one token for all B * G rows against the prompt
-cache and the rows' own cache, both full): rows per second, and the bytes its arguments hold
-(weights and caches, what one step must read) over its time, against the device's peak memory
-bandwidth.
+(`gpu_flops.train_flops`, beside this file with the devices' peaks) count the matmuls and causal
+attention, forward 2 FLOPs per multiply-add, the backward twice the forward for a full fine-tune
+and once for LoRA (activation gradients only; the adapters' own FLOPs are left out), and no remat
+recomputation: MFU in PaLM's sense, not the hardware's utilisation. For the decode step (one
+token for all B * G rows against the prompt cache and the rows' own cache, both full): rows per
+second, and the bytes its arguments hold (weights and caches, what one step must read) over its
+time, against the device's peak memory bandwidth.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import json
 import pathlib
 import sys
 
+import gpu_flops  # benchmarks/, beside this file
 from absl import app, flags
 
 _REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -47,56 +48,6 @@ _CHILD_TIMEOUT = flags.DEFINE_integer("child_timeout_s", 0, "stop a config after
 _CHILD = flags.DEFINE_string("child", None, "internal: run one config here, print one JSON line")
 
 GIB = 2.0**30
-# Dense bf16 peak TFLOP/s and memory bandwidth TB/s (NVIDIA's data sheets, SXM parts).
-DEVICE_PEAKS = {
-    "H100": (989.0, 3.35),
-    "H200": (989.0, 4.8),
-    "A100": (312.0, 2.0),
-}
-
-
-def device_peaks(device_kind: str) -> tuple[float | None, float | None]:
-    """(bf16 TFLOP/s, TB/s) of a device kind ('NVIDIA H200' -> H200's); (None, None) if unknown."""
-    for name, peaks in DEVICE_PEAKS.items():
-        if name in device_kind.upper():
-            return peaks
-    return None, None
-
-
-def forward_flops_per_token(mcfg) -> int:
-    """Matmul FLOPs of one token's forward pass through every layer and the LM head."""
-    d, hd = mcfg.hidden_size, mcfg.head_dim
-    q, kv = mcfg.num_heads * hd, mcfg.num_kv_heads * hd
-    per_layer = d * q + 2 * d * kv + q * d + 3 * d * mcfg.intermediate_size
-    return 2 * (mcfg.num_layers * per_layer + d * mcfg.vocab_size)
-
-
-def attention_flops(mcfg, positions_attended: int) -> int:
-    """Forward FLOPs of scores and values (2 matmuls) over `positions_attended` summed over
-    the tokens of a step (causal: token i attends to i + 1 positions)."""
-    return mcfg.num_layers * 4 * mcfg.num_heads * mcfg.head_dim * positions_attended
-
-
-def step_tokens(prompts: int, generations: int, prompt_len: int, completion_len: int) -> int:
-    """Tokens a shared-prompt step computes: each prompt once, every completion token."""
-    return prompts * prompt_len + prompts * generations * completion_len
-
-
-def positions_attended(prompts: int, generations: int, prompt_len: int, completion_len: int):
-    """Sum over a step's tokens of the positions each attends to (causal, prompts shared)."""
-    p, t = prompt_len, completion_len
-    per_prompt = p * (p + 1) // 2
-    per_completion = t * p + t * (t + 1) // 2
-    return prompts * (per_prompt + generations * per_completion)
-
-
-def train_flops(mcfg, *, lora: bool, prompts, generations, prompt_len, completion_len) -> int:
-    """Model FLOPs of one train step (one optimiser pass over the batch): forward, and a
-    backward of 2x the forward (full) or 1x (LoRA: activation gradients only)."""
-    tokens = step_tokens(prompts, generations, prompt_len, completion_len)
-    attended = positions_attended(prompts, generations, prompt_len, completion_len)
-    forward = forward_flops_per_token(mcfg) * tokens + attention_flops(mcfg, attended)
-    return forward * (2 if lora else 3)
 
 
 def _load(spec: str, overrides: list[str]):
@@ -107,9 +58,6 @@ def _load(spec: str, overrides: list[str]):
     parsed = config_overrides.parse_assignments(overrides)
     config = config_overrides.set_keys(config_overrides.load_config_file(spec), parsed)
     return config_checks.from_config_dict(config)
-
-
-random_on_device = harness.random_on_device  # (kept: other code imports it from here)
 
 
 def run_config(
@@ -127,7 +75,7 @@ def run_config(
     mesh = compiled_dry_run.config_mesh(cfg)
     mcfg = model_config.ModelConfig.from_hf(build._hf_config(cfg.model.path))
     device = jax.local_devices()[0]
-    tflops_peak, tbps_peak = device_peaks(device.device_kind)
+    tflops_peak, tbps_peak = gpu_flops.device_peaks(device.device_kind)
     b, g = cfg.batch.prompts, cfg.batch.generations
     p, t = cfg.batch.max_prompt_len, cfg.batch.max_completion_len
     result = {
@@ -153,7 +101,7 @@ def run_config(
             "partial": True,
         }
         on_progress(result)
-        concrete = list(random_on_device(args))
+        concrete = list(harness.random_on_device(args))
         # The first call (autotuning, allocation) apart; the donated state is carried over.
         timing = harness.steady_calls(compiled, concrete, steps=steps, donated=donated)
         first_s, step_s = timing.first_s, timing.median_s
@@ -168,7 +116,7 @@ def run_config(
             "device_peak_gib": peak / GIB if (peak := harness.jax_peak_bytes()) else None,
         }
         if program == "train":
-            flops = train_flops(
+            flops = gpu_flops.train_flops(
                 mcfg,
                 lora=bool(cfg.lora.enabled),
                 prompts=b,
@@ -176,7 +124,7 @@ def run_config(
                 prompt_len=p,
                 completion_len=t,
             )
-            row["tokens_per_s"] = step_tokens(b, g, p, t) / step_s
+            row["tokens_per_s"] = gpu_flops.step_tokens(b, g, p, t) / step_s
             row["model_tflops_per_s"] = flops / step_s / 1e12 / result["devices"]
             row["mfu"] = row["model_tflops_per_s"] / tflops_peak if tflops_peak else None
         else:
@@ -190,12 +138,8 @@ def run_config(
     return result
 
 
-def _fmt(x, spec: str) -> str:
-    return "-" if x is None else format(x, spec)
-
-
 def format_table(results: list[dict]) -> str:
-    lines = []
+    fmt, lines = harness.fmt, []
     for r in results:
         if "error" in r:
             lines.append(f"{r['config']}: FAILED: {r['error']}")
@@ -218,12 +162,12 @@ def format_table(results: list[dict]) -> str:
                 continue
             lines.append(
                 f"  {program:8s} {row['compile_s']:9.1f} {row['first_call_s']:10.2f} "
-                f"{row['step_s']:8.3f} {_fmt(row.get('tokens_per_s'), '9.0f'):>9s} "
-                f"{_fmt(row.get('model_tflops_per_s'), '8.1f'):>8s} "
-                f"{_fmt(row.get('mfu'), '6.1%'):>6s} {_fmt(row.get('rows_per_s'), '8.0f'):>8s} "
-                f"{_fmt(row.get('read_tb_per_s'), '9.2f'):>9s} "
-                f"{_fmt(row.get('bandwidth_share'), '6.1%'):>6s} "
-                f"{row['xla_peak_gib']:8.2f}G {_fmt(row['device_peak_gib'], '8.2f'):>8s}G"
+                f"{row['step_s']:8.3f} {fmt(row.get('tokens_per_s'), '9.0f'):>9s} "
+                f"{fmt(row.get('model_tflops_per_s'), '8.1f'):>8s} "
+                f"{fmt(row.get('mfu'), '6.1%'):>6s} {fmt(row.get('rows_per_s'), '8.0f'):>8s} "
+                f"{fmt(row.get('read_tb_per_s'), '9.2f'):>9s} "
+                f"{fmt(row.get('bandwidth_share'), '6.1%'):>6s} "
+                f"{row['xla_peak_gib']:8.2f}G {fmt(row['device_peak_gib'], '8.2f'):>8s}G"
             )
     return "\n".join(lines)
 

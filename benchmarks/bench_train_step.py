@@ -24,6 +24,8 @@ Shapes (token lengths drawn with a fixed seed):
 Reported per path: ms per step (median of --rounds), completion tokens per second, and the ratio
 to full rows.
 The step config (loss, minibatches, optimiser) is configs/cpu_smollm2.py's for every shape.
+The groups, that config and each path's batch are built by `train_step_batches.py`, beside
+this file.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import time
 import typing
 
 import numpy as np
+import train_step_batches  # benchmarks/, beside this file
 from absl import app, flags
 
 _REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -71,79 +74,6 @@ SHAPES = {
 }
 
 
-def make_groups(shape: Shape, vocab: int, seed: int = 0, long_row: bool = False):
-    """Ragged groups of the shape: `experience.Groups` with random tokens (rewards unused)."""
-    from mmr_jax.step import experience
-
-    rng = np.random.default_rng(seed)
-    b, g, t = shape.prompts, shape.generations, shape.max_completion_len
-    prompts = [
-        [int(x) for x in rng.integers(4, vocab, rng.integers(*shape.prompt_lens, endpoint=True))]
-        for _ in range(b)
-    ]
-    mean, lo, hi = shape.completion_lens
-    lengths = np.clip(rng.poisson(mean, (b, g)), lo, hi)
-    if long_row:
-        lengths[0, 0] = t
-    mask = np.arange(t)[None, None] < lengths[..., None]
-    return experience.Groups(
-        prompt_ids=prompts,
-        answers=["0"] * b,
-        tokens=np.where(mask, rng.integers(4, vocab, (b, g, t)), 0).astype(np.int32),
-        mask=mask,
-        sampler_logps=np.zeros((b, g, t), np.float32),
-        truncated=lengths == t,
-        texts=[[""] * g for _ in range(b)],
-        per_fn={},
-        total=np.zeros((b, g), np.float32),
-        valid=np.ones((b, g), bool),
-    ), rng.standard_normal((b, g)).astype(np.float32)
-
-
-def train_config(shape: Shape, model_path: str):
-    """configs/cpu_smollm2.py with the shape's batch sizes and `model_path`."""
-    from mmr_jax.config import config_checks
-
-    sys.path.insert(0, str(_REPO / "configs"))
-    import cpu_smollm2
-
-    c = cpu_smollm2.get_config()
-    c.model.path = model_path
-    c.batch.prompts, c.batch.generations = shape.prompts, shape.generations
-    c.batch.max_prompt_len, c.batch.max_completion_len = (
-        shape.max_prompt_len,
-        shape.max_completion_len,
-    )
-    return config_checks.from_config_dict(c)
-
-
-def batches(cfg, groups, adv) -> dict:
-    """{path name: Batch} of the same groups, on device (`PATHS`)."""
-    import dataclasses as dc
-
-    from mmr_jax.step import experience, step_batch, train_step
-
-    out = {}
-    for name, (shared, pack_max_len) in PATHS.items():
-        b = dc.replace(cfg.batch, shared_prompt=shared, pack_max_len=pack_max_len)
-        if not shared:  # one bucket, the maxima: full rows as they were before shared prompts
-            b = dc.replace(b, min_bucket_len=max(b.max_prompt_len, b.max_completion_len))
-        host = step_batch.host_arrays(dc.replace(cfg, batch=b), groups, adv, pad_id=0)
-        if pack_max_len and "packed" not in host:
-            raise ValueError(f"{pack_max_len=} is too short to pack these groups")
-        dev = experience.to_device({k: v for k, v in host.items() if k != "sampler_logps"})
-        out[name] = train_step.Batch(
-            dev["tokens"],
-            dev["attention_mask"],
-            dev["completion_mask"],
-            dev["advantages"],
-            prompt_tokens=dev.get("prompt_tokens"),
-            prompt_mask=dev.get("prompt_mask"),
-            packed=dev.get("packed"),
-        )
-    return out
-
-
 def run_shape(
     model_path: str,
     shape: Shape,
@@ -162,18 +92,20 @@ def run_shape(
     from mmr_jax.step import train_step
     from mmr_jax.training import build
 
-    cfg = train_config(shape, model_path)
+    cfg = train_step_batches.train_config(shape, model_path)
     policy = build.load_policy(cfg)
     optimizer, schedule = build.make_optimizer(cfg)
     state = build.init_state(cfg, policy.params, optimizer)
-    groups, adv = make_groups(shape, policy.model().config.vocab_size, long_row=long_row)
+    groups, adv = train_step_batches.make_groups(
+        shape, policy.model().config.vocab_size, long_row=long_row
+    )
     step = train_step.jit_train_step(
         graphdef=build.train_graphdef(cfg, policy),
         optimizer=optimizer,
         schedule=schedule,
         cfg=build.step_config(cfg),
     )
-    bs = batches(cfg, groups, adv)
+    bs = train_step_batches.batches(cfg, groups, adv, PATHS)
     tokens = float(bs["full rows"].completion_mask.sum())
     bs = {name: b for name, b in bs.items() if paths is None or name in paths}
     res = {name: {"ms": [], "compile_s": 0.0} for name in bs}

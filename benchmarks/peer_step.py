@@ -17,7 +17,8 @@ Sides, each in its own child process (its peak memory is its own):
 Both compute the batch of `peer_batch.make_batch` at the config's largest shapes (B prompts x G
 completions, prompt P, completion T, every token valid), on random weights of the config's
 architecture (third_party/hf_configs; `--weights=same`: one random checkpoint, written here
-first, that both sides load, so their losses and gradient norms must agree).
+first, that both sides load, so their losses and gradient norms must agree). What the torch side
+reads of the config, and that checkpoint, come from `peer_job.py`.
 
 Reported per side: seconds per step (median of --steps after --warmup untimed ones and a first
 call that compiles), the ratio to ours (> 1: ours is faster), the device's peak memory
@@ -63,64 +64,6 @@ TINY_ARCH = dict(
     bos_token_id=1,
     eos_token_id=2,
 )
-
-
-def torch_job(cfg, *, checkpoint: str | None, seed: int = 0) -> dict:
-    """What the torch side needs of the config, as plain JSON."""
-    import peer_ours
-
-    if cfg.lora.enabled:
-        raise ValueError("the torch peer runs full fine-tunes only; this config has LoRA on")
-    if cfg.loss.beta > 0 and cfg.loss.kl_estimator != "k3":
-        raise ValueError(f"the torch peer computes the k3 KL only, not {cfg.loss.kl_estimator}")
-    if cfg.loss.iterations != 1 or cfg.loss.tis_cap > 0:
-        raise ValueError("the torch peer computes one iteration without TIS (TRL's default)")
-    shape = peer_ours.shape_of(cfg)
-    o = cfg.optim
-    return {
-        "hf_config": str(peer_ours._hf_config_path(cfg, checkpoint)),
-        "checkpoint": checkpoint,
-        "seed": seed,
-        "vocab_size": peer_ours._checkpoint_vocab(checkpoint)
-        if checkpoint
-        else peer_ours.vocab_size(cfg),
-        "shape": {
-            "prompts": shape.prompts,
-            "generations": shape.generations,
-            "prompt_len": shape.prompt_len,
-            "completion_len": shape.completion_len,
-        },
-        "completion_len": shape.completion_len,
-        "max_completion_len": cfg.batch.max_completion_len,
-        "minibatches": cfg.loss.minibatches,
-        "temperature": cfg.rollout.temperature,
-        "eps_low": cfg.loss.eps_low,
-        "eps_high": cfg.loss.eps_high,
-        "beta": cfg.loss.beta,
-        "aggregation": cfg.loss.aggregation,
-        "compute_dtype": cfg.model.dtype,
-        "optim": {
-            "lr": o.lr,
-            "b1": o.b1,
-            "b2": o.b2,
-            "eps": o.eps,
-            "weight_decay": o.weight_decay,
-            "grad_clip": o.grad_clip,
-        },
-    }
-
-
-def write_checkpoint(config_json: str, out: pathlib.Path, seed: int, **overrides) -> str:
-    """A random fp32 checkpoint of the architecture `config_json` (plus `overrides`) in `out`."""
-    import peer_torch
-    import torch
-    import transformers
-
-    config = peer_torch.hf_config(config_json, **overrides)
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.save_pretrained(out, safe_serialization=True)
-    return str(out)
 
 
 def run_side(side: str, job: dict) -> dict:
@@ -240,6 +183,7 @@ def main(argv=None) -> None:
     if not sides or set(sides) - set(SIDES):
         raise SystemExit(f"--sides: choose from {SIDES}, got {args.sides!r}")
     timeouts = side_timeouts(args.side_timeouts, args.side_timeout_s)
+    import peer_job
     import peer_ours
 
     work = pathlib.Path(tempfile.mkdtemp(prefix="peer_step_"))
@@ -248,10 +192,12 @@ def main(argv=None) -> None:
     if args.cpu_smoke:
         config, overrides = SMOKE_CONFIG, SMOKE_SET + overrides
         base = str(harness.REPO / "third_party/hf_configs/deepseek_r1_distill_qwen_1_5b.json")
-        checkpoint = write_checkpoint(base, work / "ckpt", args.seed, **TINY_ARCH)
+        checkpoint = peer_job.write_checkpoint(base, work / "ckpt", args.seed, **TINY_ARCH)
     cfg = peer_ours.load_config(config, overrides)
     if args.weights == "same" and checkpoint is None:
-        checkpoint = write_checkpoint(str(peer_ours._hf_config_path(cfg)), work / "ckpt", args.seed)
+        checkpoint = peer_job.write_checkpoint(
+            str(peer_ours._hf_config_path(cfg)), work / "ckpt", args.seed
+        )
     job = {
         "config": config,
         "overrides": overrides,
@@ -259,7 +205,7 @@ def main(argv=None) -> None:
         "warmup": args.warmup,
         "profile": args.profile,
         "profile_steps": args.profile_steps,
-        "torch": torch_job(cfg, checkpoint=checkpoint, seed=args.seed),
+        "torch": peer_job.torch_job(cfg, checkpoint=checkpoint, seed=args.seed),
     }
     job_path = work / "job.json"
     job_path.write_text(json.dumps(job))

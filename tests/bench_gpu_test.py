@@ -1,4 +1,5 @@
-"""`benchmarks/bench_gpu.py`'s model-FLOPs arithmetic (MFU's numerator) and device peaks."""
+"""`benchmarks/bench_gpu.py`'s model-FLOPs arithmetic (MFU's numerator) and device peaks, in
+`benchmarks/gpu_flops.py`."""
 
 import dataclasses
 import math
@@ -11,8 +12,8 @@ from mmr_jax.models import config as model_config
 from mmr_jax.models import loading
 
 
-def _bench_gpu():
-    return bench_harness.load("bench_gpu")
+def _gpu_flops():
+    return bench_harness.load("bench_gpu").gpu_flops  # the module the benchmark runs
 
 
 TINY = model_config.ModelConfig(
@@ -27,7 +28,7 @@ TINY = model_config.ModelConfig(
 
 
 def test_flops_hand_worked():
-    b = _bench_gpu()
+    b = _gpu_flops()
     # per layer: q 8x8 + k, v 8x4 each + o 8x8 + gate, up, down 8x16 each = 576 weights;
     # 2 layers + the LM head (8 x 32) = 1408 multiply-adds, 2816 FLOPs per token.
     assert b.forward_flops_per_token(TINY) == 2816
@@ -55,7 +56,7 @@ def test_forward_flops_match_the_models_matmul_weights(tied):
             weights += math.prod(shape)
     if tied:
         weights += cfg.vocab_size * cfg.hidden_size
-    assert _bench_gpu().forward_flops_per_token(cfg) == 2 * weights
+    assert _gpu_flops().forward_flops_per_token(cfg) == 2 * weights
 
 
 def test_positions_attended_counts_each_token_once():
@@ -67,11 +68,11 @@ def test_positions_attended_counts_each_token_once():
         expected += sum(i + 1 for i in range(p))
         for _ in range(generations):
             expected += sum(p + j + 1 for j in range(t))
-    assert _bench_gpu().positions_attended(prompts, generations, p, t) == expected
+    assert _gpu_flops().positions_attended(prompts, generations, p, t) == expected
 
 
 def test_device_peaks():
-    b = _bench_gpu()
+    b = _gpu_flops()
     assert b.device_peaks("NVIDIA H200") == (989.0, 4.8)
     assert b.device_peaks("NVIDIA H100 80GB HBM3") == (989.0, 3.35)
     assert b.device_peaks("cpu") == (None, None)

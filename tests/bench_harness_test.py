@@ -69,7 +69,7 @@ def test_format_table_aligns_and_shows_errors():
 def test_load_unregisters_the_benchmark_s_flags():
     before = set(flags.FLAGS)
     module = harness.load("bench_gpu")
-    assert callable(module.train_flops) and set(flags.FLAGS) == before
+    assert callable(module.run_config) and set(flags.FLAGS) == before
     harness.load("bench_gpu")  # a second load defines the same flags again without an error
     with pytest.raises(FileNotFoundError, match="no benchmark"):
         harness.load("bench_nothing")

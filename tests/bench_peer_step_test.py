@@ -16,6 +16,7 @@ peer_step = bench_harness.load("peer_step")
 peer_ours = bench_harness.load("peer_ours")
 peer_torch = bench_harness.load("peer_torch")
 peer_batch = bench_harness.load("peer_batch")
+peer_job = bench_harness.load("peer_job")
 
 
 def test_batch_layouts_hold_the_same_tokens():
@@ -51,7 +52,7 @@ def test_torch_peer_computes_our_loss_and_gradient(tmp_path, overrides):
 
     ckpt = testing.make_tiny_checkpoint(tmp_path / "ckpt", family="qwen2", tokenizer=False)
     cfg = peer_ours.load_config(peer_step.SMOKE_CONFIG, peer_step.SMOKE_SET + overrides)
-    job = peer_step.torch_job(cfg, checkpoint=str(ckpt))
+    job = peer_job.torch_job(cfg, checkpoint=str(ckpt))
     shape = peer_ours.shape_of(cfg)
     batch = peer_batch.make_batch(shape, vocab_size=job["vocab_size"], beta=cfg.loss.beta)
     compiled, args, _ = peer_ours.make_step(cfg, batch, str(ckpt))
@@ -73,7 +74,7 @@ def test_torch_job_refuses_what_the_peer_does_not_compute():
     ]:
         cfg = peer_ours.load_config(peer_step.SMOKE_CONFIG, base + extra)
         with pytest.raises(ValueError, match=match):
-            peer_step.torch_job(cfg, checkpoint=None)
+            peer_job.torch_job(cfg, checkpoint=None)
 
 
 def test_summary_ratios_and_metric_differences():
