@@ -23,6 +23,10 @@ separated; JAX passes them to XLA per program), and the two executables' calls a
 (ABAB..., so drift on a shared machine falls on both): compile seconds and median call time of
 each, and their ratios.
 
+With `--train_run=N` (the runs are in `compile_run.py`, beside this file): the CPU default trained
+N steps in this process, checkpoints and evaluation off; JAX's compile seconds over the whole run
+against the summed step time, per `--compile_price_steps` value, optionally per program.
+
 Models: `smollm2` is configs/cpu_smollm2.py on one CPU device (the CPU default's shapes);
 `7b` is configs/grpo_7b.py compiled against abstract parameters for its mesh on 8 virtual CPU
 devices, as `scripts/train.py --dry_run --dry_run_devices=8` does (compile only: no weights).
@@ -30,7 +34,6 @@ devices, as `scripts/train.py --dry_run --dry_run_devices=8` does (compile only:
 
 from __future__ import annotations
 
-import json
 import pathlib
 import sys
 import time
@@ -40,6 +43,8 @@ import jax
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from mmr_jax.config import config_overrides
 from mmr_jax.infra import bench_harness as harness
+
+compile_run = harness.load("compile_run")  # benchmarks/, beside this file: --train_run
 
 MODELS = {
     # name: (config file, devices)
@@ -52,12 +57,6 @@ COLUMNS = [
     ("trace_s", "trace s", ".2f"), ("lower_s", "lower s", ".2f"),
     ("compile_s", "compile s", ".2f"), ("total_s", "total s", ".2f"),
     ("temp_gib", "temp GiB", ".2f"), ("steady_ms", "steady ms", ".1f"),
-]  # fmt: skip
-PARTS = ("builds", "trace", "lower", "backend")
-# builds: backend events, each an XLA compile or (warm cache) a load from disk
-PROGRAM_COLUMNS = [
-    ("program", "program", ""), ("builds", "builds", "d"), ("trace", "trace s", ".2f"),
-    ("lower", "lower s", ".2f"), ("backend", "backend s", ".2f"),
 ]  # fmt: skip
 
 
@@ -141,73 +140,6 @@ def compare_options(name: str, steps: int, options: dict) -> list[dict]:
     return rows
 
 
-def bench_run(steps, workdir, price=None, programs=None, loads=None) -> dict:
-    """The CPU default trained for `steps` steps in this process, checkpoints and evaluation off:
-    JAX's compilation seconds over the whole run (setup included) against the summed step time
-    (time/step in metrics.jsonl). `price`: batch.compile_price_steps (None: the config's);
-    `programs`, `loads`: compile_stats.ProgramSeconds and compile_stats.CacheLoads to read."""
-    import shutil
-
-    from mmr_jax.infra import compile_stats
-    from mmr_jax.training import trainer
-
-    jax.clear_caches()  # a second run in this process compiles everything again, as a new one
-    clock = compile_stats.CLOCK.start()
-    before = clock.totals()
-    programs_before = programs.snapshot() if programs else {}
-    loads_before = (loads.seconds, loads.loads) if loads else (0.0, 0)
-    overrides = {"total_steps": steps, "checkpoint.every": 0, "eval.every": 0}
-    if price is not None:
-        overrides["batch.compile_price_steps"] = price
-    cfg = config_overrides.load_config(MODELS["smollm2"][0], overrides)
-    shutil.rmtree(workdir, ignore_errors=True)
-    trainer.train(cfg, workdir)
-    compile_s = {k: v - before[k] for k, v in clock.totals().items()}
-    records = [json.loads(line) for line in open(pathlib.Path(workdir) / "metrics.jsonl")]
-    stepped = [r for r in records if "time/step" in r]
-    step_s = [r["time/step"] for r in stepped]
-    total = sum(compile_s.values())
-    return {
-        "compile_price_steps": cfg.batch.compile_price_steps,
-        "packed_len": [r.get("batch/packed_len") for r in stepped],
-        "packed_len_needed": [r.get("batch/packed_len_needed") for r in stepped],
-        "step_s": step_s,
-        "steps": len(step_s),
-        "step_s_sum": sum(step_s),
-        "first_step_s": step_s[0],
-        "compile_s": total,
-        "compile_parts_s": compile_s,
-        "compile_share": total / sum(step_s),
-        "programs": programs.since(programs_before) if programs else [],
-        "cache_loads": loads.loads - loads_before[1] if loads else 0,
-        "cache_load_s": loads.seconds - loads_before[0] if loads else 0.0,
-    }
-
-
-def print_run(out: dict, top: int) -> None:
-    parts = ", ".join(f"{k} {v:.1f} s" for k, v in out["compile_parts_s"].items())
-    line = (
-        f"compile_price_steps {out['compile_price_steps']:g}: {out['steps']} steps: "
-        f"{out['step_s_sum']:.1f} s of steps (first {out['first_step_s']:.1f} s); compilation "
-        f"{out['compile_s']:.1f} s ({parts}) = {100 * out['compile_share']:.0f}% of the step time"
-    )
-    if out["cache_loads"]:
-        line += f"; {out['cache_loads']} programs loaded from the cache in "
-        line += f"{out['cache_load_s']:.1f} s (within backend)"
-    lens = zip(out["packed_len_needed"], out["packed_len"], strict=True)
-    print(
-        line + "\n  packed length needed -> run at: " + ", ".join(f"{a:g}->{b:g}" for a, b in lens)
-    )
-    if not top:
-        return
-    rows, rest = out["programs"][:top], out["programs"][top:]  # the rest summed on one line
-    if rest:
-        rows.append({"program": f"{len(rest)} other programs"})
-        rows[-1] |= {k: sum(r[k] for r in rest) for k in PARTS}
-    shown = [{**r, "program": r["program"][:40]} for r in rows]
-    print(harness.format_table(shown, PROGRAM_COLUMNS))
-
-
 FLAGS = {
     "models": ("smollm2,7b", "comma list of " + ",".join(MODELS)),
     "steps": (5, "timed calls per compiled program"),
@@ -223,28 +155,6 @@ FLAGS = {
     # use it, filled by an unmeasured run first (a second run, a resume, a study's later runs).
     "xla_cache": ("off", "for --train_run: off or warm", ("off", "warm")),
 }
-
-
-def train_runs(args) -> list[dict]:
-    from mmr_jax.infra import compile_cache, compile_stats
-
-    prices = [float(p) for p in args.compile_price_steps.split(",") if p] or [None]
-    programs = compile_stats.ProgramSeconds() if args.programs else None
-    loads = None
-    if args.xla_cache == "warm":
-        import tempfile
-
-        folder = tempfile.mkdtemp(prefix="bench_compile_xla_")
-        compile_cache.enable({compile_cache.ENV: folder})  # the scripts' threshold
-        loads = compile_stats.CacheLoads()
-    runs = []
-    for price in prices:
-        if loads is not None:
-            bench_run(args.train_run, args.workdir, price)  # fills the cache, not measured
-        runs.append(bench_run(args.train_run, args.workdir, price, programs, loads))
-    for out in runs:
-        print_run(out, args.programs)
-    return runs
 
 
 def models(args) -> list[dict]:
@@ -285,7 +195,7 @@ def main():
     # cache: every program here is compiled, none loaded.
     compile_cache.cpu_compile_flag()
     if args.train_run:
-        rows = train_runs(args)
+        rows = compile_run.train_runs(args, MODELS["smollm2"][0])
     elif args.compare_options:
         options = parse_options(args.compare_options)
         print(

@@ -25,7 +25,8 @@ of one program on one core, so the sharding is what puts the second core to work
 Cosine forms (B=256, G=16, D=512 by default, --forms_cell): the same jitted kernel with the cosine
 as it was before the fuzz fixes (unscaled: overflows at row norms ~1e19), as the fuzz fixes made it
 (every row max-abs scaled on every call), and as it is now (unscaled, with the scaled form only
-when a row is huge, tiny or zero), timed interleaved in one process against the plain NumPy loop.
+when a row is huge, tiny or zero), timed interleaved in one process against the plain NumPy loop
+(benchmarks/mmr_forms.py).
 
 Throughput is groups (prompts) per second from the best of repeated timed calls after a warm-up
 (compilation excluded; JAX timed with block_until_ready, default XLA CPU threads); the JSON also
@@ -34,13 +35,12 @@ holds the medians. The per-step figure is a median. The Python baselines time at
 `*` in the table).
 """
 
-import argparse
 import os
 
 import jax
 import jax.numpy as jnp
 import mmr_baselines as baselines  # benchmarks/, beside this file
-import numpy as np
+import mmr_forms  # benchmarks/, beside this file: the cosine's forms
 
 from mmr_jax.algorithms import mmr
 from mmr_jax.infra import bench_harness as harness
@@ -60,13 +60,6 @@ COLUMNS = [
 ]  # fmt: skip
 
 
-def _data(b, g, d, seed=0):
-    rng = np.random.default_rng(seed)
-    r = (rng.random((b, g)) < 0.5).astype(np.float32) + rng.normal(size=(b, g)).astype(np.float32)
-    e = rng.normal(size=(b, g, d)).astype(np.float32)
-    return r, e
-
-
 _mmr_jit = jax.jit(mmr.mmr_reweight)
 
 
@@ -74,7 +67,7 @@ def bench_cell(b, g, d, args, mesh):
     """One B x G x D cell: every implementation's (best, median) seconds for the B groups."""
     import torch
 
-    r, e = _data(b, g, d)
+    r, e = baselines.data(b, g, d)
     rj, ej = jnp.asarray(r), jnp.asarray(e)
     t = {"jax_1dev": harness.best_of(lambda: jax.block_until_ready(_mmr_jit(rj, ej)))}
     ways = sharding.batch_size(mesh) if b % sharding.batch_size(mesh) == 0 else 1
@@ -122,53 +115,9 @@ def bench_cell(b, g, d, args, mesh):
     }
 
 
-def bench_forms(b, g, d, args, rounds=5):
-    """Best ms of each cosine form over interleaved rounds, and each one's speed-up over the
-    plain NumPy loop, in this process; the forms' outputs agree on this data."""
-    r, e = _data(b, g, d)
-    rj, ej = jnp.asarray(r), jnp.asarray(e)
-    forms = {
-        "unscaled (before the fuzz fixes)": baselines.kernel_with(baselines.unscaled_cosine),
-        "always scaled (fuzz fixes)": baselines.kernel_with(baselines.always_scaled_cosine),
-        "guarded (now)": _mmr_jit,
-    }
-    outs = [np.asarray(f(rj, ej)) for f in forms.values()]
-    for out in outs[1:]:
-        np.testing.assert_allclose(out, outs[0], rtol=0, atol=1e-5)
-    best = dict.fromkeys(forms, float("inf"))
-    for _ in range(rounds):  # interleaved: a burst of load on the shared machine hits all forms
-        for name, f in forms.items():
-            t = harness.best_of(lambda f=f: jax.block_until_ready(f(rj, ej)), min_total=0.1)[0]
-            best[name] = min(best[name], t)
-    n_plain = min(b, args.max_plain_groups)
-    loop = lambda: [baselines.numpy_plain_loop(r[i], e[i]) for i in range(n_plain)]
-    t_plain = harness.best_of(loop, min_reps=3)[0] * b / n_plain
-    return {
-        "B": b,
-        "G": g,
-        "D": d,
-        "numpy_plain_ms": 1e3 * t_plain,
-        "forms_ms": {k: 1e3 * v for k, v in best.items()},
-        "forms_speedup_vs_numpy_plain": {k: t_plain / v for k, v in best.items()},
-    }
-
-
-def print_forms(row):
-    print(
-        f"cosine forms, B={row['B']} G={row['G']} D={row['D']} (one device, one process, "
-        f"best of interleaved rounds; plain NumPy loop {row['numpy_plain_ms']:.1f} ms):"
-    )
-    base = row["forms_ms"]["unscaled (before the fuzz fixes)"]
-    for name, ms in row["forms_ms"].items():
-        print(
-            f"  {name:<34} {ms:7.3f} ms  {row['forms_speedup_vs_numpy_plain'][name]:6.1f}x "
-            f"the plain loop  {ms / base:5.2f}x the unscaled time"
-        )
-
-
 def bench_step(args):
     """Per-training-step cost at B=8, G=6, D=512: kernel on device arrays and the host entry."""
-    r, e = _data(8, 6, args.step_dim)
+    r, e = baselines.data(8, 6, args.step_dim)
     rj, ej = jnp.asarray(r), jnp.asarray(e)
     kernel = lambda: jax.block_until_ready(_mmr_jit(rj, ej))
     entry = lambda: jax.block_until_ready(mmr.reweight("mmr", r, e))
@@ -181,20 +130,21 @@ def bench_step(args):
     }
 
 
+FLAGS = {
+    "quick": (False, "small grid"),
+    "max_baseline_groups": (64, "vec and torch groups timed (then x B)"),
+    "max_plain_groups": (16, "plain-loop groups timed (then x B)"),
+    "torch_prompts_per_call": (4, "prompts per released-code call"),
+    "gram_threads": (os.cpu_count(), "torch threads for the floor"),
+    "step_dim": (512, "D of the per-step timing (B=8, G=6)"),
+    "cpu_devices": (0, "JAX CPU devices (0 = one per core)"),
+    "forms_only": (False, "time only the cosine's forms, then exit"),
+    "forms_cell": ("256,16,512", "B,G,D of the forms' timing"),
+}
+
+
 def _args():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add = ap.add_argument
-    add("--quick", action="store_true", help="small grid")
-    add("--json", default=None, help="write the results to this path")
-    add("--max_baseline_groups", type=int, default=64, help="vec and torch groups timed (then x B)")
-    add("--max_plain_groups", type=int, default=16, help="plain-loop groups timed (then x B)")
-    add("--torch_prompts_per_call", type=int, default=4, help="prompts per released-code call")
-    add("--gram_threads", type=int, default=os.cpu_count(), help="torch threads for the floor")
-    add("--step_dim", type=int, default=512)
-    add("--cpu_devices", type=int, default=0, help="JAX CPU devices (0 = one per core)")
-    add("--forms_only", action="store_true", help="time only the cosine's forms, then exit")
-    add("--forms_cell", default="256,16,512", help="B,G,D of the forms' timing")
-    args = ap.parse_args()
+    args, ap = harness.parse_args(__doc__.splitlines()[0], FLAGS)
     args.forms_cell = tuple(int(x) for x in args.forms_cell.split(","))
     if len(args.forms_cell) != 3:
         ap.error(f"--forms_cell must be B,G,D, got {args.forms_cell!r}")
@@ -206,9 +156,9 @@ def main():
 
     args = _args()
     if args.forms_only:
-        forms = bench_forms(*args.forms_cell, args)
+        forms = mmr_forms.bench_forms(*args.forms_cell, args)
         print(f"jax {jax.__version__}, {jax.devices()[0].platform}")
-        print_forms(forms)
+        mmr_forms.print_forms(forms)
         harness.write_json(args.json, {"forms": forms})
         return
     devices = sharding.use_cpu_cores_as_devices(args.cpu_devices or None)
@@ -236,8 +186,8 @@ def main():
         "max x vec: vec time / the Gram floor (torch.bmm of the B Gram matrices on every core),\n"
         "the most any implementation could gain over vec on this machine"
     )
-    forms = bench_forms(*args.forms_cell, args)
-    print_forms(forms)
+    forms = mmr_forms.bench_forms(*args.forms_cell, args)
+    mmr_forms.print_forms(forms)
     step = bench_step(args)
     print(
         f"per training step (B=8, G=6, D={step['D']}): kernel {step['kernel_ms']:.3f} ms, "

@@ -1,11 +1,20 @@
 """What `bench_mmr.py` times our MMR kernel against: Algorithm 1 as the paper writes it, the same
 rule vectorised in NumPy, a PyTorch port of the released loop, and the kernel with the cosine in
-its earlier forms. Each baseline reweights one group (or one micro-batch, torch)."""
+its earlier forms; and the rewards and embeddings they all get (`data`). Each baseline reweights one
+group (or one micro-batch, torch)."""
 
 import jax
 import numpy as np
 
 from mmr_jax.algorithms import mmr
+
+
+def data(b, g, d, seed=0):
+    """The rewards [B, G] (binary plus noise) and embeddings [B, G, D] every implementation gets."""
+    rng = np.random.default_rng(seed)
+    r = (rng.random((b, g)) < 0.5).astype(np.float32) + rng.normal(size=(b, g)).astype(np.float32)
+    e = rng.normal(size=(b, g, d)).astype(np.float32)
+    return r, e
 
 
 def numpy_plain_loop(r, e, lam=None):

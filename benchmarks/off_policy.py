@@ -20,7 +20,8 @@ thread per core it gets), waits for it, and runs each mode's trainer under `task
 (default 1) with `rollout.engine=vllm rollout.url=<the server>`. Both modes start equal: each
 trainer's first act is the full-weight sync of its initial weights (vLLM's `reload_weights`) and
 a prefix-cache reset, and with --restart_server each mode gets a freshly started server. The
-server is stopped at the end (or when this process dies).
+server is stopped at the end (or when this process dies). The server's side is in
+`pinned_server.py`, beside this file.
 
 Reported per mode: the median over the steps after the first (which compiles) of time/step and
 its phases (time/rollout, time/train, time/sync, time/rollout_wait: the update's wait for the
@@ -31,7 +32,6 @@ once per process). The speedup is sync time/step over off-policy's.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import pathlib
@@ -47,6 +47,7 @@ from mmr_jax.infra import bench_harness as harness  # noqa: E402
 from mmr_jax.infra import child_process  # noqa: E402
 
 rl_step = harness.load("rl_step")
+pinned_server = harness.load("pinned_server")  # beside this file: the --engine=vllm server
 
 MODES = {"sync": 0, "off_policy": 1}
 COLUMNS = [
@@ -70,97 +71,7 @@ def command(config: str, steps: int, workdir: str, sets: list[str], lag: int, cp
     return ["taskset", "-c", cpus, *argv] if cpus else argv
 
 
-def server_options(config: str, sets: list[str], cpus: str, port: int):
-    """`vllm_launch.LaunchOptions` of the server the trainer of `config` with `sets` would
-    launch itself (its model, served name, lengths, seed, LoRA rank), pinned to `cpus`."""
-    from mmr_jax.config import config_overrides
-    from mmr_jax.rollout import vllm_launch
-
-    path, sep, arg = config.partition(":")
-    c = config_overrides.load_config_file(f"{_REPO / path}{sep}{arg}")  # as the child, from _REPO
-    over = {**rl_step.BASE, **config_overrides.parse_assignments(sets)}
-    config_overrides.set_keys(c, over)
-    local = _REPO / c.model.path
-    model = str(local) if local.is_dir() else c.model.path  # a hub id: vLLM resolves it
-    return vllm_launch.options_from_config(c, port=port, model=model, cpus=cpus or None)
-
-
-class GroupRss:
-    """Peak summed RSS of the processes of one process group (a launched server: API server
-    and engine core), sampled every `every_s` seconds in a daemon thread."""
-
-    def __init__(self, pgid: int, every_s: float = 1.0):
-        self.pgid, self.every_s, self.peak = pgid, every_s, 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="server-rss", daemon=True)
-        self._thread.start()
-
-    def sample(self) -> int:
-        """Bytes resident now, summed over the group's processes."""
-        page, total = os.sysconf("SC_PAGE_SIZE"), 0
-        for pid in filter(str.isdigit, os.listdir("/proc")):
-            try:
-                stat = pathlib.Path(f"/proc/{pid}/stat").read_text()
-                fields = stat[stat.rindex(")") + 2 :].split()  # after the command name
-                if int(fields[2]) == self.pgid:  # field 5, pgrp
-                    total += int(pathlib.Path(f"/proc/{pid}/statm").read_text().split()[1]) * page
-            except (OSError, ValueError, IndexError):  # a process that just exited
-                continue
-        return total
-
-    def _loop(self) -> None:
-        while not self._stop.wait(self.every_s):
-            self.peak = max(self.peak, self.sample())
-
-    def reset(self) -> None:
-        self.peak = self.sample()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(5)
-
-
-class Server:
-    """The pinned vLLM server of the benchmark (`--engine=vllm`): start, restart, stop."""
-
-    def __init__(self, args, root: pathlib.Path):
-        self.args, self.root, self.starts, self.urls = args, root, [], []
-        self.process, self.rss = None, None
-
-    def start(self) -> None:
-        from mmr_jax.rollout import vllm_launch
-
-        opts = server_options(
-            self.args.config, self.args.set, self.args.server_cpus, vllm_launch.free_port()
-        )
-        log = self.root / f"vllm_server.{len(self.starts)}.log"
-        argv, _ = vllm_launch.command(opts)
-        pinned = f"taskset -c {opts.cpus} " if opts.cpus else ""
-        harness.progress(f"{pinned}{' '.join(argv[:5])} ... (log {log})")
-        self.process = vllm_launch.ServerProcess(opts, log).start()
-        self.rss = GroupRss(self.process.proc.pid)  # its own session: pgid = pid
-        try:
-            waited = self.process.wait_ready(self.args.ready_timeout_s)
-        except BaseException:
-            self.stop()
-            raise
-        self.starts.append(waited)
-        self.urls.append(self.process.url)
-        harness.progress(f"vLLM server ready at {self.process.url} after {waited:.0f} s")
-
-    @property
-    def url(self) -> str:
-        return self.process.url
-
-    def stop(self) -> None:
-        if self.rss is not None:
-            self.rss.stop()
-        if self.process is not None:
-            self.process.stop()
-        self.process, self.rss = None, None
-
-
-def run_mode(mode: str, args, server: Server | None = None) -> dict:
+def run_mode(mode: str, args, server: pinned_server.Server | None = None) -> dict:
     workdir = tempfile.mkdtemp(prefix=f"off_policy_{mode}_")
     sets = list(args.set)
     if server is not None:
@@ -207,7 +118,7 @@ def run_modes(args) -> tuple[list[dict], dict]:
     if args.engine == "embedded":
         return [run_mode(m, args) for m in modes], {}
     root = pathlib.Path(tempfile.mkdtemp(prefix="off_policy_server_"))
-    server, rows = Server(args, root), []
+    server, rows = pinned_server.Server(args, root), []
     try:
         for i, mode in enumerate(modes):
             if i == 0 or args.restart_server or not server.process.alive():  # died: anew
@@ -221,24 +132,22 @@ def run_modes(args) -> tuple[list[dict], dict]:
     return rows, {**info, "server_logs": str(root), "restart_server": args.restart_server}
 
 
+FLAGS = {
+    "config": ("configs/cpu_smollm2.py", "the trainer's config file"),
+    "set": ([], "config override key=value (repeatable)"),
+    "steps": (4, "training steps per mode"),
+    "engine": ("embedded", "the rollout engine", ("embedded", "vllm")),
+    "cpus": (None, "taskset -c list of the trainer ('' = none; default 0,1, with --engine=vllm 1)"),
+    "server_cpus": ("0", "taskset -c list of the vLLM server"),
+    "restart_server": (False, "a fresh server per mode"),
+    "ready_timeout_s": (900.0, "the server's start"),
+    "modes": ("sync,off_policy", "comma list of " + ",".join(MODES)),
+    "timeout_s": (0.0, "per mode (0: no limit)"),
+}
+
+
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--config", default="configs/cpu_smollm2.py")
-    p.add_argument("--set", action="append", default=[], help="config override key=value")
-    p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--engine", choices=("embedded", "vllm"), default="embedded")
-    p.add_argument(
-        "--cpus",
-        default=None,
-        help="taskset -c list of the trainer ('' = none; default 0,1, with --engine=vllm 1)",
-    )
-    p.add_argument("--server_cpus", default="0", help="taskset -c list of the vLLM server")
-    p.add_argument("--restart_server", action="store_true", help="a fresh server per mode")
-    p.add_argument("--ready_timeout_s", type=float, default=900, help="the server's start")
-    p.add_argument("--modes", default="sync,off_policy")
-    p.add_argument("--timeout_s", type=float, default=0, help="per mode (0: no limit)")
-    p.add_argument("--json", default=None)
-    args = p.parse_args(argv)
+    args, _ = harness.parse_args(__doc__, FLAGS, argv)
     if args.cpus is None:
         args.cpus = "1" if args.engine == "vllm" else "0,1"
     args.set = ["model.init=pretrained", *args.set]  # rl_step's default is random weights

@@ -101,3 +101,33 @@ def test_compare_options_parses_xla_options_by_type():
     for bad in ("xla_cpu_use_fusion_emitters", "=1"):
         with pytest.raises(ValueError, match="name=value"):
             parse(bad)
+
+
+def test_a_run_prints_its_top_programs_and_sums_the_rest(capsys):
+    run = bench_harness.load("compile_run")  # bench_compile.py --train_run
+
+    def program(name, builds):
+        return {"program": name, "builds": builds, "trace": 0.5, "lower": 0.25, "backend": 1.0}
+
+    out = {
+        "compile_price_steps": 1.0,
+        "steps": 2,
+        "step_s_sum": 10.0,
+        "first_step_s": 6.0,
+        "compile_s": 3.0,
+        "compile_parts_s": {"trace": 1.0, "lower": 0.5, "backend": 1.5},
+        "compile_share": 0.3,
+        "cache_loads": 0,
+        "cache_load_s": 0.0,
+        "packed_len": [192, 96],
+        "packed_len_needed": [128, 96],
+        "programs": [program("train_step", 2), program("a", 1), program("b", 3)],
+    }
+    run.print_run(out, top=1)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("compile_price_steps 1: 2 steps: 10.0 s of steps (first 6.0 s)")
+    assert lines[0].endswith("= 30% of the step time")  # no cache loads: nothing after
+    assert lines[1] == "  packed length needed -> run at: 128->192, 96->96"
+    assert lines[2].split() == ["program", "builds", "trace", "s", "lower", "s", "backend", "s"]
+    assert lines[3].split() == ["train_step", "2", "0.50", "0.25", "1.00"]
+    assert lines[4].split() == ["2", "other", "programs", "4", "1.00", "0.50", "2.00"]

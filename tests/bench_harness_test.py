@@ -128,3 +128,10 @@ def test_parse_args_types_from_defaults():
     )
     with pytest.raises(SystemExit):
         harness.parse_args("doc", flags_, ["--mode=hot"])
+
+
+def test_parse_args_list_default_is_a_repeatable_flag():
+    flags_ = {"set": ([], "key=value")}
+    args, _ = harness.parse_args("doc", flags_, ["--set=a=1", "--set", "b=2"])
+    assert args.set == ["a=1", "b=2"]
+    assert harness.parse_args("doc", flags_, [])[0].set == [] == flags_["set"][0]

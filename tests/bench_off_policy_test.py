@@ -1,7 +1,7 @@
-"""`benchmarks/off_policy.py --engine=vllm`'s pieces: the server it launches is the one the
-trainer would launch, pinned to its CPUs (`vllm_launch.LaunchOptions.cpus`: `taskset -c`, one
-OpenMP thread per CPU), and the RSS of the server's process group. The whole command against a
-launched server is in tests/off_policy_test.py."""
+"""`benchmarks/off_policy.py --engine=vllm`'s pieces (`benchmarks/pinned_server.py`): the server it
+launches is the one the trainer would launch, pinned to its CPUs (`vllm_launch.LaunchOptions.cpus`:
+`taskset -c`, one OpenMP thread per CPU), and the RSS of the server's process group. The whole
+command against a launched server is in tests/off_policy_test.py."""
 
 import os
 import pathlib
@@ -15,6 +15,7 @@ from mmr_jax.rollout import vllm_launch
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 bench = bench_harness.load("off_policy")
+pinned_server = bench_harness.load("pinned_server")
 
 # A server venv's interpreter that runs the launcher's `-c` prelude (the death signal, then exec
 # of itself with the server's argv), then only sleeps: a process to pin, measure and stop.
@@ -47,7 +48,7 @@ def test_cpu_count_of_taskset_lists():
 def test_server_options_are_those_the_trainer_launches_with_pinned(tmp_path):
     venv = _venv(tmp_path)
     sets = ["model.init=pretrained", f"rollout.server_venv={venv}", "seed=7"]
-    opts = bench.server_options("configs/cpu_smollm2.py", sets, "0", 1234)
+    opts = pinned_server.server_options("configs/cpu_smollm2.py", sets, "0", 1234)
     assert opts.served_model_name == "checkpoints/smollm2-135m-instruct"  # the trainer's name
     assert opts.model.endswith("checkpoints/smollm2-135m-instruct")
     assert opts.max_model_len == 64 + 32 and opts.lora_rank == 0 and opts.seed == 7
@@ -57,7 +58,7 @@ def test_server_options_are_those_the_trainer_launches_with_pinned(tmp_path):
         assert env["OMP_NUM_THREADS"] == "1"  # one thread per CPU it is pinned to
     # A checkpoint named by an absolute path, LoRA on: served and loaded as that path.
     sets += [f"model.path={tmp_path}", "lora.enabled=True", "lora.rank=4"]
-    opts = bench.server_options("configs/cpu_smollm2.py", sets, "", 1234)
+    opts = pinned_server.server_options("configs/cpu_smollm2.py", sets, "", 1234)
     assert opts.model == opts.served_model_name == str(tmp_path)
     assert opts.lora_rank == 4 and opts.cpus is None
 
@@ -80,12 +81,12 @@ def test_pinned_server_process_runs_on_its_cpus_and_its_group_rss_is_measured(tm
             time.sleep(0.1)  # taskset sets it before it execs the interpreter
         assert os.sched_getaffinity(pid) == {mine[-1]}
         assert os.sched_getaffinity(free.proc.pid) == set(mine)  # unpinned: the parent's
-        rss = bench.GroupRss(pid, every_s=0.05)
+        rss = pinned_server.GroupRss(pid, every_s=0.05)
         own = int(pathlib.Path(f"/proc/{pid}/statm").read_text().split()[1])
         assert rss.sample() >= own * os.sysconf("SC_PAGE_SIZE") > 0
         time.sleep(0.3)
         assert rss.peak > 0
-        assert bench.GroupRss(2**22 + 12345).sample() == 0  # no such group
+        assert pinned_server.GroupRss(2**22 + 12345).sample() == 0  # no such group
     finally:
         if rss is not None:
             rss.stop()

@@ -325,7 +325,8 @@ def jax_peak_bytes() -> int | None:
 
 def parse_args(doc: str, flags: dict[str, tuple], argv=None):
     """(args, parser) of a command line given as {name: (default, help[, choices])}: the type is
-    the default's (False: a switch; None: a string), `--json` (a path to write) always there."""
+    the default's (False: a switch; None: a string; a list: repeatable, each use appended),
+    `--json` (a path to write) always there."""
     import argparse
 
     ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawTextHelpFormatter)
@@ -333,6 +334,9 @@ def parse_args(doc: str, flags: dict[str, tuple], argv=None):
     for name, (default, text, *choices) in flags.items():
         if default is False:
             ap.add_argument(f"--{name}", action="store_true", help=text)
+            continue
+        if isinstance(default, list):
+            ap.add_argument(f"--{name}", action="append", default=list(default), help=text)
             continue
         kind = str if default is None else type(default)
         choices = choices[0] if choices else None
