@@ -59,8 +59,9 @@ def _rows(seed: int = 0, *, lengths=(6, 4, 2, 5)):
     return jnp.asarray(tokens), jnp.asarray(attention), jnp.asarray(comp), jnp.asarray(adv)
 
 
-def _logps(policy, params, tokens, attention):
-    """Clean (eval-mode, no dropout) completion log-probs [N, T], as the trainer computes them."""
+def _logps(policy, params, tokens, attention, disable_lora=False):
+    """Clean (eval-mode, no dropout) completion log-probs [N, T], as the trainer computes them
+    (`disable_lora`: the base model's, the KL reference under LoRA)."""
     return step_loss.logprobs_fn(
         params,
         policy.frozen,
@@ -70,6 +71,7 @@ def _logps(policy, params, tokens, attention):
         graphdef=policy.eval_graphdef,
         num_completion=T,
         temperature=TEMPERATURE,
+        disable_lora=disable_lora,
     )
 
 
@@ -359,17 +361,7 @@ class TestOptionsOff:
         old = _logps(policy, policy.params, tokens, attention)
         ref = None
         if cfg.beta:
-            ref = step_loss.logprobs_fn(
-                policy.params,
-                policy.frozen,
-                policy.rest,
-                tokens,
-                attention,
-                graphdef=policy.eval_graphdef,
-                num_completion=T,
-                temperature=TEMPERATURE,
-                disable_lora=lora is not None,
-            )
+            ref = _logps(policy, policy.params, tokens, attention, disable_lora=lora is not None)
         engine = jnp.where(comp, old - 0.3, 0.0)
         batch = train_step.Batch(
             tokens, attention, comp, adv, old_logps=old, ref_logps=ref, sampler_logps=engine
