@@ -31,8 +31,9 @@ from ml_collections import config_flags
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from mmr_jax import distributed
-from mmr_jax.infra import compile_cache, console, run_paths
-from mmr_jax.models import sharding
+from mmr_jax.config import config_overrides
+from mmr_jax.infra import compile_cache, console, run_paths, user_errors
+from mmr_jax.models import hub, sharding
 from mmr_jax.problems import data, evaluation
 from mmr_jax.rewards import grading
 
@@ -68,9 +69,7 @@ def make_engine(config, checkpoint: str):
 
 
 def evaluate_checkpoint(config, checkpoint: str, problems, grader) -> evaluation.EvalResult:
-    import transformers
-
-    tokenizer = transformers.AutoTokenizer.from_pretrained(checkpoint)
+    tokenizer = hub.load_tokenizer(checkpoint, "--config.checkpoint")
     return evaluation.evaluate(
         make_engine(config, checkpoint),
         tokenizer,
@@ -88,6 +87,16 @@ def evaluate_checkpoint(config, checkpoint: str, problems, grader) -> evaluation
     )
 
 
+def _check_inputs(config) -> None:
+    if config.checkpoint and not run_paths.is_remote(config.checkpoint):
+        hub.check_checkpoint(config.checkpoint, "--config.checkpoint")
+    if config.run_dir and not run_paths.is_remote(config.run_dir):
+        if not os.path.isdir(config.run_dir):
+            raise user_errors.UserError(
+                f"--config.run_dir={config.run_dir!r} is not a folder; give a run's folder"
+            )
+
+
 def main(argv):
     del argv
     config = _CONFIG.value
@@ -101,6 +110,7 @@ def main(argv):
     for what, path in (("checkpoint", config.checkpoint), ("run_dir", config.run_dir)):
         run_paths.check(path or ".", f"--config.{what}")
     run_paths.check(out_dir, "--config.output_dir")
+    _check_inputs(config)  # before anything is written: a wrong path creates no folder
     written = run_paths.open_run(out_dir).local  # out_dir itself, or a bucket's staging folder
     log_name = "evaluate.log" if primary else f"evaluate.process{jax.process_index()}.log"
     log_file = console.setup(os.path.join(out_dir, log_name), stdout=primary)
@@ -161,4 +171,4 @@ def main(argv):
 
 if __name__ == "__main__":
     flags.mark_flag_as_required("config")
-    app.run(main)
+    user_errors.run(main, argv_checks=(config_overrides.check_argv,))

@@ -24,11 +24,12 @@ import os
 import sys
 import tempfile
 
-from absl import app, flags
+from absl import flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from mmr_jax.infra import console
+from mmr_jax.infra import console, user_errors
+from mmr_jax.models import hub
 from mmr_jax.rollout import layout
 from mmr_jax.serving import serve_backend, serve_limits, server
 
@@ -84,6 +85,7 @@ def main(argv):
         tempfile.gettempdir(), f"mmr_jax_serve_{os.getpid()}.log"
     )
     log_file = console.setup(log_file)
+    hub.resolve_checkpoint(_MODEL.value, "--model")  # a wrong path: one line naming the flag
     backend = serve_backend.EmbeddedBackend.from_pretrained(
         _MODEL.value,
         model_name=_NAME.value or _MODEL.value,
@@ -120,4 +122,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    user_errors.run(main)

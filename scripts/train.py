@@ -30,7 +30,8 @@ from ml_collections import config_flags
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from mmr_jax import distributed
 from mmr_jax.config import config_checks, config_overrides
-from mmr_jax.infra import compile_cache, console, run_paths
+from mmr_jax.infra import compile_cache, console, run_paths, user_errors
+from mmr_jax.models import hub
 from mmr_jax.training import checkpoint, compiled_dry_run, trainer
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -58,14 +59,6 @@ _EXPORT_HF = flags.DEFINE_string(
 )
 _EXPORT_STEP = flags.DEFINE_integer("export_step", None, "Step to export (default: latest).")
 _PROCESSES = distributed.define_flags()
-
-
-def _parse_flags(argv):
-    try:
-        config_overrides.check_override_keys(argv)
-    except (KeyError, FileNotFoundError) as e:
-        sys.exit(f"FATAL: {e}")
-    return flags.FLAGS(argv)
 
 
 def _compiled_dry_run(cfg):
@@ -97,6 +90,9 @@ def main(argv):
     primary = distributed.is_primary()
     suffix = "" if primary else f".process{jax.process_index()}"
     if _EXPORT_HF.value:
+        run_paths.check(_WORKDIR.value)  # nothing is written in a workdir that cannot export
+        run_paths.check(_EXPORT_HF.value, "--export_hf")
+        checkpoint.require_checkpoint(_WORKDIR.value, _EXPORT_STEP.value)
         log_file = os.path.join(_WORKDIR.value, f"export{suffix}.log")
 
         def export():
@@ -143,8 +139,10 @@ def _error_exit(e: Exception, log_file: str) -> tuple[int, str | None]:
         return distributed.failures.EXIT_PEER_LOST, f"ERROR: PeerLostError: {e}"
     if isinstance(e, distributed.DistributedError):
         return 1, f"ERROR: {type(e).__name__}: {e}"
-    if isinstance(e, run_paths.WorkdirSchemeError):
-        return 1, f"ERROR: WorkdirSchemeError: {e}"
+    if isinstance(e, hub.CheckpointNotFoundError):  # the weights: say the ways forward
+        return 1, user_errors.report(e, then=_without_weights())
+    if isinstance(e, user_errors.UserError):
+        return 1, user_errors.report(e)
     if isinstance(e, checkpoint.WorkdirWriteError):
         return 1, f"ERROR: {e}"
     if isinstance(e, OSError) and e.errno in checkpoint.WRITE_ERRNOS:
@@ -154,6 +152,17 @@ def _error_exit(e: Exception, log_file: str) -> tuple[int, str | None]:
     return 1, None
 
 
+def _without_weights() -> str:
+    spec = flags.FLAGS["config"].config_filename  # configs/x.py[:arg] as given
+    path, _, arg = spec.partition(":")
+    smoke = f"{path}:{','.join(filter(None, [arg, 'smoke']))}" if "smoke" not in arg else spec
+    return (
+        "Without those weights: give them with --config.model.path=<HF folder or hub id>, run "
+        f"the CPU variant --config={smoke}, check the config with --dry_run, or train random "
+        "weights of the architecture with --config.model.init=random"
+    )
+
+
 if __name__ == "__main__":
     flags.mark_flag_as_required("config")
-    app.run(main, flags_parser=_parse_flags)
+    user_errors.run(main, argv_checks=(config_overrides.check_argv,))

@@ -70,7 +70,7 @@ class TestSchemes:
             env={**os.environ, "JAX_PLATFORMS": "cpu"},
         )
         assert out.returncode == 1
-        want = "ERROR: WorkdirSchemeError: --workdir='gs://bucket/runs/x': reading gs:// needs"
+        want = "FATAL: --workdir='gs://bucket/runs/x': reading gs:// needs"
         assert want in out.stderr, out.stderr
         assert "gcsfs" in out.stderr
         assert not (multihost.REPO / "gs:").exists()
@@ -159,15 +159,16 @@ class TestBucketWorkdir:
     def test_prepare_refuses_other_config_and_overwrites(self, bucket):
         out = run_guard.prepare_workdir("gs://bucket/run", {"a": 1, "b": {"c": 2}})
         assert str(out) == "gs://bucket/run"
+        run_guard.claim("gs://bucket/run", {"a": 1, "b": {"c": 2}})  # the run started
         assert json.loads((bucket / "run" / run_guard.RUN_FILE).read_text())["config"]["a"] == 1
         assert run_guard.read_run_config("gs://bucket/run") == {"a": 1, "b": {"c": 2}}
+        (bucket / "run" / checkpoint.CKPT_DIR / "1").mkdir(parents=True)  # and checkpointed
         run_guard.prepare_workdir("gs://bucket/run", {"a": 1, "b": {"c": 2}})  # same: resumes
         with pytest.raises(run_guard.RunMismatchError, match=r"b.c: 2 -> 3"):
             run_guard.prepare_workdir("gs://bucket/run", {"a": 1, "b": {"c": 3}})
-        (bucket / "run" / checkpoint.CKPT_DIR / "1").mkdir(parents=True)
         (bucket / "run" / metrics.METRICS_FILE).write_text("{}\n")
         run_guard.prepare_workdir("gs://bucket/run", {"a": 2}, overwrite=True)
-        assert sorted(p.name for p in (bucket / "run").iterdir()) == [run_guard.RUN_FILE]
+        assert list((bucket / "run").iterdir()) == []
 
     def test_metrics_staged_mirrored_and_truncated_on_resume(self, bucket):
         w = metrics.MetricWriter("gs://bucket/run", tensorboard=True)

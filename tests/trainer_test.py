@@ -652,7 +652,8 @@ class TestBadInput:
             trainer.train(cfg, tmp_path / "run")
 
     def test_workdir_of_another_config(self, tmp_path, tiny_llama_dir):
-        run_guard.prepare_workdir(tmp_path / "run", _config("grpo", tiny_llama_dir).to_dict())
+        run_guard.claim(tmp_path / "run", _config("grpo", tiny_llama_dir).to_dict())
+        (tmp_path / "run" / checkpoint.CKPT_DIR / "1").mkdir(parents=True)  # it saved a step
         with pytest.raises(run_guard.RunMismatchError, match="loss.beta"):
             trainer.train(_config("dapo", tiny_llama_dir), tmp_path / "run")
 

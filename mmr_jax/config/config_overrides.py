@@ -1,5 +1,6 @@
 """Config files and command-line overrides: `configs/x.py:arg` loading, `--config.a.b=v`
-key checks that name the valid keys, dotted assignments; `load_config` for benchmarks and tests.
+checks of the file, the keys (naming the valid ones) and the values' types, each a one-line
+`UserError` (`check_argv`); dotted assignments; `load_config` for benchmarks and tests.
 """
 
 from __future__ import annotations
@@ -9,13 +10,22 @@ from collections.abc import Mapping
 from typing import Any
 
 from mmr_jax.config import config_checks, config_types
+from mmr_jax.infra import user_errors
 
 
-class UnknownKeyError(KeyError):
+class UnknownKeyError(user_errors.UserError, KeyError):
     """An override names a config key that does not exist."""
 
     def __str__(self) -> str:
         return str(self.args[0])
+
+
+class ConfigFileError(user_errors.UserError, FileNotFoundError):
+    """`--config=` names a file that is not there."""
+
+
+class ConfigValueError(user_errors.UserError, ValueError):
+    """An override's value is not of its key's type (`--config.total_steps=abc`)."""
 
 
 def load_config_file(spec: str):
@@ -25,8 +35,11 @@ def load_config_file(spec: str):
 
     path, _, arg = spec.partition(":")
     module_spec = importlib.util.spec_from_file_location(pathlib.Path(path).stem, path)
-    if module_spec is None or not pathlib.Path(path).exists():
-        raise FileNotFoundError(f"config file {path!r} not found")
+    if module_spec is None or not pathlib.Path(path).is_file():
+        folder = pathlib.Path(path).parent
+        near = sorted(p.name for p in folder.glob("*.py")) if folder.is_dir() else []
+        where = f"{folder}/ holds {near}" if near else f"{folder}/ holds no config file"
+        raise ConfigFileError(f"config file {path!r} not found; {where} (--config=<file>[:arg])")
     module = importlib.util.module_from_spec(module_spec)
     module_spec.loader.exec_module(module)
     return module.get_config(arg) if arg else module.get_config()
@@ -61,28 +74,60 @@ def set_keys(config, values: Mapping[str, Any]):
     return config
 
 
-def check_override_keys(argv, flag_name: str = "config") -> None:
-    """Raises `UnknownKeyError` naming the valid keys when a `--config.a.b=v` path does not exist.
-
-    Run on argv before absl parses it: ml_collections reports only a close match, not the keys.
-    """
+def check_argv(argv, flag_name: str = "config") -> None:
+    """Checks a command line's `--config=<file>` and its `--config.a.b=v` overrides before absl
+    parses it: the file exists, each key exists (`UnknownKeyError` naming the valid keys: absl
+    names only a close match) and each value parses as its key's type (`ConfigValueError` with an
+    example: absl's error is a traceback)."""
     prefix = f"--{flag_name}"
     spec = next((a.split("=", 1)[1] for a in argv if a.startswith(prefix + "=")), None)
-    overrides = [a[len(prefix) + 1 :].split("=", 1)[0] for a in argv if a.startswith(prefix + ".")]
-    if spec is None or not overrides:
+    overrides = [a[len(prefix) + 1 :].split("=", 1) for a in argv if a.startswith(prefix + ".")]
+    if spec is None:
         return
     config = config_checks._plain(load_config_file(spec))
-    for path in overrides:
-        node, walked = config, []
-        for key in path.split("."):
-            if not isinstance(node, Mapping) or key not in node:
-                where = ".".join(walked) or "<root>"
-                valid = sorted(node) if isinstance(node, Mapping) else []
-                raise UnknownKeyError(
-                    f"unknown config key {path!r}: {where!r} has no key {key!r}; "
-                    f"valid keys: {valid}"
-                )
-            node, walked = node[key], [*walked, key]
+    for key, *raw in overrides:
+        value = _leaf(config, key)
+        if raw:
+            _check_type(key, raw[0], value, spec.partition(":")[0])
+
+
+check_override_keys = check_argv  # the name scripts used before the values were checked too
+
+
+def _leaf(config: Mapping[str, Any], path: str) -> Any:
+    node, walked = config, []
+    for key in path.split("."):
+        if not isinstance(node, Mapping) or key not in node:
+            where = ".".join(walked) or "<root>"
+            valid = sorted(node) if isinstance(node, Mapping) else []
+            raise UnknownKeyError(
+                f"unknown config key {path!r}: {where!r} has no key {key!r}; valid keys: {valid}"
+            )
+        node, walked = node[key], [*walked, key]
+    return node
+
+
+def _check_type(key: str, raw: str, value: Any, config_file: str) -> None:
+    """Raises `ConfigValueError` when absl's parser for `value`'s type (the one ml_collections
+    uses for the flag) refuses `raw`."""
+    from absl import flags
+
+    if isinstance(value, bool):
+        kind, parser = "True or False", flags.BooleanParser()
+    elif isinstance(value, int):
+        kind, parser = "an int", flags.IntegerParser()
+    elif isinstance(value, float):
+        kind, parser = "a float", flags.FloatParser()
+    else:
+        return
+    try:
+        parser.parse(raw)
+    except (ValueError, TypeError) as e:
+        detail = " ".join(str(a) for a in e.args) if isinstance(e.args, tuple) else str(e)
+        raise ConfigValueError(
+            f"--config.{key}={raw}: {key} takes {kind} ({config_file} sets {value!r}), not "
+            f"{raw!r} ({detail}); e.g. --config.{key}={value}"
+        ) from e
 
 
 def load_config(path: str, overrides: Mapping[str, Any] | None = None) -> config_types.TrainConfig:

@@ -13,6 +13,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+from mmr_jax.infra import user_errors
 from mmr_jax.models import config as model_config
 
 
@@ -234,5 +235,5 @@ class TrainConfig:
         return json.loads(json.dumps(dataclasses.asdict(self), default=dict))
 
 
-class ConfigError(ValueError):
-    """A config value is out of range or contradicts another."""
+class ConfigError(user_errors.UserError, ValueError):
+    """A config value is out of range or contradicts another (told in one line: `user_errors`)."""

@@ -27,6 +27,8 @@ import threading
 from absl import logging
 from etils import epath
 
+from mmr_jax.infra import user_errors
+
 # Schemes a workdir may have, and the package epath needs for each. Orbax writes arrays to
 # gs:// (TensorStore's own GCS driver) and to local paths only, so other schemes are refused.
 SCHEMES = {"gs": "gcsfs"}
@@ -35,8 +37,12 @@ MIRROR_EVERY_S = 60.0  # a bucket workdir's appended files are copied to it this
 STAGING_ENV = "MMR_JAX_STAGING_DIR"  # parent of staging folders (default: the system temp dir)
 
 
-class WorkdirSchemeError(ValueError):
+class WorkdirSchemeError(user_errors.UserError, ValueError):
     """A run path is a URL this program cannot write (an unknown scheme, or a missing package)."""
+
+
+class NotAFolderError(user_errors.UserError, NotADirectoryError):
+    """A local run path that is a file, or lies under one."""
 
 
 def scheme(path) -> str | None:
@@ -51,9 +57,11 @@ def is_remote(path) -> bool:
 
 def check(path, what: str = "--workdir") -> None:
     """Raises `WorkdirSchemeError` for a URL that the run cannot write: a scheme other than
-    gs://, or gs:// without the package epath reads it with (named in the message)."""
+    gs://, or gs:// without the package epath reads it with (named in the message); and
+    `NotAFolderError` for a local path that is a file or lies under one (nothing is created)."""
     name = scheme(path)
     if name is None:
+        _check_local(os.fspath(path), what)
         return
     text = os.fspath(path)
     if name not in SCHEMES:
@@ -68,6 +76,18 @@ def check(path, what: str = "--workdir") -> None:
         raise WorkdirSchemeError(
             f"{what}={text!r}: reading {name}:// needs the package {SCHEMES[name]} ({INSTALL}): {e}"
         ) from e
+
+
+def _check_local(text: str, what: str) -> None:
+    path = pathlib.Path(text).expanduser().absolute()
+    for folder in (path, *path.parents):  # the nearest one that exists must be a folder
+        if folder.exists():
+            if not folder.is_dir():
+                where = "is a file" if folder == path else f"lies under {folder}, a file"
+                raise NotAFolderError(
+                    f"{what}={text!r} {where}, not a folder; give a path under a folder"
+                )
+            return
 
 
 def as_path(path, *, absolute: bool = False) -> epath.Path:

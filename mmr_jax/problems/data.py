@@ -17,6 +17,8 @@ from typing import Any
 
 import numpy as np
 
+from mmr_jax.infra import user_errors
+
 # The paper's prompts (MMR-GRPO, Appendix "System Prompt"), verbatim.
 TRAIN_SYSTEM_PROMPT = (
     "A conversation between User and Assistant. The user asks a question, and the Assistant "
@@ -35,13 +37,22 @@ EVAL_SYSTEM_PROMPT = (
     "that solves the problem. Think step by step before answering.\n"
 )
 
+# What a problem file must hold, said with each error about one.
+_NEEDS = (
+    "a problem file holds one problem per row ({'problem': ..., 'answer': ...} per JSONL line); "
+    "see docs/data.md"
+)
 _LOCAL_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 # The data folder (eval/ and train/ JSONL) is ../shared/data beside the checkout unless this is set.
 DATA_ENV = "MMR_JAX_SHARED_DATA"
 
 
-class DataNotFoundError(FileNotFoundError):
+class DataNotFoundError(user_errors.UserError, FileNotFoundError):
     """A problem file or data folder that is not there; the message says how to get it."""
+
+
+class DataFileError(user_errors.UserError, ValueError):
+    """A problem file that holds no problems, or a row without a usable problem or answer."""
 
 
 def missing_data_message(path: str | os.PathLike) -> str:
@@ -74,21 +85,31 @@ def _load_rows(source: str, split: str):
     if ext in _LOCAL_FORMATS:
         if not os.path.exists(source):
             raise DataNotFoundError(f"problem file: {missing_data_message(source)}")
+        if _is_empty(source):  # the JSON loader's error for it is a bare StopIteration
+            raise DataFileError(f"problem file {source} is empty: {_NEEDS}")
         return datasets.load_dataset(_LOCAL_FORMATS[ext], data_files=source, split="train")
     return datasets.load_dataset(source, split=split)
+
+
+def _is_empty(path: str) -> bool:
+    if os.path.getsize(path) > 4096:
+        return False
+    with open(path, "rb") as f:
+        return not f.read().strip()
 
 
 def _field(row: dict, name: str, source: str, index: int) -> str:
     value = row.get(name)
     if value is None:
-        raise ValueError(f"{source}: row {index}: missing field {name!r}")
+        have = sorted(k for k, v in row.items() if v is not None)
+        raise DataFileError(f"{source}: row {index}: missing field {name!r} (it has {have})")
     if isinstance(value, bool) or not isinstance(value, str | int | float):
-        raise ValueError(f"{source}: row {index}: field {name!r} is {type(value).__name__}")
+        raise DataFileError(f"{source}: row {index}: field {name!r} is {type(value).__name__}")
     if isinstance(value, float) and value.is_integer():
         value = int(value)
     value = str(value)
     if not value.strip():
-        raise ValueError(f"{source}: row {index}: field {name!r} is empty")
+        raise DataFileError(f"{source}: row {index}: field {name!r} is empty")
     return value
 
 
@@ -118,6 +139,8 @@ def load_problems(
                 answer=_field(row, answer_field, source, i),
             )
         )
+    if not problems:
+        raise DataFileError(f"{source} holds no rows: {_NEEDS}")
     return problems
 
 

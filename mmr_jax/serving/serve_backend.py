@@ -20,6 +20,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from mmr_jax.models import hub
 from mmr_jax.rollout import base, embedded, layout, sampler, sampling, sampling_call, vllm_engine
 
 _PEFT_PREFIX = "base_model.model."
@@ -160,9 +161,7 @@ class EmbeddedBackend:
         buckets=layout.DEFAULT_BUCKETS,
         logprobs_mode: str = "scaled_logprobs",
     ):
-        import transformers
-
-        tokenizer = transformers.AutoTokenizer.from_pretrained(str(tokenizer_path or path))
+        tokenizer = hub.load_tokenizer(tokenizer_path or path)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         engine = embedded.EmbeddedEngine.from_pretrained(
             path, seed=seed, pad_id=pad, buckets=buckets

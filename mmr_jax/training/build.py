@@ -137,10 +137,8 @@ def load_tokenizer(cfg: config_types.TrainConfig):
     if cfg.model.init == "random":
         vocab = model_config.ModelConfig.from_hf(_hf_config(cfg.model.path)).vocab_size
         return random_init.byte_tokenizer(vocab)
-    import transformers
-
     # A hub id is fetched once (here); the config keeps the id, as vLLM serves it under that name.
-    return transformers.AutoTokenizer.from_pretrained(hub.resolve_checkpoint(cfg.model.path))
+    return hub.load_tokenizer(cfg.model.path, "model.path")
 
 
 def weights_note(cfg: config_types.TrainConfig) -> str:

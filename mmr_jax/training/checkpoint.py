@@ -37,7 +37,7 @@ import orbax.checkpoint as ocp
 from absl import logging
 
 from mmr_jax import distributed
-from mmr_jax.infra import run_paths
+from mmr_jax.infra import run_paths, user_errors
 from mmr_jax.training import checkpoint_layout, checkpoint_read
 
 CKPT_DIR = "checkpoints"
@@ -50,8 +50,12 @@ class WorkdirWriteError(OSError):
         return str(self.strerror)
 
 
-class CheckpointRestoreError(RuntimeError):
-    """No checkpoint of the run could be restored."""
+class CheckpointRestoreError(user_errors.UserError, RuntimeError):
+    """No checkpoint of the run could be restored (told in one line, the details in the log)."""
+
+
+class NoCheckpointError(user_errors.UserError, FileNotFoundError):
+    """The workdir holds no checkpoint (of the step asked for)."""
 
 
 class CheckpointReadError(CheckpointRestoreError):
@@ -79,6 +83,33 @@ def write_error(err: BaseException, path, what: str, *, kept: str = "") -> Workd
         f"cannot write {what} to {where or path}: {reason}. {kept}"
         "Free space or make the folder writable, then re-run the same command to resume.",
     )
+
+
+def saved_steps(workdir) -> list[int]:
+    """The steps of `<workdir>/checkpoints/<N>` folders, read without opening Orbax (nothing is
+    created). Orbax names a step being written `<N>.orbax-checkpoint-tmp-*`, and one moved aside
+    is `<N>.unreadable`: neither counts. (On a bucket, a step is written in place: a half-written
+    one counts too.)"""
+    folder = run_paths.as_path(workdir) / CKPT_DIR
+    if not folder.is_dir():
+        return []
+    return sorted(int(p.name) for p in folder.iterdir() if re.fullmatch(r"\d+", p.name))
+
+
+def require_checkpoint(workdir, step: int | None = None) -> None:
+    """Raises `NoCheckpointError` unless `workdir` holds a checkpoint (`step` when given), before
+    anything is written there (scripts/train.py --export_hf)."""
+    steps = saved_steps(workdir)
+    if step is None and steps:
+        return
+    if step is not None and step in steps:
+        return
+    if not steps:
+        raise NoCheckpointError(
+            f"no checkpoint in {workdir} (no {CKPT_DIR}/<step> folder): give the --workdir of a "
+            "run that saved one (its checkpoint.every steps)"
+        )
+    raise NoCheckpointError(f"{workdir} has no checkpoint of step {step}; it has steps {steps}")
 
 
 def state_tree(state) -> dict:
@@ -170,9 +201,13 @@ class Checkpointer:
             return out["state"], dict(out["meta"])
         if unreadable:  # nothing restores: a config or code problem, not a torn write
             bad, err = unreadable[0]
+            logging.info("checkpoint step %d could not be restored: %s", bad, err)
             raise CheckpointRestoreError(
                 f"no checkpoint in {self.directory} could be restored (tried steps "
-                f"{[s for s, _ in unreadable]}); step {bad}: {err}"
+                f"{[s for s, _ in unreadable]}; step {bad}: {checkpoint_read.describe(err)}); "
+                "nothing was moved or changed. If they were written by another config or code "
+                "version, use another --workdir (or --overwrite to delete them); the full error "
+                "is in the run's log"
             ) from err
         return None
 
@@ -203,16 +238,15 @@ class Checkpointer:
             if attempt == len(self.read_retry_s):
                 raise CheckpointReadError(
                     f"checkpoint step {step} in {self.directory} could not be read after "
-                    f"{attempt + 1} tries ({type(err).__name__}: {str(err)[:300]}); it looks "
+                    f"{attempt + 1} tries ({checkpoint_read.describe(err, 300)}); it looks "
                     "transient (I/O error or timeout), so it was left in place. Re-run when the "
                     "storage answers again: the run resumes from it."
                 ) from err
             wait = self.read_retry_s[attempt]
             logging.warning(
-                "checkpoint step %d: transient read error (%s: %s); retry %d in %.1f s",
+                "checkpoint step %d: transient read error (%s); retry %d in %.1f s",
                 step,
-                type(err).__name__,
-                str(err)[:200],
+                checkpoint_read.describe(err),
                 attempt + 1,
                 wait,
             )
@@ -221,6 +255,7 @@ class Checkpointer:
 
     def _attempt(self, step: int, abstract, args) -> tuple[Any, BaseException | None]:
         """(restored, None) or (None, error) for `step` on this process."""
+        checkpoint_read.quiet_closed_loop()  # a failed read's others finish after it: no tracebacks
         try:
             return self._restore_step(step, abstract, args), None
         except Exception as e:  # any failure to read: the caller tries the one before
@@ -247,13 +282,11 @@ class Checkpointer:
             src.rename(dst)  # kept, not deleted: a person may want to look at it
 
         distributed.primary_first(move, f"to move checkpoint step {step} aside")
+        logging.info("checkpoint step %d: %s", step, err)  # the full error: the log file only
         logging.warning(
-            "checkpoint step %d in %s is unreadable (%s: %s); moved to %s, resuming from the "
-            "previous one",
+            "checkpoint step %d is unreadable (%s); moved to %s, resuming from the one before it",
             step,
-            self.directory,
-            type(err).__name__,
-            str(err)[:300],
+            checkpoint_read.describe(err),
             dst,
         )
         self._manager.reload()

@@ -3,7 +3,9 @@
 `is_transient` tells a read worth retrying (an I/O error or timeout of the filesystem or bucket)
 from a broken checkpoint (missing or bad metadata, a shape that does not fit); `agreed_outcome`
 makes every process take the same decision for a step. `checkpoint.Checkpointer.restore` retries
-the first and moves the second aside.
+the first and moves the second aside. `describe` is a failed read in a few words (the file and
+what is wrong with it; TensorStore's error also dumps its specs), and `quiet_closed_loop` keeps
+the reads a failure leaves in flight from printing a traceback each when they finish.
 
 Orbax internals relied on (orbax-checkpoint 0.12, pinned in setup.cfg;
 tests/checkpoint_retry_test.py fails if one changes): the name of the barrier that ends
@@ -17,10 +19,12 @@ from __future__ import annotations
 
 import errno
 import re
+import sys
 import traceback
 
 import numpy as np
 import orbax.checkpoint as ocp
+from absl import logging
 
 from mmr_jax import distributed
 
@@ -97,3 +101,45 @@ def in_barrier(err: BaseException) -> bool:
     """Whether `err` came out of a cross-process barrier (a peer died) rather than a read."""
     frames = traceback.extract_tb(err.__traceback__)
     return any(f.name in ORBAX_BARRIER_FUNCTIONS for f in frames)
+
+
+_SPEC = re.compile(r" \[tensorstore_spec(?:\[\d+\])?='[^']*'\]")
+_LOCAL_FILE = re.compile(r'local file "([^"]+)"')
+
+
+def describe(err: BaseException, limit: int = 160) -> str:
+    """A failed read in a few words: 'Requested byte range [0, 1093) is not valid for value of
+    size 546 (file .../state/d/472a...)' for TensorStore's multi-kilobyte error; else the error's
+    type and first line, cut to `limit` characters."""
+    text = _SPEC.sub("", str(err)).strip()
+    files = _LOCAL_FILE.findall(text)
+    if files:
+        return f"{text.rsplit(': ', 1)[-1][:limit]} (file {files[-1]})"
+    first = text.splitlines()[0] if text else ""
+    return f"{type(err).__name__}: {first[:limit]}"
+
+
+_CLOSED_LOOP = "Event loop is closed"
+_installed = False
+
+
+def quiet_closed_loop() -> None:
+    """After a failed read, orbax's event loop closes while TensorStore still completes the other
+    reads of that step; each completion finds the loop closed and Python reports a 'RuntimeError:
+    Event loop is closed' traceback on stderr (`sys.unraisablehook`), dozens of them, some before
+    the failure reaches the caller. Installed before a restore (once per process), this sends
+    those to the log file, one line each; other unraisable errors are reported as before."""
+    global _installed
+    if _installed:
+        return
+    previous = sys.unraisablehook
+
+    def hook(unraisable):
+        e = unraisable.exc_value
+        if isinstance(e, RuntimeError) and str(e) == _CLOSED_LOOP:
+            logging.info("a read of a failed checkpoint restore finished late: %s", e)
+            return
+        previous(unraisable)
+
+    sys.unraisablehook = hook
+    _installed = True

@@ -53,10 +53,11 @@ def load_prompts(cfg: config_types.TrainConfig, tokenizer) -> TrainPrompts:
         shortest = min(
             len(data.build_prompt(tokenizer, p, d.system_prompt)) for p in problems[:100]
         )
-        raise ValueError(
+        raise config_types.ConfigError(
             f"no training problem of {d.source} fits "
             f"batch.max_prompt_len={cfg.batch.max_prompt_len} "
-            f"tokens (with the system prompt; shortest of the first 100: {shortest})"
+            f"tokens (with the system prompt; shortest of the first 100: {shortest}); "
+            f"raise it, e.g. --config.batch.max_prompt_len={shortest}"
         )
     return TrainPrompts(prompts, [p.answer for p in kept], dropped)
 

@@ -1,8 +1,12 @@
 """run.json: the config a run was started with, and the guard that refuses another config's resume.
 
-`prepare_workdir` writes it at a run's start, or compares it with the config of a resumed run
-(keys in `RESUMABLE_KEYS`, and keys the stored run lacks that hold their default, may differ);
-`note_run` adds what the run resolved at start-up beside the config.
+`prepare_workdir` checks, before anything is loaded, that the workdir may take a run of the config
+(keys in `RESUMABLE_KEYS`, and keys the stored run lacks that hold their default, may differ on a
+resume) and writes nothing but the folder; `claim` writes run.json once the run's start-up
+succeeded (the config, and what the run resolved at start-up), so that a start that fails (an
+empty data file, missing weights) claims nothing. A workdir binds its run once it holds a
+checkpoint: a run that saved none has nothing to resume, and a start of another config replaces
+its run.json with a warning.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from absl import logging
 from etils import epath
 
 from mmr_jax.config import config_checks
-from mmr_jax.infra import run_paths
+from mmr_jax.infra import run_paths, user_errors
 from mmr_jax.training import checkpoint
 
 RUN_FILE = "run.json"
@@ -26,7 +30,7 @@ RESUMABLE_KEYS = frozenset({
 })  # fmt: skip
 
 
-class RunMismatchError(ValueError):
+class RunMismatchError(user_errors.UserError, ValueError):
     """The workdir holds a run of another config."""
 
 
@@ -57,11 +61,13 @@ def _differences(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[str]:
 
 
 def prepare_workdir(workdir, config: Mapping[str, Any], *, overwrite: bool = False) -> epath.Path:
-    """Creates `workdir` (a local path or a bucket URL, `run_paths`) or checks that it holds a run
-    of the same `config` (a plain dict).
+    """Creates `workdir` (a local path or a bucket URL, `run_paths`), or checks that it may take a
+    run of `config` (a plain dict); run.json is left as it is (`claim` writes it).
 
-    A workdir holding another config's run is refused with the differing keys listed, unless
-    `overwrite`, which deletes any existing run's checkpoints, metrics and metadata first.
+    A workdir holding a checkpoint of another config's run is refused with the differing keys
+    listed, unless `overwrite`, which deletes any existing run's checkpoints, metrics and metadata
+    first. Another config's run.json without a checkpoint (a start that failed, or a run stopped
+    before its first checkpoint) does not bind the workdir.
     """
     run_paths.check(workdir)
     workdir = run_paths.as_path(workdir)
@@ -71,10 +77,19 @@ def prepare_workdir(workdir, config: Mapping[str, Any], *, overwrite: bool = Fal
         old = json.loads(run_file.read_text())
         diffs = _differences(old.get("config", {}), config)
         if diffs and not overwrite:
-            raise RunMismatchError(
-                f"workdir {workdir} holds a run of another config ({len(diffs)} differences: "
-                + "; ".join(diffs[:10])
-                + "). Use another --workdir, or pass --overwrite to delete that run."
+            steps = checkpoint.saved_steps(workdir)
+            if steps:
+                raise RunMismatchError(
+                    f"workdir {workdir} holds a run of another config, checkpointed at steps "
+                    f"{steps} ({len(diffs)} differences: " + "; ".join(diffs[:10]) + "). Use "
+                    "another --workdir, or pass --overwrite to delete that run."
+                )
+            logging.warning(
+                "workdir %s held a start of another config that saved no checkpoint; this run "
+                "takes its place (%d differences: %s)",
+                workdir,
+                len(diffs),
+                "; ".join(diffs[:3]),
             )
         if overwrite:
             logging.warning("--overwrite: deleting the run in %s", workdir)
@@ -84,9 +99,28 @@ def prepare_workdir(workdir, config: Mapping[str, Any], *, overwrite: bool = Fal
                     path.rmtree()
                 elif path.exists():
                     path.unlink()
-    text = json.dumps({"config": config}, indent=2, sort_keys=True)
     try:
         workdir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        if e.errno not in checkpoint.WRITE_ERRNOS:
+            raise
+        raise checkpoint.write_error(e, workdir, "the workdir") from e
+    return workdir
+
+
+def claim(workdir, config: Mapping[str, Any], **resolved) -> None:
+    """Writes run.json once the run's start-up succeeded: `config` (compared on a resume) and
+    what the run resolved at start-up (e.g. its attention backend, a NamedTuple; None: not
+    resolved; earlier entries kept)."""
+    resolved = {k: _plain(v) for k, v in resolved.items() if v is not None}
+    workdir = run_paths.as_path(workdir)
+    run_file = workdir / RUN_FILE
+    old = json.loads(run_file.read_text()) if run_file.exists() else {}
+    data = {"config": json.loads(json.dumps(config))}
+    if old.get("resolved") or resolved:
+        data["resolved"] = {**old.get("resolved", {}), **resolved}
+    text = json.dumps(data, indent=2, sort_keys=True)
+    try:
         if run_paths.is_remote(workdir):  # an object is written whole: no temporary needed
             run_file.write_text(text)
         else:
@@ -98,16 +132,10 @@ def prepare_workdir(workdir, config: Mapping[str, Any], *, overwrite: bool = Fal
             raise
         kept = "Nothing in it was changed. "
         raise checkpoint.write_error(e, workdir, "the run metadata", kept=kept) from e
-    return workdir
 
 
-def note_run(workdir, **resolved) -> None:
-    """Adds what the run resolved at start-up (e.g. its attention backend) to run.json, beside
-    the config (which alone is compared on a resume)."""
-    run_file = run_paths.as_path(workdir) / RUN_FILE
-    data = json.loads(run_file.read_text())
-    data["resolved"] = {**data.get("resolved", {}), **resolved}
-    run_file.write_text(json.dumps(data, indent=2, sort_keys=True))
+def _plain(value: Any) -> Any:
+    return value._asdict() if hasattr(value, "_asdict") else value  # a NamedTuple: its fields
 
 
 def read_run_config(workdir) -> dict:

@@ -97,8 +97,6 @@ def setup(cfg: config_types.TrainConfig, workdir, *, overwrite: bool = False) ->
         resume_step = int(meta["step"])
         lengths_state = meta.get("packed_lengths")  # absent in checkpoints before shape_reuse
     _header(cfg, workdir, resume_step, policy.attention)
-    if policy.attention is not None and jax.process_index() == 0:
-        run_guard.note_run(workdir, attention_impl=policy.attention._asdict())
     if resume_step is not None and cfg.checkpoint.export_hf:
         run_export.export_if_missing(cfg, policy, state, workdir, resume_step)
     # A vLLM server's sync folder and log stay local: a bucket workdir's staging folder.
@@ -135,6 +133,8 @@ def setup(cfg: config_types.TrainConfig, workdir, *, overwrite: bool = False) ->
         if distributed.is_primary()
         else metrics.NullWriter()
     )
+    if jax.process_index() == 0:  # started: the workdir is this run's (a failed start claims none)
+        run_guard.claim(workdir, cfg.to_dict(), attention_impl=policy.attention)
     return Run(
         cfg,
         workdir,
