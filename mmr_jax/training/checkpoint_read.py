@@ -120,19 +120,17 @@ def describe(err: BaseException, limit: int = 160) -> str:
 
 
 _CLOSED_LOOP = "Event loop is closed"
-_installed = False
 
 
 def quiet_closed_loop() -> None:
     """After a failed read, orbax's event loop closes while TensorStore still completes the other
     reads of that step; each completion finds the loop closed and Python reports a 'RuntimeError:
     Event loop is closed' traceback on stderr (`sys.unraisablehook`), dozens of them, some before
-    the failure reaches the caller. Installed before a restore (once per process), this sends
-    those to the log file, one line each; other unraisable errors are reported as before."""
-    global _installed
-    if _installed:
-        return
+    the failure reaches the caller. Installed before a restore (once), this sends those to the log
+    file, one line each; other unraisable errors are reported as before."""
     previous = sys.unraisablehook
+    if getattr(previous, "quiets_closed_loop", False):
+        return
 
     def hook(unraisable):
         e = unraisable.exc_value
@@ -141,5 +139,5 @@ def quiet_closed_loop() -> None:
             return
         previous(unraisable)
 
+    hook.quiets_closed_loop = True
     sys.unraisablehook = hook
-    _installed = True
