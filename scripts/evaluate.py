@@ -89,7 +89,7 @@ def evaluate_checkpoint(config, checkpoint: str, problems, grader) -> evaluation
 
 def _check_inputs(config) -> None:
     if config.checkpoint and not run_paths.is_remote(config.checkpoint):
-        hub.check_checkpoint(config.checkpoint, "--config.checkpoint")
+        hub.resolve_checkpoint(config.checkpoint, "--config.checkpoint")  # a hub id: fetched
     if config.run_dir and not run_paths.is_remote(config.run_dir):
         if not os.path.isdir(config.run_dir):
             raise user_errors.UserError(

@@ -195,6 +195,7 @@ class TestEndToEnd:
 
         root = pathlib.Path(__file__).resolve().parents[1]
         missing = tmp_path / "data" / "eval"
+        (tmp_path / "ckpt").mkdir()  # a folder: the checkpoint is checked first
         cmd = [
             sys.executable, str(root / "scripts" / "evaluate.py"),
             f"--config={root / 'configs' / 'eval.py'}", f"--config.data_dir={missing}",

@@ -21,17 +21,6 @@ def _is_repo_id(text: str) -> bool:
     return text.count("/") == 1 and not text.startswith((".", "/", "~"))
 
 
-def check_checkpoint(path_or_repo_id: str | os.PathLike, what: str = "checkpoint") -> None:
-    """Raises `CheckpointNotFoundError` (naming `what`, e.g. the flag) when `path_or_repo_id` is
-    not a local folder and cannot be a hub id; a hub id is not fetched here."""
-    text = os.fspath(path_or_repo_id)
-    path = pathlib.Path(text).expanduser()
-    if path.is_dir() or (_is_repo_id(text) and not path.exists()):
-        return
-    reason = "is a file, not a folder" if path.exists() else "does not exist"
-    raise CheckpointNotFoundError(f"{what} {text!r} {reason}; give {EXPECTED} ('org/name')")
-
-
 def resolve_checkpoint(
     path_or_repo_id: str | os.PathLike, what: str = "checkpoint"
 ) -> pathlib.Path:
@@ -45,8 +34,10 @@ def resolve_checkpoint(
     path = pathlib.Path(path_or_repo_id).expanduser()
     if path.is_dir():
         return path
-    check_checkpoint(path_or_repo_id, what)
     text = os.fspath(path_or_repo_id)
+    if path.exists() or not _is_repo_id(text):
+        reason = "is a file, not a folder" if path.exists() else "does not exist"
+        raise CheckpointNotFoundError(f"{what} {text!r} {reason}; give {EXPECTED} ('org/name')")
     import huggingface_hub
 
     try:

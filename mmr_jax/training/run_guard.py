@@ -121,6 +121,7 @@ def claim(workdir, config: Mapping[str, Any], **resolved) -> None:
         data["resolved"] = {**old.get("resolved", {}), **resolved}
     text = json.dumps(data, indent=2, sort_keys=True)
     try:
+        workdir.mkdir(parents=True, exist_ok=True)
         if run_paths.is_remote(workdir):  # an object is written whole: no temporary needed
             run_file.write_text(text)
         else:
