@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mmr_jax.training import checkpoint, run_guard
+from mmr_jax.training import checkpoint, checkpoint_read, run_guard
 
 from support import checkpoint_trees as trees
 
@@ -147,3 +147,24 @@ class TestWorkdir:
         run_guard.prepare_workdir(tmp_path, {"a": 2}, overwrite=True)
         assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "metrics.jsonl").exists()
         assert not (tmp_path / run_guard.RUN_FILE).exists()  # the new run writes it once started
+
+
+class TestDescribe:
+    def test_tensorstore_error_is_its_reason_and_file(self):
+        spec = '{"driver":"zarr","kvstore":{"path":"/r/checkpoints/2/state/"}}'
+        err = ValueError(
+            'OUT_OF_RANGE: Error opening "cast" driver: Error reading "step/.zarray" in OCDBT '
+            'database at local file "/r/checkpoints/2/state/": Error reading Byte range [0, 1093) '
+            'of local file "/r/checkpoints/2/state/d/472a": Requested byte range [0, 1093) is not '
+            f"valid for value of size 546 [tensorstore_spec[1]='{spec}'] "
+            f"[tensorstore_spec='{spec}']"
+        )
+        assert checkpoint_read.describe(err) == (
+            "Requested byte range [0, 1093) is not valid for value of size 546 "
+            "(file /r/checkpoints/2/state/d/472a)"
+        )
+
+    def test_other_errors_are_their_type_and_first_line(self):
+        err = FileNotFoundError("no such file: meta/metadata\nmore")
+        assert checkpoint_read.describe(err) == "FileNotFoundError: no such file: meta/metadata"
+        assert checkpoint_read.describe(OSError("x" * 500), limit=10) == "OSError: " + "x" * 10
