@@ -187,14 +187,6 @@ def main(argv):
     log_name = "evaluate.log" if primary else f"evaluate.process{jax.process_index()}.log"
     log_file = console.setup(os.path.join(out_dir, log_name), stdout=primary)
     logging.info("XLA compilation cache: %s", compile_cache.enable())
-    console.info(
-        "evaluate %s | %s | n=%d | engine %s | log %s",
-        config.checkpoint or config.run_dir,
-        ",".join(config.benchmarks),
-        config.n,
-        config.engine,
-        log_file,
-    )
     train_cfg, local_run = None, None
     if config.run_dir:
         local_run = run_paths.shadow_steps(config.run_dir)  # a bucket's exports: step by step
@@ -206,6 +198,14 @@ def main(argv):
         problems, settings = eval_settings(config, train_cfg)
     except data.DataNotFoundError as e:  # one line saying what is missing and how to get it
         sys.exit(f"evaluate: {e}")
+    console.info(
+        "evaluate %s | %s | n=%d | engine %s | log %s",
+        config.checkpoint or config.run_dir,
+        ",".join(f"{name} ({len(p)})" for name, p in problems.items()),
+        settings["n"],
+        config.engine,
+        log_file,
+    )
     grader = grading.Grader(workers=config.grader_workers, timeout_s=config.grader_timeout_s)
     meta = dict(config=config.to_dict())
     try:
