@@ -31,11 +31,13 @@ TRL_PHASES = ("transformers.generate", "_calculate_rewards", "_prepare_inputs", 
 
 
 def overrides(steps: int, mmr: bool, model_path: str | None = None) -> dict:
-    """Config keys both sides change from the config file: length, no checkpoints, MMR on/off."""
+    """Config keys both sides change from the config file: length, no checkpoints or evaluation,
+    MMR on/off."""
     model = {"model.path": model_path} if model_path else {}
     return model | {
         "total_steps": steps,
         "checkpoint.every": 0,
+        "eval.every": 0,  # the CPU default evaluates before and after (issue 55): not timed here
         "logging.every": 1,
         "logging.tensorboard": False,
         "logging.samples": 0,
@@ -48,9 +50,12 @@ def _problems(cfg: config_types.TrainConfig) -> list[data.Problem]:
     # `step_batches` checks that they render to exactly those ids.
     d = cfg.data
     if d.source == run_data.ARITHMETIC:
-        return data.arithmetic_problems(
+        problems = data.arithmetic_problems(
             2_000, cfg.seed, max_operand=d.arithmetic_max_operand, ops=d.arithmetic_ops
         )
+        if cfg.eval.source == run_data.ARITHMETIC:  # as the trainer: the held-out set removed
+            problems, _ = data.without(problems, run_data.eval_problems(cfg)["heldout"])
+        return problems
     return data.load_problems(
         d.source, split=d.split, problem_field=d.problem_field, answer_field=d.answer_field
     )

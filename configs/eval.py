@@ -1,10 +1,15 @@
 """Evaluation: pass@k on the five benchmarks (MMR-GRPO protocol: n=16, T=0.6, top-p 0.95).
 
     python scripts/evaluate.py --config=configs/eval.py --config.checkpoint=runs/x/step_150
-    python scripts/evaluate.py --config=configs/eval.py --config.run_dir=runs/x   # every step_N
+    python scripts/evaluate.py --config=configs/eval.py --config.run_dir=runs/x   # every step
+    python scripts/evaluate.py --config=configs/eval.py:run --config.run_dir=runs/cpu_smollm2
     python scripts/evaluate.py --config=configs/eval.py:smoke \\
         --config.checkpoint=checkpoints/smollm2-135m-instruct
 
+A run's checkpoints: its step_N HF exports when it wrote them, else its Orbax checkpoints (each
+exported to a temporary folder with the run's own config, run.json).
+`:run` evaluates on the run's own evaluation problems and settings (the `eval` block of its
+config: the CPU default's held-out arithmetic) and adds its initial weights as step 0.
 `:smoke` keeps 2 problems per benchmark, 4 samples and 64 new tokens (a CPU minute).
 """
 
@@ -30,7 +35,12 @@ EVAL_SYSTEM_PROMPT = (
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.checkpoint = ""  # HF checkpoint folder to evaluate (exclusive with run_dir)
-    c.run_dir = ""  # run folder: evaluate every step_N/ HF export, report the peak, plot pass@1
+    c.run_dir = ""  # run folder: evaluate each checkpoint (step_N/ exports, else Orbax), the peak
+    c.step = 0  # with run_dir: only this step's checkpoint (0 = every one)
+    c.with_base = False  # with run_dir: also the run's initial weights (model.path), as step 0
+    # 'benchmarks' (the files below, with the sampling below) | 'run' (the run's own eval block:
+    # problems, n, temperature, top_p, tokens, system prompt, number_only; needs run_dir)
+    c.source = "benchmarks"
     c.output_dir = ""  # where JSON / PNG go ('' = the checkpoint or run folder, under eval/)
     c.data_dir = os.path.join(_SHARED, "eval")  # folder of <benchmark>.jsonl
     c.benchmarks = BENCHMARKS  # benchmark names (files in data_dir)
@@ -52,8 +62,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.grader_workers = 2  # math-verify worker processes (0 = in-process)
     c.grader_timeout_s = 5  # math-verify timeout per parse / comparison (seconds)
     c.keep_completions = False  # store completion texts in the JSON records
-    if arg == "smoke":
+    if arg == "run":
+        c.source, c.with_base = "run", True
+    elif arg == "smoke":
         c.max_problems, c.n, c.ks, c.max_new_tokens = 2, 4, (1, 2, 4), 64
     elif arg:
-        raise ValueError(f"unknown config argument {arg!r}; expected 'smoke'")
+        raise ValueError(f"unknown config argument {arg!r}; expected 'run' or 'smoke'")
     return c

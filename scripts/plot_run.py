@@ -85,6 +85,14 @@ def _ema(values: list[float], alpha: float) -> list[float]:
     return out
 
 
+def _step_axis(ax) -> None:
+    """Steps are whole numbers: ticks only at integers (a 4-step run otherwise shows 1.5, 2.5)."""
+    from matplotlib import ticker
+
+    ax.set_xlabel("step")
+    ax.xaxis.set_major_locator(ticker.MaxNLocator(integer=True))
+
+
 def plot(run_paths, out, *, metrics=(), labels=(), smooth: float = 0.0) -> list[str]:
     """Draws the runs' curves into `out` (PNG); returns the metric names drawn."""
     import matplotlib
@@ -117,7 +125,7 @@ def plot(run_paths, out, *, metrics=(), labels=(), smooth: float = 0.0) -> list[
             else:
                 ax.plot(xs, ys, color=color, label=label, marker="." if len(xs) < 40 else None)
         ax.set_title(name, fontsize=10)
-        ax.set_xlabel("step")
+        _step_axis(ax)
         ax.grid(alpha=0.3)
     for ax in list(axes.flat)[len(names) :]:
         ax.axis("off")
@@ -164,7 +172,7 @@ def plot_bands(run_paths, labels, out, *, metrics=("eval/average/pass@1",)) -> l
             ax.plot(steps, mean, color=f"C{i}", marker=".", label=f"{label} (n={len(runs)})")
             ax.fill_between(steps, lo, hi, color=f"C{i}", alpha=0.2, linewidth=0)
         ax.set_title(f"{name}: mean, band min-max", fontsize=10)
-        ax.set_xlabel("step")
+        _step_axis(ax)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()

@@ -72,15 +72,16 @@ class TestTrainConsole:
             return res.stdout.splitlines(), res.stderr.splitlines()
 
         out, err = train(2)
-        # One header, one line per step, one per checkpoint and evaluation: nothing else.
-        assert len(out) == 6, out
+        # A header and its method line, one line per step, one per checkpoint and evaluation.
+        assert len(out) == 7, out
         header = out[0]
+        assert "method: reweighting MMR (group scope" in out[1], out[1]
         for part in ("grpo:smoke", f"model {tiny_llama_dir}", "1 cpu device(s)", f"workdir {run}"):
             assert part in header, header
         assert header.endswith("new run")
         steps = [line for line in out if re.search(r" step \d/2 \| reward [-\d.e]+ \|", line)]
         assert len(steps) == 2 and all(
-            "lambda" in s and "s/step" in s and "ETA" in s for s in steps
+            "lambda" in s and "took" in s and "s/step avg" in s and "ETA" in s for s in steps
         )
         assert sum(
             f"checkpoint step {s} -> {run}/checkpoints/{s}" in x for x in out for s in (1, 2)
@@ -93,7 +94,7 @@ class TestTrainConsole:
         assert all(line.split(" ", 1)[1] in log for line in out)  # the console lines too
 
         out, err = train(3, "--verbosity=0")
-        # Header, step 3, its evaluation (the last step's) and checkpoint.
-        assert out[0].endswith("resuming from step 2") and len(out) == 4, out
+        # Header, method line, step 3, its evaluation (the last step's) and checkpoint.
+        assert out[0].endswith("resuming from step 2") and len(out) == 5, out
         assert any(ABSL_INFO.match(x) and "checkpoint_manager.py" in x for x in err), err[:20]
         assert not any("step 3/3 |" in x for x in err)  # not twice on the console

@@ -127,7 +127,8 @@ class TestEvaluate:
         (run / "step_40").mkdir()  # no config.json: not an export
         correct_by_step = {"step_10": 1, "step_20": 3, "step_30": 3}
 
-        def evaluate_checkpoint(path):
+        def evaluate_checkpoint(step, path):
+            assert path.endswith(f"step_{step}")
             c = correct_by_step[path.rsplit("/", 1)[-1]]
             script = {q: ["\\boxed{2}"] * c + ["\\boxed{0}"] * (4 - c) for q in SCRIPT}
             problems = {"b": [data.Problem("p", "What is 1+1?", "2")]}
@@ -136,7 +137,8 @@ class TestEvaluate:
                 engine, tokenizer, problems, n=4, max_new_tokens=8, grader=grader
             )
 
-        results, peak = evaluation.evaluate_run(run, evaluate_checkpoint)
+        found = evaluation.find_checkpoints(run)
+        results, peak = evaluation.evaluate_run(found, evaluate_checkpoint)
         assert [s for s, _ in results] == [10, 20, 30] and peak == 20  # ties: earliest step
         evaluation.plot_curve(results, tmp_path / "curve.png")
         assert (tmp_path / "curve.png").stat().st_size > 1000

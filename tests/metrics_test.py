@@ -53,8 +53,10 @@ class TestProgress:
         p = metrics.Progress(total=10, start_step=2)
         assert "ETA ?" in p.line(2, {})
         p._t0 -= 20.0  # 20 s for 2 steps -> 10 s/step, 6 steps left
-        line = p.line(4, {"reward/mean": 0.25, "loss": -0.1})
+        line = p.line(4, {"reward/mean": 0.25, "loss": -0.1, "time/step": 4.25})
         assert "step 4/10" in line and "reward 0.25" in line and "ETA 1m00s" in line
+        # the step's own time and the wall time per step since the start, each named
+        assert "took 4.2s" in line and "10.0s/step avg" in line
 
     @pytest.mark.parametrize("s,text", [(5, "5s"), (65, "1m05s"), (3725, "1h02m05s")])
     def test_format_duration(self, s, text):

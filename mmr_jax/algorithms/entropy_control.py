@@ -1,6 +1,7 @@
 """Adaptive entropy coefficient: a bang-bang controller that holds the policy's entropy near a
-target (Skywork-OR1 "adaptive entropy control", He et al. 2025, section 3.2; TRL's adaptive
-entropy and verl's entropy_coeff schedule are the same idea).
+target (Skywork-OR1 "adaptive entropy control", He et al. 2025, section 3.2). TRL's adaptive
+entropy differs: it applies the coefficient only while the entropy is at or below the target,
+and raises it at equality (docs/algorithms.md, "Entropy bonus, fixed or adaptive").
 
 After each step k with mean token entropy H_k, with step size delta and bounds [lo, hi]:
 

@@ -51,8 +51,9 @@ Entropy (`entropy_BxT`, the policy's per-token entropy, with its gradient): `ent
 subtracts coef * H_t from every loss token, aggregated like l_t (verl `entropy_coeff`), and
 `top_entropy_quantile` = rho < 1 keeps the policy-gradient term only on the tokens whose entropy
 is at least the (1 - rho)-quantile of this call's valid tokens (`high_entropy_mask`; Wang et al.
-2025, "Beyond the 80/20 Rule"; TRL `top_entropy_quantile`). The KL and entropy terms stay on every
-token, and the normaliser is unchanged, as in TRL.
+2025, "Beyond the 80/20 Rule"; TRL `top_entropy_quantile`). The normaliser is unchanged and the
+KL term stays on every token, as in TRL; the entropy bonus stays on every token too (as verl),
+where TRL's acts only on the kept tokens and is always a token mean (docs/algorithms.md).
 
 The rollout/trainer mismatch (the engine's log-probs against the trainer's) is measured and
 corrected in `mismatch`; its importance weights enter `policy_loss` as `is_weights_BxT`.

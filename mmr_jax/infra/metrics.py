@@ -146,7 +146,8 @@ PROGRESS_KEYS = (
 
 
 class Progress:
-    """The console's line per step, with the step's time and an ETA from this process's steps.
+    """The console's line per step: its metrics, the step's own time ('took', `time/step`), the
+    wall time per step since this process started ('s/step avg') and the ETA from it.
 
     Args:
       total: last step of the run.
@@ -164,7 +165,15 @@ class Progress:
         eta = elapsed / done * (self.total - step) if done > 0 else float("nan")
         parts = [f"step {step}/{self.total}"]
         parts += [f"{label} {metrics[k]:.4g}" for label, k in self.keys if k in metrics]
-        per_step = metrics.get("time/step", elapsed / done if done > 0 else float("nan"))
+        # The step's own time (rollout to update, `time/step`) and the wall time per step since
+        # this process started (what the ETA uses). They differ: a line is printed while the
+        # next step runs, and evaluations and checkpoints fall between steps.
+        took = metrics.get("time/step", float("nan"))
+        average = elapsed / done if done > 0 else float("nan")
         eta_text = format_duration(eta) if math.isfinite(eta) else "?"
-        parts += [f"{per_step:.1f}s/step" if math.isfinite(per_step) else "", f"ETA {eta_text}"]
+        parts += [
+            f"took {took:.1f}s" if math.isfinite(took) else "",
+            f"{average:.1f}s/step avg" if math.isfinite(average) else "",
+            f"ETA {eta_text}",
+        ]
         return " | ".join(p for p in parts if p)

@@ -14,6 +14,7 @@ import json
 import os
 import re
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -280,16 +281,15 @@ def find_checkpoints(run_dir: str | os.PathLike) -> list[tuple[int, str]]:
 
 
 def evaluate_run(
-    run_dir: str | os.PathLike,
-    evaluate_checkpoint: Callable[[str], EvalResult],
+    checkpoints: Sequence[tuple[int, Any]],
+    evaluate_checkpoint: Callable[[int, Any], EvalResult],
 ) -> tuple[list[tuple[int, EvalResult]], int]:
-    """Evaluates every saved checkpoint; returns ([(step, result)], peak step by average pass@1).
-
-    Ties go to the earliest step (the paper's "steps to peak").
-    """
-    results = [(step, evaluate_checkpoint(path)) for step, path in find_checkpoints(run_dir)]
+    """Evaluates each (step, checkpoint) of a run (`find_checkpoints`, or any source the callable
+    reads: scripts/evaluate.py also passes Orbax steps); returns ([(step, result)], peak step by
+    average pass@1). Ties go to the earliest step (the paper's "steps to peak")."""
+    results = [(step, evaluate_checkpoint(step, source)) for step, source in checkpoints]
     if not results:
-        raise FileNotFoundError(f"no step_N checkpoint folders with config.json in {run_dir}")
+        raise FileNotFoundError("no checkpoint to evaluate")
     peak = max(results, key=lambda sr: (sr[1].average["pass@1"], -sr[0]))[0]
     return results, peak
 

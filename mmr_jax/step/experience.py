@@ -40,10 +40,21 @@ class Groups:
     total: np.ndarray  # float32 [B, G] weighted reward
     valid: np.ndarray  # bool [B, G] gold answer parseable
     embeddings: np.ndarray | None = None  # float32 [B, G, D]
+    filler: np.ndarray | None = (
+        None  # bool [B] DAPO's copies that fill a step (no loss); None: none
+    )
 
     @property
     def num_groups(self) -> int:
         return len(self.prompt_ids)
+
+    @property
+    def trained(self) -> np.ndarray:
+        """bool [B, G] completions that enter the advantages and the loss: a parseable gold
+        answer, in a group that is not a filler copy."""
+        if self.filler is None:
+            return self.valid
+        return self.valid & ~self.filler[:, None]
 
     def take(self, idx: Sequence[int]) -> Groups:
         """The groups at `idx` (in that order)."""
@@ -61,6 +72,7 @@ class Groups:
             total=self.total[idx],
             valid=self.valid[idx],
             embeddings=pick(self.embeddings),
+            filler=pick(self.filler),
         )
 
 
@@ -88,6 +100,13 @@ def concat(groups: Sequence[Groups]) -> Groups:
         total=cat([g.total for g in groups]),
         valid=cat([g.valid for g in groups]),
         embeddings=None if any(e is None for e in embs) else cat(embs),
+        filler=(
+            None
+            if all(g.filler is None for g in groups)
+            else cat(
+                [np.zeros(g.num_groups, bool) if g.filler is None else g.filler for g in groups]
+            )
+        ),
     )
 
 
@@ -303,8 +322,13 @@ def compute_advantages(total_BxG, embeddings_BxGxD, valid_BxG, opts: AdvantageOp
 
 
 def group_metrics(groups: Groups, reweighted, adv, lam, *, filter_reward: str | None) -> dict:
-    """Reward, reweighting, group and length statistics of the step's batch."""
-    valid = groups.valid
+    """Reward, reweighting, group and length statistics of the step's batch.
+
+    Rewards are those of the completions that train (`groups.trained`); when every group is a
+    filler copy (DAPO gave up without one group of reward variance) those of the sampled copies,
+    so a step without signal still shows what was sampled. `groups/invalid_gold_frac` counts only
+    gold answers that do not parse."""
+    valid = groups.trained if groups.trained.any() else groups.valid
     out = {
         "reward/mean": groups.total[valid].mean() if valid.any() else 0.0,
         "reward/std": groups.total[valid].std() if valid.any() else 0.0,
@@ -334,7 +358,9 @@ def group_metrics(groups: Groups, reweighted, adv, lam, *, filter_reward: str | 
         out["groups/filter_zero_variance_frac"] = float(
             1 - has_variance(groups, filter_reward).mean()
         )
-    out["groups/invalid_gold_frac"] = float(1 - valid.mean())
+    out["groups/invalid_gold_frac"] = float(1 - groups.valid.mean())
+    if groups.filler is not None:
+        out["dynamic_sampling/filler_frac"] = float(groups.filler.mean())
     lengths = groups.mask.sum(-1)
     out["completion/length_mean"] = float(lengths.mean())
     out["completion/length_max"] = float(lengths.max())

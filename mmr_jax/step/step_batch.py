@@ -122,7 +122,7 @@ def collect(
         fill = source.take(
             [i % source.num_groups for i in range(cfg.batch.prompts - groups.num_groups)]
         )
-        fill.valid = np.zeros_like(fill.valid)
+        fill.filler = np.ones(fill.num_groups, bool)  # out of the loss; their gold stays valid
         groups = experience.concat([groups, fill])
     groups = groups.take(range(cfg.batch.prompts))
     info = {
@@ -159,12 +159,13 @@ def host_arrays(cfg: config_types.TrainConfig, groups: experience.Groups, adv, p
 
 
 def loss_rows(cfg: config_types.TrainConfig, groups: experience.Groups) -> np.ndarray:
-    """bool [B, G] the completions whose tokens enter the loss: valid ones, less the truncated
+    """bool [B, G] the completions whose tokens enter the loss: valid ones outside DAPO's filler
+    groups (`Groups.trained`), less the truncated
     (finish reason 'length') under `loss.mask_truncated_completions`. The advantages are computed
     before, over every valid completion, so truncated ones still count in their group's stats."""
     if cfg.loss.mask_truncated_completions:
-        return groups.valid & ~groups.truncated
-    return groups.valid
+        return groups.trained & ~groups.truncated
+    return groups.trained
 
 
 def needs_old_logps(cfg: config_types.TrainConfig) -> bool:
@@ -198,7 +199,7 @@ def _advantages(cfg: config_types.TrainConfig, groups: experience.Groups):
         eps=cfg.advantage.eps,
         uniform_group_guard=cfg.mmr.uniform_group_guard,
     )
-    return experience.compute_advantages(groups.total, groups.embeddings, groups.valid, opts)
+    return experience.compute_advantages(groups.total, groups.embeddings, groups.trained, opts)
 
 
 def make_batch(

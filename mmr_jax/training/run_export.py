@@ -7,12 +7,15 @@
 redoes the one a run killed after its checkpoint never finished, and `export_hf` writes a
 checkpoint of a workdir after the run (scripts/train.py --export_hf). `export_model` is the
 folder's writing itself: local or a bucket, never leaving a half-written `step_N`.
+`run_config` and `checkpoint_steps` let scripts/evaluate.py export a run's Orbax checkpoints
+itself (with the config the run was trained with, from its run.json).
 """
 
 from __future__ import annotations
 
 import os
 import pathlib
+import re
 import tempfile
 
 import jax
@@ -20,9 +23,9 @@ from absl import logging
 from etils import epath
 
 from mmr_jax import distributed
-from mmr_jax.config import config_types
+from mmr_jax.config import config_checks, config_types
 from mmr_jax.infra import console, faults, run_paths
-from mmr_jax.training import build, checkpoint
+from mmr_jax.training import build, checkpoint, run_guard
 
 
 def export(cfg: config_types.TrainConfig, model, out_dir, step: int | None = None) -> None:
@@ -69,6 +72,27 @@ def export_hf(cfg: config_types.TrainConfig, workdir, out_dir, *, step: int | No
         raise FileNotFoundError(f"no checkpoint in {workdir}")
     export(cfg, policy.model(restored[0]["params"]), out_dir)
     return os.fspath(out_dir)
+
+
+def run_config(workdir) -> config_types.TrainConfig:
+    """The config `workdir`'s run was trained with (its run.json): what restores its checkpoints."""
+    if not (run_paths.as_path(workdir) / run_guard.RUN_FILE).exists():
+        raise FileNotFoundError(
+            f"{workdir} is not a training run (no {run_guard.RUN_FILE}); "
+            "pass the workdir of scripts/train.py"
+        )
+    return config_checks.from_config_dict(run_guard.read_run_config(workdir))
+
+
+def checkpoint_steps(workdir) -> list[int]:
+    """The steps of `workdir`'s complete Orbax checkpoints (`<workdir>/checkpoints/<N>`), sorted.
+
+    Orbax writes a step under a temporary name and renames it when complete; a checkpoint moved
+    aside as unreadable is `<N>.unreadable`. Neither is a bare number."""
+    folder = run_paths.as_path(workdir) / checkpoint.CKPT_DIR
+    if not folder.exists():
+        return []
+    return sorted(int(p.name) for p in folder.iterdir() if re.fullmatch(r"\d+", p.name))
 
 
 def export_model(

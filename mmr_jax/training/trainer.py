@@ -179,6 +179,8 @@ def _make_engine(cfg: config_types.TrainConfig, policy, tokenizer, workdir, mesh
 
 
 def _header(cfg: config_types.TrainConfig, workdir: str, resume_step, attention) -> None:
+    from mmr_jax.training import run_header
+
     devices = jax.devices()
     console.info(
         "%s | %s | attention %s | %d process(es), %d %s device(s) | workdir %s | %s",
@@ -191,6 +193,7 @@ def _header(cfg: config_types.TrainConfig, workdir: str, resume_step, attention)
         workdir,
         f"resuming from step {resume_step}" if resume_step is not None else "new run",
     )
+    console.info("method: %s", run_header.method_line(cfg))
     if distributed.is_primary():
         for line in config_checks.advisories(cfg):
             logging.warning("config: %s", line)
@@ -293,7 +296,9 @@ def train(cfg: config_types.TrainConfig, workdir, *, overwrite: bool = False) ->
     pending, last_saved, host = None, start or None, {}
     try:
         if start == 0 and cfg.eval.at_start and cfg.eval.every > 0:  # the base model's accuracy
-            run.writer.write(0, evaluate(run, 0))
+            run.writer.write(0, scores := evaluate(run, 0))
+            _log_eval(0, scores)
+            progress = metrics.Progress(cfg.total_steps, start)  # the ETA counts steps only
         compile_stats.CLOCK.start().lap()  # from here, each step's compilation
         for step in range(start + 1, cfg.total_steps + 1):
             t_step, timings = time.perf_counter(), {}

@@ -289,9 +289,9 @@ def smoke_config(
     module, ckpt, *, steps: int = 2, mmr: bool = False, lora: bool = False, **overrides
 ):
     """`module.get_config('smoke')` (a variant's config module) for `steps` steps on the tiny
-    checkpoint `ckpt`: arithmetic problems, no system prompt, short rows, a reward a tiny random
-    model gets varied values of (`test_target`, registered by the tests that use it), a
-    checkpoint every step; then the dotted `overrides`. -> the ConfigDict."""
+    checkpoint `ckpt`: arithmetic problems, no system prompt, the hashing encoder, short rows, a
+    reward a tiny random model gets varied values of (`test_target`, registered by the tests
+    that use it), a checkpoint every step; then the dotted `overrides`. -> the ConfigDict."""
     from mmr_jax.config import config_overrides
     from mmr_jax.training import run_data
 
@@ -302,6 +302,7 @@ def smoke_config(
     c.mmr.enabled = mmr
     c.data.source = run_data.ARITHMETIC
     c.data.system_prompt = ""
+    c.mmr.embedding_model = "hashing"  # no encoder to load (`:smoke` keeps the CPU default's)
     c.batch.max_prompt_len = 32
     c.batch.max_completion_len = 16
     c.optim.lr = 1e-3
