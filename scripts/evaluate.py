@@ -45,7 +45,7 @@ from mmr_jax import distributed
 from mmr_jax.config import config_overrides
 from mmr_jax.infra import compile_cache, console, run_paths, user_errors
 from mmr_jax.models import hub, sharding
-from mmr_jax.problems import data, evaluation
+from mmr_jax.problems import evaluation
 from mmr_jax.rewards import grading
 from mmr_jax.training import run_data, run_export
 
