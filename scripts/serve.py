@@ -1,9 +1,11 @@
 """OpenAI-compatible server (vLLM's routes and shapes) over the embedded JAX sampler.
 
     python scripts/serve.py --model=checkpoints/smollm2-135m-instruct --port=8000
-    curl localhost:8000/v1/completions -d '{"model": "checkpoints/smollm2-135m-instruct",
+    curl localhost:8000/v1/completions -H 'Content-Type: application/json' \
+         -d '{"model": "checkpoints/smollm2-135m-instruct",
          "prompt": "What is 2 + 3?", "max_tokens": 32, "temperature": 0}'
-    curl -N localhost:8000/v1/chat/completions -d '{"model": "checkpoints/smollm2-135m-instruct",
+    curl -N localhost:8000/v1/chat/completions -H 'Content-Type: application/json' \
+         -d '{"model": "checkpoints/smollm2-135m-instruct",
          "messages": [{"role": "user", "content": "What is 2 + 3?"}], "stream": true}'
 
 Serves one checkpoint on a CPU or TPU host to the official `openai` client (models.list,
@@ -21,6 +23,7 @@ Request and library logs go to --log_file; the console shows the address and war
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import tempfile
 
@@ -111,12 +114,17 @@ def main(argv):
     )
     print(f"serving {backend.model_name!r} at {srv.url}", flush=True)  # clients parse this line
     print(f"logs: {log_file}", flush=True)
+    signal.signal(signal.SIGTERM, _stop)  # a clean stop (exit 0), as Ctrl-C
     try:
         srv.serve_forever()
     except KeyboardInterrupt:
         pass
     finally:
         srv.shutdown()
+
+
+def _stop(signum, frame):
+    raise KeyboardInterrupt
 
 
 if __name__ == "__main__":

@@ -21,7 +21,6 @@ MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat (and vLLM's default max_logprob
 MAX_STOPS = 4  # OpenAI's limit on stop strings
 
 _UNSUPPORTED = {
-    "echo": "echo",
     "use_beam_search": "beam search",
     "suffix": "suffix",
     "prompt_embeds": "prompt_embeds",
@@ -34,7 +33,6 @@ _CHAT_UNSUPPORTED = {
     "prediction": "predicted outputs",
     "echo": "echo",
     "use_beam_search": "beam search",
-    "continue_final_message": "continue_final_message",
 }
 
 # Sampling controls the embedded sampler does not apply: accepted only at their neutral value.
@@ -51,7 +49,6 @@ _CHAT_NEUTRAL = {
     "tool_choice": (None, "none"),
     "response_format": (None, {"type": "text"}),
     "modalities": (None, ["text"]),
-    "add_generation_prompt": (None, True),
     "parallel_tool_calls": (None, True, False),  # only means something with tools
 }
 # Keys both routes take (handled below); keys with no effect on the output are in _NO_EFFECT.
@@ -61,8 +58,17 @@ _COMMON = {
     "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",
 }  # fmt: skip
 _NO_EFFECT = {"user", "metadata", "store", "request_id", "service_tier", "priority"}
-_COMPLETION = {"prompt", "return_token_ids", "return_tokens_as_token_ids", "add_special_tokens"}
-_CHAT = {"messages", "max_completion_tokens", "top_logprobs", "chat_template_kwargs"}
+_BOTH = {
+    "return_token_ids",
+    "return_tokens_as_token_ids",
+    "prompt_logprobs",
+    "truncate_prompt_tokens",
+}
+_COMPLETION = {"prompt", "add_special_tokens", "echo"} | _BOTH
+_CHAT = {
+    "messages", "max_completion_tokens", "top_logprobs", "chat_template_kwargs",
+    "add_generation_prompt", "continue_final_message",
+} | _BOTH  # fmt: skip
 # chat_template_kwargs that would change how the template is called, not what it renders.
 _TEMPLATE_RESERVED = {
     "conversation", "messages", "tools", "documents", "chat_template", "tokenize",
@@ -77,6 +83,10 @@ class Request:
 
     logprobs: None (no log-probs) or k, the number of most likely alternatives per token
       (0: the sampled token's log-prob only).
+    prompt_logprobs: None, or k alternatives per prompt token (vLLM's prompt_logprobs; echo with
+      logprobs asks for them too).
+    echo: the completion's text and log-probs start with the prompt's (completions only).
+    continuous_usage: a stream's every chunk carries the usage so far.
     """
 
     prompts: list[list[int]]
@@ -85,6 +95,10 @@ class Request:
     logprobs: int | None = None
     stream: bool = False
     include_usage: bool = False
+    continuous_usage: bool = False
+    prompt_logprobs: int | None = None
+    echo: bool = False
+    generate: bool = True  # False: echo with max_tokens 0, the prompt alone
     ignore_eos: bool = False
     include_stop_str: bool = False
     skip_special_tokens: bool = True
@@ -178,20 +192,26 @@ def _stops(body: dict) -> tuple[str, ...]:
     return tuple(stops)
 
 
-def _stream(body: dict) -> tuple[bool, bool]:
+def _stream(body: dict) -> tuple[bool, bool, bool]:
+    """(stream, include_usage, continuous_usage_stats: usage on every chunk, as vLLM)."""
     stream = body.get("stream")
     if stream not in (None, True, False):
         raise HTTPError(400, f"stream must be a boolean, got {stream!r}", param="stream")
     options = body.get("stream_options")
     if options is None:
-        return bool(stream), False
+        return bool(stream), False, False
     if not stream:
         raise HTTPError(
             400, "stream_options is only allowed when stream is true", param="stream_options"
         )
-    if not isinstance(options, dict):
-        raise HTTPError(400, "stream_options must be an object", param="stream_options")
-    return True, bool(options.get("include_usage"))
+    if not isinstance(options, dict) or set(options) - {"include_usage", "continuous_usage_stats"}:
+        raise HTTPError(
+            400,
+            "stream_options must be an object with include_usage, continuous_usage_stats",
+            param="stream_options",
+        )
+    include = _bool(options, "include_usage", False)
+    return True, include, include and _bool(options, "continuous_usage_stats", False)
 
 
 def _check_context(prompts: list[list[int]], max_new: int, max_model_len: int, param: str):
@@ -207,22 +227,54 @@ def _check_context(prompts: list[list[int]], max_new: int, max_model_len: int, p
         )
 
 
-def _request(body, backend, prompts, max_tokens, param, logprobs) -> Request:
+def _prompt_logprobs(body: dict, logprobs: int | None, stream: bool) -> int | None:
+    """vLLM's prompt_logprobs (0-20); echo with logprobs asks for them too (as vLLM)."""
+    k = _int(body, "prompt_logprobs", low=0, high=MAX_TOP_LOGPROBS)
+    if k is not None and k > 0 and stream:
+        raise HTTPError(
+            400, "`prompt_logprobs` are not available when `stream=True`.", param="prompt_logprobs"
+        )
+    if k is None and body.get("echo") and logprobs is not None:
+        k = logprobs
+    return k
+
+
+def _truncate(body: dict, prompts: list[list[int]], max_model_len: int) -> list[list[int]]:
+    """vLLM's truncate_prompt_tokens: keep each prompt's last k tokens (-1: max_model_len)."""
+    k = _int(body, "truncate_prompt_tokens", low=-1, high=2**63 - 1)
+    if k is None:
+        return prompts
+    if k > max_model_len:
+        raise HTTPError(
+            400,
+            f"truncate_prompt_tokens value ({k}) is greater than max_model_len "
+            f"({max_model_len}). Please request a smaller truncation size.",
+            param="truncate_prompt_tokens",
+        )
+    k = max_model_len if k == -1 else k
+    if k == 0:
+        raise HTTPError(
+            400, "truncate_prompt_tokens=0 leaves no prompt", param="truncate_prompt_tokens"
+        )
+    return [p[-k:] for p in prompts]
+
+
+def _request(body, backend, prompts, max_tokens, param, logprobs, echo=False) -> Request:
     top_k = _int(body, "top_k", low=-1)
-    stream, include_usage = _stream(body)
+    stream, include_usage, continuous_usage = _stream(body)
     stop_ids = body.get("stop_token_ids")
     stop_ids = (
         () if stop_ids is None else _token_ids(stop_ids, backend.vocab_size, "stop_token_ids")
     )
     try:
         params = base.SamplingParams(
-            max_new_tokens=max_tokens,
+            max_new_tokens=max(max_tokens, 1),
             temperature=_float(body, "temperature", 1.0, low=0.0),
             top_p=_float(body, "top_p", 1.0, low=0.0, high=1.0),
             top_k=0 if top_k is None or top_k < 0 else top_k,
             n=_int(body, "n", low=1) or 1,
             stop_token_ids=tuple(stop_ids or ()),
-            seed=_int(body, "seed", low=-(2**63), high=2**64 - 1),
+            seed=_int(body, "seed", low=-(2**63), high=2**63 - 1),
         )
     except (TypeError, ValueError) as e:
         raise HTTPError(400, f"invalid sampling parameters: {e}") from e
@@ -234,6 +286,10 @@ def _request(body, backend, prompts, max_tokens, param, logprobs) -> Request:
         logprobs=logprobs,
         stream=stream,
         include_usage=include_usage,
+        continuous_usage=continuous_usage,
+        prompt_logprobs=_prompt_logprobs(body, logprobs, stream),
+        echo=echo,
+        generate=max_tokens > 0,
         ignore_eos=_bool(body, "ignore_eos", False),
         include_stop_str=_bool(body, "include_stop_str_in_output", False),
         skip_special_tokens=_bool(body, "skip_special_tokens", True),
@@ -254,6 +310,10 @@ def _prompts(body: dict, backend: Any) -> list[list[int]]:
     out = []
     for p in prompt:
         if isinstance(p, str):
+            try:
+                p.encode("utf-8")
+            except UnicodeEncodeError as e:  # a lone surrogate ("\\ud83d"): not text
+                raise HTTPError(400, f"prompt is not valid Unicode: {e}", param="prompt") from e
             out.append(backend.encode(p, add_special_tokens=add_special))
         elif isinstance(p, list) and all(isinstance(t, int) for t in p):
             out.append(_token_ids(p, backend.vocab_size, "prompt"))
@@ -269,10 +329,13 @@ def parse_completion_request(body: dict, backend: Any) -> Request:
     _check_supported(body, _UNSUPPORTED, _NEUTRAL, _COMMON | _NO_EFFECT | _COMPLETION)
     for key in ("return_token_ids", "return_tokens_as_token_ids"):
         _bool(body, key, False)
-    prompts = _prompts(body, backend)
+    echo = _bool(body, "echo", False)
+    prompts = _truncate(body, _prompts(body, backend), backend.max_model_len)
     logprobs = _int(body, "logprobs", low=0, high=MAX_TOP_LOGPROBS)
-    max_tokens = _int(body, "max_tokens", low=1)
-    return _request(body, backend, prompts, max_tokens or 16, "prompt", logprobs)
+    max_tokens = _int(body, "max_tokens", low=0 if echo else 1)
+    if max_tokens is None:
+        max_tokens = 16
+    return _request(body, backend, prompts, max_tokens, "prompt", logprobs, echo)
 
 
 def _messages(body: dict) -> list[dict]:
@@ -316,6 +379,18 @@ def parse_chat_request(
     top = _int(body, "top_logprobs", low=0, high=MAX_TOP_LOGPROBS)
     if top and not want:
         raise HTTPError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
+    generation_prompt = _bool(body, "add_generation_prompt", True)
+    continue_final = _bool(body, "continue_final_message", False)
+    if generation_prompt and continue_final:
+        raise HTTPError(
+            400,
+            "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+            param="continue_final_message",
+        )
+    if continue_final:
+        template_kwargs = {**template_kwargs, "continue_final_message": True}
+    if not generation_prompt:
+        template_kwargs = {**template_kwargs, "add_generation_prompt": False}
     try:
         if template_kwargs:
             prompt = backend.chat_prompt(messages, template_kwargs=template_kwargs)
@@ -323,6 +398,7 @@ def parse_chat_request(
             prompt = backend.chat_prompt(messages)
     except Exception as e:  # A template's own error (roles out of order, ...) is the request's.
         raise HTTPError(400, f"chat template failed: {e}", param="messages") from e
+    (prompt,) = _truncate(body, [prompt], backend.max_model_len)
     room = backend.max_model_len - len(prompt)
     if default_max_tokens is not None:
         room = max(1, min(room, default_max_tokens))

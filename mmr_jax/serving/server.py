@@ -37,6 +37,7 @@ Start in-process with `OpenAIServer(backend, port=0).start()`; `.url` gives the 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -47,9 +48,19 @@ from typing import Any, Protocol
 
 import numpy as np
 
+import mmr_jax
 from mmr_jax.rollout import base, vllm_engine
+from mmr_jax.serving import (
+    openai_choices,
+    openai_params,
+    openai_stream,
+    prompt_logprobs,
+    serve_batcher,
+    serve_http,
+    serve_limits,
+    serve_metrics,
+)
 from mmr_jax.serving import openai_format as fmt
-from mmr_jax.serving import openai_params, openai_stream, serve_batcher, serve_http, serve_limits
 
 log = logging.getLogger(__name__)
 
@@ -142,11 +153,20 @@ class OpenAIServer:
         self._http = serve_http.HTTPServer((host, port), serve_http.Handler)
         self._http.app = self
         self._thread: threading.Thread | None = None
+        self.metrics = serve_metrics.Metrics(backend.model_name)
+        ok = lambda body, conn: (200, None, None)
         self.routes = {
-            ("GET", "/health"): lambda body, conn: (200, None, None),
+            ("GET", "/health"): ok,
+            ("GET", "/ping"): ok,
+            ("POST", "/ping"): ok,
+            ("GET", "/version"): lambda body, conn: (200, {"version": mmr_jax.__version__}, None),
+            ("GET", "/load"): lambda body, conn: (200, {"server_load": self.metrics.load}, None),
+            ("GET", "/metrics"): lambda body, conn: (200, None, self.metrics.exposition()),
             ("GET", "/v1/models"): self._models,
             ("POST", "/v1/completions"): self._completions,
             ("POST", "/v1/chat/completions"): self._chat,
+            ("POST", "/v1/chat/completions/batch"): self._batch_chat,
+            ("POST", "/invocations"): self._invocations,
             ("POST", "/reset_prefix_cache"): lambda body, conn: (200, {"success": True}, None),
         }
         if self.weights_dir is not None:
@@ -212,11 +232,38 @@ class OpenAIServer:
             404, f"The model `{name}` does not exist.", param="model", code="model_not_found"
         )
 
+    def _prompt_info(self, request: openai_params.Request, model: str, as_ids: bool):
+        """Per prompt (`fmt.Echo` or None, vLLM prompt_logprobs or None), or None when the
+        request asks for neither (one forward pass per prompt when it asks log-probs)."""
+        k_prompt, k_echo = request.prompt_logprobs, request.logprobs
+        if not request.echo and k_prompt is None:
+            return None
+        info = []
+        for prompt in request.prompts:
+            scores = None
+            if k_prompt is not None:
+                k = max(k_prompt, k_echo or 0)
+                scores = self.backend.prompt_scores(prompt, k, model=model)
+            vllm_list = None
+            if scores is not None:
+                cut = _top(scores, k_prompt)
+                vllm_list = prompt_logprobs.vllm_prompt_logprobs(
+                    cut, lambda t: self.backend.token_strings([t])[0]
+                )
+            echo = None
+            if request.echo:
+                echo_scores = None if k_echo is None else _top(scores, k_echo)
+                echo = openai_choices.echo_of(
+                    self.backend, request, prompt, echo_scores, as_ids=as_ids
+                )
+            info.append((echo, vllm_list))
+        return info
+
     def _reply(self, request: openai_params.Request, model: str, conn, *, chat: bool, body):
         """The reply of a parsed request: a JSON body, or a stream as tokens are decoded."""
         serve_limits.check(request, self.limits)
-        job = self.batcher.submit(serve_batcher.Job(request, model))
         as_ids = bool(body.get("return_tokens_as_token_ids"))
+        token_ids = bool(body.get("return_token_ids"))
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         meta = {
             "created": int(time.time()),
@@ -224,27 +271,51 @@ class OpenAIServer:
             "prompt_tokens": sum(len(p) for p in request.prompts),
             "logprobs": request.logprobs is not None,
         }
+        done = self.metrics.started()
+        try:
+            info = self._prompt_info(request, model, as_ids)
+            if not request.generate:  # echo with max_tokens 0: the prompt alone
+                choices = openai_choices.build_choices(
+                    self.backend, request, None, None, as_ids=as_ids, prompt_info=info
+                )
+                if request.stream:
+                    chunks = fmt.completion_chunks(
+                        choices, rid=rid, **meta, include_usage=request.include_usage
+                    )
+                    return 200, serve_http.sse(chunks, on_close=done), None
+                done()
+                reply = fmt.completion_response(choices, rid=rid, token_ids=token_ids, **meta)
+                return 200, reply, None
+            job = self.batcher.submit(serve_batcher.Job(request, model))
+        except BaseException:
+            done()
+            raise
         if request.stream:
             kind = "chat.completion.chunk" if chat else "text_completion"
             head = {"id": rid, "object": kind, "created": meta["created"], "model": model}
             chunks = openai_stream.stream(
-                self.backend,
-                job,
-                conn.client_gone,
-                head=head,
-                chat=chat,
-                as_ids=as_ids,
-                include_usage=request.include_usage,
-            )
-            return 200, serve_http.sse(chunks, on_close=job.cancel), None
+                self.backend, job, conn.client_gone, head=head, chat=chat, as_ids=as_ids,
+                prompt_info=info,
+                on_finish=lambda outs: self.metrics.finished(meta["prompt_tokens"], outs),
+            )  # fmt: skip
+
+            def close():
+                job.cancel()
+                done()
+
+            return 200, serve_http.sse(chunks, on_close=close), None
         try:
-            choices = openai_stream.collect(self.backend, job, conn.client_gone, as_ids=as_ids)
+            choices = openai_stream.collect(
+                self.backend, job, conn.client_gone, as_ids=as_ids, prompt_info=info
+            )
         except ConnectionAbortedError:
             conn.close_connection = True
             return 499, None, None
+        finally:
+            done()
+        self.metrics.finished(meta["prompt_tokens"], choices)
         if chat:
-            return 200, fmt.chat_response(choices, rid=rid, **meta), None
-        token_ids = bool(body.get("return_token_ids"))
+            return 200, fmt.chat_response(choices, rid=rid, token_ids=token_ids, **meta), None
         return 200, fmt.completion_response(choices, rid=rid, token_ids=token_ids, **meta), None
 
     def _completions(self, body, conn):
@@ -258,6 +329,42 @@ class OpenAIServer:
             body, self.backend, default_max_tokens=self.default_max_tokens
         )
         return self._reply(request, model, conn, chat=True, body=body)
+
+    def _batch_chat(self, body, conn):
+        """vLLM's /v1/chat/completions/batch: `messages` a list of conversations, one choice
+        each (index i), not streamed, n = 1."""
+        conversations = body.get("messages")
+        if not isinstance(conversations, list) or not conversations:
+            raise HTTPError(
+                400, "messages must be a non-empty list of conversations", param="messages"
+            )
+        if body.get("stream") or (body.get("n") or 1) != 1:
+            raise HTTPError(400, "batch chat completions take neither stream nor n > 1")
+        replies = []
+        for messages in conversations:
+            status, reply, _ = self._chat({**body, "messages": messages}, conn)
+            if status != 200:
+                return status, reply, None
+            replies.append(reply)
+        choices = [{**r["choices"][0], "index": i} for i, r in enumerate(replies)]
+        usage = fmt.usage(
+            sum(r["usage"]["prompt_tokens"] for r in replies),
+            sum(r["usage"]["completion_tokens"] for r in replies),
+        )
+        return 200, {**replies[0], "choices": choices, "usage": usage}, None
+
+    def _invocations(self, body, conn):
+        """vLLM's (SageMaker's) POST /invocations: a chat body (messages) or a completion body
+        (prompt), answered by that route."""
+        if "messages" in body:
+            return self._chat(body, conn)
+        if "prompt" in body:
+            return self._completions(body, conn)
+        raise HTTPError(
+            400,
+            "Cannot find suitable handler for request. Expected one of: "
+            "ChatCompletionRequest, CompletionRequest",
+        )
 
     # ---- weight routes (with `weights_dir` only) -------------------------------------------------
 
@@ -320,3 +427,10 @@ class OpenAIServer:
             raise HTTPError(404, f"The lora adapter '{name}' cannot be found.", param="lora_name")
         self.backend.unload_adapter(name)
         return 200, None, f"Success: LoRA adapter '{name}' removed successfully."
+
+
+def _top(scores: prompt_logprobs.PromptScores, k: int) -> prompt_logprobs.PromptScores:
+    """`scores` with its k most likely alternatives per position."""
+    return dataclasses.replace(
+        scores, top_ids=scores.top_ids[:, :k], top_logprobs=scores.top_logprobs[:, :k]
+    )
