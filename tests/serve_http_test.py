@@ -68,7 +68,7 @@ class TestLimits:
             (dict(prompt=[5, 6], extra_body={"stop_token_ids": "12"}), "stop_token_ids"),
             (dict(prompt=[5, 6], temperature=2.5, top_p=0.0), "top_p"),
             (dict(prompt=[5, 6], extra_body={"guided_json": {}}), "guided_json"),
-            (dict(prompt=[5, 6], extra_body={"prompt_logprobs": 1}), "prompt_logprobs"),
+            (dict(prompt=[5, 6], extra_body={"use_beam_search": True}), "beam search"),
         ],
     )
     def test_refused_in_milliseconds(self, client, kw, match):
@@ -164,3 +164,17 @@ class TestStreaming:
         cut = client.completions.create(**kw)
         assert streamed == cut.choices[0].text == text[: text.index(stop)]
         assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+class TestStop:
+    def test_sigterm_is_a_clean_stop(self, tiny_llama_dir):
+        """SIGTERM (what `kill`, systemd and container runtimes send) stops the server with exit
+        status 0, as Ctrl-C does, not 143."""
+        argv = [sys.executable, str(SCRIPT), f"--model={tiny_llama_dir}", "--port=0"]
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            assert proc.stdout.readline().startswith("serving ")
+            proc.terminate()
+            assert proc.wait(timeout=30) == 0, proc.stderr.read()
+        finally:
+            proc.kill()

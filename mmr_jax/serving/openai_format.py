@@ -297,9 +297,10 @@ def completion_stream_parts(*, logprobs: bool):
     def first(c):  # the echoed prompt, in a chunk of its own
         if c.echo is None:
             return None
-        lp = completion_logprobs(dataclasses.replace(c, token_ids=[], logprobs=[], tokens=[]))
+        lp = None
+        if logprobs:
+            lp = completion_logprobs(dataclasses.replace(c, token_ids=[], logprobs=[], tokens=[]))
         text = c.echo.text
-        lp = lp if logprobs else None
         return {"index": c.index, "text": text, "logprobs": lp, "finish_reason": None}
 
     return first, token, last
