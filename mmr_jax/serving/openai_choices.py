@@ -102,7 +102,7 @@ def echo_of(backend, request, prompt, scores, *, as_ids: bool) -> fmt.Echo:
     (`prompt_logprobs.PromptScores`), log-probs), as `choice` names a completion's tokens."""
     from mmr_jax.serving import prompt_logprobs
 
-    decode = decoder(backend, request)
+    decode = functools.partial(backend.decode, skip_special_tokens=False)  # vLLM's prompt text
     text = decode(prompt)
     names = _namer(backend, as_ids)
     tokens = _readable(names(prompt), fmt.text_pieces(decode, prompt, text), as_ids)

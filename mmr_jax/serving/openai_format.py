@@ -79,12 +79,13 @@ class Echo:
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    """OpenAI's usage; prompt_tokens_details null, as vLLM's without a prefix-cache report."""
+    """OpenAI's usage, with vLLM's `--enable-prompt-tokens-details` always on: cached_tokens is
+    0 (this server keeps no prefix cache)."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": None,
+        "prompt_tokens_details": {"cached_tokens": 0},
     }
 
 
