@@ -10,7 +10,7 @@ import functools
 
 from mmr_jax.rollout import base
 from mmr_jax.serving import openai_format as fmt
-from mmr_jax.serving import openai_params
+from mmr_jax.serving import openai_params, prompt_logprobs
 
 
 @dataclasses.dataclass
@@ -100,8 +100,6 @@ def build_choices(
 def echo_of(backend, request, prompt, scores, *, as_ids: bool) -> fmt.Echo:
     """The `fmt.Echo` of `prompt` (its text, token texts and, with `scores`
     (`prompt_logprobs.PromptScores`), log-probs), as `choice` names a completion's tokens."""
-    from mmr_jax.serving import prompt_logprobs
-
     decode = functools.partial(backend.decode, skip_special_tokens=False)  # vLLM's prompt text
     text = decode(prompt)
     names = _namer(backend, as_ids)
@@ -162,4 +160,37 @@ def choice(backend, index: int, prompt, out: _Output, top, *, as_ids: bool) -> f
         stop_reason=out.stop_reason,
         pieces=out.pieces,
         top=top,
+    )
+
+
+def prompt_info(backend, request: openai_params.Request, model: str, *, as_ids: bool):
+    """Per prompt (`fmt.Echo` or None, vLLM prompt_logprobs or None), or None when the
+    request asks for neither (one forward pass per prompt when it asks log-probs)."""
+    k_prompt, k_echo = request.prompt_logprobs, request.logprobs
+    if not request.echo and k_prompt is None:
+        return None
+    info = []
+    for prompt in request.prompts:
+        scores = None
+        if k_prompt is not None:
+            k = max(k_prompt, k_echo or 0)
+            scores = backend.prompt_scores(prompt, k, model=model)
+        vllm_list = None
+        if scores is not None:
+            cut = _top(scores, k_prompt)
+            vllm_list = prompt_logprobs.vllm_prompt_logprobs(
+                cut, lambda t: backend.token_strings([t])[0]
+            )
+        echo = None
+        if request.echo:
+            echo_scores = None if k_echo is None else _top(scores, k_echo)
+            echo = echo_of(backend, request, prompt, echo_scores, as_ids=as_ids)
+        info.append((echo, vllm_list))
+    return info
+
+
+def _top(scores: prompt_logprobs.PromptScores, k: int) -> prompt_logprobs.PromptScores:
+    """`scores` with its k most likely alternatives per position."""
+    return dataclasses.replace(
+        scores, top_ids=scores.top_ids[:, :k], top_logprobs=scores.top_logprobs[:, :k]
     )

@@ -49,9 +49,7 @@ class Choice:
     pieces: per token, the text it adds; they join to `text` (None unless streamed or cut).
     top: per token, the k most likely tokens as (text, log-prob), most likely first (None: not
       asked for).
-    prompt_logprobs: vLLM's prompt_logprobs list (`prompt_logprobs.vllm_prompt_logprobs`).
-    echo: the prompt's text, token texts, log-probs and top alternatives put before the
-      completion's (echo; log-probs and top None without logprobs).
+    prompt_logprobs: vLLM's list (`prompt_logprobs.vllm_prompt_logprobs`); echo: an `Echo`.
     """
 
     index: int
@@ -70,7 +68,8 @@ class Choice:
 
 @dataclasses.dataclass(frozen=True)
 class Echo:
-    """The prompt as `echo` puts it before a completion."""
+    """The prompt as `echo` puts it before a completion: text, token texts, and log-probs and top
+    alternatives (None without logprobs)."""
 
     text: str
     tokens: list[str]
@@ -229,8 +228,7 @@ def completion_response(
 
 
 def _one_token(c: Choice, t: int) -> Choice:
-    """Choice `c` cut to its token t alone (for that token's stream chunk; the echo is sent in
-    a chunk of its own)."""
+    """Choice `c` cut to its token t alone (a token's stream chunk; the echo has its own)."""
     return dataclasses.replace(
         c,
         token_ids=c.token_ids[t : t + 1],

@@ -25,15 +25,6 @@ _UNSUPPORTED = {
     "suffix": "suffix",
     "prompt_embeds": "prompt_embeds",
 }
-_CHAT_UNSUPPORTED = {
-    "tools": "tools",
-    "functions": "functions",
-    "function_call": "function_call",
-    "audio": "audio output",
-    "prediction": "predicted outputs",
-    "echo": "echo",
-    "use_beam_search": "beam search",
-}
 
 # Sampling controls the embedded sampler does not apply: accepted only at their neutral value.
 _NEUTRAL = {
@@ -45,12 +36,6 @@ _NEUTRAL = {
     "logit_bias": (None, {}),
     "min_tokens": (None, 0),
 }
-_CHAT_NEUTRAL = {
-    "tool_choice": (None, "none"),
-    "response_format": (None, {"type": "text"}),
-    "modalities": (None, ["text"]),
-    "parallel_tool_calls": (None, True, False),  # only means something with tools
-}
 # Keys both routes take (handled below); keys with no effect on the output are in _NO_EFFECT.
 _COMMON = {
     "model", "max_tokens", "temperature", "top_p", "top_k", "n", "seed", "stop",
@@ -58,23 +43,13 @@ _COMMON = {
     "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",
 }  # fmt: skip
 _NO_EFFECT = {"user", "metadata", "store", "request_id", "service_tier", "priority"}
-_BOTH = {
+BOTH = {
     "return_token_ids",
     "return_tokens_as_token_ids",
     "prompt_logprobs",
     "truncate_prompt_tokens",
 }
-_COMPLETION = {"prompt", "add_special_tokens", "echo"} | _BOTH
-_CHAT = {
-    "messages", "max_completion_tokens", "top_logprobs", "chat_template_kwargs",
-    "add_generation_prompt", "continue_final_message",
-} | _BOTH  # fmt: skip
-# chat_template_kwargs that would change how the template is called, not what it renders.
-_TEMPLATE_RESERVED = {
-    "conversation", "messages", "tools", "documents", "chat_template", "tokenize",
-    "add_generation_prompt", "continue_final_message", "return_dict", "return_tensors",
-    "padding", "truncation", "max_length", "tokenizer_kwargs", "return_assistant_tokens_mask",
-}  # fmt: skip
+_COMPLETION = {"prompt", "add_special_tokens", "echo"} | BOTH
 
 
 @dataclasses.dataclass(frozen=True)
@@ -336,90 +311,3 @@ def parse_completion_request(body: dict, backend: Any) -> Request:
     if max_tokens is None:
         max_tokens = 16
     return _request(body, backend, prompts, max_tokens, "prompt", logprobs, echo)
-
-
-def _messages(body: dict) -> list[dict]:
-    """The messages, each {"role", "content": str}; text content parts are joined."""
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise HTTPError(400, "messages must be a non-empty list", param="messages")
-    out = []
-    for i, m in enumerate(messages):
-        where = f"messages[{i}]"
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise HTTPError(400, f"{where} must be an object with a role", param=where)
-        content = m.get("content")
-        if isinstance(content, list):
-            if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
-                raise HTTPError(400, f"{where}: only text content parts are supported", param=where)
-            content = "".join(str(p.get("text", "")) for p in content)
-        if content is None and m.get("tool_calls"):
-            raise HTTPError(400, f"{where}: tool calls are not supported", param=where)
-        if not isinstance(content, str):
-            raise HTTPError(400, f"{where}.content must be a string or text parts", param=where)
-        out.append({"role": m["role"], "content": content})
-    return out
-
-
-def parse_chat_request(
-    body: dict, backend: Any, *, default_max_tokens: int | None = None
-) -> Request:
-    """The `Request` of a /v1/chat/completions body: one prompt, the messages rendered by the
-    tokenizer's chat template with the assistant's generation prompt (`backend.chat_prompt`).
-    Without max_tokens, as many as the context allows (OpenAI's rule), at most
-    `default_max_tokens` when given."""
-    _check_supported(
-        body, _CHAT_UNSUPPORTED, {**_NEUTRAL, **_CHAT_NEUTRAL}, _COMMON | _NO_EFFECT | _CHAT
-    )
-    messages = _messages(body)
-    template_kwargs = _template_kwargs(body)
-    want = body.get("logprobs")
-    if want not in (None, True, False):
-        raise HTTPError(400, f"logprobs must be a boolean, got {want!r}", param="logprobs")
-    top = _int(body, "top_logprobs", low=0, high=MAX_TOP_LOGPROBS)
-    if top and not want:
-        raise HTTPError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
-    generation_prompt = _bool(body, "add_generation_prompt", True)
-    continue_final = _bool(body, "continue_final_message", False)
-    if generation_prompt and continue_final:
-        raise HTTPError(
-            400,
-            "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
-            param="continue_final_message",
-        )
-    if continue_final:
-        template_kwargs = {**template_kwargs, "continue_final_message": True}
-    if not generation_prompt:
-        template_kwargs = {**template_kwargs, "add_generation_prompt": False}
-    try:
-        if template_kwargs:
-            prompt = backend.chat_prompt(messages, template_kwargs=template_kwargs)
-        else:
-            prompt = backend.chat_prompt(messages)
-    except Exception as e:  # A template's own error (roles out of order, ...) is the request's.
-        raise HTTPError(400, f"chat template failed: {e}", param="messages") from e
-    (prompt,) = _truncate(body, [prompt], backend.max_model_len)
-    room = backend.max_model_len - len(prompt)
-    if default_max_tokens is not None:
-        room = max(1, min(room, default_max_tokens))
-    _check_context([prompt], 1, backend.max_model_len, "messages")
-    max_tokens = _int(body, "max_completion_tokens", low=1) or _int(body, "max_tokens", low=1)
-    logprobs = (top or 0) if want else None
-    return _request(body, backend, [prompt], max_tokens or room, "messages", logprobs)
-
-
-def _template_kwargs(body: dict) -> dict:
-    """chat_template_kwargs: extra variables the chat template renders with (as vLLM)."""
-    kwargs = body.get("chat_template_kwargs")
-    if kwargs is None:
-        return {}
-    if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
-        raise HTTPError(400, "chat_template_kwargs must be an object", param="chat_template_kwargs")
-    reserved = sorted(set(kwargs) & _TEMPLATE_RESERVED)
-    if reserved:
-        raise HTTPError(
-            400,
-            f"chat_template_kwargs may not set {reserved[0]!r}",
-            param="chat_template_kwargs",
-        )
-    return kwargs

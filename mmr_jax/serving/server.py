@@ -1,27 +1,18 @@
 """OpenAI-compatible HTTP server with vLLM's request/response shapes, over any `Backend`.
 
-Routes:
-  GET  /health, /v1/models
-  POST /v1/completions            token-id or text prompts, n, seed, max_tokens, temperature, top_p,
-                                  top_k, stop, stop_token_ids, ignore_eos, logprobs (0-20),
-                                  stream (+ stream_options.include_usage), return_token_ids,
-                                  return_tokens_as_token_ids; choices prompt-major (index b * n + i)
-  POST /v1/chat/completions       messages (text) through the tokenizer's chat template with the
-                                  generation prompt; n, seed, max_tokens / max_completion_tokens,
-                                  temperature, top_p, top_k, stop, logprobs + top_logprobs (0-20),
-                                  stream (+ stream_options.include_usage)
-  POST /reset_prefix_cache        -> {"success": true}
+Routes (parameters, shapes and what is refused: docs/serving.md):
+  GET  /health, /ping, /version, /load, /metrics (Prometheus, `serve_metrics`), /v1/models
+  POST /v1/completions, /v1/chat/completions, /v1/chat/completions/batch (vLLM's batched chat),
+       /invocations (SageMaker's: a chat or completion body), /ping, /reset_prefix_cache
   with `weights_dir` only (off by default, as vLLM's dev-mode and runtime-LoRA routes; the paths
   they take must lie inside `weights_dir`):
   POST /collective_rpc            {"method", "args", "kwargs"} -> {"results": [one per worker]}
   POST /v1/load_lora_adapter      {"lora_name", "lora_path"}
   POST /v1/unload_lora_adapter    {"lora_name"}
-Bodies and stream chunks: `openai_format`; request parsing and what is refused: `openai_params`
-(echo, best_of > 1, beam search, tools, and any sampling control this sampler does not apply when
-set to a value that would change the output are HTTP 400: a request is answered as asked or
-refused, never answered as if a parameter were absent). Errors are OpenAI's shape,
-{"error": {"message", "type", "param", "code"}}: unknown model 404 `model_not_found`, a prompt
-over the context 400 `context_length_exceeded`, malformed JSON or bad parameters 400.
+Bodies and stream chunks: `openai_format`; request parsing and what is refused: `openai_params`,
+`openai_chat_params` (a request is answered as asked or refused with a 400, never answered as if
+a parameter were absent); echo and prompt log-probs: `prompt_logprobs` (one forward pass per
+prompt). Errors are OpenAI's shape, {"error": {"message", "type", "param", "code"}}.
 
 Limits (`serve_limits`): rows, context and body size, each a 400 before anything is generated.
 Generation: `serve_batcher` decodes the requests waiting together, in chunks of steps; streams
@@ -29,15 +20,13 @@ send each chunk's tokens as it is decoded (`openai_stream`), stop strings and cl
 end their rows early. Log-probs follow the backend's `logprobs_mode` (default: after temperature,
 before top-k/top-p); with k alternatives (k > 0) the server runs one extra forward pass over
 prompt + completion for them, under the same hold of the backend as the generation.
-HTTP: `serve_http` (bodies always read or the connection closed; the optional API key).
-
-Stdlib only (`http.server.ThreadingHTTPServer`).
-Start in-process with `OpenAIServer(backend, port=0).start()`; `.url` gives the bound address.
+HTTP: `serve_http` (stdlib `http.server`; bodies always read or the connection closed; the
+optional API key). Start in-process with `OpenAIServer(backend, port=0).start()`; `.url` gives
+the bound address.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import threading
@@ -51,10 +40,10 @@ import numpy as np
 import mmr_jax
 from mmr_jax.rollout import base, vllm_engine
 from mmr_jax.serving import (
+    openai_chat_params,
     openai_choices,
     openai_params,
     openai_stream,
-    prompt_logprobs,
     serve_batcher,
     serve_http,
     serve_limits,
@@ -232,33 +221,6 @@ class OpenAIServer:
             404, f"The model `{name}` does not exist.", param="model", code="model_not_found"
         )
 
-    def _prompt_info(self, request: openai_params.Request, model: str, as_ids: bool):
-        """Per prompt (`fmt.Echo` or None, vLLM prompt_logprobs or None), or None when the
-        request asks for neither (one forward pass per prompt when it asks log-probs)."""
-        k_prompt, k_echo = request.prompt_logprobs, request.logprobs
-        if not request.echo and k_prompt is None:
-            return None
-        info = []
-        for prompt in request.prompts:
-            scores = None
-            if k_prompt is not None:
-                k = max(k_prompt, k_echo or 0)
-                scores = self.backend.prompt_scores(prompt, k, model=model)
-            vllm_list = None
-            if scores is not None:
-                cut = _top(scores, k_prompt)
-                vllm_list = prompt_logprobs.vllm_prompt_logprobs(
-                    cut, lambda t: self.backend.token_strings([t])[0]
-                )
-            echo = None
-            if request.echo:
-                echo_scores = None if k_echo is None else _top(scores, k_echo)
-                echo = openai_choices.echo_of(
-                    self.backend, request, prompt, echo_scores, as_ids=as_ids
-                )
-            info.append((echo, vllm_list))
-        return info
-
     def _reply(self, request: openai_params.Request, model: str, conn, *, chat: bool, body):
         """The reply of a parsed request: a JSON body, or a stream as tokens are decoded."""
         serve_limits.check(request, self.limits)
@@ -273,7 +235,7 @@ class OpenAIServer:
         }
         done = self.metrics.started()
         try:
-            info = self._prompt_info(request, model, as_ids)
+            info = openai_choices.prompt_info(self.backend, request, model, as_ids=as_ids)
             if not request.generate:  # echo with max_tokens 0: the prompt alone
                 choices = openai_choices.build_choices(
                     self.backend, request, None, None, as_ids=as_ids, prompt_info=info
@@ -325,7 +287,7 @@ class OpenAIServer:
 
     def _chat(self, body, conn):
         model = self._resolve_model(body.get("model"))
-        request = openai_params.parse_chat_request(
+        request = openai_chat_params.parse_chat_request(
             body, self.backend, default_max_tokens=self.default_max_tokens
         )
         return self._reply(request, model, conn, chat=True, body=body)
@@ -427,10 +389,3 @@ class OpenAIServer:
             raise HTTPError(404, f"The lora adapter '{name}' cannot be found.", param="lora_name")
         self.backend.unload_adapter(name)
         return 200, None, f"Success: LoRA adapter '{name}' removed successfully."
-
-
-def _top(scores: prompt_logprobs.PromptScores, k: int) -> prompt_logprobs.PromptScores:
-    """`scores` with its k most likely alternatives per position."""
-    return dataclasses.replace(
-        scores, top_ids=scores.top_ids[:, :k], top_logprobs=scores.top_logprobs[:, :k]
-    )
