@@ -100,8 +100,9 @@ def main() -> int:
     ap.add_argument("--model", default=str(REPO / "checkpoints" / "smollm2-135m-instruct"))
     ap.add_argument("--servers", default="ours,vllm")
     ap.add_argument("--k", default=None, help="pytest -k")
+    ap.add_argument("--work", default=str(HERE / "work"), help="where the tests are extracted")
     args = ap.parse_args()
-    work = HERE / "work"
+    work = pathlib.Path(args.work)
     extract(pathlib.Path(args.sdist), work)
     vllm_bin = str(pathlib.Path(args.vllm_python).parent / "vllm")
     hf_home = offline_hub(work, pathlib.Path(args.model))
