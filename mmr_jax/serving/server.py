@@ -27,6 +27,7 @@ the bound address.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import os
 import threading
@@ -302,9 +303,16 @@ class OpenAIServer:
             )
         if body.get("stream") or (body.get("n") or 1) != 1:
             raise HTTPError(400, "batch chat completions take neither stream nor n > 1")
+        if len(conversations) > self.limits.max_num_seqs:
+            raise HTTPError(
+                400, f"at most {self.limits.max_num_seqs} conversations", param="messages"
+            )
+        with concurrent.futures.ThreadPoolExecutor(len(conversations)) as pool:  # one batch
+            answers = list(
+                pool.map(lambda m: self._chat({**body, "messages": m}, conn), conversations)
+            )
         replies = []
-        for messages in conversations:
-            status, reply, _ = self._chat({**body, "messages": messages}, conn)
+        for status, reply, _ in answers:
             if status != 200:
                 return status, reply, None
             replies.append(reply)
