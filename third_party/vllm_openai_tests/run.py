@@ -104,7 +104,6 @@ def main() -> int:
     args = ap.parse_args()
     work = pathlib.Path(args.work)
     extract(pathlib.Path(args.sdist), work)
-    vllm_bin = str(pathlib.Path(args.vllm_python).parent / "vllm")
     hf_home = offline_hub(work, pathlib.Path(args.model))
     results = {}
     for server in args.servers.split(","):
@@ -114,13 +113,13 @@ def main() -> int:
             "HF_HOME": str(hf_home),
             "HF_HUB_OFFLINE": "1",
             "SUITE_MODEL": args.model,
-            "SUITE_VLLM": vllm_bin,
+            "SUITE_VLLM": args.vllm_python,
             "SUITE_OURS_PYTHON": sys.executable,
             "SUITE_OURS_SCRIPT": str(REPO / "scripts" / "serve.py"),
             "PYTHONPATH": os.pathsep.join(p for p in (args.pytest_path, str(work)) if p),
         }
         xml = work / f"{server}.xml"
-        cmd = [args.vllm_python, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rN",
+        cmd = [args.vllm_python, "-m", "pytest", "-p", "no:cacheprovider", "-v", "-rN",
                "--continue-on-collection-errors",
                f"--junitxml={xml}", *[OPENAI + f for f in FILES]]  # fmt: skip
         if args.k:

