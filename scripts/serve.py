@@ -83,6 +83,7 @@ _LOG_FILE = flags.DEFINE_string(
 
 def main(argv):
     del argv
+    signal.signal(signal.SIGTERM, _stop)  # a clean stop (exit 0), as Ctrl-C, from the start
     log_file = _LOG_FILE.value or os.path.join(
         tempfile.gettempdir(), f"mmr_jax_serve_{os.getpid()}.log"
     )
@@ -112,10 +113,9 @@ def main(argv):
         chunk_steps=_CHUNK_STEPS.value,
         gather_s=_BATCH_WAIT_MS.value / 1000,
     )
-    print(f"serving {backend.model_name!r} at {srv.url}", flush=True)  # clients parse this line
-    print(f"logs: {log_file}", flush=True)
-    signal.signal(signal.SIGTERM, _stop)  # a clean stop (exit 0), as Ctrl-C
     try:
+        print(f"serving {backend.model_name!r} at {srv.url}", flush=True)  # clients parse it
+        print(f"logs: {log_file}", flush=True)
         srv.serve_forever()
     except KeyboardInterrupt:
         pass

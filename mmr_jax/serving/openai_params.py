@@ -276,7 +276,11 @@ def _prompts(body: dict, backend: Any) -> list[list[int]]:
     add_special = _bool(body, "add_special_tokens", True)
     if isinstance(prompt, str):
         prompt = [prompt]
-    if not isinstance(prompt, list) or not prompt:
+    if prompt is None or prompt == []:
+        raise HTTPError(
+            400, "Either prompt or prompt_embeds must be provided and non-empty.", param="prompt"
+        )
+    if not isinstance(prompt, list):
         raise HTTPError(
             400, "prompt must be a string, a list of strings or token ids", param="prompt"
         )

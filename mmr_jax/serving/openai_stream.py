@@ -6,7 +6,8 @@ reply has (a partial UTF-8 character is held back until it completes). With stop
 last (longest stop - 1) characters are held back until they cannot start one; a completed stop
 string ends that choice (its rows end at the next decode chunk). With top log-probs (k > 0) the
 tokens are sent at the end, since the alternatives are computed after generation. Choices' chunks
-interleave (each carries its index), as vLLM's do. Not streamed, stop strings end rows early too.
+interleave (each carries its index), and a choice's last token chunk carries its finish reason,
+as vLLM's do. Not streamed, stop strings end rows early too.
 """
 
 from __future__ import annotations
@@ -108,10 +109,17 @@ def _advance(backend, job, row: _Row, update, parts, *, as_ids) -> Iterator[dict
     c = openai_choices.choice(backend, r, row.prompt, out, top, as_ids=as_ids)
     c = dataclasses.replace(c, echo=row.echo)
     first, token, last = parts
-    for t in range(row.sent, max(row.sent, ready)):
+    end = max(row.sent, ready)
+    for t in range(row.sent, end):
+        entry = token(c, t)
         row.sent = t + 1  # before the yield: the chunk's usage counts its token
-        yield token(c, t)
-    if finished:
+        if finished and t == end - 1:  # the last token's chunk carries the finish, as vLLM's
+            row.ended, row.out = True, c
+            ending = last(c)
+            entry = {**entry, "finish_reason": ending["finish_reason"]}
+            entry["stop_reason"] = ending["stop_reason"]
+        yield entry
+    if finished and not row.ended:  # nothing left to send: the finish alone
         row.ended, row.out = True, c
         yield last(c)
 
