@@ -83,7 +83,9 @@ _LOG_FILE = flags.DEFINE_string(
 
 def main(argv):
     del argv
-    signal.signal(signal.SIGTERM, _stop)  # a clean stop (exit 0), as Ctrl-C, from the start
+    # SIGTERM is a clean stop (exit 0), as Ctrl-C: while loading, an exit; once serving, the
+    # serve loop is asked to end (from a thread: shutdown() waits for the loop) and cleans up.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
     log_file = _LOG_FILE.value or os.path.join(
         tempfile.gettempdir(), f"mmr_jax_serve_{os.getpid()}.log"
     )
@@ -113,6 +115,7 @@ def main(argv):
         chunk_steps=_CHUNK_STEPS.value,
         gather_s=_BATCH_WAIT_MS.value / 1000,
     )
+    signal.signal(signal.SIGTERM, lambda signum, frame: srv.stop_serving())
     try:
         print(f"serving {backend.model_name!r} at {srv.url}", flush=True)  # clients parse it
         print(f"logs: {log_file}", flush=True)
@@ -121,10 +124,6 @@ def main(argv):
         pass
     finally:
         srv.shutdown()
-
-
-def _stop(signum, frame):
-    raise KeyboardInterrupt
 
 
 if __name__ == "__main__":

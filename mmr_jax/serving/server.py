@@ -14,15 +14,12 @@ Bodies and stream chunks: `openai_format`; request parsing and what is refused: 
 a parameter were absent); echo and prompt log-probs: `prompt_logprobs` (one forward pass per
 prompt). Errors are OpenAI's shape, {"error": {"message", "type", "param", "code"}}.
 
-Limits (`serve_limits`): rows, context and body size, each a 400 before anything is generated.
 Generation: `serve_batcher` decodes the requests waiting together, in chunks of steps; streams
 send each chunk's tokens as it is decoded (`openai_stream`), stop strings and clients that leave
 end their rows early. Log-probs follow the backend's `logprobs_mode` (default: after temperature,
 before top-k/top-p); with k alternatives (k > 0) the server runs one extra forward pass over
 prompt + completion for them, under the same hold of the backend as the generation.
-HTTP: `serve_http` (stdlib `http.server`; bodies always read or the connection closed; the
-optional API key). Start in-process with `OpenAIServer(backend, port=0).start()`; `.url` gives
-the bound address.
+HTTP: `serve_http` (stdlib `http.server`). In-process: `OpenAIServer(backend, port=0).start()`.
 """
 
 from __future__ import annotations
@@ -176,6 +173,10 @@ class OpenAIServer:
 
     def serve_forever(self) -> None:
         self._http.serve_forever()
+
+    def stop_serving(self) -> None:
+        """Makes `serve_forever` return (safe from a signal handler: it does not wait)."""
+        threading.Thread(target=self._http.shutdown, daemon=True).start()
 
     def shutdown(self) -> None:
         self._http.shutdown()
