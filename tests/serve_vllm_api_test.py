@@ -225,6 +225,11 @@ class TestPromptControls:
         assert cut.json()["choices"][0]["prompt_token_ids"] == ids[-7:]
         assert cut.json()["usage"]["prompt_tokens"] == 7
         assert cut.json()["choices"][0]["token_ids"] == direct.json()["choices"][0]["token_ids"]
+        right = {**body, "prompt": ids, "truncate_prompt_tokens": 7, "truncation_side": "right"}
+        assert (
+            _post(srv, "/v1/completions", right).json()["choices"][0]["prompt_token_ids"]
+            == (ids[:7])
+        )
         big = _post(
             srv, "/v1/completions", {**body, "prompt": ids, "truncate_prompt_tokens": 10**6}
         )

@@ -44,6 +44,7 @@ _COMMON = {
 }  # fmt: skip
 _NO_EFFECT = {"user", "metadata", "store", "request_id", "service_tier", "priority"}
 BOTH = {
+    "truncation_side",
     "return_token_ids",
     "return_tokens_as_token_ids",
     "prompt_logprobs",
@@ -215,7 +216,8 @@ def _prompt_logprobs(body: dict, logprobs: int | None, stream: bool) -> int | No
 
 
 def _truncate(body: dict, prompts: list[list[int]], max_model_len: int) -> list[list[int]]:
-    """vLLM's truncate_prompt_tokens: keep each prompt's last k tokens (-1: max_model_len)."""
+    """vLLM's truncate_prompt_tokens: keep each prompt's last k tokens (-1: max_model_len; the
+    first k with truncation_side 'right')."""
     k = _int(body, "truncate_prompt_tokens", low=-1, high=2**63 - 1)
     if k is None:
         return prompts
@@ -231,7 +233,10 @@ def _truncate(body: dict, prompts: list[list[int]], max_model_len: int) -> list[
         raise HTTPError(
             400, "truncate_prompt_tokens=0 leaves no prompt", param="truncate_prompt_tokens"
         )
-    return [p[-k:] for p in prompts]
+    side = body.get("truncation_side", "left")
+    if side not in ("left", "right"):
+        raise HTTPError(400, "truncation_side must be 'left' or 'right'", param="truncation_side")
+    return [p[-k:] if side == "left" else p[:k] for p in prompts]
 
 
 def _request(body, backend, prompts, max_tokens, param, logprobs, echo=False) -> Request:
