@@ -102,7 +102,7 @@ def main() -> int:
     ap.add_argument("--k", default=None, help="pytest -k")
     ap.add_argument("--work", default=str(HERE / "work"), help="where the tests are extracted")
     args = ap.parse_args()
-    work = pathlib.Path(args.work)
+    work = pathlib.Path(args.work).resolve()  # HF_HOME below must not depend on the cwd
     extract(pathlib.Path(args.sdist), work)
     hf_home = offline_hub(work, pathlib.Path(args.model))
     results = {}
