@@ -1,9 +1,11 @@
 """OpenAI-compatible server (vLLM's routes and shapes) over the embedded JAX sampler.
 
     python scripts/serve.py --model=checkpoints/smollm2-135m-instruct --port=8000
-    curl localhost:8000/v1/completions -d '{"model": "checkpoints/smollm2-135m-instruct",
+    curl localhost:8000/v1/completions -H 'Content-Type: application/json' \
+         -d '{"model": "checkpoints/smollm2-135m-instruct",
          "prompt": "What is 2 + 3?", "max_tokens": 32, "temperature": 0}'
-    curl -N localhost:8000/v1/chat/completions -d '{"model": "checkpoints/smollm2-135m-instruct",
+    curl -N localhost:8000/v1/chat/completions -H 'Content-Type: application/json' \
+         -d '{"model": "checkpoints/smollm2-135m-instruct",
          "messages": [{"role": "user", "content": "What is 2 + 3?"}], "stream": true}'
 
 Serves one checkpoint on a CPU or TPU host to the official `openai` client (models.list,
@@ -21,6 +23,7 @@ Request and library logs go to --log_file; the console shows the address and war
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import tempfile
 
@@ -81,6 +84,9 @@ _LOG_FILE = flags.DEFINE_string(
 
 def main(argv):
     del argv
+    # SIGTERM is a clean stop (exit 0), as Ctrl-C: while loading, an exit; once serving, the
+    # serve loop is asked to end (from a thread: shutdown() waits for the loop) and cleans up.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
     log_file = _LOG_FILE.value or os.path.join(
         tempfile.gettempdir(), f"mmr_jax_serve_{os.getpid()}.log"
     )
@@ -111,9 +117,10 @@ def main(argv):
         chunk_steps=_CHUNK_STEPS.value,
         gather_s=_BATCH_WAIT_MS.value / 1000,
     )
-    print(f"serving {backend.model_name!r} at {srv.url}", flush=True)  # clients parse this line
-    print(f"logs: {log_file}", flush=True)
+    signal.signal(signal.SIGTERM, lambda signum, frame: srv.stop_serving())
     try:
+        print(f"serving {backend.model_name!r} at {srv.url}", flush=True)  # clients parse it
+        print(f"logs: {log_file}", flush=True)
         srv.serve_forever()
     except KeyboardInterrupt:
         pass

@@ -77,7 +77,12 @@ class TestResponses:
         body = fmt.completion_response(
             [c], rid="x", created=1, model="m", prompt_tokens=2, logprobs=True, token_ids=True
         )
-        assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}
+        assert body["usage"] == {
+            "prompt_tokens": 2,
+            "completion_tokens": 3,
+            "total_tokens": 5,
+            "prompt_tokens_details": {"cached_tokens": 0},
+        }
         lp = body["choices"][0]["logprobs"]
         assert lp["text_offset"] == [0, 2, 4] and lp["token_logprobs"] == [-0.5, -1.0, -0.25]
         assert lp["top_logprobs"][0] == {"Hi": -0.5, "Ho": -1.5}

@@ -2,7 +2,7 @@
 
 import pytest
 
-from mmr_jax.serving import openai_params
+from mmr_jax.serving import openai_chat_params, openai_params
 from mmr_jax.serving.openai_format import HTTPError
 
 
@@ -63,7 +63,7 @@ class TestParseCompletionRequest:
             ({"n": 0}, "n must be >= 1"),
             ({"temperature": -1}, "temperature must be >= 0"),
             ({"max_tokens": 60}, "maximum context length is 64"),
-            ({"echo": True}, "echo is not supported"),
+            ({"echo": "yes"}, "echo must be a boolean"),
             # Types and ranges: checked before anything is generated.
             ({"temperature": float("nan")}, "temperature must be a finite number"),
             ({"temperature": "0.5"}, "temperature must be a finite number"),
@@ -82,7 +82,12 @@ class TestParseCompletionRequest:
             # Parameters that would change the output: honoured below, or refused by name.
             ({"guided_json": {"type": "object"}}, "'guided_json' is not supported"),
             ({"guided_regex": "a+"}, "'guided_regex' is not supported"),
-            ({"prompt_logprobs": 1}, "'prompt_logprobs' is not supported"),
+            ({"logprob_token_ids": [1]}, "'logprob_token_ids' is not supported"),
+            ({"prompt_logprobs": -1}, "prompt_logprobs must be in"),
+            ({"prompt_logprobs": 1, "stream": True}, "not available when `stream=True`"),
+            ({"seed": 2**63}, "seed must be in"),
+            ({"prompt": "x \ud83d y"}, "not valid Unicode"),
+            ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens must be"),
             ({"allowed_token_ids": [1]}, "'allowed_token_ids' is not supported"),
             ({"spaces_between_special_tokens": False}, "spaces_between_special_tokens"),
             ({"best_of": True}, "best_of"),
@@ -119,7 +124,7 @@ class TestParseChatRequest:
                 "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
             },
         ]
-        r = openai_params.parse_chat_request({"messages": msgs}, backend)
+        r = openai_chat_params.parse_chat_request({"messages": msgs}, backend)
         assert backend.rendered == [
             [{"role": "system", "content": "s"}, {"role": "user", "content": "ab"}]
         ]
@@ -128,17 +133,17 @@ class TestParseChatRequest:
 
     def test_default_max_tokens_caps_only_requests_without_one(self):
         def parse(body):
-            return openai_params.parse_chat_request(body, _Backend(), default_max_tokens=10)
+            return openai_chat_params.parse_chat_request(body, _Backend(), default_max_tokens=10)
 
         assert parse(_chat()).params.max_new_tokens == 10
         assert parse(_chat(max_tokens=30)).params.max_new_tokens == 30
 
     def test_max_completion_tokens_and_logprobs(self):
-        r = openai_params.parse_chat_request(
+        r = openai_chat_params.parse_chat_request(
             _chat(max_completion_tokens=7, logprobs=True, top_logprobs=3), _Backend()
         )
         assert r.params.max_new_tokens == 7 and r.logprobs == 3
-        r = openai_params.parse_chat_request(_chat(logprobs=True), _Backend())
+        r = openai_chat_params.parse_chat_request(_chat(logprobs=True), _Backend())
         assert r.logprobs == 0
 
     @pytest.mark.parametrize(
@@ -161,12 +166,12 @@ class TestParseChatRequest:
     )
     def test_refused(self, extra, match):
         with pytest.raises(HTTPError, match=match) as e:
-            openai_params.parse_chat_request(_chat(**extra), _Backend())
+            openai_chat_params.parse_chat_request(_chat(**extra), _Backend())
         assert e.value.status == 400
 
     def test_chat_template_kwargs_reach_the_template(self):
         backend = _Backend()
-        openai_params.parse_chat_request(
+        openai_chat_params.parse_chat_request(
             _chat(chat_template_kwargs={"enable_thinking": False}), backend
         )
         assert backend.template_kwargs == {"enable_thinking": False}
@@ -175,5 +180,5 @@ class TestParseChatRequest:
         backend = _Backend()
         backend.chat_prompt = lambda m: (_ for _ in ()).throw(ValueError("roles must alternate"))
         with pytest.raises(HTTPError, match="roles must alternate") as e:
-            openai_params.parse_chat_request(_chat(), backend)
+            openai_chat_params.parse_chat_request(_chat(), backend)
         assert e.value.status == 400 and e.value.param == "messages"

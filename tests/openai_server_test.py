@@ -130,8 +130,15 @@ class TestChatCompletions:
         assert c.message.content == backend.decode(ids[:-1] if reason == "stop" else ids)
         assert reply.usage.prompt_tokens == len(prompt)
         assert reply.usage.completion_tokens == len(ids) == len(c.logprobs.content)
+        # A token's text is its own decode, but "" for a byte-level token that ends inside a
+        # character, and the character for the one that completes it (as vLLM's): they join
+        # to the reply's text, but for bytes that never complete a character (U+FFFD there).
+        texts = [e.token for e in c.logprobs.content]
+        joined = "".join(texts[: len(ids) - (reason == "stop")])
+        assert joined == c.message.content.replace("\ufffd", "")
         for entry, lp, tid in zip(c.logprobs.content, logps, ids, strict=True):
-            assert entry.token == backend.tokenizer.decode([tid])
+            alone = backend.tokenizer.decode([tid])
+            assert entry.token == alone or alone.endswith("\ufffd")
             assert entry.bytes == list(entry.token.encode("utf-8"))
             assert entry.logprob == pytest.approx(lp, abs=1e-5)
             tops = [t.logprob for t in entry.top_logprobs]

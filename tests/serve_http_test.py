@@ -68,7 +68,7 @@ class TestLimits:
             (dict(prompt=[5, 6], extra_body={"stop_token_ids": "12"}), "stop_token_ids"),
             (dict(prompt=[5, 6], temperature=2.5, top_p=0.0), "top_p"),
             (dict(prompt=[5, 6], extra_body={"guided_json": {}}), "guided_json"),
-            (dict(prompt=[5, 6], extra_body={"prompt_logprobs": 1}), "prompt_logprobs"),
+            (dict(prompt=[5, 6], extra_body={"use_beam_search": True}), "beam search"),
         ],
     )
     def test_refused_in_milliseconds(self, client, kw, match):
@@ -132,13 +132,13 @@ class TestStreaming:
     def test_first_chunk_arrives_long_before_the_end(self, client):
         # 96 tokens decoded one step per chunk: the first piece comes after the prefill and two
         # steps; the last after 96 steps. (After a request of the same shape: nothing compiles.)
-        kw = dict(model="tiny", prompt=[5, 6, 7], max_tokens=96, temperature=1.0)
+        kw = dict(model="tiny", prompt=[5, 6, 7], max_tokens=96, temperature=1.0, logprobs=0)
         kw["extra_body"] = {"ignore_eos": True}
         list(client.completions.create(stream=True, **kw))
         start = time.perf_counter()
         times = []
         for chunk in client.completions.create(stream=True, **kw):
-            if chunk.choices and chunk.choices[0].finish_reason is None:
+            if chunk.choices and chunk.choices[0].logprobs:  # a token's chunk
                 times.append(time.perf_counter() - start)
         total = time.perf_counter() - start
         assert len(times) == 96
@@ -164,3 +164,17 @@ class TestStreaming:
         cut = client.completions.create(**kw)
         assert streamed == cut.choices[0].text == text[: text.index(stop)]
         assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+class TestStop:
+    def test_sigterm_is_a_clean_stop(self, tiny_llama_dir):
+        """SIGTERM (what `kill`, systemd and container runtimes send) stops the server with exit
+        status 0, as Ctrl-C does, not 143."""
+        argv = [sys.executable, str(SCRIPT), f"--model={tiny_llama_dir}", "--port=0"]
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            assert proc.stdout.readline().startswith("serving ")
+            proc.terminate()
+            assert proc.wait(timeout=120) == 0, proc.stderr.read()
+        finally:
+            proc.kill()

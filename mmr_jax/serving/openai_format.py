@@ -49,6 +49,7 @@ class Choice:
     pieces: per token, the text it adds; they join to `text` (None unless streamed or cut).
     top: per token, the k most likely tokens as (text, log-prob), most likely first (None: not
       asked for).
+    prompt_logprobs: vLLM's list (`prompt_logprobs.vllm_prompt_logprobs`); echo: an `Echo`.
     """
 
     index: int
@@ -61,13 +62,29 @@ class Choice:
     stop_reason: int | str | None = None
     pieces: list[str] | None = None
     top: list[list[tuple[str, float]]] | None = None
+    prompt_logprobs: list | None = None
+    echo: Echo | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Echo:
+    """The prompt as `echo` puts it before a completion: text, token texts, and log-probs and top
+    alternatives (None without logprobs)."""
+
+    text: str
+    tokens: list[str]
+    logprobs: list[float | None] | None = None
+    top: list[dict | None] | None = None
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    """OpenAI's usage, with vLLM's `--enable-prompt-tokens-details` always on: cached_tokens is
+    0 (this server keeps no prefix cache)."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": 0},
     }
 
 
@@ -148,23 +165,30 @@ def stop_at_strings(pieces: Sequence[str], stops: Sequence[str]) -> tuple[int, i
 # ---- /v1/completions ----------------------------------------------------------------------------
 
 
-def completion_logprobs(c: Choice) -> dict:
+def completion_logprobs(c: Choice, offset: int = 0) -> dict:
     """The legacy logprobs object: tokens, token_logprobs, text_offset, top_logprobs (per token a
-    dict of the k most likely and the sampled token; the sampled one alone when k = 0)."""
-    offsets, pos = [], 0
-    for s in c.tokens:
-        offsets.append(pos)
-        pos += len(s)
-    top = []
+    dict of the k most likely and the sampled token; the sampled one alone when k = 0), the
+    echoed prompt's first. text_offset: where each token's text starts, counted from `offset` (a
+    stream chunk's: the text of the tokens sent before), as the sum of the token texts before
+    it, as vLLM's (a byte-level token that ends inside a character has the text "")."""
+    tokens, logprobs, tops = [], [], []
+    if c.echo is not None:
+        tokens, logprobs, tops = list(c.echo.tokens), list(c.echo.logprobs), list(c.echo.top)
     for t, (s, lp) in enumerate(zip(c.tokens, c.logprobs, strict=True)):
         entry = dict(c.top[t]) if c.top is not None else {}
         entry[s] = float(lp)
-        top.append(entry)
+        tokens.append(s)
+        logprobs.append(float(lp))
+        tops.append(entry)
+    offsets = []
+    for s in tokens:
+        offsets.append(offset)
+        offset += len(s)
     return {
         "text_offset": offsets,
-        "token_logprobs": [float(x) for x in c.logprobs],
-        "tokens": list(c.tokens),
-        "top_logprobs": top,
+        "token_logprobs": logprobs,
+        "tokens": tokens,
+        "top_logprobs": tops,
     }
 
 
@@ -184,12 +208,12 @@ def completion_response(
         out.append(
             {
                 "index": c.index,
-                "text": c.text,
+                "text": (c.echo.text if c.echo is not None else "") + c.text,
                 "logprobs": completion_logprobs(c) if logprobs else None,
                 "finish_reason": c.finish_reason,
                 "stop_reason": c.stop_reason,
                 "token_ids": list(c.token_ids) if token_ids else None,
-                "prompt_logprobs": None,
+                "prompt_logprobs": c.prompt_logprobs,
                 "prompt_token_ids": list(c.prompt_ids) if token_ids else None,
             }
         )
@@ -204,14 +228,21 @@ def completion_response(
 
 
 def _one_token(c: Choice, t: int) -> Choice:
-    """Choice `c` cut to its token t alone (for that token's stream chunk)."""
+    """Choice `c` cut to its token t alone (a token's stream chunk; the echo has its own)."""
     return dataclasses.replace(
         c,
         token_ids=c.token_ids[t : t + 1],
         logprobs=c.logprobs[t : t + 1],
         tokens=c.tokens[t : t + 1],
         top=None if c.top is None else c.top[t : t + 1],
+        echo=None,
     )
+
+
+def text_before(c: Choice, t: int) -> int:
+    """The text_offset of token t of `c` (the echoed prompt's tokens counted)."""
+    echoed = sum(len(s) for s in c.echo.tokens) if c.echo is not None else 0
+    return echoed + sum(len(s) for s in c.tokens[:t])
 
 
 def _stream(choices, *, head: dict, usage_chunk: dict | None, first, token, last) -> Iterator[dict]:
@@ -250,7 +281,7 @@ def completion_stream_parts(*, logprobs: bool):
     `Choice` (first: None, no opening chunk; token(c, t): token t's piece; last: the finish)."""
 
     def token(c, t):
-        lp = completion_logprobs(_one_token(c, t)) if logprobs else None
+        lp = completion_logprobs(_one_token(c, t), text_before(c, t)) if logprobs else None
         return {"index": c.index, "text": c.pieces[t], "logprobs": lp, "finish_reason": None}
 
     def last(c):
@@ -262,7 +293,16 @@ def completion_stream_parts(*, logprobs: bool):
             "stop_reason": c.stop_reason,
         }
 
-    return (lambda c: None), token, last
+    def first(c):  # the echoed prompt, in a chunk of its own
+        if c.echo is None:
+            return None
+        lp = None
+        if logprobs:
+            lp = completion_logprobs(dataclasses.replace(c, token_ids=[], logprobs=[], tokens=[]))
+        text = c.echo.text
+        return {"index": c.index, "text": text, "logprobs": lp, "finish_reason": None}
+
+    return first, token, last
 
 
 # ---- /v1/chat/completions -----------------------------------------------------------------------
@@ -289,8 +329,10 @@ def chat_response(
     model: str,
     prompt_tokens: int,
     logprobs: bool,
+    token_ids: bool = False,
 ) -> dict:
-    """The /v1/chat/completions body."""
+    """The /v1/chat/completions body (vLLM's extras: stop_reason, prompt_logprobs, and token ids
+    with `token_ids`)."""
     out = [
         {
             "index": c.index,
@@ -298,9 +340,11 @@ def chat_response(
             "logprobs": chat_logprobs(c) if logprobs else None,
             "finish_reason": c.finish_reason,
             "stop_reason": c.stop_reason,
+            "token_ids": list(c.token_ids) if token_ids else None,
         }
         for c in choices
     ]
+    first = choices[0] if choices else None
     return {
         "id": rid,
         "object": "chat.completion",
@@ -308,6 +352,8 @@ def chat_response(
         "model": model,
         "choices": out,
         "usage": choices_usage(choices, prompt_tokens),
+        "prompt_logprobs": first.prompt_logprobs if first is not None else None,
+        "prompt_token_ids": list(first.prompt_ids) if token_ids and first is not None else None,
     }
 
 

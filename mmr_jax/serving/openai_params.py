@@ -21,20 +21,9 @@ MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat (and vLLM's default max_logprob
 MAX_STOPS = 4  # OpenAI's limit on stop strings
 
 _UNSUPPORTED = {
-    "echo": "echo",
     "use_beam_search": "beam search",
     "suffix": "suffix",
     "prompt_embeds": "prompt_embeds",
-}
-_CHAT_UNSUPPORTED = {
-    "tools": "tools",
-    "functions": "functions",
-    "function_call": "function_call",
-    "audio": "audio output",
-    "prediction": "predicted outputs",
-    "echo": "echo",
-    "use_beam_search": "beam search",
-    "continue_final_message": "continue_final_message",
 }
 
 # Sampling controls the embedded sampler does not apply: accepted only at their neutral value.
@@ -47,13 +36,6 @@ _NEUTRAL = {
     "logit_bias": (None, {}),
     "min_tokens": (None, 0),
 }
-_CHAT_NEUTRAL = {
-    "tool_choice": (None, "none"),
-    "response_format": (None, {"type": "text"}),
-    "modalities": (None, ["text"]),
-    "add_generation_prompt": (None, True),
-    "parallel_tool_calls": (None, True, False),  # only means something with tools
-}
 # Keys both routes take (handled below); keys with no effect on the output are in _NO_EFFECT.
 _COMMON = {
     "model", "max_tokens", "temperature", "top_p", "top_k", "n", "seed", "stop",
@@ -61,14 +43,14 @@ _COMMON = {
     "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",
 }  # fmt: skip
 _NO_EFFECT = {"user", "metadata", "store", "request_id", "service_tier", "priority"}
-_COMPLETION = {"prompt", "return_token_ids", "return_tokens_as_token_ids", "add_special_tokens"}
-_CHAT = {"messages", "max_completion_tokens", "top_logprobs", "chat_template_kwargs"}
-# chat_template_kwargs that would change how the template is called, not what it renders.
-_TEMPLATE_RESERVED = {
-    "conversation", "messages", "tools", "documents", "chat_template", "tokenize",
-    "add_generation_prompt", "continue_final_message", "return_dict", "return_tensors",
-    "padding", "truncation", "max_length", "tokenizer_kwargs", "return_assistant_tokens_mask",
-}  # fmt: skip
+BOTH = {
+    "truncation_side",
+    "return_token_ids",
+    "return_tokens_as_token_ids",
+    "prompt_logprobs",
+    "truncate_prompt_tokens",
+}
+_COMPLETION = {"prompt", "add_special_tokens", "echo"} | BOTH
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +59,10 @@ class Request:
 
     logprobs: None (no log-probs) or k, the number of most likely alternatives per token
       (0: the sampled token's log-prob only).
+    prompt_logprobs: None, or k alternatives per prompt token (vLLM's prompt_logprobs; echo with
+      logprobs asks for them too).
+    echo: the completion's text and log-probs start with the prompt's (completions only).
+    continuous_usage: a stream's every chunk carries the usage so far.
     """
 
     prompts: list[list[int]]
@@ -85,6 +71,10 @@ class Request:
     logprobs: int | None = None
     stream: bool = False
     include_usage: bool = False
+    continuous_usage: bool = False
+    prompt_logprobs: int | None = None
+    echo: bool = False
+    generate: bool = True  # False: echo with max_tokens 0, the prompt alone
     ignore_eos: bool = False
     include_stop_str: bool = False
     skip_special_tokens: bool = True
@@ -178,20 +168,26 @@ def _stops(body: dict) -> tuple[str, ...]:
     return tuple(stops)
 
 
-def _stream(body: dict) -> tuple[bool, bool]:
+def _stream(body: dict) -> tuple[bool, bool, bool]:
+    """(stream, include_usage, continuous_usage_stats: usage on every chunk, as vLLM)."""
     stream = body.get("stream")
     if stream not in (None, True, False):
         raise HTTPError(400, f"stream must be a boolean, got {stream!r}", param="stream")
     options = body.get("stream_options")
     if options is None:
-        return bool(stream), False
+        return bool(stream), False, False
     if not stream:
         raise HTTPError(
             400, "stream_options is only allowed when stream is true", param="stream_options"
         )
-    if not isinstance(options, dict):
-        raise HTTPError(400, "stream_options must be an object", param="stream_options")
-    return True, bool(options.get("include_usage"))
+    if not isinstance(options, dict) or set(options) - {"include_usage", "continuous_usage_stats"}:
+        raise HTTPError(
+            400,
+            "stream_options must be an object with include_usage, continuous_usage_stats",
+            param="stream_options",
+        )
+    include = _bool(options, "include_usage", False)
+    return True, include, include and _bool(options, "continuous_usage_stats", False)
 
 
 def _check_context(prompts: list[list[int]], max_new: int, max_model_len: int, param: str):
@@ -207,22 +203,58 @@ def _check_context(prompts: list[list[int]], max_new: int, max_model_len: int, p
         )
 
 
-def _request(body, backend, prompts, max_tokens, param, logprobs) -> Request:
+def _prompt_logprobs(body: dict, logprobs: int | None, stream: bool) -> int | None:
+    """vLLM's prompt_logprobs (0-20); echo with logprobs asks for them too (as vLLM)."""
+    k = _int(body, "prompt_logprobs", low=0, high=MAX_TOP_LOGPROBS)
+    if k is not None and k > 0 and stream:
+        raise HTTPError(
+            400, "`prompt_logprobs` are not available when `stream=True`.", param="prompt_logprobs"
+        )
+    if k is None and body.get("echo") and logprobs is not None:
+        k = logprobs
+    return k
+
+
+def _truncate(body: dict, prompts: list[list[int]], max_model_len: int) -> list[list[int]]:
+    """vLLM's truncate_prompt_tokens: keep each prompt's last k tokens (-1: max_model_len; the
+    first k with truncation_side 'right')."""
+    k = _int(body, "truncate_prompt_tokens", low=-1, high=2**63 - 1)
+    if k is None:
+        return prompts
+    if k > max_model_len:
+        raise HTTPError(
+            400,
+            f"truncate_prompt_tokens value ({k}) is greater than max_model_len "
+            f"({max_model_len}). Please request a smaller truncation size.",
+            param="truncate_prompt_tokens",
+        )
+    k = max_model_len if k == -1 else k
+    if k == 0:
+        raise HTTPError(
+            400, "truncate_prompt_tokens=0 leaves no prompt", param="truncate_prompt_tokens"
+        )
+    side = body.get("truncation_side", "left")
+    if side not in ("left", "right"):
+        raise HTTPError(400, "truncation_side must be 'left' or 'right'", param="truncation_side")
+    return [p[-k:] if side == "left" else p[:k] for p in prompts]
+
+
+def _request(body, backend, prompts, max_tokens, param, logprobs, echo=False) -> Request:
     top_k = _int(body, "top_k", low=-1)
-    stream, include_usage = _stream(body)
+    stream, include_usage, continuous_usage = _stream(body)
     stop_ids = body.get("stop_token_ids")
     stop_ids = (
         () if stop_ids is None else _token_ids(stop_ids, backend.vocab_size, "stop_token_ids")
     )
     try:
         params = base.SamplingParams(
-            max_new_tokens=max_tokens,
+            max_new_tokens=max(max_tokens, 1),
             temperature=_float(body, "temperature", 1.0, low=0.0),
             top_p=_float(body, "top_p", 1.0, low=0.0, high=1.0),
             top_k=0 if top_k is None or top_k < 0 else top_k,
             n=_int(body, "n", low=1) or 1,
             stop_token_ids=tuple(stop_ids or ()),
-            seed=_int(body, "seed", low=-(2**63), high=2**64 - 1),
+            seed=_int(body, "seed", low=-(2**63), high=2**63 - 1),
         )
     except (TypeError, ValueError) as e:
         raise HTTPError(400, f"invalid sampling parameters: {e}") from e
@@ -234,6 +266,10 @@ def _request(body, backend, prompts, max_tokens, param, logprobs) -> Request:
         logprobs=logprobs,
         stream=stream,
         include_usage=include_usage,
+        continuous_usage=continuous_usage,
+        prompt_logprobs=_prompt_logprobs(body, logprobs, stream),
+        echo=echo,
+        generate=max_tokens > 0,
         ignore_eos=_bool(body, "ignore_eos", False),
         include_stop_str=_bool(body, "include_stop_str_in_output", False),
         skip_special_tokens=_bool(body, "skip_special_tokens", True),
@@ -245,7 +281,11 @@ def _prompts(body: dict, backend: Any) -> list[list[int]]:
     add_special = _bool(body, "add_special_tokens", True)
     if isinstance(prompt, str):
         prompt = [prompt]
-    if not isinstance(prompt, list) or not prompt:
+    if prompt is None or prompt == []:
+        raise HTTPError(
+            400, "Either prompt or prompt_embeds must be provided and non-empty.", param="prompt"
+        )
+    if not isinstance(prompt, list):
         raise HTTPError(
             400, "prompt must be a string, a list of strings or token ids", param="prompt"
         )
@@ -254,6 +294,10 @@ def _prompts(body: dict, backend: Any) -> list[list[int]]:
     out = []
     for p in prompt:
         if isinstance(p, str):
+            try:
+                p.encode("utf-8")
+            except UnicodeEncodeError as e:  # a lone surrogate ("\\ud83d"): not text
+                raise HTTPError(400, f"prompt is not valid Unicode: {e}", param="prompt") from e
             out.append(backend.encode(p, add_special_tokens=add_special))
         elif isinstance(p, list) and all(isinstance(t, int) for t in p):
             out.append(_token_ids(p, backend.vocab_size, "prompt"))
@@ -269,81 +313,10 @@ def parse_completion_request(body: dict, backend: Any) -> Request:
     _check_supported(body, _UNSUPPORTED, _NEUTRAL, _COMMON | _NO_EFFECT | _COMPLETION)
     for key in ("return_token_ids", "return_tokens_as_token_ids"):
         _bool(body, key, False)
-    prompts = _prompts(body, backend)
+    echo = _bool(body, "echo", False)
+    prompts = _truncate(body, _prompts(body, backend), backend.max_model_len)
     logprobs = _int(body, "logprobs", low=0, high=MAX_TOP_LOGPROBS)
-    max_tokens = _int(body, "max_tokens", low=1)
-    return _request(body, backend, prompts, max_tokens or 16, "prompt", logprobs)
-
-
-def _messages(body: dict) -> list[dict]:
-    """The messages, each {"role", "content": str}; text content parts are joined."""
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise HTTPError(400, "messages must be a non-empty list", param="messages")
-    out = []
-    for i, m in enumerate(messages):
-        where = f"messages[{i}]"
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise HTTPError(400, f"{where} must be an object with a role", param=where)
-        content = m.get("content")
-        if isinstance(content, list):
-            if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
-                raise HTTPError(400, f"{where}: only text content parts are supported", param=where)
-            content = "".join(str(p.get("text", "")) for p in content)
-        if content is None and m.get("tool_calls"):
-            raise HTTPError(400, f"{where}: tool calls are not supported", param=where)
-        if not isinstance(content, str):
-            raise HTTPError(400, f"{where}.content must be a string or text parts", param=where)
-        out.append({"role": m["role"], "content": content})
-    return out
-
-
-def parse_chat_request(
-    body: dict, backend: Any, *, default_max_tokens: int | None = None
-) -> Request:
-    """The `Request` of a /v1/chat/completions body: one prompt, the messages rendered by the
-    tokenizer's chat template with the assistant's generation prompt (`backend.chat_prompt`).
-    Without max_tokens, as many as the context allows (OpenAI's rule), at most
-    `default_max_tokens` when given."""
-    _check_supported(
-        body, _CHAT_UNSUPPORTED, {**_NEUTRAL, **_CHAT_NEUTRAL}, _COMMON | _NO_EFFECT | _CHAT
-    )
-    messages = _messages(body)
-    template_kwargs = _template_kwargs(body)
-    want = body.get("logprobs")
-    if want not in (None, True, False):
-        raise HTTPError(400, f"logprobs must be a boolean, got {want!r}", param="logprobs")
-    top = _int(body, "top_logprobs", low=0, high=MAX_TOP_LOGPROBS)
-    if top and not want:
-        raise HTTPError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
-    try:
-        if template_kwargs:
-            prompt = backend.chat_prompt(messages, template_kwargs=template_kwargs)
-        else:
-            prompt = backend.chat_prompt(messages)
-    except Exception as e:  # A template's own error (roles out of order, ...) is the request's.
-        raise HTTPError(400, f"chat template failed: {e}", param="messages") from e
-    room = backend.max_model_len - len(prompt)
-    if default_max_tokens is not None:
-        room = max(1, min(room, default_max_tokens))
-    _check_context([prompt], 1, backend.max_model_len, "messages")
-    max_tokens = _int(body, "max_completion_tokens", low=1) or _int(body, "max_tokens", low=1)
-    logprobs = (top or 0) if want else None
-    return _request(body, backend, [prompt], max_tokens or room, "messages", logprobs)
-
-
-def _template_kwargs(body: dict) -> dict:
-    """chat_template_kwargs: extra variables the chat template renders with (as vLLM)."""
-    kwargs = body.get("chat_template_kwargs")
-    if kwargs is None:
-        return {}
-    if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
-        raise HTTPError(400, "chat_template_kwargs must be an object", param="chat_template_kwargs")
-    reserved = sorted(set(kwargs) & _TEMPLATE_RESERVED)
-    if reserved:
-        raise HTTPError(
-            400,
-            f"chat_template_kwargs may not set {reserved[0]!r}",
-            param="chat_template_kwargs",
-        )
-    return kwargs
+    max_tokens = _int(body, "max_tokens", low=0 if echo else 1)
+    if max_tokens is None:
+        max_tokens = 16
+    return _request(body, backend, prompts, max_tokens, "prompt", logprobs, echo)

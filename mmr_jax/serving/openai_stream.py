@@ -6,11 +6,13 @@ reply has (a partial UTF-8 character is held back until it completes). With stop
 last (longest stop - 1) characters are held back until they cannot start one; a completed stop
 string ends that choice (its rows end at the next decode chunk). With top log-probs (k > 0) the
 tokens are sent at the end, since the alternatives are computed after generation. Choices' chunks
-interleave (each carries its index), as vLLM's do. Not streamed, stop strings end rows early too.
+interleave (each carries its index), and a choice's last token chunk carries its finish reason,
+as vLLM's do. Not streamed, stop strings end rows early too.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 from collections.abc import Callable, Iterator
 
@@ -50,8 +52,8 @@ def _stop_rows(backend, job, update) -> None:
             job.stop_rows.add(r)
 
 
-def collect(backend, job, client_gone, *, as_ids: bool) -> list[fmt.Choice]:
-    """The finished choices of `job` (not streamed)."""
+def collect(backend, job, client_gone, *, as_ids: bool, prompt_info=None) -> list[fmt.Choice]:
+    """The finished choices of `job` (not streamed; `prompt_info`: `build_choices`')."""
     request, n = job.request, job.request.params.n
     for update in updates(job, client_gone):
         if request.stop and not update.final:
@@ -61,15 +63,17 @@ def collect(backend, job, client_gone, *, as_ids: bool) -> list[fmt.Choice]:
         return [values[b * n : (b + 1) * n] for b in range(len(request.prompts))]
 
     batch = base.batch_from_lists(grid(update.ids), grid(update.logprobs), grid(update.reasons))
-    return openai_choices.build_choices(backend, request, batch, update.tops, as_ids=as_ids)
+    return openai_choices.build_choices(
+        backend, request, batch, update.tops, as_ids=as_ids, prompt_info=prompt_info
+    )
 
 
 class _Row:
     """One choice while it streams: tokens sent so far, and whether it has ended."""
 
-    def __init__(self, index: int, prompt):
+    def __init__(self, index: int, prompt, echo=None):
         self.index, self.prompt, self.sent, self.ended = index, prompt, 0, False
-        self.out = None
+        self.out, self.echo = None, echo
 
 
 def _advance(backend, job, row: _Row, update, parts, *, as_ids) -> Iterator[dict]:
@@ -103,36 +107,67 @@ def _advance(backend, job, row: _Row, update, parts, *, as_ids) -> Iterator[dict
         return  # alternatives come with the final update
     top = update.tops[r] if update.tops is not None else None
     c = openai_choices.choice(backend, r, row.prompt, out, top, as_ids=as_ids)
+    c = dataclasses.replace(c, echo=row.echo)
     first, token, last = parts
-    for t in range(row.sent, max(row.sent, ready)):
-        yield token(c, t)
-    row.sent = max(row.sent, ready)
-    if finished:
+    end = max(row.sent, ready)
+    for t in range(row.sent, end):
+        entry = token(c, t)
+        row.sent = t + 1  # before the yield: the chunk's usage counts its token
+        if finished and t == end - 1:  # the last token's chunk carries the finish, as vLLM's
+            row.ended, row.out = True, c
+            ending = last(c)
+            entry = {**entry, "finish_reason": ending["finish_reason"]}
+            entry["stop_reason"] = ending["stop_reason"]
+        yield entry
+    if finished and not row.ended:  # nothing left to send: the finish alone
         row.ended, row.out = True, c
         yield last(c)
 
 
 def stream(
-    backend, job, client_gone, *, head: dict, chat: bool, as_ids: bool, include_usage: bool
+    backend,
+    job,
+    client_gone,
+    *,
+    head: dict,
+    chat: bool,
+    as_ids: bool,
+    prompt_info=None,
+    on_finish=lambda choices: None,
 ) -> Iterator[dict]:
-    """The stream chunks of `job` as its updates arrive (`head`: id, object, created, model)."""
+    """The stream chunks of `job` as its updates arrive (`head`: id, object, created, model;
+    `prompt_info`: `build_choices`'). With include_usage the last chunk has the usage; with
+    continuous_usage_stats every chunk has the usage of its choice so far (as vLLM's).
+    `on_finish(choices)` runs once every choice has ended."""
     request = job.request
     logprobs = request.logprobs is not None
     parts = (fmt.chat_stream_parts if chat else fmt.completion_stream_parts)(logprobs=logprobs)
     n = request.params.n
-    rows = [_Row(r, request.prompts[r // n]) for r in range(job.rows)]
-    extra = {"usage": None} if include_usage else {}
+    echoes = [
+        None if prompt_info is None else prompt_info[b][0] for b in range(len(request.prompts))
+    ]
+    rows = [_Row(r, request.prompts[r // n], echoes[r // n]) for r in range(job.rows)]
+
+    def chunk(row, entry):
+        if not request.include_usage:
+            return {**head, "choices": [entry]}
+        use = None
+        if request.continuous_usage:
+            use = fmt.usage(len(row.prompt), row.sent if not row.ended else len(row.out.token_ids))
+        return {**head, "choices": [entry], "usage": use}
+
     for row in rows:
-        opening = parts[0](fmt.Choice(row.index, [], [], [], [], "", ""))
+        opening = parts[0](fmt.Choice(row.index, [], [], [], [], "", "", echo=row.echo))
         if opening is not None:
-            yield {**head, "choices": [opening], **extra}
+            yield chunk(row, opening)
     for update in updates(job, client_gone):
         for row in rows:
             if row.ended:
                 continue
             for entry in _advance(backend, job, row, update, parts, as_ids=as_ids):
-                yield {**head, "choices": [entry], **extra}
-    if include_usage:
+                yield chunk(row, entry)
+    on_finish([row.out for row in rows])
+    if request.include_usage:
         prompt_tokens = sum(len(p) for p in request.prompts)
         use = fmt.choices_usage([row.out for row in rows], prompt_tokens)
         yield {**head, "choices": [], "usage": use}

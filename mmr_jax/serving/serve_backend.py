@@ -22,6 +22,7 @@ from flax import nnx
 
 from mmr_jax.models import hub
 from mmr_jax.rollout import base, embedded, layout, sampler, sampling, sampling_call, vllm_engine
+from mmr_jax.serving import prompt_logprobs
 
 _PEFT_PREFIX = "base_model.model."
 
@@ -260,15 +261,22 @@ class EmbeddedBackend:
                 out.append((np.asarray(ids[0, at]), np.asarray(logps[0, at])))
         return out
 
+    def prompt_scores(self, prompt: Sequence[int], k: int, *, model: str):
+        """`prompt_logprobs.scores` of `prompt` (its length bucketed as the sampler's)."""
+        with self._lock:
+            length = layout.length_bucket(len(prompt), self.engine.buckets.min_prompt_len)
+            return prompt_logprobs.scores(
+                self._decoder(model), prompt, k, length=length, pad_id=self.engine.pad_id
+            )
+
     def chat_prompt(self, messages: list[dict], template_kwargs: dict | None = None) -> list[int]:
         """The prompt ids of `messages`: the chat template rendered with the assistant's
         generation prompt (and `template_kwargs` as extra template variables), then tokenized
         without added special tokens (as vLLM does)."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError(f"the tokenizer of {self.model_name!r} has no chat template")
-        text = self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True, **(template_kwargs or {})
-        )
+        kwargs = {"add_generation_prompt": True, **(template_kwargs or {})}
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
         return self.encode(text, add_special_tokens=False)
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:

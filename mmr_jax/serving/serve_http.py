@@ -6,7 +6,9 @@ next request on a kept-alive connection (the `openai` client reuses them) starts
 a body that cannot be read that way (Content-Length missing with chunked transfer encoding,
 invalid, negative, repeated with different values, over `max_body_bytes`, or shorter than it
 says) is answered 400 and the connection closed. With an API key, every route but /health needs
-`Authorization: Bearer <key>` (401 otherwise), as vLLM's `--api-key`.
+`Authorization: Bearer <key>` (401 otherwise), as vLLM's `--api-key`. As vLLM's: a POST body
+whose Content-Type is not application/json is a 400 (none given: read as JSON), a route asked
+with the wrong method a 405, and a client that resets its connection is logged, not a traceback.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ from mmr_jax.serving import openai_format as fmt
 log = logging.getLogger(__name__)
 
 HTTPError = fmt.HTTPError
-OPEN_ROUTES = ("/health", "/ping", "/version")  # answered without the API key, as vLLM's
+OPEN_ROUTES = ("/health", "/ping", "/version", "/metrics", "/load")  # no API key, as vLLM's
+NO_BODY_ROUTES = ("/ping",)  # POST routes that take no JSON body
 READ_TIMEOUT_S = 300  # a connection idle (or stalled mid-request) this long is closed
 
 
@@ -63,7 +66,14 @@ class Handler(BaseHTTPRequestHandler):
     def log_message(self, fmt_, *args):
         log.debug("%s %s", self.address_string(), fmt_ % args)
 
-    def _send(self, status: int, payload: Any = None, text: str | None = None) -> None:
+    def handle(self):
+        try:
+            super().handle()
+        except (ConnectionResetError, BrokenPipeError, TimeoutError) as e:
+            log.info("connection from %s ended: %s", self.address_string(), type(e).__name__)
+            self.close_connection = True
+
+    def _send(self, status: int, payload: Any = None, text: str | None = None, headers=()) -> None:
         data = b"" if payload is None else json.dumps(payload).encode()
         ctype = "application/json"
         if text is not None:
@@ -73,6 +83,8 @@ class Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(data)))
         if self.close_connection:
             self.send_header("Connection", "close")
+        for name, value in headers:
+            self.send_header(name, value)
         self.end_headers()
         self.wfile.write(data)
 
@@ -147,6 +159,16 @@ class Handler(BaseHTTPRequestHandler):
                 401, "Unauthorized: a valid API key is required", code="invalid_api_key"
             )
 
+    def _check_json_type(self) -> None:
+        """A body sent as anything but JSON is refused, as vLLM's `validate_json_request`."""
+        ctype = self.headers.get("Content-Type")
+        if ctype is not None and ctype.split(";", 1)[0].strip().lower() != "application/json":
+            raise HTTPError(
+                400,
+                f"Unsupported Media Type {ctype[:64]!r}: only 'application/json' is allowed",
+                code="unsupported_media_type",
+            )
+
     @staticmethod
     def _json(raw: bytes) -> dict:
         try:
@@ -161,13 +183,22 @@ class Handler(BaseHTTPRequestHandler):
 
     def _dispatch(self, method: str) -> None:
         route = self.path.split("?", 1)[0]
+        headers = ()
         try:
             raw = self._read_body()
             self._authorize(route)
-            handler = self.server.app.routes.get((method, route))
+            routes = self.server.app.routes
+            handler = routes.get((method, route))
             if handler is None:
+                allowed = sorted(m for m, r in routes if r == route)
+                if allowed:
+                    headers = (("Allow", ", ".join(allowed)),)
+                    raise HTTPError(405, f"Method Not Allowed ({method} {route})")
                 raise HTTPError(404, f"Invalid URL ({method} {route})")
-            body = self._json(raw) if method == "POST" else {}
+            body = {}
+            if method == "POST" and route not in NO_BODY_ROUTES:
+                self._check_json_type()
+                body = self._json(raw)
             status, payload, text = handler(body, self)
         except HTTPError as e:
             status, payload, text = e.status, e.payload(), None
@@ -181,7 +212,7 @@ class Handler(BaseHTTPRequestHandler):
             self._send_stream(payload)
             return
         try:
-            self._send(status, payload, text)
+            self._send(status, payload, text, headers)
         except (BrokenPipeError, ConnectionResetError):
             self.close_connection = True
 

@@ -1,42 +1,30 @@
 """OpenAI-compatible HTTP server with vLLM's request/response shapes, over any `Backend`.
 
-Routes:
-  GET  /health, /v1/models
-  POST /v1/completions            token-id or text prompts, n, seed, max_tokens, temperature, top_p,
-                                  top_k, stop, stop_token_ids, ignore_eos, logprobs (0-20),
-                                  stream (+ stream_options.include_usage), return_token_ids,
-                                  return_tokens_as_token_ids; choices prompt-major (index b * n + i)
-  POST /v1/chat/completions       messages (text) through the tokenizer's chat template with the
-                                  generation prompt; n, seed, max_tokens / max_completion_tokens,
-                                  temperature, top_p, top_k, stop, logprobs + top_logprobs (0-20),
-                                  stream (+ stream_options.include_usage)
-  POST /reset_prefix_cache        -> {"success": true}
+Routes (parameters, shapes and what is refused: docs/serving.md):
+  GET  /health, /ping, /version, /load, /metrics (Prometheus, `serve_metrics`), /v1/models
+  POST /v1/completions, /v1/chat/completions, /v1/chat/completions/batch (vLLM's batched chat),
+       /invocations (SageMaker's: a chat or completion body), /ping, /reset_prefix_cache
   with `weights_dir` only (off by default, as vLLM's dev-mode and runtime-LoRA routes; the paths
   they take must lie inside `weights_dir`):
   POST /collective_rpc            {"method", "args", "kwargs"} -> {"results": [one per worker]}
   POST /v1/load_lora_adapter      {"lora_name", "lora_path"}
   POST /v1/unload_lora_adapter    {"lora_name"}
-Bodies and stream chunks: `openai_format`; request parsing and what is refused: `openai_params`
-(echo, best_of > 1, beam search, tools, and any sampling control this sampler does not apply when
-set to a value that would change the output are HTTP 400: a request is answered as asked or
-refused, never answered as if a parameter were absent). Errors are OpenAI's shape,
-{"error": {"message", "type", "param", "code"}}: unknown model 404 `model_not_found`, a prompt
-over the context 400 `context_length_exceeded`, malformed JSON or bad parameters 400.
+Bodies and stream chunks: `openai_format`; request parsing and what is refused: `openai_params`,
+`openai_chat_params` (a request is answered as asked or refused with a 400, never answered as if
+a parameter were absent); echo and prompt log-probs: `prompt_logprobs` (one forward pass per
+prompt). Errors are OpenAI's shape, {"error": {"message", "type", "param", "code"}}.
 
-Limits (`serve_limits`): rows, context and body size, each a 400 before anything is generated.
 Generation: `serve_batcher` decodes the requests waiting together, in chunks of steps; streams
 send each chunk's tokens as it is decoded (`openai_stream`), stop strings and clients that leave
 end their rows early. Log-probs follow the backend's `logprobs_mode` (default: after temperature,
 before top-k/top-p); with k alternatives (k > 0) the server runs one extra forward pass over
 prompt + completion for them, under the same hold of the backend as the generation.
-HTTP: `serve_http` (bodies always read or the connection closed; the optional API key).
-
-Stdlib only (`http.server.ThreadingHTTPServer`).
-Start in-process with `OpenAIServer(backend, port=0).start()`; `.url` gives the bound address.
+HTTP: `serve_http` (stdlib `http.server`). In-process: `OpenAIServer(backend, port=0).start()`.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import os
 import threading
@@ -47,9 +35,19 @@ from typing import Any, Protocol
 
 import numpy as np
 
+import mmr_jax
 from mmr_jax.rollout import base, vllm_engine
+from mmr_jax.serving import (
+    openai_chat_params,
+    openai_choices,
+    openai_params,
+    openai_stream,
+    serve_batcher,
+    serve_http,
+    serve_limits,
+    serve_metrics,
+)
 from mmr_jax.serving import openai_format as fmt
-from mmr_jax.serving import openai_params, openai_stream, serve_batcher, serve_http, serve_limits
 
 log = logging.getLogger(__name__)
 
@@ -142,11 +140,20 @@ class OpenAIServer:
         self._http = serve_http.HTTPServer((host, port), serve_http.Handler)
         self._http.app = self
         self._thread: threading.Thread | None = None
+        self.metrics = serve_metrics.Metrics(backend.model_name)
+        ok = lambda body, conn: (200, None, None)
         self.routes = {
-            ("GET", "/health"): lambda body, conn: (200, None, None),
+            ("GET", "/health"): ok,
+            ("GET", "/ping"): ok,
+            ("POST", "/ping"): ok,
+            ("GET", "/version"): lambda body, conn: (200, {"version": mmr_jax.__version__}, None),
+            ("GET", "/load"): lambda body, conn: (200, {"server_load": self.metrics.load}, None),
+            ("GET", "/metrics"): lambda body, conn: (200, None, self.metrics.exposition()),
             ("GET", "/v1/models"): self._models,
             ("POST", "/v1/completions"): self._completions,
             ("POST", "/v1/chat/completions"): self._chat,
+            ("POST", "/v1/chat/completions/batch"): self._batch_chat,
+            ("POST", "/invocations"): self._invocations,
             ("POST", "/reset_prefix_cache"): lambda body, conn: (200, {"success": True}, None),
         }
         if self.weights_dir is not None:
@@ -166,6 +173,10 @@ class OpenAIServer:
 
     def serve_forever(self) -> None:
         self._http.serve_forever()
+
+    def stop_serving(self) -> None:
+        """Makes `serve_forever` return (safe from a signal handler: it does not wait)."""
+        threading.Thread(target=self._http.shutdown, daemon=True).start()
 
     def shutdown(self) -> None:
         self._http.shutdown()
@@ -215,8 +226,8 @@ class OpenAIServer:
     def _reply(self, request: openai_params.Request, model: str, conn, *, chat: bool, body):
         """The reply of a parsed request: a JSON body, or a stream as tokens are decoded."""
         serve_limits.check(request, self.limits)
-        job = self.batcher.submit(serve_batcher.Job(request, model))
         as_ids = bool(body.get("return_tokens_as_token_ids"))
+        token_ids = bool(body.get("return_token_ids"))
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         meta = {
             "created": int(time.time()),
@@ -224,27 +235,51 @@ class OpenAIServer:
             "prompt_tokens": sum(len(p) for p in request.prompts),
             "logprobs": request.logprobs is not None,
         }
+        done = self.metrics.started()
+        try:
+            info = openai_choices.prompt_info(self.backend, request, model, as_ids=as_ids)
+            if not request.generate:  # echo with max_tokens 0: the prompt alone
+                choices = openai_choices.build_choices(
+                    self.backend, request, None, None, as_ids=as_ids, prompt_info=info
+                )
+                if request.stream:
+                    chunks = fmt.completion_chunks(
+                        choices, rid=rid, **meta, include_usage=request.include_usage
+                    )
+                    return 200, serve_http.sse(chunks, on_close=done), None
+                done()
+                reply = fmt.completion_response(choices, rid=rid, token_ids=token_ids, **meta)
+                return 200, reply, None
+            job = self.batcher.submit(serve_batcher.Job(request, model))
+        except BaseException:
+            done()
+            raise
         if request.stream:
             kind = "chat.completion.chunk" if chat else "text_completion"
             head = {"id": rid, "object": kind, "created": meta["created"], "model": model}
             chunks = openai_stream.stream(
-                self.backend,
-                job,
-                conn.client_gone,
-                head=head,
-                chat=chat,
-                as_ids=as_ids,
-                include_usage=request.include_usage,
-            )
-            return 200, serve_http.sse(chunks, on_close=job.cancel), None
+                self.backend, job, conn.client_gone, head=head, chat=chat, as_ids=as_ids,
+                prompt_info=info,
+                on_finish=lambda outs: self.metrics.finished(meta["prompt_tokens"], outs),
+            )  # fmt: skip
+
+            def close():
+                job.cancel()
+                done()
+
+            return 200, serve_http.sse(chunks, on_close=close), None
         try:
-            choices = openai_stream.collect(self.backend, job, conn.client_gone, as_ids=as_ids)
+            choices = openai_stream.collect(
+                self.backend, job, conn.client_gone, as_ids=as_ids, prompt_info=info
+            )
         except ConnectionAbortedError:
             conn.close_connection = True
             return 499, None, None
+        finally:
+            done()
+        self.metrics.finished(meta["prompt_tokens"], choices)
         if chat:
-            return 200, fmt.chat_response(choices, rid=rid, **meta), None
-        token_ids = bool(body.get("return_token_ids"))
+            return 200, fmt.chat_response(choices, rid=rid, token_ids=token_ids, **meta), None
         return 200, fmt.completion_response(choices, rid=rid, token_ids=token_ids, **meta), None
 
     def _completions(self, body, conn):
@@ -254,10 +289,53 @@ class OpenAIServer:
 
     def _chat(self, body, conn):
         model = self._resolve_model(body.get("model"))
-        request = openai_params.parse_chat_request(
+        request = openai_chat_params.parse_chat_request(
             body, self.backend, default_max_tokens=self.default_max_tokens
         )
         return self._reply(request, model, conn, chat=True, body=body)
+
+    def _batch_chat(self, body, conn):
+        """vLLM's /v1/chat/completions/batch: `messages` a list of conversations, one choice
+        each (index i), not streamed, n = 1."""
+        conversations = body.get("messages")
+        if not isinstance(conversations, list) or not conversations:
+            raise HTTPError(
+                400, "messages must be a non-empty list of conversations", param="messages"
+            )
+        if body.get("stream") or (body.get("n") or 1) != 1:
+            raise HTTPError(400, "batch chat completions take neither stream nor n > 1")
+        if len(conversations) > self.limits.max_num_seqs:
+            raise HTTPError(
+                400, f"at most {self.limits.max_num_seqs} conversations", param="messages"
+            )
+        with concurrent.futures.ThreadPoolExecutor(len(conversations)) as pool:  # one batch
+            answers = list(
+                pool.map(lambda m: self._chat({**body, "messages": m}, conn), conversations)
+            )
+        replies = []
+        for status, reply, _ in answers:
+            if status != 200:
+                return status, reply, None
+            replies.append(reply)
+        choices = [{**r["choices"][0], "index": i} for i, r in enumerate(replies)]
+        usage = fmt.usage(
+            sum(r["usage"]["prompt_tokens"] for r in replies),
+            sum(r["usage"]["completion_tokens"] for r in replies),
+        )
+        return 200, {**replies[0], "choices": choices, "usage": usage}, None
+
+    def _invocations(self, body, conn):
+        """vLLM's (SageMaker's) POST /invocations: a chat body (messages) or a completion body
+        (prompt), answered by that route."""
+        if "messages" in body:
+            return self._chat(body, conn)
+        if "prompt" in body:
+            return self._completions(body, conn)
+        raise HTTPError(
+            400,
+            "Cannot find suitable handler for request. Expected one of: "
+            "ChatCompletionRequest, CompletionRequest",
+        )
 
     # ---- weight routes (with `weights_dir` only) -------------------------------------------------
 
