@@ -55,6 +55,10 @@ class Job:
         self.updates: queue.Queue = queue.Queue()
         self.stop_rows: set[int] = set()
         self.cancelled = False
+        # Continuous batching (`slot_scheduler`): its rows' slots, ended rows, ends reported.
+        self.slots: list[int] = []
+        self.done_rows: dict = {}
+        self.reported_done = 0
 
     @property
     def rows(self) -> int:

@@ -49,7 +49,14 @@ import numpy as np
 
 from mmr_jax.rollout import base, vllm_engine
 from mmr_jax.serving import openai_format as fmt
-from mmr_jax.serving import openai_params, openai_stream, serve_batcher, serve_http, serve_limits
+from mmr_jax.serving import (
+    openai_params,
+    openai_stream,
+    serve_batcher,
+    serve_http,
+    serve_limits,
+    slot_scheduler,
+)
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +143,7 @@ class OpenAIServer:
         self.backend, self.default_max_tokens = backend, default_max_tokens
         self.limits, self.api_key = limits or serve_limits.Limits(), api_key or None
         self.weights_dir = None if weights_dir is None else os.path.realpath(weights_dir)
-        self.batcher = serve_batcher.Batcher(
+        self.batcher = slot_scheduler.batcher_for(
             backend, self.limits, chunk_steps=chunk_steps, gather_s=gather_s
         )
         self._http = serve_http.HTTPServer((host, port), serve_http.Handler)
