@@ -21,8 +21,6 @@ def small_grid():
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(slot_grid, "CHUNK", 32)
         mp.setattr(slot_grid, "MIN_WIDTH", 8)
-        mp.setattr(slot_grid, "PREFILL_ROWS", 2)
-        mp.setattr(slot_grid, "PREFILL_TOKENS", 64)
         yield
 
 
@@ -84,6 +82,14 @@ class TestContinuousBatcher:
             ids, logps = _alone(batcher, prompt)
             assert update.ids[0] == ids
             np.testing.assert_allclose(update.logprobs[0], logps, atol=2e-5)
+
+    def test_prompts_and_samples_of_one_request(self, batcher):
+        params = base.SamplingParams(max_new_tokens=12, temperature=0.0, n=2)
+        prompts = [PROMPTS[3], PROMPTS[0]]  # rows 1 and 3 get a copy of their prompt's cache
+        request = openai_params.Request(prompts=prompts, params=params)
+        update = _final(batcher.submit(serve_batcher.Job(request, "tiny")))
+        expected = [_alone(batcher, p)[0] for p in prompts for _ in range(2)]
+        assert update.ids == expected
 
     def test_joining_a_running_batch_keeps_each_output(self, batcher):
         first = batcher.submit(_job(PROMPTS[2], max_new=40, ignore_eos=True))

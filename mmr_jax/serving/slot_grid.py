@@ -10,9 +10,9 @@ run and is refused; one that fits waits until its rows' slots are free.
 (`slot_programs`; a progress line each, through `log`), so no request waits for a compile:
   decode: one per row count R in `Grid.decode_rows` (powers of two up to S, and S), with and
     without top-k/top-p filtering;
-  prefill: one per (rows, width) in `Grid.prefill_shapes` (prompts packed into one row of a
-    power-of-two width from `MIN_WIDTH` to `CHUNK`, or into 2, 4, ... `PREFILL_ROWS` rows of
-    `CHUNK`), and one `prefill_more` (a CHUNK of a longer prompt);
+  prefill: one per width in `Grid.prefill_widths` (prompts packed into one row of a
+    power-of-two width from `MIN_WIDTH` to `CHUNK`), and one `prefill_more` (a CHUNK of a
+    longer prompt): a step boundary prefills at most CHUNK tokens;
   copy_slots: one.
 With the persistent compile cache (`infra.compile_cache`) a restarted server loads them.
 """
@@ -28,10 +28,8 @@ import numpy as np
 from mmr_jax.models import kv_cache
 from mmr_jax.serving import slot_programs
 
-CHUNK = 512  # prompt tokens a prefill row takes at most; longer prompts go on in chunks
+CHUNK = 512  # prompt tokens prefilled at a step boundary at most; longer prompts go on in chunks
 MIN_WIDTH = 32
-PREFILL_ROWS = 4
-PREFILL_TOKENS = PREFILL_ROWS * CHUNK  # prompt tokens prefilled per step boundary
 
 
 def _powers_of_two(upto: int) -> list[int]:
@@ -75,11 +73,9 @@ class Grid:
         return next(r for r in self.decode_rows if r > highest_slot)
 
     @property
-    def prefill_shapes(self) -> list[tuple[int, int]]:
-        """(rows, width) of the prefill programs: one row of a power-of-two width up to CHUNK
-        (a few prompts), or 2^k rows of CHUNK (more)."""
-        widths = [w for w in _powers_of_two(CHUNK) if w >= MIN_WIDTH]
-        return [(1, w) for w in widths] + [(r, CHUNK) for r in _powers_of_two(PREFILL_ROWS)[1:]]
+    def prefill_widths(self) -> list[int]:
+        """Widths of the prefill programs: one row of a power of two from MIN_WIDTH to CHUNK."""
+        return [w for w in _powers_of_two(CHUNK) if w >= MIN_WIDTH]
 
 
 class Programs:
@@ -108,10 +104,10 @@ class Programs:
                     graphdef, state, kernels, cache, rows,
                     use_filter=use_filter, logprobs_mode=logprobs_mode,
                 )  # fmt: skip
-        for r, w in grid.prefill_shapes:
-            args = (np.zeros((r, w), np.int32),) * 5
-            self._prefill[r, w] = build(
-                f"prefill rows={r} width={w}", slot_programs.prefill, graphdef, state, cache, *args
+        for w in grid.prefill_widths:
+            args = (np.zeros((1, w), np.int32),) * 5
+            self._prefill[w] = build(
+                f"prefill width={w}", slot_programs.prefill, graphdef, state, cache, *args
             )
         i32 = np.int32(0)
         tokens = np.zeros((1, CHUNK), np.int32)
@@ -128,8 +124,7 @@ class Programs:
         return self._decode[len(rows["cur"]), use_filter](state, kernels, cache, rows)
 
     def prefill(self, state, cache, tokens_RxW, positions_RxW, segments_RxW, slots_RxW, cols_RxW):
-        r, w = tokens_RxW.shape
-        return self._prefill[r, w](
+        return self._prefill[tokens_RxW.shape[1]](
             state, cache, tokens_RxW, positions_RxW, segments_RxW, slots_RxW, cols_RxW
         )
 

@@ -39,6 +39,15 @@ class _Row:
         self.ids: list[int] = []
         self.logps: list[float] = []
         self.reason: str | None = None
+        self.ready = False  # its prompt is prefilled: it decodes
+
+
+class _Prefill:
+    """A prompt being prefilled: its rows' slots (the first gets the prefill, the others a
+    copy), the ids to write (all but the last) and how many are written."""
+
+    def __init__(self, job, slots: list[int], ids: list[int]):
+        self.job, self.slots, self.ids, self.done = job, slots, ids, 0
 
 
 class ContinuousBatcher:
@@ -60,6 +69,7 @@ class ContinuousBatcher:
         self._top_p = np.ones(s, np.float32)
         self._model: str | None = None
         self._waiting: collections.deque = collections.deque()
+        self._prefills: list[_Prefill] = []
         self._cond = threading.Condition()
         self._closed = False
         self.steps = 0
@@ -111,7 +121,7 @@ class ContinuousBatcher:
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not self._closed and not self._waiting and not self.active:
+                while not (self._closed or self._waiting or self.active):
                     self._cond.wait()
                 if self._closed:
                     return
@@ -119,8 +129,10 @@ class ContinuousBatcher:
             try:
                 with self.backend.exclusive():
                     if jobs:
-                        self._prefill(jobs)
-                    if self.active:
+                        self._place(jobs)
+                    if self._prefills:
+                        self._prefill()
+                    if any(r is not None and r.ready for r in self._rows):
                         self._step()
             except Exception as e:  # the running rows fail; the server goes on
                 log.exception("error in the decode batch")
@@ -132,7 +144,7 @@ class ContinuousBatcher:
         for job in [j for j in self._waiting if j.cancelled]:  # their clients left: drop them
             self._waiting.remove(job)
             job.updates.put(_final(job, [], self.backend))
-        jobs, tokens = [], 0
+        jobs = []
         while self._waiting:
             job = self._waiting[0]
             if job.cancelled:
@@ -141,11 +153,6 @@ class ContinuousBatcher:
                 continue
             running = self._model if self.active or jobs else None
             if (running is not None and job.model != running) or job.rows > len(free):
-                break
-            # Prefill at most PREFILL_TOKENS per step boundary (at least one job), so running
-            # rows are not held up long by a burst of long prompts.
-            tokens += sum(len(p) for p in job.request.prompts)
-            if jobs and tokens > slot_grid.PREFILL_TOKENS:
                 break
             self._waiting.popleft()
             self._model = job.model
@@ -156,11 +163,9 @@ class ContinuousBatcher:
             self.batches.append(len(jobs))
         return jobs
 
-    def _prefill(self, jobs) -> None:
-        """Prompts of `jobs` into their slots (one prefill per prompt; its n rows copied), and
-        their rows set up to decode from the next step."""
-        weights = self.engine.weights(self._model)
-        firsts = []  # (slot, prompt) of each prompt's first row
+    def _place(self, jobs) -> None:
+        """The rows of newly admitted `jobs` into their slots, and their prompts queued for
+        prefill (a one-token prompt has nothing to prefill: its rows decode at once)."""
         for job in jobs:
             p, n = job.request.params, job.request.params.n
             stops = frozenset(() if job.request.ignore_eos else self.backend.eos_token_ids)
@@ -173,18 +178,54 @@ class ContinuousBatcher:
                 self._seed[slot], self._row_id[slot] = np.uint32(seed % 2**32), r
                 self._temperature[slot] = p.temperature
                 self._top_k[slot], self._top_p[slot] = p.top_k, p.top_p
-                if r % n == 0:
-                    firsts.append((slot, prompt))
-        self.engine.prefill(weights, firsts, cancelled=lambda s: self._rows[s].job.cancelled)
-        src = [job.slots[r - r % job.request.params.n] for job in jobs for r in range(job.rows)]
-        dst = [s for job in jobs for s in job.slots]
-        copies = [(a, b) for a, b in zip(src, dst, strict=True) if a != b]
-        if copies:
+            for b, prompt in enumerate(job.request.prompts):
+                task = _Prefill(job, job.slots[b * n : (b + 1) * n], list(prompt[:-1]))
+                if task.ids:
+                    self._prefills.append(task)
+                else:
+                    self._prefilled(task)
+
+    def _prefill(self) -> None:
+        """At most `slot_grid.CHUNK` prompt tokens into the cache (chunked prefill, as vLLM's
+        token budget per step): the next chunk of a long prompt already started, else the
+        first chunks of the queued prompts, first come first served, packed together."""
+        for task in [t for t in self._prefills if t.job.cancelled]:
+            self._prefills.remove(task)
+            for slot in task.slots:
+                self._rows[slot].reason = base.FINISH_LENGTH
+                self._free(slot)
+            self._update(task.job)
+        started = [t for t in self._prefills if t.done]
+        batch = started[:1]
+        if not batch:
+            total = 0
+            for task in self._prefills:
+                size = min(len(task.ids), slot_grid.CHUNK)
+                if batch and total + size > slot_grid.CHUNK:
+                    break
+                batch.append(task)
+                total += size
+        if not batch:
+            return
+        pieces = [(t.slots[0], t.done, t.ids[t.done : t.done + slot_grid.CHUNK]) for t in batch]
+        self.engine.prefill(self.engine.weights(self._model), pieces)
+        for task, (_, _, ids) in zip(batch, pieces, strict=True):
+            task.done += len(ids)
+            if task.done == len(task.ids):
+                self._prefills.remove(task)
+                self._prefilled(task)
+
+    def _prefilled(self, task: _Prefill) -> None:
+        """The prompt's rows decode from the next step (its other rows get the first's cache)."""
+        copies = [(task.slots[0], s) for s in task.slots[1:]]
+        if copies and task.ids:
             self.engine.copy_slots(copies)
+        for slot in task.slots:
+            self._rows[slot].ready = True
 
     def _step(self) -> None:
         """One decode step of the live rows; rows that end free their slots."""
-        live = [s for s, r in enumerate(self._rows) if r is not None]
+        live = [s for s, r in enumerate(self._rows) if r is not None and r.ready]
         rows_n = self.grid.rows_for(max(live))
         weights = self.engine.weights(self._model)
         step = np.zeros(rows_n, np.int32)
@@ -261,6 +302,7 @@ class ContinuousBatcher:
         job.updates.put(_final(job, None, self.backend) if done else update)
 
     def _fail(self, error: Exception) -> None:
+        self._prefills.clear()
         jobs = {id(r.job): r.job for r in self._rows if r is not None}
         for s, r in enumerate(self._rows):
             if r is not None:
