@@ -49,7 +49,7 @@ _MAX_TOKENS = flags.DEFINE_integer("max_tokens", 64, "tokens generated per reque
 _JSON = flags.DEFINE_string("json", None, "also write the results to this JSON file")
 _COLD = flags.DEFINE_bool("cold", True, "no untimed round; ours starts with an empty compile cache")
 _BURST = flags.DEFINE_integer("burst", 200, "requests in the cancellation burst (0: none)")
-_KV_GIB = flags.DEFINE_float("kv_cache_gib", 1.0, "KV cache of both servers (GiB)")
+_KV_GIB = flags.DEFINE_float("kv_cache_gib", 2.0, "KV cache of both servers (GiB)")
 
 QUESTIONS = [
     "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in "
@@ -216,6 +216,7 @@ def bench(server: str) -> list[dict]:
         for clients in levels:
             harness.progress(f"{server}: {clients} clients")
             rows.append({"server": server, **level(url, clients, _ROUNDS.value)})
+            harness.progress(f"{server}: {rows[-1]}")
         if _BURST.value:
             harness.progress(f"{server}: cancellation burst of {_BURST.value}")
             info.update(burst(url, pid))
@@ -229,6 +230,7 @@ def bench(server: str) -> list[dict]:
         info["restart_s"] = time.perf_counter() - start
         stop()
     rows.append(info)
+    harness.progress(f"{server}: {info}")
     return rows
 
 
@@ -240,7 +242,7 @@ def goals(rows: list[dict]) -> dict:
     if one and four:
         out["reply_4_over_1 (<= 2.5)"] = four["reply_mean_s"] / one["reply_mean_s"]
     ours16, vllm16 = by.get(("ours", 16)), by.get(("vllm", 16))
-    if ours16 and vllm16:
+    if ours16 and vllm16 and vllm16["tokens_per_s"] and vllm16["ttft_p95_s"]:
         out["tokens_per_s_16_ours_over_vllm (>= 1)"] = (
             ours16["tokens_per_s"] / vllm16["tokens_per_s"]
         )
