@@ -134,8 +134,7 @@ def level(url: str, clients: int, rounds: int, first: int = 0) -> dict:
     with concurrent.futures.ThreadPoolExecutor(clients) as pool:
         results = [r for rs in pool.map(worker, range(clients)) for r in rs]
     wall = time.perf_counter() - start
-    ok = [r for r in results if "error" in r or r["ttft"] is not None]
-    good = [r for r in ok if "error" not in r]
+    good = [r for r in results if "error" not in r and r["ttft"] is not None]
     ttft = sorted(r["ttft"] for r in good)
 
     def pct(values, q):
