@@ -27,8 +27,9 @@ Limits (`serve_limits`): rows, context and body size, each a 400 before anything
 Generation: with the backend's slot engine enabled (`scripts/serve.py` does), `slot_scheduler`
 batches continuously: a request joins the running decode at the next step and a finished row
 frees its slot; else `serve_batcher` decodes the requests waiting together. Streams send tokens
-as they are decoded (`openai_stream`); stop strings and clients that leave end their rows early. Log-probs follow the backend's `logprobs_mode` (default: after temperature,
-before top-k/top-p); with k alternatives (k > 0) the server runs one extra forward pass over
+as they are decoded (`openai_stream`); stop strings and clients that leave end their rows
+early. Log-probs follow the backend's `logprobs_mode` (default: after temperature, before
+top-k/top-p); with k alternatives (k > 0) the server runs one extra forward pass over
 prompt + completion for them, under the same hold of the backend as the generation.
 HTTP: `serve_http` (bodies always read or the connection closed; the optional API key).
 
