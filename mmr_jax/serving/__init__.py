@@ -7,7 +7,8 @@ programs compiled at start-up, `slot_programs`, `slot_engine`), `serve_batcher` 
 and whole batches for backends that generate them whole), `serve_backend` (the sampler,
 weights and adapters behind it) and the OpenAI formats: `openai_params` (every accepted
 parameter honoured or refused by name), `openai_choices`, `openai_format`, `openai_stream`
-(chunks sent as they decode). It serves a checkpoint for evaluation and lets the tests run the vLLM client over real HTTP.
+(chunks sent as they decode). It serves a checkpoint for evaluation and lets the tests run the
+vLLM client over real HTTP.
 
 May import: `rollout` (the sampler and engines), `models`, `infra`, `config`. Nothing in the
 library imports it: it is an edge, started by scripts/serve.py.
