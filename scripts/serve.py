@@ -26,12 +26,13 @@ import os
 import signal
 import sys
 import tempfile
+import time
 
 from absl import flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from mmr_jax.infra import console, user_errors
+from mmr_jax.infra import compile_cache, console, user_errors
 from mmr_jax.models import hub
 from mmr_jax.rollout import layout
 from mmr_jax.serving import serve_backend, serve_limits, server
@@ -52,6 +53,12 @@ _DEFAULT_MAX_TOKENS = flags.DEFINE_integer(
 _MIN_PROMPTS = flags.DEFINE_integer("min_batch_bucket", 1, "smallest padded prompt count")
 _MAX_NUM_SEQS = flags.DEFINE_integer(
     "max_num_seqs", 256, "sequences (prompts x n) decoded together; more in one request: 400"
+)
+_KV_CACHE_GIB = flags.DEFINE_float(
+    "kv_cache_gib",
+    2.0,
+    "the memory budget: GiB of KV cache (vLLM's VLLM_CPU_KVCACHE_SPACE), allocated at start-up "
+    "as slots of max_model_len tokens; requests beyond it wait, one that could never fit is a 400",
 )
 _MAX_REQUEST_TOKENS = flags.DEFINE_integer(
     "max_request_tokens", 2**18, "a request's prompts x n x (prompt + max_tokens) tokens at most"
@@ -92,6 +99,8 @@ def main(argv):
     )
     log_file = console.setup(log_file)
     hub.resolve_checkpoint(_MODEL.value, "--model")  # a wrong path: one line naming the flag
+    started = time.perf_counter()
+    compile_cache.enable()
     backend = serve_backend.EmbeddedBackend.from_pretrained(
         _MODEL.value,
         model_name=_NAME.value or _MODEL.value,
@@ -100,6 +109,11 @@ def main(argv):
         max_model_len=_MAX_LEN.value,
         buckets=layout.Buckets(min_prompts=_MIN_PROMPTS.value),
         logprobs_mode=_LOGPROBS_MODE.value,
+    )
+    backend.enable_slots(  # compiles every program requests use, a line each on stderr
+        kv_cache_bytes=int(_KV_CACHE_GIB.value * 2**30),
+        max_num_seqs=_MAX_NUM_SEQS.value,
+        log=lambda line: print(line, file=sys.stderr, flush=True),
     )
     limits = serve_limits.Limits(
         max_num_seqs=_MAX_NUM_SEQS.value,
@@ -118,6 +132,8 @@ def main(argv):
         gather_s=_BATCH_WAIT_MS.value / 1000,
     )
     signal.signal(signal.SIGTERM, lambda signum, frame: srv.stop_serving())
+    ready = time.perf_counter() - started
+    print(f"ready in {ready:.1f} s", file=sys.stderr, flush=True)
     try:
         print(f"serving {backend.model_name!r} at {srv.url}", flush=True)  # clients parse it
         print(f"logs: {log_file}", flush=True)

@@ -43,8 +43,10 @@ def filter_top_k_top_p(logits_RxV: jax.Array, top_k: jax.Array, top_p: jax.Array
     keep = (in_k & (mass_before < top_p)) | (pos == 0)
     # Exact when the top-k lies within the candidates, or top-k is off and the nucleus ends
     # before the last candidate; otherwise the sort decides, for the whole batch (rare).
+    # Per-row controls ([R, 1]) decide per row; scalar ones for the whole batch, as before.
     k_inside = (top_k > 0) & (top_k <= c)
-    exact = k_inside | ((top_k == 0) & ~(keep & (pos == c - 1)).any())
+    nucleus_reaches_end = (keep & (pos == c - 1)).any(axis=-1, keepdims=True)
+    exact = jnp.all(k_inside | ((top_k == 0) & ~nucleus_reaches_end))
     threshold = jnp.min(jnp.where(keep, desc, jnp.inf), axis=-1, keepdims=True)
     fast = jnp.where(logits_RxV >= threshold, logits_RxV, -jnp.inf)
     if c == v:

@@ -22,7 +22,7 @@ from flax import nnx
 
 from mmr_jax.models import hub
 from mmr_jax.rollout import base, embedded, layout, sampler, sampling, sampling_call, vllm_engine
-from mmr_jax.serving import prompt_logprobs
+from mmr_jax.serving import prompt_logprobs, slot_engine, slot_grid
 
 _PEFT_PREFIX = "base_model.model."
 
@@ -149,6 +149,39 @@ class EmbeddedBackend:
         self._adapter_models: dict[str, nnx.Module] = {}
         self._lock = threading.RLock()
         self._weight_cache: dict[str, tuple] = {}
+        self._slots: slot_engine.SlotEngine | None = None
+
+    # ---- continuous batching ---------------------------------------------------------------------
+
+    def enable_slots(self, *, kv_cache_bytes: int, max_num_seqs: int, log=print):
+        """Sizes the continuous batch's KV cache by `kv_cache_bytes` (`slot_grid.Grid`),
+        allocates it and compiles the base model's programs (a line per program to `log`)."""
+        model = self.engine.model
+        grid = slot_grid.Grid.from_budget(
+            model.config,
+            model.dtype,
+            kv_cache_bytes=kv_cache_bytes,
+            max_model_len=self.max_model_len,
+            max_num_seqs=max_num_seqs,
+        )
+        log(
+            f"KV cache: {grid.slots} slots x {grid.columns} tokens "
+            f"({grid.cache_bytes / 2**30:.2f} GiB)"
+        )
+        with self._lock:
+            self._slots = slot_engine.SlotEngine(
+                grid, model, self._slot_weights, logprobs_mode=self.logprobs_mode, log=log
+            )
+            self._slots.prepare(self.model_name)
+        return grid
+
+    def slot_engine(self) -> slot_engine.SlotEngine | None:
+        """The continuous batch's engine (`enable_slots`), or None."""
+        return self._slots
+
+    def _slot_weights(self, model: str):
+        state, kernels = self._weights(model)
+        return nnx.graphdef(self._decoder(model)), state, kernels
 
     @classmethod
     def from_pretrained(
@@ -308,12 +341,16 @@ class EmbeddedBackend:
             self._adapter_models[name] = build_lora_model(self.engine.model, config, tensors)
             self._adapters[name] = (str(path), config, tensors)
             self._weight_cache.pop(name, None)
+            if self._slots is not None:  # its programs now, not at its first request
+                self._slots.prepare(name)
 
     def unload_adapter(self, name: str) -> None:
         with self._lock:
             self._adapters.pop(name)
             self._adapter_models.pop(name, None)
             self._weight_cache.pop(name, None)
+            if self._slots is not None:
+                self._slots.forget(name)
 
     def reload_weights(self, weights_path: str) -> dict:
         """Loads the HF safetensors in `path` (shapes of the served model) into the base model."""

@@ -10,7 +10,9 @@ recompiling) and after each chunk hands each job its rows' tokens so far (`Updat
 no longer wants (its max_tokens reached, a stop string found, the client gone) are ended at the
 next chunk, and the batch ends when no job wants more. Requests arriving meanwhile wait for the
 next batch, and are batched together there (not continuous batching: rows do not join a running
-decode).
+decode). `scripts/serve.py` serves the embedded sampler continuously instead (`slot_scheduler`,
+which takes the same `Job`s and sends the same `Update`s); this batcher serves backends that
+generate whole batches (`Finished`).
 """
 
 from __future__ import annotations
@@ -55,6 +57,10 @@ class Job:
         self.updates: queue.Queue = queue.Queue()
         self.stop_rows: set[int] = set()
         self.cancelled = False
+        # Continuous batching (`slot_scheduler`): its rows' slots, ended rows, ends reported.
+        self.slots: list[int] = []
+        self.done_rows: dict = {}
+        self.reported_done = 0
 
     @property
     def rows(self) -> int:

@@ -14,10 +14,13 @@ Bodies and stream chunks: `openai_format`; request parsing and what is refused: 
 a parameter were absent); echo and prompt log-probs: `prompt_logprobs` (one forward pass per
 prompt). Errors are OpenAI's shape, {"error": {"message", "type", "param", "code"}}.
 
-Generation: `serve_batcher` decodes the requests waiting together, in chunks of steps; streams
-send each chunk's tokens as it is decoded (`openai_stream`), stop strings and clients that leave
-end their rows early. Log-probs follow the backend's `logprobs_mode` (default: after temperature,
-before top-k/top-p); with k alternatives (k > 0) the server runs one extra forward pass over
+Limits (`serve_limits`): rows, context and body size, each a 400 before anything is generated.
+Generation: with the backend's slot engine enabled (`scripts/serve.py` does), `slot_scheduler`
+batches continuously: a request joins the running decode at the next step and a finished row
+frees its slot; else `serve_batcher` decodes the requests waiting together. Streams send tokens
+as they are decoded (`openai_stream`); stop strings and clients that leave end their rows
+early. Log-probs follow the backend's `logprobs_mode` (default: after temperature, before
+top-k/top-p); with k alternatives (k > 0) the server runs one extra forward pass over
 prompt + completion for them, under the same hold of the backend as the generation.
 HTTP: `serve_http` (stdlib `http.server`). In-process: `OpenAIServer(backend, port=0).start()`.
 """
@@ -46,6 +49,7 @@ from mmr_jax.serving import (
     serve_http,
     serve_limits,
     serve_metrics,
+    slot_scheduler,
 )
 from mmr_jax.serving import openai_format as fmt
 
@@ -134,7 +138,7 @@ class OpenAIServer:
         self.backend, self.default_max_tokens = backend, default_max_tokens
         self.limits, self.api_key = limits or serve_limits.Limits(), api_key or None
         self.weights_dir = None if weights_dir is None else os.path.realpath(weights_dir)
-        self.batcher = serve_batcher.Batcher(
+        self.batcher = slot_scheduler.batcher_for(
             backend, self.limits, chunk_steps=chunk_steps, gather_s=gather_s
         )
         self._http = serve_http.HTTPServer((host, port), serve_http.Handler)
