@@ -163,7 +163,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # Completions cut at max_completion_len (no EOS / stop) leave the loss and its normaliser;
     # their rewards still enter the group mean / std of the advantages (TRL, NeMo overlong filter).
     c.loss.mask_truncated_completions = False
-    c.loss.entropy_coef = 0.0  # entropy bonus -c * H in the loss (0 = off); adaptive: its start
+    # Entropy bonus: loss -= c * H, aggregated as the loss (0 = off); adaptive: its start value.
+    c.loss.entropy_coef = 0.0
     c.loss.entropy_target = 0.0  # adaptive coefficient's target entropy, nats/token (0 = fixed)
     c.loss.entropy_coef_step = 0.005  # adaptive: change of the coefficient per step
     c.loss.entropy_coef_min = 0.0  # adaptive: lower bound of the coefficient
@@ -179,7 +180,6 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # weight clipped to [1 - eps_low, 1 + eps_high]; token ratios only). docs/algorithms.md.
     c.loss.objective = "ppo_clip"
     c.loss.dual_clip_c = 0.0  # dual clip: loss of A < 0 tokens capped at -A * c; 0 = off (verl: 3)
-    c.loss.entropy_coef = 0.0  # entropy bonus: loss -= coef * entropy, aggregated as the loss
     # Policy-gradient term only on each minibatch's top share of tokens by entropy (1 = all).
     c.loss.top_entropy_quantile = 1.0
 

@@ -1,5 +1,6 @@
 """Config files: every variant loads, converts to typed config, and rejects bad keys."""
 
+import ast
 import dataclasses
 import pathlib
 import sys
@@ -224,6 +225,24 @@ class TestBadInput:
         config_checks.from_config_dict(cfg)
         cfg["batch"]["pack_max_len"] = 0  # no packing
         config_checks.from_config_dict(cfg)
+
+    def test_no_key_is_defined_twice(self):
+        # A second assignment of a key (base.py) or a second field of one name (a dataclass body)
+        # silently wins over the first; two merged branches once each added loss.entropy_coef.
+        base = ast.parse((CONFIGS / "base.py").read_text())
+        func = next(n for n in base.body if getattr(n, "name", "") == "get_config")
+        keys = [
+            ast.unparse(t)
+            for n in ast.walk(func)
+            if isinstance(n, ast.Assign)
+            for t in n.targets
+            if ast.unparse(t).startswith("c.")
+        ]
+        assert len(keys) > 100 and sorted(k for k in set(keys) if keys.count(k) > 1) == []
+        types = ast.parse(pathlib.Path(config_types.__file__).read_text())
+        for cls in (n for n in types.body if isinstance(n, ast.ClassDef)):
+            names = [n.target.id for n in cls.body if isinstance(n, ast.AnnAssign)]
+            assert sorted(k for k in set(names) if names.count(k) > 1) == [], cls.name
 
     def test_dataclass_defaults_are_the_base_config(self):
         # One default per key: a dataclass default that differs from configs/base.py is a twin

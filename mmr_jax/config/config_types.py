@@ -119,7 +119,6 @@ class LossConfig:
     importance_sampling_level: str = "token"
     objective: str = "ppo_clip"
     dual_clip_c: float = 0.0
-    entropy_coef: float = 0.0
     top_entropy_quantile: float = 1.0
 
 
