@@ -4,7 +4,7 @@ Variant files (`grpo.py`, `dr_grpo.py`, `dapo.py`, `dapo_nods.py`, `cpu_smollm2.
 `get_config()` and change only what differs. Launch (any variant):
 
     python scripts/train.py --config=configs/grpo.py:7b --workdir=runs/grpo_7b \\
-        --config.mmr.enabled=True
+        --config.reweight.method=mmr
 
 Config argument (after the colon): a comma-separated list of a model size (`1.5b`, `7b`, `8b`) and
 `smoke`, which shrinks the run to a few tiny steps that a CPU finishes in minutes.
@@ -183,19 +183,19 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # Policy-gradient term only on each minibatch's top share of tokens by entropy (1 = all).
     c.loss.top_entropy_quantile = 1.0
 
-    c.mmr = ml_collections.ConfigDict()
-    c.mmr.enabled = False  # MMR reweighting of rewards before advantages (MMR-GRPO)
-    c.mmr.lam = config_dict.placeholder(float)  # None = adaptive sigmoid(std(r)); else fixed lambda
-    c.mmr.scope = "group"  # 'group' (per prompt) | 'batch' (released code: whole micro-batch)
+    c.reweight = ml_collections.ConfigDict()
+    # Rewards reweighted before the advantages: 'none' | 'mmr' (MMR-GRPO) | 'dra' (the DRA-GRPO
+    # baseline r / (1 + sum cos)); algorithms/mmr.py REWEIGHTERS.
+    c.reweight.method = "none"
+    c.reweight.lam = config_dict.placeholder(float)  # mmr only: None = adaptive sigmoid(std(r))
+    c.reweight.scope = "group"  # 'group' (per prompt) | 'batch' (released code: whole micro-batch)
     # This project's variant, not the paper's: groups whose raw rewards are all equal get
     # advantage 0 and take no part in the reweighting (any reweighting method).
-    c.mmr.uniform_group_guard = False
-    c.mmr.embedding_model = "jinaai/jina-embeddings-v2-small-en"  # encoder ('hashing': no model)
-    c.mmr.embedding_max_length = 512  # encoder truncation (tokens)
-    c.mmr.embedding_batch_size = 64  # encoder batch size
-
-    c.dra = ml_collections.ConfigDict()
-    c.dra.enabled = False  # DRA-GRPO baseline r / (1 + sum cos); exclusive with mmr.enabled
+    c.reweight.uniform_group_guard = False
+    # The completions' encoder for mmr and dra ('hashing': none, a hashed bag of words).
+    c.reweight.embedding_model = "jinaai/jina-embeddings-v2-small-en"
+    c.reweight.embedding_max_length = 512  # encoder truncation (tokens)
+    c.reweight.embedding_batch_size = 64  # encoder batch size
 
     c.dynamic_sampling = ml_collections.ConfigDict()
     c.dynamic_sampling.enabled = False  # DAPO: drop groups whose filter reward has zero variance
@@ -298,7 +298,7 @@ def shrink_for_cpu(c: ml_collections.ConfigDict) -> None:
     c.batch.max_prompt_len = 256
     c.batch.max_completion_len = 32
     c.loss.minibatches = 2
-    c.mmr.embedding_model = "hashing"
+    c.reweight.embedding_model = "hashing"
     c.dynamic_sampling.max_generation_batches = 2
     c.data.source = os.path.join(SHARED_DATA, "train", "gsm8k_train.jsonl")
     c.eval.every = 0

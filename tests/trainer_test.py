@@ -17,7 +17,14 @@ from mmr_jax.config import config_checks
 from mmr_jax.infra import metrics
 from mmr_jax.rewards import grading
 from mmr_jax.step import batch_layout, step_batch
-from mmr_jax.training import build, checkpoint, compiled_dry_run, run_guard, trainer
+from mmr_jax.training import (
+    build,
+    checkpoint,
+    compiled_dry_run,
+    run_export,
+    run_guard,
+    trainer,
+)
 
 from support import testing, train_script
 
@@ -145,7 +152,7 @@ class TestVariants:
         )
         for where in ("tiny", "average"):
             assert out[f"eval/{where}/pass@1"] == 0.75 and out[f"eval/{where}/pass@2"] == 1.0
-        path = trainer.export_hf(cfg, tmp_path / "run", tmp_path / "hf", step=1)
+        path = run_export.export_hf(cfg, tmp_path / "run", tmp_path / "hf", step=1)
         assert (pathlib.Path(path) / "config.json").exists()
         assert (pathlib.Path(path) / "adapter" / "adapter_config.json").exists()
 
@@ -163,13 +170,15 @@ class TestVariants:
         # The advantages the step gets, against plain loops of DRA-GRPO and of the released
         # MMR rule over the whole batch, each followed by the GRPO group normalisation.
         seen = _capture_advantages(monkeypatch)
-        cfg = _config("grpo", tiny_qwen2_dir, **{"dra.enabled": True, "loss.iterations": 2})
+        cfg = _config("grpo", tiny_qwen2_dir, **{"reweight.method": "dra", "loss.iterations": 2})
         out = trainer.train(cfg, tmp_path / "run")
         assert out["ratio/min"] < 1.0 < out["ratio/max"]  # pass 1 is 1, pass 2 moves both ways
         for r, emb, adv in seen:
             np.testing.assert_allclose(adv, _grpo(_dra_loop(r, emb)), rtol=1e-4, atol=1e-5)
         seen.clear()
-        cfg = _config("grpo", tiny_qwen2_dir, mmr=True, **{"mmr.scope": "batch", "mmr.lam": 0.7})
+        cfg = _config(
+            "grpo", tiny_qwen2_dir, mmr=True, **{"reweight.scope": "batch", "reweight.lam": 0.7}
+        )
         trainer.train(cfg, tmp_path / "run2")
         assert len(seen) == 2
         for r, emb, adv in seen:
@@ -261,14 +270,14 @@ MISMATCH_KEYS = {
 
 def _capture_batches(monkeypatch):
     """Records every (engine log-probs, loss mask) the trainer sends to the step, as numpy."""
-    seen, real = [], trainer.make_batch
+    seen, real = [], step_batch.make_batch
 
-    def make_batch(run, groups, timings):
-        batch, info = real(run, groups, timings)
+    def make_batch(cfg, groups, **kw):
+        batch, info = real(cfg, groups, **kw)
         seen.append((np.asarray(batch.sampler_logps), np.asarray(batch.completion_mask)))
         return batch, info
 
-    monkeypatch.setattr(trainer, "make_batch", make_batch)
+    monkeypatch.setattr(step_batch, "make_batch", make_batch)
     return seen
 
 
@@ -417,7 +426,7 @@ class TestLearning:
                 "batch.prompts": 4,
                 "loss.minibatches": 2,
                 "checkpoint.every": 0,
-                "mmr.embedding_model": "hashing",
+                "reweight.embedding_model": "hashing",
             },
         )
         trainer.train(cfg, tmp_path / "run")
@@ -636,7 +645,7 @@ class TestBadInput:
                 str(REPO / "scripts" / "train.py"),
                 f"--config={REPO / 'configs' / 'grpo.py'}:smoke",
                 f"--workdir={tmp_path}",
-                "--config.mmr.lamda=0.5",
+                "--config.reweight.lamda=0.5",
             ],
             capture_output=True,
             text=True,

@@ -261,3 +261,18 @@ def logprobs_fn(
     xs = (tokens_NxL, attention_mask_NxL, prompt_tokens, prompt_mask, packed)
     out = jax.lax.map(one, jax.tree.map(functools.partial(split, m=minibatches), xs))
     return out.reshape(n, num_completion)
+
+
+# The reference and old log-probs of a step (`step_batch.make_batch`), jitted here once for every
+# caller; prompt_tokens / prompt_mask / packed (shared-prompt layouts) are traced arguments.
+jit_logprobs = jax.jit(
+    logprobs_fn,
+    static_argnames=(
+        "graphdef",
+        "num_completion",
+        "temperature",
+        "chunk",
+        "disable_lora",
+        "minibatches",
+    ),
+)

@@ -299,7 +299,7 @@ def smoke_config(
     c.model.path = str(ckpt)
     c.total_steps = steps
     c.lora.enabled = lora
-    c.mmr.enabled = mmr
+    c.reweight.method = "mmr" if mmr else "none"
     c.data.source = run_data.ARITHMETIC
     c.data.system_prompt = ""
     c.batch.max_prompt_len = 32
