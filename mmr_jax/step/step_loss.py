@@ -170,7 +170,7 @@ def minibatch_loss(
         ratio_ref,
         mb.advantages,
         mb.completion_mask,
-        ref_logps_BxT=mb.ref_logps,
+        ref_logps_NxT=mb.ref_logps,
         eps_low=cfg.eps_low,
         eps_high=cfg.eps_high,
         aggregation=cfg.aggregation,
@@ -178,11 +178,11 @@ def minibatch_loss(
         kl_estimator=cfg.kl_estimator,
         max_completion_len=cfg.max_completion_len,
         normaliser=normaliser,
-        is_weights_BxT=tis,
+        is_weights_NxT=tis,
         importance_sampling_level=cfg.importance_sampling_level,
         objective=cfg.objective,
         dual_clip_c=cfg.dual_clip_c,
-        entropy_BxT=entropy,
+        entropy_NxT=entropy,
         entropy_coef=entropy_coef if cfg.entropy_on else 0.0,  # 0: the graph has no bonus term
         top_entropy_quantile=cfg.top_entropy_quantile,
     )
