@@ -12,7 +12,7 @@ from ml_collections import config_flags
 
 from mmr_jax.algorithms import advantages, losses, mismatch, mmr
 from mmr_jax.config import config_checks, config_overrides, config_types
-from mmr_jax.training import build
+from mmr_jax.training import build, run_guard
 
 CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "configs"
 VARIANTS = [
@@ -325,6 +325,27 @@ class TestBadInput:
         over = ["--config.reweight.method=dra", "--config.reweight.lam=0.5"]
         with pytest.raises(config_types.ConfigError, match="lam is MMR's"):
             config_checks.from_config_dict(_load("grpo", None, over))
+
+    def test_the_run_json_of_the_commit_before_resumes_under_todays_keys(self, tmp_path):
+        # run.json of configs/cpu_smollm2.py for 3 steps, written by commit bfa45cc (the one
+        # before reweight.method) for scripts/step_fingerprint.py's before figures.
+        fixture = (
+            pathlib.Path(__file__).parent / "support" / "runs" / "bfa45cc_cpu_smollm2_run.json"
+        )
+        (tmp_path / run_guard.RUN_FILE).write_text(fixture.read_text())
+        over = [
+            "--config.total_steps=3",
+            "--config.checkpoint.every=1000",
+            "--config.checkpoint.at_end=False",
+            "--config.logging.samples=0",
+        ]
+        today = config_checks.from_config_dict(_load("cpu_smollm2", None, over))
+        assert today.reweight.method == "mmr"
+        run_guard.prepare_workdir(tmp_path, today.to_dict())  # the same run: no mismatch
+        (tmp_path / run_guard.RUN_FILE).write_text(fixture.read_text())
+        dra = _load("cpu_smollm2", None, [*over, "--config.reweight.method=dra"])
+        with pytest.raises(run_guard.RunMismatchError, match="reweight.method: 'mmr' -> 'dra'"):
+            run_guard.prepare_workdir(tmp_path, config_checks.from_config_dict(dra).to_dict())
 
     @pytest.mark.parametrize(
         "old,want",

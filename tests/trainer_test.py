@@ -490,19 +490,26 @@ class TestResume:
             assert x["reward/mean"] == pytest.approx(y["reward/mean"], abs=1e-6)
             assert x["completion/length_mean"] == y["completion/length_mean"]
 
-    # The last commit before mmr_jax/ was regrouped into role subpackages (issue 48).
-    PRE_REGROUP = "6dd19a4596be57b112beaab249fe3fd9336b16fd"
-
     @pytest.mark.slow
-    def test_a_run_written_before_the_regroup_resumes_after_it(self, tmp_path, tiny_llama_dir):
-        old = tmp_path / "pre_regroup"
+    @pytest.mark.parametrize(
+        "commit",
+        [
+            # The last commit before mmr_jax/ was regrouped into role subpackages (issue 48).
+            "6dd19a4596be57b112beaab249fe3fd9336b16fd",
+            # The last commit before reweight.method replaced mmr.enabled / dra.enabled (issue 53):
+            # its run.json stores the mmr and dra sections, which map to reweight.
+            "bfa45ccbb2fce0293d764dd0483296c8c3c0cf8a",
+        ],
+    )
+    def test_a_run_written_by_an_older_commit_resumes(self, tmp_path, tiny_llama_dir, commit):
+        old = tmp_path / "old_tree"
         old.mkdir()
         archive = subprocess.run(
-            ["git", "-C", str(train_script.REPO), "archive", self.PRE_REGROUP],
+            ["git", "-C", str(train_script.REPO), "archive", commit],
             capture_output=True,
         )
         assert archive.returncode == 0, (
-            f"this test needs the project's git history (commit {self.PRE_REGROUP}): "
+            f"this test needs the project's git history (commit {commit}): "
             + archive.stderr.decode()[-500:]
         )
         subprocess.run(["tar", "-x", "-C", str(old)], input=archive.stdout, check=True)
@@ -517,8 +524,8 @@ class TestResume:
             text=True,
         )
         assert first.returncode == 0, first.stderr[-3000:]
-        assert (old / "mmr_jax" / "checkpoint.py").exists()  # the flat layout wrote it
-        assert not (old / "mmr_jax" / "training").exists()
+        stored = run_guard.read_run_config(run)
+        assert stored["mmr"]["enabled"] and "reweight" not in stored  # the old keys wrote it
         env["PYTHONPATH"] = str(train_script.REPO)
         res = subprocess.run(
             train_script.train_cmd(run, tiny_llama_dir, 3),
@@ -530,7 +537,7 @@ class TestResume:
         assert f"workdir {run} | resuming from step 2" in res.stdout
         rows = metrics.read_jsonl(run / metrics.METRICS_FILE)
         assert [r["step"] for r in rows] == [1, 2, 3]
-        assert np.isfinite(rows[-1]["reward/mean"])
+        assert np.isfinite(rows[-1]["reward/mean"]) and "mmr/lambda_mean" in rows[-1]
 
 
 class TestDryRun:
