@@ -201,9 +201,10 @@ def dra_reweight(
 ) -> jax.Array:
     """DRA-GRPO baseline: r_i / (1 + sum_{j != i, j valid} cos(i, j)) within each group.
 
-    Chen et al. 2025 (DRA-GRPO), as stated in docs/design.md. The denominator can reach 0 or go negative
-    only for strongly anti-aligned embeddings, which sentence encoders do not produce in practice;
-    it is floored at the dtype's machine epsilon there (see the code), never changed above it.
+    Chen et al. 2025 (DRA-GRPO), as stated in docs/design.md. The denominator can reach 0 or go
+    negative only for strongly anti-aligned embeddings, which sentence encoders do not produce in
+    practice; it is floored at the dtype's machine epsilon there (see the code), never changed
+    above it.
 
     Args:
       rewards: [..., G] float rewards.

@@ -91,19 +91,19 @@ def collect(
 
     `prompts` yields batches of B (prompt ids, gold answer) pairs (`data.PromptIterator`).
     """
-    ds = cfg.dynamic_sampling
+    ds, scoring = cfg.dynamic_sampling, reward_params(cfg)
     kept, rounds, seen, dropped = [], 0, 0, 0
     max_rounds = ds.max_generation_batches if ds.enabled else 1
     while rounds < max_rounds:
-        batch = next(prompts)
+        batch, sampling = next(prompts), sampling_params(cfg, step, rounds)
         groups = experience.generate_and_score(
             engine,
             tokenizer,
             [p for p, _ in batch],
             [a for _, a in batch],
-            sampling_params(cfg, step, rounds),
+            sampling,
             cfg.rewards.weights,
-            reward_params=reward_params(cfg),
+            reward_params=scoring,
             encoder=encoder,
             timings=timings,
         )
@@ -208,19 +208,21 @@ def lay_out(
     """Host arrays of the step's batch in the configured layout (`batch_layout.pack`), and the
     layout's metrics. `packed_length` maps the packed row length the batch needs to the one it
     runs at (`shape_reuse.LengthChooser.choose`; None: as needed)."""
-    b = cfg.batch
+    b, name, rows_BxG = cfg.batch, layout(cfg), loss_rows(cfg, groups)
+    buckets = batch_layout.Buckets.geometric(
+        b.min_bucket_len, b.max_prompt_len, b.max_completion_len, b.pack_max_len
+    )
+    group = batch_layout.group_size(b.generations, cfg.rows_per_step, cfg.loss.minibatches)
     host = batch_layout.pack(
         groups.prompt_ids,
         groups.tokens,
         groups.mask,
-        loss_rows(cfg, groups),
+        rows_BxG,
         adv_BxG,
         groups.sampler_logps,
-        layout=layout(cfg),
-        buckets=batch_layout.Buckets.geometric(
-            b.min_bucket_len, b.max_prompt_len, b.max_completion_len, b.pack_max_len
-        ),
-        group=batch_layout.group_size(b.generations, cfg.rows_per_step, cfg.loss.minibatches),
+        layout=name,
+        buckets=buckets,
+        group=group,
         pad_id=pad_id,
     )
     info = {}
