@@ -87,7 +87,7 @@ class TestVariants:
         assert (cfg.loss.eps_low, cfg.loss.eps_high, cfg.loss.beta) == (3e-4, 4e-4, 0.0)
         assert cfg.loss.aggregation == "seq_mean_token_mean" and cfg.loss.iterations == 2
         step = build.step_config(cfg)  # reaches the train step
-        assert step.importance_sampling_level == "sequence" and step.eps_high == 4e-4
+        assert step.loss.importance_sampling_level == "sequence" and step.loss.eps_high == 4e-4
         with_mmr = _load("gspo", "8b,smoke", ["--config.reweight.method=mmr"])
         typed = config_checks.from_config_dict(with_mmr)
         assert typed.reweight.method == "mmr" and typed.loss.importance_sampling_level == "sequence"
@@ -104,7 +104,7 @@ class TestVariants:
         assert (cfg.loss.eps_low, cfg.loss.eps_high, cfg.loss.beta) == (1.0, 4.0, 0.0)
         assert cfg.loss.aggregation == "token_mean" and cfg.loss.iterations == 2
         step = build.step_config(cfg)  # reaches the train step
-        assert step.objective == "cispo" and step.eps_high == 4.0
+        assert step.loss.objective == "cispo" and step.loss.eps_high == 4.0
         typed = config_checks.from_config_dict(
             _load("cispo", "8b,smoke", ["--config.reweight.method=mmr"])
         )
@@ -120,12 +120,16 @@ class TestVariants:
         ]
         cfg = config_checks.from_config_dict(_load("dapo", None, over))
         step = build.step_config(cfg)
-        assert (step.objective, step.dual_clip_c) == ("ppo_clip", 3.0)
-        assert (step.entropy_coef, step.top_entropy_quantile) == (0.001, 0.2)
+        assert (step.loss.objective, step.loss.dual_clip_c) == ("ppo_clip", 3.0)
+        assert (step.loss.entropy_coef, step.loss.top_entropy_quantile) == (0.001, 0.2)
         assert cfg.advantage.estimator == "rloo" and cfg.reweight.method == "mmr"
         base = build.step_config(config_checks.from_config_dict(_load("grpo")))
-        assert (base.objective, base.dual_clip_c, base.entropy_coef) == ("ppo_clip", 0.0, 0.0)
-        assert base.top_entropy_quantile == 1.0
+        assert (base.loss.objective, base.loss.dual_clip_c, base.loss.entropy_coef) == (
+            "ppo_clip",
+            0.0,
+            0.0,
+        )
+        assert base.loss.top_entropy_quantile == 1.0
 
     def test_tis_modes_reach_the_step(self):
         over = ["--config.loss.tis_cap=3.0", "--config.loss.tis_mode=sequence_mask"]
@@ -133,7 +137,11 @@ class TestVariants:
             _load("grpo", None, [*over, "--config.loss.tis_mask_low=0.5"])
         )
         step = build.step_config(cfg)
-        assert (step.tis_cap, step.tis_mode, step.tis_mask_low) == (3.0, "sequence_mask", 0.5)
+        assert (step.loss.tis_cap, step.loss.tis_mode, step.loss.tis_mask_low) == (
+            3.0,
+            "sequence_mask",
+            0.5,
+        )
 
     def test_choices_are_the_modules(self):
         # config_types spells the choices out (it imports no JAX); they must stay the modules'.

@@ -182,20 +182,20 @@ def high_entropy_mask(entropy_NxT: jax.Array, mask_NxT: jax.Array, *, quantile: 
     return valid & (h >= threshold)
 
 
-def ppo_clip_loss(ratio_NxT, adv_Bx1, *, eps_low: float, eps_high: float, dual_clip_c: float = 0.0):
+def ppo_clip_loss(ratio_NxT, adv_Nx1, *, eps_low: float, eps_high: float, dual_clip_c: float = 0.0):
     """Per-token -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A); with `dual_clip_c` = c > 1,
     capped at -A c where A < 0 (verl `compute_policy_loss_vanilla`)."""
     clipped = jnp.clip(ratio_NxT, 1.0 - eps_low, 1.0 + eps_high)
-    loss_NxT = -jnp.minimum(ratio_NxT * adv_Bx1, clipped * adv_Bx1)
+    loss_NxT = -jnp.minimum(ratio_NxT * adv_Nx1, clipped * adv_Nx1)
     if dual_clip_c:
-        loss_NxT = jnp.where(adv_Bx1 < 0, jnp.minimum(loss_NxT, -adv_Bx1 * dual_clip_c), loss_NxT)
+        loss_NxT = jnp.where(adv_Nx1 < 0, jnp.minimum(loss_NxT, -adv_Nx1 * dual_clip_c), loss_NxT)
     return loss_NxT
 
 
-def cispo_loss(logps_NxT, ratio_NxT, adv_Bx1, *, eps_low: float, eps_high: float):
+def cispo_loss(logps_NxT, ratio_NxT, adv_Nx1, *, eps_low: float, eps_high: float):
     """Per-token CISPO: -sg[clip(r, 1 - eps_low, 1 + eps_high)] * A * logp (MiniMax-M1 eq. 4)."""
     weight = jax.lax.stop_gradient(jnp.clip(ratio_NxT, 1.0 - eps_low, 1.0 + eps_high))
-    return -weight * adv_Bx1 * logps_NxT
+    return -weight * adv_Nx1 * logps_NxT
 
 
 def _is_zero(x) -> bool:

@@ -199,27 +199,13 @@ def _init_state(cfg: config_types.TrainConfig, params, optimizer) -> train_step.
 
 
 def step_config(cfg: config_types.TrainConfig) -> train_step.StepConfig:
+    """The train step's static settings: the loss section, and what the step reads of the rest."""
     return train_step.StepConfig(
-        minibatches=cfg.loss.minibatches,
-        iterations=cfg.loss.iterations,
+        loss=cfg.loss,
         temperature=cfg.rollout.temperature,
-        eps_low=cfg.loss.eps_low,
-        eps_high=cfg.loss.eps_high,
-        aggregation=cfg.loss.aggregation,
-        beta=cfg.loss.beta,
-        kl_estimator=cfg.loss.kl_estimator,
         max_completion_len=cfg.batch.max_completion_len,
         logprob_chunk=cfg.model.logprob_chunk,
-        tis_cap=cfg.loss.tis_cap,
-        tis_mode=cfg.loss.tis_mode,
-        tis_mask_low=cfg.loss.tis_mask_low,
-        importance_sampling_level=cfg.loss.importance_sampling_level,
-        updates_per_batch=cfg.loss.updates_per_batch,
-        entropy_coef=cfg.loss.entropy_coef,
         entropy_control=entropy_control(cfg),
-        objective=cfg.loss.objective,
-        dual_clip_c=cfg.loss.dual_clip_c,
-        top_entropy_quantile=cfg.loss.top_entropy_quantile,
     )
 
 

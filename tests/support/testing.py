@@ -311,3 +311,18 @@ def smoke_config(
     c.checkpoint.every = 1
     c.logging.samples = 0
     return config_overrides.set_keys(c, overrides)
+
+
+def step_config(*, temperature, max_completion_len, logprob_chunk=0, entropy_control=None, **loss):
+    """`train_step.StepConfig` with the loss keys `loss` (`config_types.LossConfig`'s names; the
+    rest at their defaults), as `build.step_config` makes it of a run's config."""
+    from mmr_jax.config import config_types
+    from mmr_jax.step import train_step
+
+    return train_step.StepConfig(
+        loss=config_types.LossConfig(**loss),
+        temperature=temperature,
+        max_completion_len=max_completion_len,
+        logprob_chunk=logprob_chunk,
+        entropy_control=entropy_control,
+    )
