@@ -24,7 +24,7 @@ _over_iterations, _reduce = train_step._over_iterations, train_step._reduce
 def train_step(
     state: TrainState, batch, frozen, rest, *, graphdef, optimizer, schedule, cfg
 ) -> tuple[TrainState, dict[str, jax.Array]]:
-    """`cfg.loss.iterations` optimiser updates, each on the gradient accumulated over all minibatches."""
+    """`loss.iterations` optimiser updates, each on the gradient summed over all minibatches."""
     m = cfg.loss.minibatches
     check_minibatches(batch.prompt_tokens, batch.tokens.shape[0], m)
     mbs = jax.tree.map(functools.partial(_split, m=m), batch)
