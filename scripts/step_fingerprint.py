@@ -142,7 +142,8 @@ def main(argv=None) -> int:
             f"grad norm {last['grad_norm']!r}",
             flush=True,
         )
-    pathlib.Path(args.out).write_text(json.dumps(result, indent=1, sort_keys=True) + "\n")
+        # After every case: a run stopped part-way keeps the cases it finished.
+        pathlib.Path(args.out).write_text(json.dumps(result, indent=1, sort_keys=True) + "\n")
     if args.compare:
         diffs = compare(json.loads(pathlib.Path(args.compare).read_text()), result)
         print("\n".join(diffs) or f"bit-identical to {args.compare} ({len(result)} cases)")
