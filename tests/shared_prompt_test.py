@@ -453,15 +453,16 @@ def test_train_step_same_metrics_and_update(ckpt, variant):
         new, metrics = step(fresh_state(), batch, policy.frozen, policy.rest)
         if cfg.loss.importance_sampling_level != "token" and not results:
             # The level reaches the loss: token ratios give another loss on the second pass.
-            token_cfg = dataclasses.replace(cfg, importance_sampling_level="token")
+            token_loss = dataclasses.replace(cfg.loss, importance_sampling_level="token")
+            token_cfg = dataclasses.replace(cfg, loss=token_loss)
             token_step = train_step.jit_train_step(
                 graphdef=policy.graphdef, optimizer=optimizer, schedule=lambda _: 1.0, cfg=token_cfg
             )
             token = token_step(fresh_state(), batch, policy.frozen, policy.rest)[1]
             assert abs(float(token["loss"]) - float(metrics["loss"])) > 1e-4
-        if any(getattr(cfg, k) != v for k, v in _OPTIONS_OFF.items()) and not results:
+        if any(getattr(cfg.loss, k) != v for k, v in _OPTIONS_OFF.items()) and not results:
             # The options reach the loss: without them the same batch gives another loss.
-            off_cfg = dataclasses.replace(cfg, **_OPTIONS_OFF)
+            off_cfg = dataclasses.replace(cfg, loss=dataclasses.replace(cfg.loss, **_OPTIONS_OFF))
             off_step = train_step.jit_train_step(
                 graphdef=policy.graphdef, optimizer=optimizer, schedule=lambda _: 1.0, cfg=off_cfg
             )
