@@ -6,7 +6,7 @@
 Both sides run the config's job (default configs/cpu_smollm2.py, the CPU default) for --steps
 steps, each in its own subprocess, back to back (--rounds > 1 interleaves them):
   ours        scripts/train.py on the config, as the README runs it (the trainer in this tree).
-  ours_nommr  the same with mmr.enabled=False: exactly TRL's work (no encoder, no reweighting).
+  ours_nommr  the same with reweight.method=none: exactly TRL's work (no encoder, no reweighting).
   trl         trl.GRPOTrainer (pip install -e .[bench]) on the same HF checkpoint (fp32), the same
               prompts in the same order (our arithmetic generator, system prompt, chat template and
               PromptIterator, fed as a datasets.Dataset of messages, unshuffled), B prompts x G

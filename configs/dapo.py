@@ -3,7 +3,7 @@ groups with zero accuracy variance dropped and refilled (at most 10 generation b
 
     python scripts/train.py --config=configs/dapo.py:7b --workdir=runs/dapo_7b
     python scripts/train.py --config=configs/dapo.py:1.5b --workdir=runs/mmr_dapo_1.5b \\
-        --config.mmr.enabled=True
+        --config.reweight.method=mmr
 
 As the paper's table has it, without overlong shaping. The full DAPO recipe adds the soft overlong
 punishment (eq. 13, reward 'overlong' with weight 1; its lengths rewards.overlong_*) by the

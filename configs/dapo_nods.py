@@ -2,7 +2,7 @@
 
     python scripts/train.py --config=configs/dapo_nods.py:8b --workdir=runs/dapo_nods_8b
     python scripts/train.py --config=configs/dapo_nods.py:1.5b --workdir=runs/mmr_dapo_nods_1.5b \\
-        --config.mmr.enabled=True
+        --config.reweight.method=mmr
 """
 
 import os

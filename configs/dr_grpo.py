@@ -2,7 +2,7 @@
 
     python scripts/train.py --config=configs/dr_grpo.py:8b --workdir=runs/dr_grpo_8b
     python scripts/train.py --config=configs/dr_grpo.py:1.5b --workdir=runs/mmr_dr_grpo_1.5b \\
-        --config.mmr.enabled=True
+        --config.reweight.method=mmr
 """
 
 import os

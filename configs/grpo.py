@@ -1,8 +1,9 @@
-"""GRPO (beta 0.04; format 1 + cosine 2), the paper's baseline; `mmr.enabled=True` gives MMR-GRPO.
+"""GRPO (beta 0.04; format 1 + cosine 2), the paper's baseline; `reweight.method=mmr` gives
+MMR-GRPO.
 
     python scripts/train.py --config=configs/grpo.py:7b --workdir=runs/grpo_7b
     python scripts/train.py --config=configs/grpo.py:1.5b --workdir=runs/mmr_grpo_1.5b \\
-        --config.mmr.enabled=True
+        --config.reweight.method=mmr
     python scripts/train.py --config=configs/grpo.py:8b,smoke --workdir=/tmp/smoke   # CPU
 """
 

@@ -1,6 +1,7 @@
 """GRPO on DeepSeek-R1-Distill-Qwen-7B with LoRA (r 64, alpha 128); the README's example.
 
-python scripts/train.py --config=configs/grpo_7b.py --workdir=runs/grpo_7b --config.mmr.enabled=True
+python scripts/train.py --config=configs/grpo_7b.py --workdir=runs/grpo_7b \\
+    --config.reweight.method=mmr
 python scripts/train.py --config=configs/grpo_7b.py:smoke --workdir=/tmp/smoke   # CPU
 """
 

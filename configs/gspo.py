@@ -1,6 +1,6 @@
 """GSPO (Zheng et al. 2025): sequence-level ratio exp(mean_t log(pi / pi_old)), clipped per
 sequence at 1 - 3e-4 / 1 + 4e-4 (the paper's v2, section 5.1; TRL's paper index), no KL,
-seq-mean-token-mean; format 1 + cosine 2 as GRPO. `mmr.enabled=True` gives MMR-GSPO.
+seq-mean-token-mean; format 1 + cosine 2 as GRPO. `reweight.method=mmr` gives MMR-GSPO.
 
 The ratio is 1 on the first pass over a batch, where GSPO is GRPO; it acts from the second, so
 the variant takes two passes (`loss.iterations=2`, TRL's num_iterations) where the paper splits
@@ -9,7 +9,7 @@ each rollout batch into 4 successive updates; that form is one override away (is
 
     python scripts/train.py --config=configs/gspo.py:7b --workdir=runs/gspo_7b
     python scripts/train.py --config=configs/gspo.py:1.5b --workdir=runs/mmr_gspo_1.5b \\
-        --config.mmr.enabled=True
+        --config.reweight.method=mmr
     python scripts/train.py --config=configs/gspo.py:8b,smoke --workdir=/tmp/smoke   # CPU
     # GSPO-token (same loss; the same gradient unless loss.tis_mode is token_*):
     python scripts/train.py --config=configs/gspo.py:7b --workdir=runs/gspo_token_7b \\

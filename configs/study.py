@@ -28,7 +28,7 @@ def get_config(arg=None):
 
     t = cpu_smollm2.get_config()
     t.name = "study"
-    t.mmr.enabled = False  # the variants switch reweighting on
+    t.reweight.method = "none"  # the variants switch reweighting on
     t.total_steps = 40  # same budget for every run (the base model saturates within ~15-20)
     # The task (docs/study_cpu.md): sums of operands up to 10, the base model at ~10% pass@1.
     t.data.arithmetic_max_operand = 10
@@ -47,10 +47,10 @@ def get_config(arg=None):
 
     c.variants = ml_collections.ConfigDict()  # name -> delta on `train` (nested training keys)
     c.variants.grpo = {}
-    c.variants.mmr_grpo = {"mmr": {"enabled": True}}
-    c.variants.dra_grpo = {"dra": {"enabled": True}}
-    c.variants.mmr_grpo_batch = {"mmr": {"enabled": True, "scope": "batch"}}
-    c.variants.mmr_grpo_lam05 = {"mmr": {"enabled": True, "lam": 0.5}}
+    c.variants.mmr_grpo = {"reweight": {"method": "mmr"}}
+    c.variants.dra_grpo = {"reweight": {"method": "dra"}}
+    c.variants.mmr_grpo_batch = {"reweight": {"method": "mmr", "scope": "batch"}}
+    c.variants.mmr_grpo_lam05 = {"reweight": {"method": "mmr", "lam": 0.5}}
     c.run = ("grpo", "mmr_grpo", "dra_grpo")  # variants run, in this order
     c.seeds = (1, 2, 3)  # training seeds (sampling, data order); the held-out set is fixed
     c.baselines = ("grpo", "dra_grpo")  # "best baseline peak": the highest mean peak of these

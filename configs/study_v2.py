@@ -41,7 +41,7 @@ def get_config(arg=None):
     t = cpu_smollm2.get_config()
     t.name = "study_v2"
     t.model.path = WARM_CHECKPOINT
-    t.mmr.enabled = False  # the arms switch reweighting on
+    t.reweight.method = "none"  # the arms switch reweighting on
     t.total_steps = 40  # the budget (plan.md): ~7.3 h for the 30 runs on the 2-core machine
     t.data.source = f"task:{TASK}"
     t.eval.source = "task"  # the task's 128 held-out problems, never trained on
@@ -58,11 +58,11 @@ def get_config(arg=None):
 
     c.variants = ml_collections.ConfigDict()  # arm -> delta on `train`
     c.variants.grpo = {}
-    c.variants.dra_grpo = {"dra": {"enabled": True}}
-    c.variants.mmr_grpo = {"mmr": {"enabled": True}}  # group scope: the paper's text
-    c.variants.mmr_grpo_batch = {"mmr": {"enabled": True, "scope": "batch"}}  # released code
+    c.variants.dra_grpo = {"reweight": {"method": "dra"}}
+    c.variants.mmr_grpo = {"reweight": {"method": "mmr"}}  # group scope: the paper's text
+    c.variants.mmr_grpo_batch = {"reweight": {"method": "mmr", "scope": "batch"}}  # released code
     # This project's variant, not the paper's: uniform raw-reward groups get advantage 0.
-    c.variants.mmr_grpo_guard = {"mmr": {"enabled": True, "uniform_group_guard": True}}
+    c.variants.mmr_grpo_guard = {"reweight": {"method": "mmr", "uniform_group_guard": True}}
     c.run = ("grpo", "dra_grpo", "mmr_grpo", "mmr_grpo_batch", "mmr_grpo_guard")
     c.seeds = (1, 2, 3, 4, 5, 6)
     c.baselines = ("grpo", "dra_grpo")

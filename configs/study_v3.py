@@ -66,9 +66,9 @@ def get_config(arg=None):
     c.train = train_config()
     c.variants = ml_collections.ConfigDict()  # arm -> delta on `train`
     c.variants.grpo = {}
-    c.variants.mmr_grpo = {"mmr": {"enabled": True}}  # the paper's text: group scope
+    c.variants.mmr_grpo = {"reweight": {"method": "mmr"}}  # the paper's text: group scope
     # This project's variant, not the paper's: uniform raw-reward groups get advantage 0.
-    c.variants.mmr_grpo_guard = {"mmr": {"enabled": True, "uniform_group_guard": True}}
+    c.variants.mmr_grpo_guard = {"reweight": {"method": "mmr", "uniform_group_guard": True}}
     c.run = ("grpo", "mmr_grpo", "mmr_grpo_guard")
     c.seeds = SEEDS
     c.baselines = ("grpo",)

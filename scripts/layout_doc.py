@@ -30,11 +30,12 @@ differ. What may import what is stated in each `__init__.py` and checked by the 
     mmr_jax/             the library, one subpackage per role (below)
     configs/             base.py holds every key; one file per variant (`:1.5b|7b|8b[,smoke]`)
     scripts/             entry points: train, evaluate, serve, study, prepare_*, plot_run,
-                         launch_vllm, model_dry_run, filter_prompts, layout_doc; setup_*.sh,
-                         gpu_check.sh
+                         launch_vllm, model_dry_run, filter_prompts, layout_doc,
+                         step_fingerprint; setup_*.sh, gpu_check.sh
     benchmarks/          one short file per benchmark over infra/bench_harness.py; the PyTorch peer
-    tests/               pytest + chex, one test module per library module; support/ holds the
-                         test tooling (imported as `support`)
+    tests/               pytest + chex, a test module per subject (`<module>_test.py` for most of
+                         the math and step modules; the trainer's behaviours in trainer_test,
+                         off_policy_test, ...); support/ holds the test tooling (`support`)
     third_party/         upstream HF configs, the vLLM server's pins (sources and licences inside)
     docs/                one page per subject (docs/README.md)
 """

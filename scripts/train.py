@@ -1,7 +1,7 @@
 """Trains a policy with GRPO / Dr.GRPO / DAPO, optionally with MMR or DRA reweighting.
 
     python scripts/train.py --config=configs/grpo_7b.py --workdir=runs/mmr_grpo_7b \\
-        --config.mmr.enabled=True
+        --config.reweight.method=mmr
     python scripts/train.py --config=configs/cpu_smollm2.py --workdir=runs/cpu_smollm2
     python scripts/train.py --config=configs/dapo.py:8b --dry_run
     python scripts/train.py --config=configs/grpo.py:1.5b --workdir=runs/x --export_hf=runs/x/hf
@@ -32,7 +32,7 @@ from mmr_jax import distributed
 from mmr_jax.config import config_checks, config_overrides
 from mmr_jax.infra import compile_cache, console, run_paths, user_errors
 from mmr_jax.models import hub
-from mmr_jax.training import checkpoint, compiled_dry_run, trainer
+from mmr_jax.training import checkpoint, compiled_dry_run, run_export, trainer
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Config file (configs/*.py[:arg]).", lock_config=True
@@ -97,7 +97,9 @@ def main(argv):
 
         def export():
             console.setup(log_file, stdout=primary)  # Orbax's INFO lines go to the file
-            path = trainer.export_hf(cfg, _WORKDIR.value, _EXPORT_HF.value, step=_EXPORT_STEP.value)
+            path = run_export.export_hf(
+                cfg, _WORKDIR.value, _EXPORT_HF.value, step=_EXPORT_STEP.value
+            )
             console.info("exported %s", path)
 
         _run(export, log_file=log_file)

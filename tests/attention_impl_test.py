@@ -26,6 +26,8 @@ from mmr_jax.models import config as config_lib
 from mmr_jax.step import train_step
 from mmr_jax.training import build
 
+from support import testing
+
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
 BF16_EPS = 2.0**-8
@@ -286,7 +288,7 @@ def _train_step_text(model_kw=None, chunk=0):
         prompt_tokens=jnp.asarray(rng.integers(4, 500, (b, p)), jnp.int32),
         prompt_mask=jnp.asarray(np.arange(p)[None] >= np.array([3, 0])[:, None]),
     )
-    scfg = train_step.StepConfig(
+    scfg = testing.step_config(
         minibatches=1,
         iterations=1,
         temperature=1.0,

@@ -39,10 +39,10 @@ def test_overrides_are_config_keys_train_py_accepts():
     argv += [f"--config.{k}={v}" for k, v in job.overrides(3, mmr=False).items()]
     config_overrides.check_override_keys(argv)  # raises on a key the config does not have
     c = config_overrides.load_config("configs/cpu_smollm2.py", job.overrides(3, mmr=False))
-    assert (c.total_steps, c.checkpoint.every, c.reweighting) == (3, 0, "none")
+    assert (c.total_steps, c.checkpoint.every, c.reweight.method) == (3, 0, "none")
     assert config_overrides.load_config(
         "configs/cpu_smollm2.py", job.overrides(3, mmr=True)
-    ).reweighting == ("mmr")
+    ).reweight.method == ("mmr")
 
 
 def test_step_batches_are_the_trainers_prompts_in_its_order(cfg, tokenizer):

@@ -1,5 +1,6 @@
 """Config files: every variant loads, converts to typed config, and rejects bad keys."""
 
+import ast
 import dataclasses
 import pathlib
 import sys
@@ -9,9 +10,9 @@ import pytest
 from absl import flags
 from ml_collections import config_flags
 
-from mmr_jax.algorithms import advantages, losses, mismatch
+from mmr_jax.algorithms import advantages, losses, mismatch, mmr
 from mmr_jax.config import config_checks, config_overrides, config_types
-from mmr_jax.training import build
+from mmr_jax.training import build, run_guard
 
 CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "configs"
 VARIANTS = [
@@ -86,10 +87,10 @@ class TestVariants:
         assert (cfg.loss.eps_low, cfg.loss.eps_high, cfg.loss.beta) == (3e-4, 4e-4, 0.0)
         assert cfg.loss.aggregation == "seq_mean_token_mean" and cfg.loss.iterations == 2
         step = build.step_config(cfg)  # reaches the train step
-        assert step.importance_sampling_level == "sequence" and step.eps_high == 4e-4
-        mmr = _load("gspo", "8b,smoke", ["--config.mmr.enabled=True"])
-        typed = config_checks.from_config_dict(mmr)
-        assert typed.reweighting == "mmr" and typed.loss.importance_sampling_level == "sequence"
+        assert step.loss.importance_sampling_level == "sequence" and step.loss.eps_high == 4e-4
+        with_mmr = _load("gspo", "8b,smoke", ["--config.reweight.method=mmr"])
+        typed = config_checks.from_config_dict(with_mmr)
+        assert typed.reweight.method == "mmr" and typed.loss.importance_sampling_level == "sequence"
         assert typed.total_steps <= 4 and typed.lora.enabled
         token = _load("gspo", None, ["--config.loss.importance_sampling_level=sequence_token"])
         assert config_checks.from_config_dict(token).loss.importance_sampling_level == (
@@ -103,11 +104,11 @@ class TestVariants:
         assert (cfg.loss.eps_low, cfg.loss.eps_high, cfg.loss.beta) == (1.0, 4.0, 0.0)
         assert cfg.loss.aggregation == "token_mean" and cfg.loss.iterations == 2
         step = build.step_config(cfg)  # reaches the train step
-        assert step.objective == "cispo" and step.eps_high == 4.0
+        assert step.loss.objective == "cispo" and step.loss.eps_high == 4.0
         typed = config_checks.from_config_dict(
-            _load("cispo", "8b,smoke", ["--config.mmr.enabled=True"])
+            _load("cispo", "8b,smoke", ["--config.reweight.method=mmr"])
         )
-        assert typed.reweighting == "mmr" and typed.loss.objective == "cispo"
+        assert typed.reweight.method == "mmr" and typed.loss.objective == "cispo"
 
     def test_new_options_reach_the_step(self):
         over = [
@@ -115,16 +116,20 @@ class TestVariants:
             "--config.loss.entropy_coef=0.001",
             "--config.loss.top_entropy_quantile=0.2",
             "--config.advantage.estimator=rloo",
-            "--config.mmr.enabled=True",
+            "--config.reweight.method=mmr",
         ]
         cfg = config_checks.from_config_dict(_load("dapo", None, over))
         step = build.step_config(cfg)
-        assert (step.objective, step.dual_clip_c) == ("ppo_clip", 3.0)
-        assert (step.entropy_coef, step.top_entropy_quantile) == (0.001, 0.2)
-        assert cfg.advantage.estimator == "rloo" and cfg.reweighting == "mmr"
+        assert (step.loss.objective, step.loss.dual_clip_c) == ("ppo_clip", 3.0)
+        assert (step.loss.entropy_coef, step.loss.top_entropy_quantile) == (0.001, 0.2)
+        assert cfg.advantage.estimator == "rloo" and cfg.reweight.method == "mmr"
         base = build.step_config(config_checks.from_config_dict(_load("grpo")))
-        assert (base.objective, base.dual_clip_c, base.entropy_coef) == ("ppo_clip", 0.0, 0.0)
-        assert base.top_entropy_quantile == 1.0
+        assert (base.loss.objective, base.loss.dual_clip_c, base.loss.entropy_coef) == (
+            "ppo_clip",
+            0.0,
+            0.0,
+        )
+        assert base.loss.top_entropy_quantile == 1.0
 
     def test_tis_modes_reach_the_step(self):
         over = ["--config.loss.tis_cap=3.0", "--config.loss.tis_mode=sequence_mask"]
@@ -132,7 +137,11 @@ class TestVariants:
             _load("grpo", None, [*over, "--config.loss.tis_mask_low=0.5"])
         )
         step = build.step_config(cfg)
-        assert (step.tis_cap, step.tis_mode, step.tis_mask_low) == (3.0, "sequence_mask", 0.5)
+        assert (step.loss.tis_cap, step.loss.tis_mode, step.loss.tis_mask_low) == (
+            3.0,
+            "sequence_mask",
+            0.5,
+        )
 
     def test_choices_are_the_modules(self):
         # config_types spells the choices out (it imports no JAX); they must stay the modules'.
@@ -142,25 +151,26 @@ class TestVariants:
         assert choices[("loss", "aggregation")] == losses.AGGREGATIONS
         assert choices[("loss", "objective")] == losses.OBJECTIVES
         assert choices[("advantage", "estimator")] == tuple(advantages.ESTIMATORS)
+        assert choices[("reweight", "method")] == tuple(mmr.REWEIGHTERS)
 
     def test_overrides(self):
-        cfg = _load("grpo_7b", None, ["--config.mmr.enabled=True", "--config.mmr.lam=0.7"])
+        cfg = _load("grpo_7b", None, ["--config.reweight.method=mmr", "--config.reweight.lam=0.7"])
         typed = config_checks.from_config_dict(cfg)
-        assert typed.reweighting == "mmr" and typed.mmr.lam == 0.7 and typed.lora.enabled
-        assert config_checks.from_config_dict(_load("grpo")).mmr.lam is None
+        assert typed.reweight.method == "mmr" and typed.reweight.lam == 0.7 and typed.lora.enabled
+        assert config_checks.from_config_dict(_load("grpo")).reweight.lam is None
 
 
 class TestBadInput:
     def test_unknown_key_fails_in_flags(self):
         with pytest.raises(Exception, match="lam"):  # ml_collections: 'Did you mean "lam"'
-            _load("grpo", None, ["--config.mmr.lamda=0.5"])
+            _load("grpo", None, ["--config.reweight.lamda=0.5"])
 
-    @pytest.mark.parametrize("key", ["mmr.lamda", "mmrr.lam", "loss.beta.x"])
+    @pytest.mark.parametrize("key", ["reweight.lamda", "reweightt.lam", "loss.beta.x"])
     def test_check_override_keys(self, key):
         argv = ["prog", f"--config={CONFIGS / 'grpo.py'}:smoke", f"--config.{key}=1"]
         with pytest.raises(config_overrides.UnknownKeyError, match="valid keys"):
             config_overrides.check_override_keys(argv)
-        config_overrides.check_override_keys([*argv[:2], "--config.mmr.lam=0.5"])
+        config_overrides.check_override_keys([*argv[:2], "--config.reweight.lam=0.5"])
 
     def test_unknown_key_in_dict(self):
         cfg = _load("grpo").to_dict()
@@ -176,8 +186,8 @@ class TestBadInput:
         "override,match",
         [
             (("advantage", "estimator", "ppo"), "advantage.estimator"),
-            (("mmr", "scope", "global"), "mmr.scope"),
-            (("mmr", "lam", 1.5), "mmr.lam"),
+            (("reweight", "scope", "global"), "reweight.scope"),
+            (("reweight", "lam", 1.5), "reweight.lam"),
             (("loss", "minibatches", 5), "minibatches"),
             (("loss", "tis_cap", -1.0), "loss.tis_cap"),
             (("loss", "tis_cap", 0.9), r"loss.tis_cap=0.9 must be 0 \(off\) or finite and >= 1"),
@@ -224,6 +234,34 @@ class TestBadInput:
         config_checks.from_config_dict(cfg)
         cfg["batch"]["pack_max_len"] = 0  # no packing
         config_checks.from_config_dict(cfg)
+
+    def test_off_policy_runs_on_one_process_only(self):
+        cfg = config_checks.from_config_dict(
+            _load("grpo", None, ["--config.rollout.off_policy_lag=1"])
+        )
+        config_checks.check_processes(cfg, 1)
+        with pytest.raises(config_types.ConfigError, match="one process only .*has 2"):
+            config_checks.check_processes(cfg, 2)
+        on_policy = config_checks.from_config_dict(_load("grpo"))
+        config_checks.check_processes(on_policy, 2)
+
+    def test_no_key_is_defined_twice(self):
+        # A second assignment of a key (base.py) or a second field of one name (a dataclass body)
+        # silently wins over the first; two merged branches once each added loss.entropy_coef.
+        base = ast.parse((CONFIGS / "base.py").read_text())
+        func = next(n for n in base.body if getattr(n, "name", "") == "get_config")
+        keys = [
+            ast.unparse(t)
+            for n in ast.walk(func)
+            if isinstance(n, ast.Assign)
+            for t in n.targets
+            if ast.unparse(t).startswith("c.")
+        ]
+        assert len(keys) > 100 and sorted(k for k in set(keys) if keys.count(k) > 1) == []
+        types = ast.parse(pathlib.Path(config_types.__file__).read_text())
+        for cls in (n for n in types.body if isinstance(n, ast.ClassDef)):
+            names = [n.target.id for n in cls.body if isinstance(n, ast.AnnAssign)]
+            assert sorted(k for k in set(names) if names.count(k) > 1) == [], cls.name
 
     def test_dataclass_defaults_are_the_base_config(self):
         # One default per key: a dataclass default that differs from configs/base.py is a twin
@@ -286,7 +324,53 @@ class TestBadInput:
         with pytest.raises(config_types.ConfigError, match=match):
             config_checks.from_config_dict(cfg)
 
-    def test_mmr_and_dra_exclusive(self):
-        cfg = _load("grpo", None, ["--config.mmr.enabled=True", "--config.dra.enabled=True"])
-        with pytest.raises(ValueError, match="exclusive"):
-            config_checks.from_config_dict(cfg)
+    def test_reweighting_is_one_choice(self):
+        for method in ("none", "mmr", "dra"):
+            cfg = _load("grpo", None, [f"--config.reweight.method={method}"])
+            assert config_checks.from_config_dict(cfg).reweight.method == method
+        with pytest.raises(config_types.ConfigError, match="reweight.method='both'"):
+            config_checks.from_config_dict(_load("grpo", None, ["--config.reweight.method=both"]))
+        over = ["--config.reweight.method=dra", "--config.reweight.lam=0.5"]
+        with pytest.raises(config_types.ConfigError, match="lam is MMR's"):
+            config_checks.from_config_dict(_load("grpo", None, over))
+
+    def test_the_run_json_of_the_commit_before_resumes_under_todays_keys(self, tmp_path):
+        # run.json of configs/cpu_smollm2.py for 3 steps, written by commit bfa45cc (the one
+        # before reweight.method) for scripts/step_fingerprint.py's before figures.
+        fixture = (
+            pathlib.Path(__file__).parent / "support" / "runs" / "bfa45cc_cpu_smollm2_run.json"
+        )
+        (tmp_path / run_guard.RUN_FILE).write_text(fixture.read_text())
+        over = [
+            "--config.total_steps=3",
+            "--config.checkpoint.every=1000",
+            "--config.checkpoint.at_end=False",
+            "--config.logging.samples=0",
+        ]
+        today = config_checks.from_config_dict(_load("cpu_smollm2", None, over))
+        assert today.reweight.method == "mmr"
+        run_guard.prepare_workdir(tmp_path, today.to_dict())  # the same run: no mismatch
+        (tmp_path / run_guard.RUN_FILE).write_text(fixture.read_text())
+        dra = _load("cpu_smollm2", None, [*over, "--config.reweight.method=dra"])
+        with pytest.raises(run_guard.RunMismatchError, match="reweight.method: 'mmr' -> 'dra'"):
+            run_guard.prepare_workdir(tmp_path, config_checks.from_config_dict(dra).to_dict())
+
+    @pytest.mark.parametrize(
+        "old,want",
+        [
+            ({"enabled": True, "scope": "batch", "lam": 0.7}, ("mmr", "batch", 0.7)),
+            ({"enabled": False, "scope": "group", "lam": None}, ("none", "group", None)),
+        ],
+    )
+    def test_configs_stored_before_the_reweight_section_map_to_it(self, old, want):
+        stored = _load("grpo").to_dict()
+        stored.pop("reweight")
+        stored["mmr"] = {**old, "uniform_group_guard": True, "embedding_model": "hashing"}
+        stored["mmr"].update(embedding_max_length=512, embedding_batch_size=64)
+        stored["dra"] = {"enabled": False}
+        rw = config_checks.from_config_dict(stored).reweight
+        assert (rw.method, rw.scope, rw.lam) == want
+        assert rw.uniform_group_guard and rw.embedding_model == "hashing"
+        stored["dra"] = {"enabled": True}
+        stored["mmr"].update(enabled=False, lam=None)
+        assert config_checks.from_config_dict(stored).reweight.method == "dra"

@@ -62,7 +62,7 @@ def test_setup_after_a_basic_config_keeps_library_info_off_the_console(tmp_path)
 class TestTrainConsole:
     def test_quiet_by_default_and_verbose_on_request(self, tmp_path, tiny_llama_dir):
         run = tmp_path / "run"
-        overrides = {"model.path": tiny_llama_dir, "mmr.enabled": True, **_bench(tmp_path)}
+        overrides = {"model.path": tiny_llama_dir, "reweight.method": "mmr", **_bench(tmp_path)}
         env = crash_harness.subprocess_env()
 
         def train(steps, *flags):

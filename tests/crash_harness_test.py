@@ -69,7 +69,7 @@ class TestCrashAnywhere:
             tmp_path,
             tiny_llama_dir,
             "grpo",
-            {"total_steps": 5, "mmr.enabled": True, "checkpoint.export_hf": True},
+            {"total_steps": 5, "reweight.method": "mmr", "checkpoint.export_hf": True},
             [crash_harness.Kill(hook=h) for h in hooks],
         )
         assert [o.killed for o in outcomes] == [True] * 4 + [False]
@@ -85,7 +85,7 @@ class TestCrashAnywhere:
         [
             (  # DAPO's extra generation rounds, LoRA, MMR; a checkpoint every 2 steps
                 "dapo",
-                {"lora.enabled": True, "mmr.enabled": True, "checkpoint.every": 2},
+                {"lora.enabled": True, "reweight.method": "mmr", "checkpoint.every": 2},
                 0,
             ),
             ("dr_grpo", {"checkpoint.export_hf": True}, 1),  # full fine-tune, HF export per step

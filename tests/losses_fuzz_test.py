@@ -55,7 +55,7 @@ def _loss_grad_all(logps, old, adv, mask, ref, eps_low, eps_high, mcl, normalise
                 eps_low=eps_low,
                 eps_high=eps_high,
                 aggregation=aggregation,
-                ref_logps_BxT=None if kl is None else ref,
+                ref_logps_NxT=None if kl is None else ref,
                 beta=0.0 if kl is None else BETA,
                 kl_estimator=kl or "k3",
                 max_completion_len=mcl,

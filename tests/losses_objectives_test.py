@@ -133,10 +133,10 @@ class ReferenceTest(parameterized.TestCase):
                     jnp.asarray(x["mask"]),
                     aggregation=aggregation,
                     max_completion_len=9,
-                    is_weights_BxT=jnp.asarray(w) if tis else None,
+                    is_weights_NxT=jnp.asarray(w) if tis else None,
                     beta=beta,
-                    ref_logps_BxT=jnp.asarray(x["ref"]),
-                    entropy_BxT=ent,
+                    ref_logps_NxT=jnp.asarray(x["ref"]),
+                    entropy_NxT=ent,
                     **clip,
                     **opts,
                 )
@@ -161,13 +161,13 @@ class ReferenceTest(parameterized.TestCase):
         # the graph of before this change: the same bits of loss, metrics and gradient.
         x = {k: jnp.asarray(v, jnp.float32) for k, v in _batch(5).items()}
         x["mask"] = x["mask"].astype(bool)
-        base = dict(aggregation=aggregation, beta=0.04, ref_logps_BxT=x["ref"], **CLIP)
+        base = dict(aggregation=aggregation, beta=0.04, ref_logps_NxT=x["ref"], **CLIP)
 
         def run(**opts):
             fn = jax.jit(
                 jax.value_and_grad(
                     lambda lp: losses.policy_loss(
-                        lp, x["old"], x["adv"], x["mask"], is_weights_BxT=x["w"], **base, **opts
+                        lp, x["old"], x["adv"], x["mask"], is_weights_NxT=x["w"], **base, **opts
                     ),
                     has_aux=True,
                 )
@@ -179,7 +179,7 @@ class ReferenceTest(parameterized.TestCase):
         off = run(
             objective="ppo_clip",
             dual_clip_c=0.0,
-            entropy_BxT=x["ent"],
+            entropy_NxT=x["ent"],
             entropy_coef=0.0,
             top_entropy_quantile=1.0,
         )
@@ -188,7 +188,7 @@ class ReferenceTest(parameterized.TestCase):
         assert off[1].keys() == metrics.keys()
         for k in metrics:
             np.testing.assert_array_equal(off[1][k], metrics[k], err_msg=k)
-        on = run(entropy_BxT=x["ent"], entropy_coef=1e-3)
+        on = run(entropy_NxT=x["ent"], entropy_coef=1e-3)
         assert float(on[0]) != float(loss)  # the comparison can fail
 
 
@@ -338,7 +338,7 @@ class EntropyTest(parameterized.TestCase):
         def f(coef):
             return losses.policy_loss(
                 lp, lp, jnp.zeros(3), mask, aggregation="seq_mean_token_mean",
-                entropy_BxT=ent, entropy_coef=coef, **CLIP,
+                entropy_NxT=ent, entropy_coef=coef, **CLIP,
             )[0]  # fmt: skip
 
         want = -0.02 * (0.2 + 0.5) / 2
@@ -347,9 +347,9 @@ class EntropyTest(parameterized.TestCase):
 
     def test_missing_entropy_raises(self):
         kw = dict(aggregation="token_mean", **CLIP)
-        with pytest.raises(ValueError, match="need entropy_BxT"):
+        with pytest.raises(ValueError, match="need entropy_NxT"):
             losses.policy_loss(LOGPS, OLD, ADV, MASK, entropy_coef=0.1, **kw)
-        with pytest.raises(ValueError, match="need entropy_BxT"):
+        with pytest.raises(ValueError, match="need entropy_NxT"):
             losses.policy_loss(LOGPS, OLD, ADV, MASK, top_entropy_quantile=0.2, **kw)
         with pytest.raises(ValueError, match=r"top_entropy_quantile must lie in \(0, 1\]"):
             losses.policy_loss(LOGPS, OLD, ADV, MASK, top_entropy_quantile=0.0, **kw)
@@ -406,7 +406,7 @@ class GspoTokenWeightsTest(parameterized.TestCase):
                     jax.grad(
                         lambda x, level=level: losses.policy_loss(
                             x, old, adv, mask, importance_sampling_level=level,
-                            is_weights_BxT=jnp.asarray(w), **kw,
+                            is_weights_NxT=jnp.asarray(w), **kw,
                         )[0]
                     )
                 )(jnp.asarray(lp))  # fmt: skip

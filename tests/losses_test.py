@@ -119,7 +119,7 @@ class PolicyLossTest(chex.TestCase):
             jnp.zeros(1),
             jnp.ones((1, 2), bool),
             aggregation="token_mean",
-            ref_logps_BxT=ref,
+            ref_logps_NxT=ref,
             beta=0.1,
             kl_estimator=estimator,
             **CLIP,
@@ -143,7 +143,7 @@ class PolicyLossTest(chex.TestCase):
             @jax.value_and_grad
             def f(x, old, adv, mask, ref, norm):
                 return losses.policy_loss(
-                    x, old, adv, mask, ref_logps_BxT=ref, normaliser=norm, **kw
+                    x, old, adv, mask, ref_logps_NxT=ref, normaliser=norm, **kw
                 )[0]
 
             full, full_grad = f(lp, old, adv, mask, ref, None)

@@ -120,7 +120,7 @@ class TisInTheLossTest(chex.TestCase):
         w = mismatch.tis_weights(OLD, ENGINE, MASK, cap=2.0)
         fn = self.variant(
             lambda w: losses.policy_loss(
-                LOGPS, OLD, ADV, MASK, aggregation="token_mean", is_weights_BxT=w, **CLIP
+                LOGPS, OLD, ADV, MASK, aggregation="token_mean", is_weights_NxT=w, **CLIP
             )[0]
         )
         np.testing.assert_allclose(fn(w), want, rtol=1e-6)
@@ -131,7 +131,7 @@ class TisInTheLossTest(chex.TestCase):
         # token losses 2 e^0.3. Token mean over all 5 tokens, not over the 3 kept ones.
         w = mismatch.tis_weights(OLD, ENGINE, MASK, cap=2.0, mode="sequence_mask")
         loss = losses.policy_loss(
-            OLD, OLD, ADV, MASK, aggregation="token_mean", is_weights_BxT=w, **CLIP
+            OLD, OLD, ADV, MASK, aggregation="token_mean", is_weights_NxT=w, **CLIP
         )[0]
         np.testing.assert_allclose(loss, 3 * 2 * e(0.3) / 5, rtol=1e-6)
         assert abs(float(loss) - 3 * 2 * e(0.3) / 3) > 0.5
@@ -148,8 +148,8 @@ class TisInTheLossTest(chex.TestCase):
                 ADV,
                 MASK,
                 aggregation="token_mean",
-                is_weights_BxT=w,
-                ref_logps_BxT=ref,
+                is_weights_NxT=w,
+                ref_logps_NxT=ref,
                 beta=beta,
                 **CLIP,
             )
@@ -168,10 +168,10 @@ class TisInTheLossTest(chex.TestCase):
         assert abs(float(kl_plain)) > 1e-3
 
     def test_off_is_todays_loss(self):
-        kw = dict(aggregation="seq_mean_token_mean", ref_logps_BxT=OLD - 0.3, beta=0.1, **CLIP)
+        kw = dict(aggregation="seq_mean_token_mean", ref_logps_NxT=OLD - 0.3, beta=0.1, **CLIP)
         base, base_m = losses.policy_loss(LOGPS, OLD, ADV, MASK, **kw)
         ones, ones_m = losses.policy_loss(
-            LOGPS, OLD, ADV, MASK, is_weights_BxT=jnp.ones_like(OLD), **kw
+            LOGPS, OLD, ADV, MASK, is_weights_NxT=jnp.ones_like(OLD), **kw
         )
         assert float(base) == float(ones)
         assert all(float(base_m[k]) == float(ones_m[k]) for k in base_m)

@@ -357,6 +357,31 @@ def _cos64(e):
     return u @ u.T
 
 
+class ReweightWithLambdaTest(chex.TestCase):
+    """The lambda a step logs is the one the selection used (`MmrAux.lam`), in either scope."""
+
+    def test_adaptive_lambda_is_the_selections_own(self):
+        rng = np.random.default_rng(5)
+        r = rng.normal(size=(3, 4)).astype(np.float32)
+        e = rng.normal(size=(3, 4, 6)).astype(np.float32)
+        mask = np.ones((3, 4), bool)
+        mask[1, 2] = False
+        out, lam = mmr.reweight_with_lambda("mmr", r, e, mask=mask)
+        np.testing.assert_array_equal(out, mmr.reweight("mmr", r, e, mask=mask))
+        # sigmoid of each group's population std over its valid rewards, by hand.
+        want = [1 / (1 + math.exp(-np.std(r[i][mask[i]]))) for i in range(3)]
+        np.testing.assert_allclose(lam, want, rtol=1e-6)
+        _, lam_batch = mmr.reweight_with_lambda("mmr", r, e, mask=mask, scope="batch")
+        np.testing.assert_allclose(lam_batch, [1 / (1 + math.exp(-np.std(r[mask])))], rtol=1e-6)
+
+    def test_fixed_lambda_and_the_methods_without_one(self):
+        r = np.array([[1.0, 0.0, 0.5]], np.float32)
+        e = np.eye(3, dtype=np.float32)[None]
+        np.testing.assert_array_equal(mmr.reweight_with_lambda("mmr", r, e, lam=0.25)[1], [0.25])
+        assert mmr.reweight_with_lambda("dra", r, e)[1] is None
+        assert mmr.reweight_with_lambda("none", r, None)[1] is None
+
+
 class CosineSimilarityTest(chex.TestCase):
     def test_fast_path_agrees_with_the_scaled_form(self):
         e = np.random.default_rng(0).normal(size=(5, 6, 32)).astype(np.float32)

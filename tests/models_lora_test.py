@@ -162,7 +162,7 @@ def _lora_step_loss(ckpt, *, dtype, frozen_dtype):
         completion_mask=completion,
         advantages=jnp.asarray([1.0, -1.0, 0.5, -0.5], jnp.float32),
     )
-    cfg = train_step.StepConfig(
+    cfg = testing.step_config(
         minibatches=2,
         iterations=1,
         temperature=1.0,

@@ -120,7 +120,7 @@ class TestContract:
             tiny_llama_dir,
             steps=3,
             **{
-                "mmr.enabled": False,
+                "reweight.method": "none",
                 "rewards.weights": {"test_target": 1.0, "test_target_even": 0.0},
                 "dynamic_sampling.filter_reward": "test_target_even",
                 "dynamic_sampling.max_generation_batches": 4,

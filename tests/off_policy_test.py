@@ -14,6 +14,7 @@ from mmr_jax import rewards
 from mmr_jax.config import config_checks, config_overrides, config_types
 from mmr_jax.infra import faults, metrics
 from mmr_jax.rollout import embedded, prefetch
+from mmr_jax.step import step_batch
 from mmr_jax.training import checkpoint, trainer
 
 from support import fake_server_venv, testing
@@ -273,16 +274,16 @@ def test_vllm_server_killed_mid_run_stops_the_trainer_then_resume_trains_each_st
 
     venv, work = fake_server_venv.make(tmp_path), tmp_path / "run"
     servers = _record_servers(monkeypatch)
-    real_collect, killed = trainer.collect, []
+    real_collect, killed = step_batch.collect, []
 
-    def collect(run, step, timings):
+    def collect(cfg, prompts, engine, tokenizer, encoder, step, timings):
         # Step 3's rollout, in the background while step 2 trains: the server dies first.
         if step == 3 and threading.current_thread().name.startswith("rollout-prefetch"):
-            os.killpg(run.engine.server.proc.pid, signal.SIGKILL)
+            os.killpg(engine.server.proc.pid, signal.SIGKILL)
             killed.append(time.monotonic())
-        return real_collect(run, step, timings)
+        return real_collect(cfg, prompts, engine, tokenizer, encoder, step, timings)
 
-    monkeypatch.setattr(trainer, "collect", collect)
+    monkeypatch.setattr(step_batch, "collect", collect)
     with pytest.raises(prefetch.PrefetchError, match="rollout of step 3") as e:
         trainer.train(_vllm_config(tiny_llama_dir, 5, venv), work)
     assert killed and time.monotonic() - killed[0] < 60  # a named error, no hang
@@ -293,7 +294,7 @@ def test_vllm_server_killed_mid_run_stops_the_trainer_then_resume_trains_each_st
     assert sorted(_metas(work)) == [1]  # step 2 trained, but not checkpointed
     assert [r["step"] for r in _rows(work)] == [1]
 
-    monkeypatch.setattr(trainer, "collect", real_collect)
+    monkeypatch.setattr(step_batch, "collect", real_collect)
     calls = _record_vllm_calls(monkeypatch)
     trainer.train(_vllm_config(tiny_llama_dir, 5, venv), work)
     # The restored weights (version 1) synced at the start; steps 2-5 sampled with versions
@@ -320,13 +321,13 @@ def test_vllm_trainer_error_stops_the_launched_server_and_the_prefetch(
 ):
     # With LoRA: the weights reach the server as adapters (a new name per version).
     servers, calls = _record_servers(monkeypatch), _record_vllm_calls(monkeypatch)
-    real_collect, in_flight = trainer.collect, []
+    real_collect, in_flight = step_batch.collect, []
 
-    def collect(run, step, timings):
+    def collect(cfg, prompts, engine, tokenizer, encoder, step, timings):
         in_flight.append(step)  # the rollouts begun (foreground and background)
-        return real_collect(run, step, timings)
+        return real_collect(cfg, prompts, engine, tokenizer, encoder, step, timings)
 
-    monkeypatch.setattr(trainer, "collect", collect)
+    monkeypatch.setattr(step_batch, "collect", collect)
     monkeypatch.setattr(faults, "_RAISE", ("train", 3))  # MMR_JAX_RAISE_AT=train:3
     venv = fake_server_venv.make(tmp_path)
     with pytest.raises(faults.InjectedFault, match="train:3"):

@@ -1,5 +1,6 @@
-"""The one-slot prefetcher and the trainer's off-policy schedule, driven by fake generate functions
-(mmr_jax/rollout/prefetch.py): ordering, weight versions, error propagation, shutdown."""
+"""The one-slot prefetcher, driven by fake generate functions
+(mmr_jax/rollout/prefetch.py) and the off-policy schedule over it
+(mmr_jax/training/rollout_schedule.py): ordering, weight versions, error propagation, shutdown."""
 
 import threading
 import traceback
@@ -7,6 +8,7 @@ import traceback
 import pytest
 
 from mmr_jax.rollout import prefetch
+from mmr_jax.training import rollout_schedule
 
 WAIT_S = 10.0  # a bound on every wait here: a bug shows as a failure, not a hung test
 
@@ -58,7 +60,7 @@ def _loop(run, rollouts, last, first=1, *, saved=None):
 class TestOffPolicySchedule:
     def test_step_t_plus_1_sampled_with_weights_t_minus_1(self):
         run = FakeRun()
-        rollouts = prefetch.OffPolicyRollouts(run.collect, run.data_state, last_step=5)
+        rollouts = rollout_schedule.OffPolicyRollouts(run.collect, run.data_state, last_step=5)
         infos = _loop(run, rollouts, 5)
         # Step 1 has nothing prefetched: sampled now, with the initial weights (lag 0). Step s+1
         # is sampled while step s trains, by the engine holding the weights after step s-1.
@@ -72,7 +74,7 @@ class TestOffPolicySchedule:
 
     def test_checkpointed_position_excludes_the_prefetched_step_and_resume_regenerates(self):
         run = FakeRun()
-        rollouts = prefetch.OffPolicyRollouts(run.collect, run.data_state, last_step=5)
+        rollouts = rollout_schedule.OffPolicyRollouts(run.collect, run.data_state, last_step=5)
         saved = {}
         _loop(run, rollouts, 3, saved=saved)  # interrupted after step 3 (step 4 prefetched)
         assert run.position == 8  # step 4's prompts drawn by the background rollout
@@ -81,7 +83,7 @@ class TestOffPolicySchedule:
         # Resume from the checkpoint of step 3: its position, its weights (version 3).
         resumed = FakeRun()
         resumed.position, resumed.engine_version = saved[3]["position"], 3
-        again = prefetch.OffPolicyRollouts(resumed.collect, resumed.data_state, last_step=5)
+        again = rollout_schedule.OffPolicyRollouts(resumed.collect, resumed.data_state, last_step=5)
         infos = _loop(resumed, again, 5, first=4)
         assert [infos[s]["rollout/policy_lag"] for s in (4, 5)] == [0.0, 1.0]
         assert {s: v for s, (v, _) in resumed.sampled.items()} == {4: 3, 5: 3}
@@ -100,7 +102,7 @@ class TestOffPolicySchedule:
                 assert updated.wait(WAIT_S), "the rollout of step 2 did not overlap step 1"
             return run.collect(step, timings)
 
-        rollouts = prefetch.OffPolicyRollouts(collect, run.data_state, last_step=2)
+        rollouts = rollout_schedule.OffPolicyRollouts(collect, run.data_state, last_step=2)
         rollouts.groups(1, 0, {})
         updated.set()  # step 1's update, while step 2 is sampled
         rollouts.wait()
@@ -120,7 +122,7 @@ def _raise_at(step_to_fail):
 
 class TestErrors:
     def test_background_error_reraised_chained_with_its_traceback(self):
-        rollouts = prefetch.OffPolicyRollouts(_raise_at(3), dict, last_step=5)
+        rollouts = rollout_schedule.OffPolicyRollouts(_raise_at(3), dict, last_step=5)
         rollouts.groups(1, 0, {})
         rollouts.wait()
         rollouts.groups(2, 1, {})  # starts step 3's rollout, which raises
@@ -192,14 +194,14 @@ class TestShutdown:
 
     def test_close_after_the_last_step_is_a_no_op(self):
         run = FakeRun()
-        rollouts = prefetch.OffPolicyRollouts(run.collect, run.data_state, last_step=1)
+        rollouts = rollout_schedule.OffPolicyRollouts(run.collect, run.data_state, last_step=1)
         rollouts.groups(1, 0, {})
         assert rollouts.pending is None  # nothing started beyond the last step
         assert rollouts.close() and rollouts.close()
 
     def test_close_before_the_rollout_begins_cancels_it(self):
         calls = []
-        rollouts = prefetch.OffPolicyRollouts(
+        rollouts = rollout_schedule.OffPolicyRollouts(
             lambda s, t: calls.append(s) or ("g", {}), dict, last_step=3
         )
         rollouts._slot._cancel.set()  # as close() sets it, before the worker runs collect

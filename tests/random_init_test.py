@@ -137,7 +137,7 @@ def test_train_script_runs_steps_on_random_weights(tmp_path):
         "--config.total_steps=2",
         "--config.data.source=arithmetic",
         "--config.data.system_prompt=",
-        "--config.mmr.enabled=False",
+        "--config.reweight.method=none",
         "--config.batch.max_prompt_len=48",
         "--config.batch.max_completion_len=8",
         "--config.checkpoint.every=0",

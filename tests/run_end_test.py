@@ -10,7 +10,7 @@ import types
 import pytest
 
 from mmr_jax import distributed
-from mmr_jax.training import checkpoint, run_end
+from mmr_jax.training import checkpoint, rollout_schedule, run_end
 
 
 class TestNamedError:
@@ -53,10 +53,12 @@ class _Closable:
 
 
 def _run(tmp_path, log, ckpt_error=None, prefetch=True, engine_closes=True):
+    """A run's closable parts; without `prefetch`, the on-policy schedule (nothing to stop)."""
+    on_policy = rollout_schedule.OnPolicyRollouts(lambda step, timings: None, dict)
     return types.SimpleNamespace(
         checkpointer=_Closable("checkpointer", log, ckpt_error),
         writer=_Closable("writer", log),
-        prefetch=_Closable("prefetch", log) if prefetch else None,
+        rollouts=_Closable("prefetch", log) if prefetch else on_policy,
         engine=_Closable("engine", log) if engine_closes else object(),
         workdir=str(tmp_path),
     )

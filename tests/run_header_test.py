@@ -19,7 +19,7 @@ def _line(name, arg="smoke", **keys):
 
 class TestMethodLine:
     def test_cispo_rloo_mmr_reads_as_such(self):
-        line = _line("cispo", **{"advantage.estimator": "rloo", "mmr.enabled": True})
+        line = _line("cispo", **{"advantage.estimator": "rloo", "reweight.method": "mmr"})
         assert line.startswith("reweighting MMR (group scope, adaptive lambda, minilm)"), line
         assert "advantages RLOO" in line and "objective CISPO, token ratio, clip [0, 5]" in line
         assert "loss token_mean" in line and "2 pass(es) x 1 update(s) per batch" in line
@@ -34,8 +34,8 @@ class TestMethodLine:
     @pytest.mark.parametrize(
         "name,keys,part",
         [
-            ("grpo", {"dra.enabled": True}, "reweighting DRA (minilm)"),
-            ("grpo", {"mmr.enabled": True, "mmr.scope": "batch", "mmr.lam": 0.5},
+            ("grpo", {"reweight.method": "dra"}, "reweighting DRA (minilm)"),
+            ("grpo", {"reweight.method": "mmr", "reweight.scope": "batch", "reweight.lam": 0.5},
              "reweighting MMR (batch scope, lambda 0.5, minilm)"),
             ("dr_grpo", {}, "advantages Dr.GRPO r - mean"),
             ("dapo", {}, "DAPO dynamic sampling on accuracy (<= 4 rounds)"),

@@ -349,7 +349,7 @@ _FAST_VARIANTS = ("dapo",)
 def test_train_step_same_metrics_and_update(ckpt, variant):
     opts = dict(_VARIANTS[variant])
     lora = opts.pop("lora", False)
-    cfg = train_step.StepConfig(
+    cfg = testing.step_config(
         minibatches=opts.pop("minibatches", 2),
         iterations=opts.pop("iterations", 1),
         temperature=0.7,
@@ -370,7 +370,7 @@ def test_train_step_same_metrics_and_update(ckpt, variant):
     policy = build.split_model(_load(ckpt, lora=lora))
     groups = _groups(4, 4, seed=4)
     adv = np.random.default_rng(5).standard_normal((4, 4)).astype(np.float32)
-    group = batch_layout.group_size(4, 16, cfg.minibatches)
+    group = batch_layout.group_size(4, 16, cfg.loss.minibatches)
     # The update is -gradient, so new - old params compares gradients. Rate 1, not smaller: the
     # difference (p - lr * g) - p carries a rounding of eps * |p| (norm weights are ~1), which
     # at lr = 0.1 is ~1e-5 of the largest update, the tolerance itself.
@@ -388,7 +388,7 @@ def test_train_step_same_metrics_and_update(ckpt, variant):
             "minibatches",
         ),
     )
-    if cfg.tis_cap:  # engine log-probs near the trainer's: ratios on both sides of the cap
+    if cfg.loss.tis_cap:  # engine log-probs near the trainer's: ratios on both sides of the cap
         full = _pack(groups, adv, "full", group=group)
         t = full["completion_mask"].shape[1]
         lp = logp(
@@ -419,14 +419,14 @@ def test_train_step_same_metrics_and_update(ckpt, variant):
             graphdef=policy.eval_graphdef,
             num_completion=dev["completion_mask"].shape[1],
             temperature=0.7,
-            minibatches=cfg.minibatches,
+            minibatches=cfg.loss.minibatches,
             prompt_tokens=dev.get("prompt_tokens"),
             prompt_mask=dev.get("prompt_mask"),
             packed=dev.get("packed"),
         )
         args = (policy.frozen, policy.rest, dev["tokens"], dev["attention_mask"])
-        ref = logp(policy.params, *args, disable_lora=lora, **kw) if cfg.beta > 0 else None
-        several = cfg.iterations * cfg.updates_per_batch > 1
+        ref = logp(policy.params, *args, disable_lora=lora, **kw) if cfg.loss.beta > 0 else None
+        several = cfg.loss.iterations * cfg.loss.updates_per_batch > 1
         old = logp(policy.params, *args, **kw) if several else None
         batch = train_step.Batch(
             dev["tokens"],
@@ -451,23 +451,24 @@ def test_train_step_same_metrics_and_update(ckpt, variant):
             )
 
         new, metrics = step(fresh_state(), batch, policy.frozen, policy.rest)
-        if cfg.importance_sampling_level != "token" and not results:
+        if cfg.loss.importance_sampling_level != "token" and not results:
             # The level reaches the loss: token ratios give another loss on the second pass.
-            token_cfg = dataclasses.replace(cfg, importance_sampling_level="token")
+            token_loss = dataclasses.replace(cfg.loss, importance_sampling_level="token")
+            token_cfg = dataclasses.replace(cfg, loss=token_loss)
             token_step = train_step.jit_train_step(
                 graphdef=policy.graphdef, optimizer=optimizer, schedule=lambda _: 1.0, cfg=token_cfg
             )
             token = token_step(fresh_state(), batch, policy.frozen, policy.rest)[1]
             assert abs(float(token["loss"]) - float(metrics["loss"])) > 1e-4
-        if any(getattr(cfg, k) != v for k, v in _OPTIONS_OFF.items()) and not results:
+        if any(getattr(cfg.loss, k) != v for k, v in _OPTIONS_OFF.items()) and not results:
             # The options reach the loss: without them the same batch gives another loss.
-            off_cfg = dataclasses.replace(cfg, **_OPTIONS_OFF)
+            off_cfg = dataclasses.replace(cfg, loss=dataclasses.replace(cfg.loss, **_OPTIONS_OFF))
             off_step = train_step.jit_train_step(
                 graphdef=policy.graphdef, optimizer=optimizer, schedule=lambda _: 1.0, cfg=off_cfg
             )
             off = off_step(fresh_state(), batch, policy.frozen, policy.rest)[1]
             assert abs(float(off["loss"]) - float(metrics["loss"])) > 1e-4
-            if cfg.top_entropy_quantile < 1:
+            if cfg.loss.top_entropy_quantile < 1:
                 assert 0.3 < float(metrics["entropy/kept_frac"]) < 0.7
         if old is not None:  # the mismatch metrics are of these log-probs: against float64
             m = np.asarray(arrays["completion_mask"])
@@ -480,8 +481,8 @@ def test_train_step_same_metrics_and_update(ckpt, variant):
     (m_full, d_full), *others = results
     assert abs(m_full["loss"]) > 1e-4 and m_full["tokens"] > 0
     assert m_full["mismatch/logp_abs_mean"] > 0.1  # the planted engine log-probs are far off
-    if cfg.tis_cap:  # some weights capped (or sequences rejected), some not
-        assert 0 < m_full[f"tis/{'masked' if 'mask' in cfg.tis_mode else 'clipped'}_frac"] < 1
+    if cfg.loss.tis_cap:  # some weights capped (or sequences rejected), some not
+        assert 0 < m_full[f"tis/{'masked' if 'mask' in cfg.loss.tis_mode else 'clipped'}_frac"] < 1
     # Issue 40: under LoRA the std of r = exp(trainer - engine) once differed by 4e-4 between
     # layouts. The layouts' log-probs agree to 2e-6 (3.5e-7 relative), which moves the std by
     # about that much; the difference came from E[r^2] - E[r]^2 cancelling in fp32 (r ~ 0.007

@@ -20,7 +20,7 @@ def test_smoke_keeps_the_cpu_defaults_task_and_encoder(name):
     smoke, cpu = _cfg(f"{name}.py:smoke"), _cfg("cpu_smollm2.py")
     assert smoke.model.path == cpu.model.path and smoke.model.dtype == cpu.model.dtype
     assert smoke.data == cpu.data  # sums of 1-10, the one-sentence prompt
-    assert smoke.mmr.embedding_model == cpu.mmr.embedding_model == "minilm"
+    assert smoke.reweight.embedding_model == cpu.reweight.embedding_model == "minilm"
     assert smoke.rewards.weights["accuracy"] == 1.0 and smoke.rewards.accuracy_number_only
 
 

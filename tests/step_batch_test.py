@@ -77,7 +77,10 @@ class TestTruncatedCompletions:
         # The advantages come from every valid completion, truncated ones included: group 0's
         # mean is (1 - 1 + 0.5 - 1) / 4 with its two truncated rows (GRPO, ddof 1, eps 1e-4).
         groups = _groups()
-        _, adv, _ = step_batch._advantages(_cfg(mask_truncated_completions=True), groups)
+        cfg = _cfg(mask_truncated_completions=True)
+        _, adv, _ = step_batch.reweighted_advantages(
+            groups.total, None, groups.valid, reweight=cfg.reweight, advantage=cfg.advantage
+        )
         r = groups.total[0]
         want = (r - r.mean()) / (r.std(ddof=1) + 1e-4)
         np.testing.assert_allclose(np.asarray(adv)[0], want, rtol=1e-5)

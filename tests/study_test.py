@@ -140,7 +140,7 @@ class TestConfigChecks:
     def test_plan_checks(self):
         c = _tiny_study("ckpt", "x")
         assert [s.name for s in study.plan(c)] == ["grpo_s1", "mmr_grpo_s1"]
-        assert study.plan(c)[1].cfg.reweighting == "mmr" and study.plan(c)[1].cfg.seed == 1
+        assert study.plan(c)[1].cfg.reweight.method == "mmr" and study.plan(c)[1].cfg.seed == 1
         c.run = ("grpo", "nope")
         with pytest.raises(ValueError, match=r"variants \['nope'\] not in"):
             study.plan(c)
@@ -151,8 +151,8 @@ class TestConfigChecks:
         with pytest.raises(ValueError, match="eval.every > 0"):
             study.plan(c)
         c = _tiny_study("ckpt", "x")
-        c.variants.grpo = {"mmr": {"enabeld": True}}
-        with pytest.raises(KeyError, match="enabeld"):
+        c.variants.grpo = {"reweight": {"methd": "mmr"}}
+        with pytest.raises(KeyError, match="methd"):
             study.plan(c)
 
     @pytest.mark.slow
@@ -163,7 +163,7 @@ class TestConfigChecks:
 
         def fake_train(cfg, workdir):
             calls.append(pathlib.Path(workdir).name)
-            if cfg.seed == 2 and cfg.reweighting == "mmr":
+            if cfg.seed == 2 and cfg.reweight.method == "mmr":
                 raise trainer.NonFiniteLossError("step 2: non-finite loss nan")
 
         lines = []
@@ -187,7 +187,7 @@ class TestConfigChecks:
             step.mkdir(parents=True)
             (step / "weights").write_bytes(b"x" * 1000)
             (pathlib.Path(workdir) / "metrics.jsonl").write_text("{}\n")
-            if cfg.reweighting == "mmr":
+            if cfg.reweight.method == "mmr":
                 raise trainer.NonFiniteLossError("step 2: non-finite loss nan")
 
         lines = []

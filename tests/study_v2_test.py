@@ -20,13 +20,13 @@ def test_grid_is_five_arms_by_six_seeds_seed_major():
     ]  # fmt: skip
     assert sorted({s.seed for s in specs}) == [1, 2, 3, 4, 5, 6]
     arms = {s.variant: s.cfg for s in specs if s.seed == 1}
-    assert (arms["grpo"].reweighting, arms["dra_grpo"].reweighting) == ("none", "dra")
+    assert (arms["grpo"].reweight.method, arms["dra_grpo"].reweight.method) == ("none", "dra")
     for name in ("mmr_grpo", "mmr_grpo_batch", "mmr_grpo_guard"):
-        assert arms[name].reweighting == "mmr"
-    assert [arms[n].mmr.scope for n in ("mmr_grpo", "mmr_grpo_batch", "mmr_grpo_guard")] == [
+        assert arms[name].reweight.method == "mmr"
+    assert [arms[n].reweight.scope for n in ("mmr_grpo", "mmr_grpo_batch", "mmr_grpo_guard")] == [
         "group", "batch", "group",
     ]  # fmt: skip
-    assert [n for n, c in arms.items() if c.mmr.uniform_group_guard] == ["mmr_grpo_guard"]
+    assert [n for n, c in arms.items() if c.reweight.uniform_group_guard] == ["mmr_grpo_guard"]
     # Every arm: the same start, task, budget and evaluation.
     keys = {(c.model.path, c.data.source, c.eval.source, c.total_steps, c.eval.every, c.eval.n)
             for c in arms.values()}  # fmt: skip
@@ -50,7 +50,7 @@ def test_pilot_and_warmup():
     pilot = study.plan(study_v2.get_config("pilot"))
     assert len(pilot) == 5 and pilot[0].cfg.total_steps == 2
     w = config_checks.from_config_dict(study_v2_warmup.get_config())
-    assert w.reweighting == "none" and w.total_steps == 12 and w.seed not in range(1, 7)
+    assert w.reweight.method == "none" and w.total_steps == 12 and w.seed not in range(1, 7)
     # The export the arms start from is written at the last step.
     assert w.checkpoint.export_hf and w.total_steps % w.checkpoint.every == 0
     assert (w.data.source, w.data.arithmetic_max_operand, w.data.arithmetic_ops) == (

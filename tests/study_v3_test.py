@@ -28,8 +28,9 @@ def test_setup_meets_the_plan():
         assert cfg.eval.n >= 4 and tuple(cfg.eval.benchmarks) == ("math500",)
         assert cfg.eval.max_problems == 0  # all 500
     by_variant = {s.variant: s.cfg for s in specs if s.seed == 1}
-    assert by_variant["mmr_grpo"].mmr.enabled and not by_variant["grpo"].mmr.enabled
-    assert by_variant["mmr_grpo_guard"].mmr.uniform_group_guard
+    assert by_variant["mmr_grpo"].reweight.method == "mmr"
+    assert by_variant["grpo"].reweight.method == "none"
+    assert by_variant["mmr_grpo_guard"].reweight.uniform_group_guard
 
 
 def test_pilot_is_three_grpo_seeds():

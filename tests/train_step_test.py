@@ -18,6 +18,8 @@ from mmr_jax.models import lora as lora_lib
 from mmr_jax.step import step_loss, train_step
 from mmr_jax.training import build
 
+from support import testing
+
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
 N, P, T = 4, 3, 6
@@ -76,7 +78,7 @@ def _logps(policy, params, tokens, attention, disable_lora=False):
 
 
 def _step(policy, batch, *, iterations=1, tis_cap=0.0, lr=0.5, minibatches=2):
-    cfg = train_step.StepConfig(
+    cfg = testing.step_config(
         minibatches=minibatches,
         iterations=iterations,
         temperature=TEMPERATURE,
@@ -228,7 +230,7 @@ def _reference_updates(policy, batch, optimizer, *, updates, iterations, aggrega
 
 
 def _step_u(policy, batch, optimizer, *, updates, iterations=1, aggregation, minibatches=4):
-    cfg = train_step.StepConfig(
+    cfg = testing.step_config(
         minibatches=minibatches,
         iterations=iterations,
         temperature=TEMPERATURE,
@@ -350,7 +352,7 @@ class TestOptionsOff:
         opts = dict(_OFF_VARIANTS[variant])
         lora = opts.pop("lora", None)
         policy = _policy(ckpt, dropout=lora)
-        cfg = train_step.StepConfig(
+        cfg = testing.step_config(
             minibatches=2,
             temperature=TEMPERATURE,
             kl_estimator="k3",
@@ -360,7 +362,7 @@ class TestOptionsOff:
         tokens, attention, comp, adv = _rows8()
         old = _logps(policy, policy.params, tokens, attention)
         ref = None
-        if cfg.beta:
+        if cfg.loss.beta:
             ref = _logps(policy, policy.params, tokens, attention, disable_lora=lora is not None)
         engine = jnp.where(comp, old - 0.3, 0.0)
         batch = train_step.Batch(
@@ -398,7 +400,7 @@ class TestOptionsOff:
             config_overrides.load_config_file(f"{CONFIGS}/{name}.py:smoke")
         )
         sc = build.step_config(cfg)
-        assert sc.updates_per_batch == 1 and not sc.entropy_on
+        assert sc.loss.updates_per_batch == 1 and not sc.entropy_on
         assert not cfg.loss.mask_truncated_completions
         assert "overlong" not in step_batch.reward_params(cfg)
         assert step_batch.needs_old_logps(cfg) == (cfg.loss.iterations > 1)
@@ -417,7 +419,7 @@ class TestEntropyCoefficient:
             control = None
             if target is not None:
                 control = entropy_control.Control(target=target, step=0.001, low=0.0, high=0.01)
-            cfg = train_step.StepConfig(
+            cfg = testing.step_config(
                 minibatches=2,
                 iterations=1,
                 temperature=TEMPERATURE,
@@ -471,7 +473,7 @@ class TestLoraDropout:
         assert build.train_graphdef(config_checks.from_config_dict(c), policy) is policy.graphdef
         spread = {}
         for name, gd in (("dropout", policy.graphdef), ("clean", graphdef)):
-            step_cfg = train_step.StepConfig(
+            step_cfg = testing.step_config(
                 minibatches=2,
                 iterations=1,
                 temperature=TEMPERATURE,

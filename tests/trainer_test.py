@@ -17,7 +17,14 @@ from mmr_jax.config import config_checks
 from mmr_jax.infra import metrics
 from mmr_jax.rewards import grading
 from mmr_jax.step import batch_layout, step_batch
-from mmr_jax.training import build, checkpoint, compiled_dry_run, run_guard, trainer
+from mmr_jax.training import (
+    build,
+    checkpoint,
+    compiled_dry_run,
+    run_export,
+    run_guard,
+    trainer,
+)
 
 from support import testing, train_script
 
@@ -145,7 +152,7 @@ class TestVariants:
         )
         for where in ("tiny", "average"):
             assert out[f"eval/{where}/pass@1"] == 0.75 and out[f"eval/{where}/pass@2"] == 1.0
-        path = trainer.export_hf(cfg, tmp_path / "run", tmp_path / "hf", step=1)
+        path = run_export.export_hf(cfg, tmp_path / "run", tmp_path / "hf", step=1)
         assert (pathlib.Path(path) / "config.json").exists()
         assert (pathlib.Path(path) / "adapter" / "adapter_config.json").exists()
 
@@ -163,13 +170,15 @@ class TestVariants:
         # The advantages the step gets, against plain loops of DRA-GRPO and of the released
         # MMR rule over the whole batch, each followed by the GRPO group normalisation.
         seen = _capture_advantages(monkeypatch)
-        cfg = _config("grpo", tiny_qwen2_dir, **{"dra.enabled": True, "loss.iterations": 2})
+        cfg = _config("grpo", tiny_qwen2_dir, **{"reweight.method": "dra", "loss.iterations": 2})
         out = trainer.train(cfg, tmp_path / "run")
         assert out["ratio/min"] < 1.0 < out["ratio/max"]  # pass 1 is 1, pass 2 moves both ways
         for r, emb, adv in seen:
             np.testing.assert_allclose(adv, _grpo(_dra_loop(r, emb)), rtol=1e-4, atol=1e-5)
         seen.clear()
-        cfg = _config("grpo", tiny_qwen2_dir, mmr=True, **{"mmr.scope": "batch", "mmr.lam": 0.7})
+        cfg = _config(
+            "grpo", tiny_qwen2_dir, mmr=True, **{"reweight.scope": "batch", "reweight.lam": 0.7}
+        )
         trainer.train(cfg, tmp_path / "run2")
         assert len(seen) == 2
         for r, emb, adv in seen:
@@ -261,14 +270,14 @@ MISMATCH_KEYS = {
 
 def _capture_batches(monkeypatch):
     """Records every (engine log-probs, loss mask) the trainer sends to the step, as numpy."""
-    seen, real = [], trainer.make_batch
+    seen, real = [], step_batch.make_batch
 
-    def make_batch(run, groups, timings):
-        batch, info = real(run, groups, timings)
+    def make_batch(cfg, groups, **kw):
+        batch, info = real(cfg, groups, **kw)
         seen.append((np.asarray(batch.sampler_logps), np.asarray(batch.completion_mask)))
         return batch, info
 
-    monkeypatch.setattr(trainer, "make_batch", make_batch)
+    monkeypatch.setattr(step_batch, "make_batch", make_batch)
     return seen
 
 
@@ -417,7 +426,7 @@ class TestLearning:
                 "batch.prompts": 4,
                 "loss.minibatches": 2,
                 "checkpoint.every": 0,
-                "mmr.embedding_model": "hashing",
+                "reweight.embedding_model": "hashing",
             },
         )
         trainer.train(cfg, tmp_path / "run")
@@ -481,19 +490,26 @@ class TestResume:
             assert x["reward/mean"] == pytest.approx(y["reward/mean"], abs=1e-6)
             assert x["completion/length_mean"] == y["completion/length_mean"]
 
-    # The last commit before mmr_jax/ was regrouped into role subpackages (issue 48).
-    PRE_REGROUP = "6dd19a4596be57b112beaab249fe3fd9336b16fd"
-
     @pytest.mark.slow
-    def test_a_run_written_before_the_regroup_resumes_after_it(self, tmp_path, tiny_llama_dir):
-        old = tmp_path / "pre_regroup"
+    @pytest.mark.parametrize(
+        "commit",
+        [
+            # The last commit before mmr_jax/ was regrouped into role subpackages (issue 48).
+            "6dd19a4596be57b112beaab249fe3fd9336b16fd",
+            # The last commit before reweight.method replaced mmr.enabled / dra.enabled (issue 53):
+            # its run.json stores the mmr and dra sections, which map to reweight.
+            "bfa45ccbb2fce0293d764dd0483296c8c3c0cf8a",
+        ],
+    )
+    def test_a_run_written_by_an_older_commit_resumes(self, tmp_path, tiny_llama_dir, commit):
+        old = tmp_path / "old_tree"
         old.mkdir()
         archive = subprocess.run(
-            ["git", "-C", str(train_script.REPO), "archive", self.PRE_REGROUP],
+            ["git", "-C", str(train_script.REPO), "archive", commit],
             capture_output=True,
         )
         assert archive.returncode == 0, (
-            f"this test needs the project's git history (commit {self.PRE_REGROUP}): "
+            f"this test needs the project's git history (commit {commit}): "
             + archive.stderr.decode()[-500:]
         )
         subprocess.run(["tar", "-x", "-C", str(old)], input=archive.stdout, check=True)
@@ -508,8 +524,8 @@ class TestResume:
             text=True,
         )
         assert first.returncode == 0, first.stderr[-3000:]
-        assert (old / "mmr_jax" / "checkpoint.py").exists()  # the flat layout wrote it
-        assert not (old / "mmr_jax" / "training").exists()
+        stored = run_guard.read_run_config(run)
+        assert stored["mmr"]["enabled"] and "reweight" not in stored  # the old keys wrote it
         env["PYTHONPATH"] = str(train_script.REPO)
         res = subprocess.run(
             train_script.train_cmd(run, tiny_llama_dir, 3),
@@ -521,7 +537,7 @@ class TestResume:
         assert f"workdir {run} | resuming from step 2" in res.stdout
         rows = metrics.read_jsonl(run / metrics.METRICS_FILE)
         assert [r["step"] for r in rows] == [1, 2, 3]
-        assert np.isfinite(rows[-1]["reward/mean"])
+        assert np.isfinite(rows[-1]["reward/mean"]) and "mmr/lambda_mean" in rows[-1]
 
 
 class TestDryRun:
@@ -636,7 +652,7 @@ class TestBadInput:
                 str(REPO / "scripts" / "train.py"),
                 f"--config={REPO / 'configs' / 'grpo.py'}:smoke",
                 f"--workdir={tmp_path}",
-                "--config.mmr.lamda=0.5",
+                "--config.reweight.lamda=0.5",
             ],
             capture_output=True,
             text=True,

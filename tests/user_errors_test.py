@@ -76,7 +76,10 @@ class TestConfigMistakes:
         [
             ("total_steps=abc", "total_steps takes an int (configs/cpu_smollm2.py sets 30)"),
             ("batch.prompts=2.5", "batch.prompts takes an int (configs/cpu_smollm2.py sets 4)"),
-            ("mmr.enabled=yes_please", "mmr.enabled takes True or False"),
+            (
+                "reweight.uniform_group_guard=yes_please",
+                "reweight.uniform_group_guard takes True or False",
+            ),
         ],
     )
     def test_a_value_of_the_wrong_type(self, tmp_path, override, want):

@@ -1,6 +1,7 @@
 """Clipped policy-gradient objective with token aggregation modes and KL estimators.
 
-Shape legend: B sequences (completions) in the (micro)batch, T completion tokens.
+Shape legend (docs/design.md): N rows (completions, B prompts x G) in the (micro)batch, T
+completion tokens.
 
 One per-token surrogate serves GRPO, Dr.GRPO and DAPO:
 
@@ -10,9 +11,9 @@ One per-token surrogate serves GRPO, Dr.GRPO and DAPO:
 and the variants differ in how l_t is aggregated (see `AGGREGATIONS`). Every mode is a sum of
 per-token or per-sequence terms divided by a normaliser, `loss = numerator / denominator`:
 
-    'seq_mean_token_mean'      (GRPO)     sum_b [sum_t m l / sum_t m]  /  #sequences with a token
-    'token_mean'               (DAPO)     sum_{b,t} m l                /  sum_{b,t} m
-    'seq_mean_token_sum_norm'  (Dr.GRPO)  sum_{b,t} m l                /  (B * max_completion_len)
+    'seq_mean_token_mean'      (GRPO)     sum_n [sum_t m l / sum_t m]  /  #sequences with a token
+    'token_mean'               (DAPO)     sum_{n,t} m l                /  sum_{n,t} m
+    'seq_mean_token_sum_norm'  (Dr.GRPO)  sum_{n,t} m l                /  (N * max_completion_len)
 
 Exact gradient accumulation: compute the full batch's denominator once with `loss_denominator`
 (same mask and mode) and pass it as `normaliser` to every microbatch call. Each microbatch loss is
@@ -30,7 +31,7 @@ Importance-sampling level (`IS_LEVELS`, TRL's `importance_sampling_level`, verl'
 
 (Zheng et al. 2025, "Group Sequence Policy Optimization", eqs. 5-7 and 13-14.) With the
 sequence-level advantages used here they have the same loss, and the same gradient as long as
-the correction weights w_t (`is_weights_BxT`) are constant within each sequence (none, or a
+the correction weights w_t (`is_weights_NxT`) are constant within each sequence (none, or a
 `sequence_*` / `geometric_*` mode). With token-level weights (`tis_mode='token_*'`) the gradients
 differ: for an unclipped sequence i with n_i loss tokens, per unit of the normaliser,
 
@@ -47,7 +48,7 @@ Dual clip (`dual_clip_c` = c > 1; verl `clip_ratio_c`, TRL `delta`; Ye et al. 20
 surrogate of negative-advantage tokens: l_t = min(-A c, l_t) where A < 0, so a token whose ratio
 exceeds c adds -A c and no gradient.
 
-Entropy (`entropy_BxT`, the policy's per-token entropy, with its gradient): `entropy_coef`
+Entropy (`entropy_NxT`, the policy's per-token entropy, with its gradient): `entropy_coef`
 subtracts coef * H_t from every loss token, aggregated like l_t (verl `entropy_coeff`), and
 `top_entropy_quantile` = rho < 1 keeps the policy-gradient term only on the tokens whose entropy
 is at least the (1 - rho)-quantile of this call's valid tokens (`high_entropy_mask`; Wang et al.
@@ -56,7 +57,7 @@ KL term stays on every token, as in TRL; the entropy bonus stays on every token 
 where TRL's acts only on the kept tokens and is always a token mean (docs/algorithms.md).
 
 The rollout/trainer mismatch (the engine's log-probs against the trainer's) is measured and
-corrected in `mismatch`; its importance weights enter `policy_loss` as `is_weights_BxT`.
+corrected in `mismatch`; its importance weights enter `policy_loss` as `is_weights_NxT`.
 """
 
 import chex
@@ -96,64 +97,64 @@ def kl_divergence(logps: jax.Array, ref_logps: jax.Array, *, estimator: str = "k
 
 
 def loss_denominator(
-    mask_BxT: jax.Array, *, aggregation: str, max_completion_len: int | None = None
+    mask_NxT: jax.Array, *, aggregation: str, max_completion_len: int | None = None
 ) -> jax.Array:
     """The normaliser of `policy_loss` for this mask and mode (module docstring), a float scalar.
 
     Call it on the full batch's mask and pass the result as `normaliser` to each microbatch.
     """
-    chex.assert_rank(mask_BxT, 2)
-    m = mask_BxT.astype(jnp.float32)
+    chex.assert_rank(mask_NxT, 2)
+    m = mask_NxT.astype(jnp.float32)
     if aggregation == "seq_mean_token_mean":
-        return jnp.sum(jnp.any(mask_BxT, axis=-1)).astype(jnp.float32)
+        return jnp.sum(jnp.any(mask_NxT, axis=-1)).astype(jnp.float32)
     if aggregation == "token_mean":
         return jnp.sum(m)
     if aggregation == "seq_mean_token_sum_norm":
-        length = mask_BxT.shape[1] if max_completion_len is None else max_completion_len
-        return jnp.asarray(mask_BxT.shape[0] * length, jnp.float32)
+        length = mask_NxT.shape[1] if max_completion_len is None else max_completion_len
+        return jnp.asarray(mask_NxT.shape[0] * length, jnp.float32)
     raise ValueError(f"unknown aggregation {aggregation!r}; known: {AGGREGATIONS}")
 
 
-def _numerator(loss_BxT: jax.Array, m_BxT: jax.Array, aggregation: str) -> jax.Array:
+def _numerator(loss_NxT: jax.Array, m_NxT: jax.Array, aggregation: str) -> jax.Array:
     """Sum of the per-token losses weighted as `aggregation` prescribes."""
     if aggregation == "seq_mean_token_mean":
-        n_B = jnp.sum(m_BxT, axis=-1)
-        per_seq_B = jnp.sum(loss_BxT * m_BxT, axis=-1) / jnp.maximum(n_B, 1.0)
-        return jnp.sum(per_seq_B)
-    return jnp.sum(loss_BxT * m_BxT)
+        n_N = jnp.sum(m_NxT, axis=-1)
+        per_seq_N = jnp.sum(loss_NxT * m_NxT, axis=-1) / jnp.maximum(n_N, 1.0)
+        return jnp.sum(per_seq_N)
+    return jnp.sum(loss_NxT * m_NxT)
 
 
 def log_importance_ratio(
-    logps_BxT: jax.Array, old_logps_BxT: jax.Array, mask_BxT: jax.Array, *, level: str = "token"
+    logps_NxT: jax.Array, old_logps_NxT: jax.Array, mask_NxT: jax.Array, *, level: str = "token"
 ) -> jax.Array:
     """log of the policy ratio each token's surrogate uses, at `level` (module docstring).
 
     Args:
-      logps_BxT: [B, T] log-probs under the current policy (the gradient flows from here).
-      old_logps_BxT: [B, T] log-probs under the old policy (no gradient).
-      mask_BxT: [B, T] bool or {0, 1}, True = a completion token; the sequence levels average
+      logps_NxT: [N, T] log-probs under the current policy (the gradient flows from here).
+      old_logps_NxT: [N, T] log-probs under the old policy (no gradient).
+      mask_NxT: [N, T] bool or {0, 1}, True = a completion token; the sequence levels average
         over these only.
       level: one of IS_LEVELS.
 
     Returns:
-      [B, T] float log-ratios, 0 at masked positions (with zero gradient there).
+      [N, T] float log-ratios, 0 at masked positions (with zero gradient there).
     """
-    chex.assert_equal_shape([logps_BxT, old_logps_BxT, mask_BxT])
-    valid = mask_BxT.astype(bool)
-    logps = jnp.where(valid, logps_BxT, 0.0)
-    d = logps - jnp.where(valid, jax.lax.stop_gradient(old_logps_BxT), 0.0)
+    chex.assert_equal_shape([logps_NxT, old_logps_NxT, mask_NxT])
+    valid = mask_NxT.astype(bool)
+    logps = jnp.where(valid, logps_NxT, 0.0)
+    d = logps - jnp.where(valid, jax.lax.stop_gradient(old_logps_NxT), 0.0)
     if level == "token":
         return d
     if level not in IS_LEVELS:
         raise ValueError(f"unknown importance sampling level {level!r}; known: {IS_LEVELS}")
-    n_B = jnp.maximum(jnp.sum(valid, axis=-1), 1).astype(d.dtype)
-    seq_Bx1 = (jnp.sum(d, axis=-1) / n_B)[:, None]
+    n_N = jnp.maximum(jnp.sum(valid, axis=-1), 1).astype(d.dtype)
+    seq_Bx1 = (jnp.sum(d, axis=-1) / n_N)[:, None]
     if level == "sequence_token":  # value of the sequence's, gradient of each token's log-prob
         seq_Bx1 = jax.lax.stop_gradient(seq_Bx1) + (logps - jax.lax.stop_gradient(logps))
     return jnp.where(valid, seq_Bx1, 0.0)
 
 
-def high_entropy_mask(entropy_BxT: jax.Array, mask_BxT: jax.Array, *, quantile: float) -> jax.Array:
+def high_entropy_mask(entropy_NxT: jax.Array, mask_NxT: jax.Array, *, quantile: float) -> jax.Array:
     """The valid tokens whose entropy is in the top `quantile` share (TRL `top_entropy_quantile`).
 
     The threshold is the (1 - quantile)-quantile of the entropies of all valid tokens given
@@ -162,16 +163,16 @@ def high_entropy_mask(entropy_BxT: jax.Array, mask_BxT: jax.Array, *, quantile: 
     threshold are all kept (TRL's `get_high_entropy_mask`). No gradient.
 
     Args:
-      entropy_BxT: [B, T] per-token entropies.
-      mask_BxT: [B, T] bool or {0, 1}, True = a loss token.
+      entropy_NxT: [N, T] per-token entropies.
+      mask_NxT: [N, T] bool or {0, 1}, True = a loss token.
       quantile: share kept, in (0, 1]; 1 keeps every valid token.
 
     Returns:
-      [B, T] bool, False at masked positions; all False when no token is valid.
+      [N, T] bool, False at masked positions; all False when no token is valid.
     """
-    chex.assert_equal_shape([entropy_BxT, mask_BxT])
-    valid = mask_BxT.astype(bool)
-    h = jax.lax.stop_gradient(entropy_BxT)
+    chex.assert_equal_shape([entropy_NxT, mask_NxT])
+    valid = mask_NxT.astype(bool)
+    h = jax.lax.stop_gradient(entropy_NxT)
     n = jnp.sum(valid)
     sorted_h = jnp.sort(jnp.where(valid, h, jnp.inf).reshape(-1))  # valid ones first
     pos = (1.0 - quantile) * jnp.maximum(n - 1, 0).astype(h.dtype)  # as torch: in h's dtype
@@ -182,20 +183,20 @@ def high_entropy_mask(entropy_BxT: jax.Array, mask_BxT: jax.Array, *, quantile: 
     return valid & (h >= threshold)
 
 
-def ppo_clip_loss(ratio_BxT, adv_Bx1, *, eps_low: float, eps_high: float, dual_clip_c: float = 0.0):
+def ppo_clip_loss(ratio_NxT, adv_Nx1, *, eps_low: float, eps_high: float, dual_clip_c: float = 0.0):
     """Per-token -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A); with `dual_clip_c` = c > 1,
     capped at -A c where A < 0 (verl `compute_policy_loss_vanilla`)."""
-    clipped = jnp.clip(ratio_BxT, 1.0 - eps_low, 1.0 + eps_high)
-    loss_BxT = -jnp.minimum(ratio_BxT * adv_Bx1, clipped * adv_Bx1)
+    clipped = jnp.clip(ratio_NxT, 1.0 - eps_low, 1.0 + eps_high)
+    loss_NxT = -jnp.minimum(ratio_NxT * adv_Nx1, clipped * adv_Nx1)
     if dual_clip_c:
-        loss_BxT = jnp.where(adv_Bx1 < 0, jnp.minimum(loss_BxT, -adv_Bx1 * dual_clip_c), loss_BxT)
-    return loss_BxT
+        loss_NxT = jnp.where(adv_Nx1 < 0, jnp.minimum(loss_NxT, -adv_Nx1 * dual_clip_c), loss_NxT)
+    return loss_NxT
 
 
-def cispo_loss(logps_BxT, ratio_BxT, adv_Bx1, *, eps_low: float, eps_high: float):
+def cispo_loss(logps_NxT, ratio_NxT, adv_Nx1, *, eps_low: float, eps_high: float):
     """Per-token CISPO: -sg[clip(r, 1 - eps_low, 1 + eps_high)] * A * logp (MiniMax-M1 eq. 4)."""
-    weight = jax.lax.stop_gradient(jnp.clip(ratio_BxT, 1.0 - eps_low, 1.0 + eps_high))
-    return -weight * adv_Bx1 * logps_BxT
+    weight = jax.lax.stop_gradient(jnp.clip(ratio_NxT, 1.0 - eps_low, 1.0 + eps_high))
+    return -weight * adv_Nx1 * logps_NxT
 
 
 def _is_zero(x) -> bool:
@@ -212,49 +213,49 @@ def _masked_stats(x: jax.Array, valid: jax.Array, m: jax.Array, n: jax.Array) ->
 
 
 def policy_loss(
-    logps_BxT: jax.Array,
-    old_logps_BxT: jax.Array,
-    advantages_B: jax.Array,
-    mask_BxT: jax.Array,
+    logps_NxT: jax.Array,
+    old_logps_NxT: jax.Array,
+    advantages_N: jax.Array,
+    mask_NxT: jax.Array,
     *,
     eps_low: float,
     eps_high: float,
     aggregation: str,
-    ref_logps_BxT: jax.Array | None = None,
+    ref_logps_NxT: jax.Array | None = None,
     beta: float = 0.0,
     kl_estimator: str = "k3",
     max_completion_len: int | None = None,
     normaliser: jax.Array | float | None = None,
-    is_weights_BxT: jax.Array | None = None,
+    is_weights_NxT: jax.Array | None = None,
     importance_sampling_level: str = "token",
     objective: str = "ppo_clip",
     dual_clip_c: float = 0.0,
-    entropy_BxT: jax.Array | None = None,
+    entropy_NxT: jax.Array | None = None,
     entropy_coef: float | jax.Array = 0.0,
     top_entropy_quantile: float = 1.0,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Clipped surrogate (PPO / GRPO / DAPO) or CISPO, with KL penalty and entropy options,
     aggregated as `aggregation` says.
 
-    The ratio is taken against `old_logps_BxT` (the policy that sampled, or the pre-update policy
-    when iterations > 1). On the first pass pass `jax.lax.stop_gradient(logps_BxT)`: the ratio is
+    The ratio is taken against `old_logps_NxT` (the policy that sampled, or the pre-update policy
+    when iterations > 1). On the first pass pass `jax.lax.stop_gradient(logps_NxT)`: the ratio is
     then exactly 1 and the gradient is the plain policy gradient. Masked positions are replaced by
     0 before any arithmetic, so they carry no gradient and garbage there (even inf) cannot leak.
 
     Args:
-      logps_BxT: [B, T] float log-probs of the completion tokens under the current policy.
-      old_logps_BxT: [B, T] log-probs under the sampling (old) policy; no gradient flows into it.
-      advantages_B: [B] per-sequence advantages.
-      mask_BxT: [B, T] bool or {0, 1}, True = a completion token that counts.
+      logps_NxT: [N, T] float log-probs of the completion tokens under the current policy.
+      old_logps_NxT: [N, T] log-probs under the sampling (old) policy; no gradient flows into it.
+      advantages_N: [N] per-sequence advantages.
+      mask_NxT: [N, T] bool or {0, 1}, True = a completion token that counts.
       eps_low: lower clip range, ratio >= 1 - eps_low (GRPO/Dr.GRPO/DAPO 0.2).
       eps_high: upper clip range, ratio <= 1 + eps_high (GRPO/Dr.GRPO 0.2, DAPO 0.28).
       aggregation: one of AGGREGATIONS (module docstring).
-      ref_logps_BxT: [B, T] reference-policy log-probs; required when beta > 0.
+      ref_logps_NxT: [N, T] reference-policy log-probs; required when beta > 0.
       beta: KL coefficient.
       kl_estimator: 'k1', 'k2' or 'k3'.
       max_completion_len: Dr.GRPO's constant length; defaults to T.
       normaliser: global denominator for exact gradient accumulation (module docstring).
-      is_weights_BxT: [B, T] rollout/trainer importance weights (`mismatch.tis_weights`), no
+      is_weights_NxT: [N, T] rollout/trainer importance weights (`mismatch.tis_weights`), no
         gradient; they multiply the clipped policy-gradient term only, not the KL penalty (as
         verl's TIS, whose KL loss is a separate term). None = no correction (loss unchanged).
       importance_sampling_level: one of IS_LEVELS: 'token' (the surrogate above), 'sequence'
@@ -262,12 +263,12 @@ def policy_loss(
       objective: one of OBJECTIVES: 'ppo_clip' (the surrogate above) or 'cispo' (its eps_low /
         eps_high bound the stop-gradient weight; token level only).
       dual_clip_c: 0 = off, else c > 1: the 'ppo_clip' loss of A < 0 tokens is capped at -A c.
-      entropy_BxT: [B, T] per-token policy entropy (gradient flows through it); needed by the
+      entropy_NxT: [N, T] per-token policy entropy (gradient flows through it); needed by the
         two options below, ignored without them.
       entropy_coef: entropy bonus: loss -= coef * (entropy aggregated as the loss); a Python
         number (0 = off, the graph is then unchanged) or a 0-d array (may be traced).
       top_entropy_quantile: in (0, 1]; below 1 the policy-gradient term counts only on
-        `high_entropy_mask(entropy_BxT, mask_BxT)` tokens (module docstring).
+        `high_entropy_mask(entropy_NxT, mask_NxT)` tokens (module docstring).
 
     Returns:
       (loss, metrics): scalar loss = numerator / (normaliser or denominator); metrics hold
@@ -278,14 +279,14 @@ def policy_loss(
       the options on, also dual_clip_frac (share of tokens with A < 0 and ratio > c) and
       entropy_kept_frac (share of tokens `high_entropy_mask` keeps).
     """
-    chex.assert_rank([logps_BxT, advantages_B], [2, 1])
-    b, t = logps_BxT.shape
-    chex.assert_shape([old_logps_BxT, mask_BxT], (b, t))
-    chex.assert_shape(advantages_B, (b,))
+    chex.assert_rank([logps_NxT, advantages_N], [2, 1])
+    n, t = logps_NxT.shape
+    chex.assert_shape([old_logps_NxT, mask_NxT], (n, t))
+    chex.assert_shape(advantages_N, (n,))
     if aggregation not in AGGREGATIONS:
         raise ValueError(f"unknown aggregation {aggregation!r}; known: {AGGREGATIONS}")
-    if beta != 0.0 and ref_logps_BxT is None:
-        raise ValueError("beta > 0 needs ref_logps_BxT")
+    if beta != 0.0 and ref_logps_NxT is None:
+        raise ValueError("beta > 0 needs ref_logps_NxT")
     if objective not in OBJECTIVES:
         raise ValueError(f"unknown objective {objective!r}; known: {OBJECTIVES}")
     if objective == "cispo" and (importance_sampling_level != "token" or dual_clip_c):
@@ -295,41 +296,41 @@ def policy_loss(
     if not 0.0 < top_entropy_quantile <= 1.0:
         raise ValueError(f"top_entropy_quantile must lie in (0, 1], got {top_entropy_quantile}")
     use_entropy = top_entropy_quantile < 1.0 or not _is_zero(entropy_coef)
-    if use_entropy and entropy_BxT is None:
-        raise ValueError("entropy_coef and top_entropy_quantile < 1 need entropy_BxT")
-    valid = mask_BxT.astype(bool)
-    m = valid.astype(logps_BxT.dtype)
-    logps = jnp.where(valid, logps_BxT, 0.0)
-    old = jnp.where(valid, jax.lax.stop_gradient(old_logps_BxT), 0.0)
-    adv = advantages_B[:, None]
+    if use_entropy and entropy_NxT is None:
+        raise ValueError("entropy_coef and top_entropy_quantile < 1 need entropy_NxT")
+    valid = mask_NxT.astype(bool)
+    m = valid.astype(logps_NxT.dtype)
+    logps = jnp.where(valid, logps_NxT, 0.0)
+    old = jnp.where(valid, jax.lax.stop_gradient(old_logps_NxT), 0.0)
+    adv = advantages_N[:, None]
 
     ratio = jnp.exp(log_importance_ratio(logps, old, valid, level=importance_sampling_level))
     clip = dict(eps_low=eps_low, eps_high=eps_high)
     if objective == "cispo":
-        loss_BxT = cispo_loss(logps, ratio, adv, **clip)
+        loss_NxT = cispo_loss(logps, ratio, adv, **clip)
     else:
-        loss_BxT = ppo_clip_loss(ratio, adv, **clip, dual_clip_c=dual_clip_c)
-    if is_weights_BxT is not None:
-        chex.assert_shape(is_weights_BxT, (b, t))
-        loss_BxT = loss_BxT * jnp.where(valid, jax.lax.stop_gradient(is_weights_BxT), 0.0)
+        loss_NxT = ppo_clip_loss(ratio, adv, **clip, dual_clip_c=dual_clip_c)
+    if is_weights_NxT is not None:
+        chex.assert_shape(is_weights_NxT, (n, t))
+        loss_NxT = loss_NxT * jnp.where(valid, jax.lax.stop_gradient(is_weights_NxT), 0.0)
     extra = {}
     if use_entropy:
-        chex.assert_shape(entropy_BxT, (b, t))
-        entropy = jnp.where(valid, entropy_BxT, 0.0)
+        chex.assert_shape(entropy_NxT, (n, t))
+        entropy = jnp.where(valid, entropy_NxT, 0.0)
     if top_entropy_quantile < 1.0:
         keep = high_entropy_mask(entropy, valid, quantile=top_entropy_quantile)
-        loss_BxT = loss_BxT * keep.astype(loss_BxT.dtype)
+        loss_NxT = loss_NxT * keep.astype(loss_NxT.dtype)
         extra["entropy_kept_frac"] = jnp.sum(keep * m) / jnp.maximum(jnp.sum(m), 1.0)
     kl = jnp.zeros_like(logps)
-    if ref_logps_BxT is not None:
-        chex.assert_shape(ref_logps_BxT, (b, t))
-        ref = jnp.where(valid, jax.lax.stop_gradient(ref_logps_BxT), 0.0)
+    if ref_logps_NxT is not None:
+        chex.assert_shape(ref_logps_NxT, (n, t))
+        ref = jnp.where(valid, jax.lax.stop_gradient(ref_logps_NxT), 0.0)
         kl = kl_divergence(logps, ref, estimator=kl_estimator)
-        loss_BxT = loss_BxT + beta * kl
+        loss_NxT = loss_NxT + beta * kl
     if not _is_zero(entropy_coef):
-        loss_BxT = loss_BxT - jnp.asarray(entropy_coef, loss_BxT.dtype) * entropy
+        loss_NxT = loss_NxT - jnp.asarray(entropy_coef, loss_NxT.dtype) * entropy
 
-    num = _numerator(loss_BxT, m, aggregation)
+    num = _numerator(loss_NxT, m, aggregation)
     den = loss_denominator(valid, aggregation=aggregation, max_completion_len=max_completion_len)
     norm = den if normaliser is None else jnp.asarray(normaliser, jnp.float32)
     loss = num / jnp.maximum(norm, 1.0).astype(num.dtype)

@@ -1,6 +1,7 @@
 """Rollout/trainer mismatch: its correction (importance weights) and its measurement.
 
-Shape legend: B sequences (completions) in the (micro)batch, T completion tokens.
+Shape legend (docs/design.md): N rows (completions, B prompts x G) in the (micro)batch, T
+completion tokens.
 
 The engine that sampled (embedded sampler, vLLM) and the trainer compute the same policy's
 log-probs with different kernels, so they differ in the low bits (fp32) or more (bf16, another
@@ -77,41 +78,41 @@ def check_tis(*, cap: float, mode: str, low: float) -> None:
 
 
 def tis_log_ratio(
-    old_logps_BxT: jax.Array, engine_logps_BxT: jax.Array, mask_BxT: jax.Array, *, level: str
+    old_logps_NxT: jax.Array, engine_logps_NxT: jax.Array, mask_NxT: jax.Array, *, level: str
 ) -> jax.Array:
-    """[B, T] log of the importance ratio of each token at `level` (a sequence's on each of its
+    """[N, T] log of the importance ratio of each token at `level` (a sequence's on each of its
     tokens), 0 at masked positions; no gradient."""
-    chex.assert_equal_shape([old_logps_BxT, engine_logps_BxT, mask_BxT])
-    valid = mask_BxT.astype(bool)
-    d = jax.lax.stop_gradient(jnp.where(valid, old_logps_BxT - engine_logps_BxT, 0.0))
+    chex.assert_equal_shape([old_logps_NxT, engine_logps_NxT, mask_NxT])
+    valid = mask_NxT.astype(bool)
+    d = jax.lax.stop_gradient(jnp.where(valid, old_logps_NxT - engine_logps_NxT, 0.0))
     if level == "token":
         return d
-    seq_B = jnp.sum(d, axis=-1)
+    seq_N = jnp.sum(d, axis=-1)
     if level == "geometric":
-        seq_B = seq_B / jnp.maximum(jnp.sum(valid, axis=-1), 1).astype(d.dtype)
+        seq_N = seq_N / jnp.maximum(jnp.sum(valid, axis=-1), 1).astype(d.dtype)
     elif level != "sequence":
         raise ValueError(f"unknown TIS level {level!r}; known: {TIS_LEVELS}")
-    return jnp.where(valid, seq_B[:, None], 0.0)
+    return jnp.where(valid, seq_N[:, None], 0.0)
 
 
-def _weights(log_ratio_BxT, valid_BxT, *, cap, mode, low):
-    """(weights, capped, masked) [B, T] from log-ratios; exp never overflows (r > cap is
+def _weights(log_ratio_NxT, valid_NxT, *, cap, mode, low):
+    """(weights, capped, masked) [N, T] from log-ratios; exp never overflows (r > cap is
     decided on the log scale)."""
     kind = mode.rsplit("_", 1)[1]
     log_cap = math.log(cap)
-    r = jnp.exp(jnp.minimum(log_ratio_BxT, log_cap))  # = min(r, cap)
-    above = valid_BxT & (log_ratio_BxT > log_cap)
+    r = jnp.exp(jnp.minimum(log_ratio_NxT, log_cap))  # = min(r, cap)
+    above = valid_NxT & (log_ratio_NxT > log_cap)
     if kind == "truncate":
-        return jnp.where(valid_BxT, r, 0.0), above, jnp.zeros_like(above)
-    below = valid_BxT & (log_ratio_BxT < (math.log(low) if low > 0 else -jnp.inf))
+        return jnp.where(valid_NxT, r, 0.0), above, jnp.zeros_like(above)
+    below = valid_NxT & (log_ratio_NxT < (math.log(low) if low > 0 else -jnp.inf))
     out = above | below
-    return jnp.where(valid_BxT & ~out, r, 0.0), jnp.zeros_like(out), out
+    return jnp.where(valid_NxT & ~out, r, 0.0), jnp.zeros_like(out), out
 
 
 def tis_weights(
-    old_logps_BxT: jax.Array,
-    engine_logps_BxT: jax.Array,
-    mask_BxT: jax.Array,
+    old_logps_NxT: jax.Array,
+    engine_logps_NxT: jax.Array,
+    mask_NxT: jax.Array,
     *,
     cap: float,
     mode: str = "token_truncate",
@@ -126,19 +127,19 @@ def tis_weights(
     normaliser (TRL's semantics, not verl's rejection sampling).
 
     Args:
-      old_logps_BxT: [B, T] trainer log-probs of the sampled tokens (pre-update policy).
-      engine_logps_BxT: [B, T] the rollout engine's log-probs of the same tokens.
-      mask_BxT: [B, T] bool or {0, 1}, True = a completion token.
+      old_logps_NxT: [N, T] trainer log-probs of the sampled tokens (pre-update policy).
+      engine_logps_NxT: [N, T] the rollout engine's log-probs of the same tokens.
+      mask_NxT: [N, T] bool or {0, 1}, True = a completion token.
       cap: the truncation C >= 1, or the mask's upper bound.
       mode: one of TIS_MODES.
       low: the mask's lower bound in [0, 1) ('_mask' modes only; 0 = none).
 
     Returns:
-      [B, T] float weights, 0 at masked positions and on rejected tokens / sequences.
+      [N, T] float weights, 0 at masked positions and on rejected tokens / sequences.
     """
     check_tis(cap=cap, mode=mode, low=low)
-    lr = tis_log_ratio(old_logps_BxT, engine_logps_BxT, mask_BxT, level=mode.rsplit("_", 1)[0])
-    return _weights(lr, mask_BxT.astype(bool), cap=cap, mode=mode, low=low)[0]
+    lr = tis_log_ratio(old_logps_NxT, engine_logps_NxT, mask_NxT, level=mode.rsplit("_", 1)[0])
+    return _weights(lr, mask_NxT.astype(bool), cap=cap, mode=mode, low=low)[0]
 
 
 def _log_mean_exp(shift, offset, counts):
@@ -167,9 +168,9 @@ def _deviation(shift, offset, mean_shift, mean_offset):
 
 
 def mismatch_stats(
-    trainer_logps_BxT: jax.Array,
-    engine_logps_BxT: jax.Array,
-    mask_BxT: jax.Array,
+    trainer_logps_NxT: jax.Array,
+    engine_logps_NxT: jax.Array,
+    mask_NxT: jax.Array,
     *,
     tis_cap: float = 0.0,
     tis_mode: str = "token_truncate",
@@ -178,9 +179,9 @@ def mismatch_stats(
     """Sufficient statistics of the trainer/engine log-prob mismatch on the masked tokens.
 
     Args:
-      trainer_logps_BxT: [B, T] trainer log-probs of the sampled tokens.
-      engine_logps_BxT: [B, T] the rollout engine's log-probs of the same tokens.
-      mask_BxT: [B, T] bool or {0, 1}, True = a token that counts.
+      trainer_logps_NxT: [N, T] trainer log-probs of the sampled tokens.
+      engine_logps_NxT: [N, T] the rollout engine's log-probs of the same tokens.
+      mask_NxT: [N, T] bool or {0, 1}, True = a token that counts.
       tis_cap: unless 0, also count the tokens the correction `tis_mode` (with `tis_low`)
         truncates ('capped') or rejects ('masked'), as `tis_weights` does.
 
@@ -188,11 +189,11 @@ def mismatch_stats(
       float32 scalars keyed as `MISMATCH_REDUCERS` (no gradient); min / max are +inf / -inf
       without any token. Combine with `combine_mismatch_stats`, finish with `mismatch_metrics`.
     """
-    chex.assert_equal_shape([trainer_logps_BxT, engine_logps_BxT, mask_BxT])
-    valid = mask_BxT.astype(bool)
+    chex.assert_equal_shape([trainer_logps_NxT, engine_logps_NxT, mask_NxT])
+    valid = mask_NxT.astype(bool)
     m = valid.astype(jnp.float32)
     d = jax.lax.stop_gradient(
-        jnp.where(valid, trainer_logps_BxT - engine_logps_BxT, 0.0).astype(jnp.float32)
+        jnp.where(valid, trainer_logps_NxT - engine_logps_NxT, 0.0).astype(jnp.float32)
     )
     ratio = jnp.exp(d)
     shift, offset = _log_mean_exp(d, 0.0, m)
@@ -210,7 +211,7 @@ def mismatch_stats(
     if tis_cap != 0:  # NaN or a negative cap is an error, not "off"
         check_tis(cap=tis_cap, mode=tis_mode, low=tis_low)
         level = tis_mode.rsplit("_", 1)[0]
-        lr = tis_log_ratio(trainer_logps_BxT, engine_logps_BxT, mask_BxT, level=level)
+        lr = tis_log_ratio(trainer_logps_NxT, engine_logps_NxT, mask_NxT, level=level)
         _, capped, masked = _weights(
             lr.astype(jnp.float32), valid, cap=tis_cap, mode=tis_mode, low=tis_low
         )

@@ -201,9 +201,10 @@ def dra_reweight(
 ) -> jax.Array:
     """DRA-GRPO baseline: r_i / (1 + sum_{j != i, j valid} cos(i, j)) within each group.
 
-    Chen et al. 2025 (DRA-GRPO), as stated in DESIGN.md. The denominator can reach 0 or go negative
-    only for strongly anti-aligned embeddings, which sentence encoders do not produce in practice;
-    it is floored at the dtype's machine epsilon there (see the code), never changed above it.
+    Chen et al. 2025 (DRA-GRPO), as stated in docs/design.md. The denominator can reach 0 or go
+    negative only for strongly anti-aligned embeddings, which sentence encoders do not produce in
+    practice; it is floored at the dtype's machine epsilon there (see the code), never changed
+    above it.
 
     Args:
       rewards: [..., G] float rewards.
@@ -313,6 +314,7 @@ def check_inputs(
 
 
 _JITTED = {name: jax.jit(fn) for name, fn in REWEIGHTERS.items()}
+_MMR_WITH_AUX = jax.jit(mmr_reweight_with_aux)
 
 
 def reweight(
@@ -324,6 +326,19 @@ def reweight(
     mask: np.ndarray | jax.Array | None = None,
     scope: str = "group",
 ) -> jax.Array:
+    """Reweighted rewards, the shape of `rewards` (`reweight_with_lambda` without its lambda)."""
+    return reweight_with_lambda(method, rewards, embeddings, lam=lam, mask=mask, scope=scope)[0]
+
+
+def reweight_with_lambda(
+    method: str,
+    rewards: np.ndarray | jax.Array,
+    embeddings: np.ndarray | jax.Array | None,
+    *,
+    lam: float | None = None,
+    mask: np.ndarray | jax.Array | None = None,
+    scope: str = "group",
+) -> tuple[jax.Array, jax.Array | None]:
     """Validates, then reweights with `REWEIGHTERS[method]` (jitted) in the given scope.
 
     Args:
@@ -336,7 +351,8 @@ def reweight(
         completions, the released code): the latter reshapes [B, G] -> [1, B*G] and back.
 
     Returns:
-      Reweighted rewards, the shape of `rewards`.
+      (reweighted rewards, the shape of `rewards`; the lambda MMR used, [B] by group or [1] in
+      batch scope, taken from the selection itself (`MmrAux.lam`); None for other methods).
     """
     if method not in REWEIGHTERS:
         raise ValueError(f"unknown reweighting method {method!r}; known: {sorted(REWEIGHTERS)}")
@@ -344,12 +360,15 @@ def reweight(
         raise ValueError(f"scope must be 'group' or 'batch', got {scope!r}")
     if method == "none":
         check_inputs(rewards, None, mask=mask)
-        return jnp.asarray(rewards)
+        return jnp.asarray(rewards), None
     check_inputs(rewards, embeddings, mask=mask, lam=lam)
     r, e = jnp.asarray(rewards), jnp.asarray(embeddings)
     m = None if mask is None else jnp.asarray(mask, bool)
     if scope == "batch":
         r, e = r.reshape(1, -1), e.reshape(1, -1, e.shape[-1])
         m = None if m is None else m.reshape(1, -1)
+    if method == "mmr":
+        out, aux = _MMR_WITH_AUX(r, e, lam=lam, mask=m)
+        return out.reshape(np.shape(rewards)), aux.lam
     fn = _JITTED.get(method) or jax.jit(REWEIGHTERS[method])
-    return fn(r, e, lam=lam, mask=m).reshape(np.shape(rewards))
+    return fn(r, e, lam=lam, mask=m).reshape(np.shape(rewards)), None

@@ -29,7 +29,8 @@ _CHOICES = {
         for level in ("token", "sequence", "geometric")
         for kind in ("truncate", "mask")
     ),
-    ("mmr", "scope"): ("group", "batch"),
+    ("reweight", "method"): ("none", "mmr", "dra"),
+    ("reweight", "scope"): ("group", "batch"),
     ("rewards", "cosine_form"): ("tokens", "released"),
     ("eval", "source"): ("benchmarks", "arithmetic", "task"),
     ("mesh", "layout"): ("hybrid", "flat"),
@@ -84,8 +85,7 @@ _SECTIONS = {
     "rewards": config_types.RewardsConfig,
     "advantage": config_types.AdvantageConfig,
     "loss": config_types.LossConfig,
-    "mmr": config_types.MmrConfig,
-    "dra": config_types.DraConfig,
+    "reweight": config_types.ReweightConfig,
     "dynamic_sampling": config_types.DynamicSamplingConfig,
     "data": config_types.DataConfig,
     "eval": config_types.EvalConfig,
@@ -103,14 +103,13 @@ def validate(cfg: config_types.TrainConfig) -> config_types.TrainConfig:
             raise config_types.ConfigError(
                 f"config {section}.{key}={value!r}; expected one of {choices}"
             )
-    if cfg.mmr.enabled and cfg.dra.enabled:
+    rw = cfg.reweight
+    if rw.lam is not None and not 0.0 <= rw.lam <= 1.0:
         raise config_types.ConfigError(
-            "mmr.enabled and dra.enabled are exclusive; pick one reweighting"
+            f"reweight.lam={rw.lam} must lie in [0, 1] (or None for adaptive)"
         )
-    if cfg.mmr.lam is not None and not 0.0 <= cfg.mmr.lam <= 1.0:
-        raise config_types.ConfigError(
-            f"mmr.lam={cfg.mmr.lam} must lie in [0, 1] (or None for adaptive)"
-        )
+    if rw.lam is not None and rw.method == "dra":
+        raise config_types.ConfigError("reweight.lam is MMR's; reweight.method='dra' takes none")
     if cfg.rows_per_step % cfg.loss.minibatches:
         raise config_types.ConfigError(
             f"loss.minibatches={cfg.loss.minibatches} must divide "
@@ -208,6 +207,16 @@ def _validate_issue47(cfg: config_types.TrainConfig) -> None:
         )
 
 
+def check_processes(cfg: config_types.TrainConfig, processes: int) -> None:
+    """The rules that depend on the number of processes the run spans (`jax.process_count()`)."""
+    if cfg.rollout.off_policy_lag and processes > 1:
+        # A background rollout's gathers would interleave with the update's collectives.
+        raise config_types.ConfigError(
+            f"rollout.off_policy_lag={cfg.rollout.off_policy_lag} runs on one process only "
+            f"(this run has {processes})"
+        )
+
+
 def advisories(cfg: config_types.TrainConfig) -> list[str]:
     """Valid but easily unintended combinations, one line each, logged when a run starts."""
     out = []
@@ -272,6 +281,20 @@ def key_defaults() -> dict[str, Any]:
     return out
 
 
+def upgrade(stored: Mapping[str, Any]) -> dict[str, Any]:
+    """A config dict stored before the `reweight` section (a run.json written by an older
+    version) in today's keys: `mmr.enabled` -> `reweight.method='mmr'`, `dra.enabled` ->
+    `reweight.method='dra'`, and the other `mmr.*` keys -> `reweight.*`. Others unchanged."""
+    if "mmr" not in stored and "dra" not in stored:
+        return dict(stored)
+    out = {k: v for k, v in stored.items() if k not in ("mmr", "dra")}
+    mmr, dra = dict(stored.get("mmr", {})), dict(stored.get("dra", {}))
+    on = mmr.pop("enabled", False), dra.pop("enabled", False)
+    out["reweight"] = {"method": "mmr" if on[0] else "dra" if on[1] else "none", **mmr}
+    return out
+
+
 def from_config_dict(config) -> config_types.TrainConfig:
-    """ConfigDict (or nested dict) -> validated `config_types.TrainConfig`."""
-    return validate(_build(config_types.TrainConfig, _plain(config), "<root>"))
+    """ConfigDict (or nested dict, also one stored by an older version: `upgrade`) -> validated
+    `config_types.TrainConfig`."""
+    return validate(_build(config_types.TrainConfig, upgrade(_plain(config)), "<root>"))

@@ -120,24 +120,18 @@ class LossConfig:
     importance_sampling_level: str = "token"
     objective: str = "ppo_clip"
     dual_clip_c: float = 0.0
-    entropy_coef: float = 0.0
     top_entropy_quantile: float = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
-class MmrConfig:
-    enabled: bool = False
-    lam: float | None = None
+class ReweightConfig:
+    method: str = "none"  # 'none' | 'mmr' | 'dra' (algorithms.mmr.REWEIGHTERS)
+    lam: float | None = None  # mmr only
     scope: str = "group"
     uniform_group_guard: bool = False
     embedding_model: str = "jinaai/jina-embeddings-v2-small-en"
     embedding_max_length: int = 512
     embedding_batch_size: int = 64
-
-
-@dataclasses.dataclass(frozen=True)
-class DraConfig:
-    enabled: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,7 +194,7 @@ class MeshConfig:
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    """The whole run. `reweighting` is derived: 'mmr' | 'dra' | 'none'."""
+    """The whole run."""
 
     name: str
     seed: int
@@ -213,18 +207,13 @@ class TrainConfig:
     rewards: RewardsConfig
     advantage: AdvantageConfig
     loss: LossConfig
-    mmr: MmrConfig
-    dra: DraConfig
+    reweight: ReweightConfig
     dynamic_sampling: DynamicSamplingConfig
     data: DataConfig
     eval: EvalConfig
     checkpoint: CheckpointConfig
     logging: LoggingConfig
     mesh: MeshConfig
-
-    @property
-    def reweighting(self) -> str:
-        return "mmr" if self.mmr.enabled else "dra" if self.dra.enabled else "none"
 
     @property
     def rows_per_step(self) -> int:

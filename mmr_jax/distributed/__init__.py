@@ -1,4 +1,4 @@
-"""Many hosts, one program: JAX's multi-controller runtime (DESIGN.md, "Many hosts").
+"""Many hosts, one program: JAX's multi-controller runtime (docs/multihost.md).
 
 Every process runs the same code on one global mesh (`jax.devices()` spans all processes once
 `initialize` has run). What is per process lives in this package, at one place:

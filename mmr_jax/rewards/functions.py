@@ -118,7 +118,7 @@ def cosine_schedule(
     Wrong: lo, hi = max_value_wrong, min_value_wrong (the released code's swap): 0.0 at L=0 down
     to -0.5 at max_len with the released defaults, so long wrong answers are penalised more. (The
     paper's prose says short wrong answers get the stronger penalty; the released defaults, which
-    DESIGN.md follows, do the opposite.)
+    this project follows, do the opposite.)
 
     clamp=True uses min(L, max_len). clamp=False (released) leaves L unbounded, which makes the
     reward periodic in L with period 2 * max_len: with max_len=1000 characters, a correct 2000-char

@@ -10,11 +10,9 @@ its error re-raised in the caller's thread as `PrefetchError` (the worker's exce
 traceback kept), and a bounded close that cancels. It knows nothing of training; its tests drive
 it with a fake generate function.
 
-`OffPolicyRollouts` is the trainer's side: which step's groups come from the slot, which are
-sampled in the foreground (the first step of a run and the first after a resume: lag 0), the
-policy lag of each step (`rollout/policy_lag`), and the data position a checkpoint records
-(before the prefetched step's prompts: a resume samples that step again, nothing is skipped or
-trained twice).
+The schedule that uses it (which step's groups come from the slot, the data position a
+checkpoint records) is the trainer's: `training/rollout_schedule.py`. `own` gives the engine
+weights of its own, so that it can sample while the update donates the trainer's.
 
 Only the engine's `generate` runs in the worker; the trainer changes the engine's weights only
 after `wait`, so the engine never samples and syncs at once.
@@ -24,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-import time
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
@@ -162,97 +159,6 @@ class Prefetcher(Generic[T]):
             return False
         self._clear()
         return True
-
-
-class OffPolicyRollouts:
-    """Step groups one step ahead: step s+1's rollout runs while step s trains.
-
-    Args:
-      collect: `(step, timings) -> (groups, info)`, the step's rollout (`trainer.collect`).
-      data_state: `() -> dict`, the prompt iterator's position (`data.PromptIterator.state`).
-      last_step: no rollout is started beyond it.
-      close_wait_s: `close` waits this long at most for a rollout in flight.
-    """
-
-    def __init__(
-        self,
-        collect: Callable[[int, dict], tuple[Any, dict]],
-        data_state: Callable[[], dict],
-        last_step: int,
-        *,
-        close_wait_s: float = CLOSE_WAIT_S,
-    ):
-        self._collect = collect
-        self._data_state = data_state
-        self._last = last_step
-        self._close_wait_s = close_wait_s
-        self._slot: Prefetcher = Prefetcher(self._background, name="rollout-prefetch")
-        self.data_state: dict = data_state()  # position after the last step taken
-
-    def _background(self, step: int, cancel: threading.Event):
-        if cancel.is_set():
-            raise Cancelled(f"rollout of step {step} cancelled before it began")
-        timings: dict = {}
-        groups, info = self._collect(step, timings)
-        return groups, info, timings
-
-    def groups(self, step: int, version: int, timings: dict) -> tuple[Any, dict]:
-        """Step `step`'s groups and info, the trainer at weight `version`; then starts step
-        `step + 1`'s rollout (the engine at `version`), unless `step` is the last.
-
-        The step's groups come from the slot when it holds them (sampled with an older version),
-        else they are sampled now (lag 0). Their `timings` (rollout, rewards, embeddings) are
-        added to `timings`; `info` gains `rollout/policy_lag` (`version` minus the sampler's).
-        """
-        if self._slot.pending == step:
-            got = self._slot.take(step)
-            groups, info, bg = got.value
-            for k, v in bg.items():
-                timings[k] = timings.get(k, 0.0) + v
-            sampled = got.version
-        else:
-            groups, info = self._collect(step, timings)
-            sampled = version
-        info = {**info, "rollout/policy_lag": float(version - sampled)}
-        self.data_state = self._data_state()  # step's prompts drawn, step + 1's not yet
-        if step < self._last:
-            self._slot.start(step + 1, version)
-        return groups, info
-
-    def wait(self, timings: dict | None = None) -> None:
-        """Waits for the rollout in flight (before the engine's weights change); its error is
-        raised here as `PrefetchError`. The wait goes to `timings['rollout_wait']`."""
-        t0 = time.perf_counter()
-        self._slot.wait()
-        if timings is not None:
-            timings["rollout_wait"] = time.perf_counter() - t0
-
-    @property
-    def pending(self) -> int | None:
-        return self._slot.pending
-
-    def close(self) -> bool:
-        """Cancels the rollout in flight (dropped: a resume samples its step again)."""
-        return self._slot.close(self._close_wait_s)
-
-
-def for_run(run, collect) -> OffPolicyRollouts | None:
-    """The schedule of a `trainer.Run` with `rollout.off_policy_lag=1` (None with 0), over
-    `collect(run, step, timings)`; its engine gets a copy of the run's weights."""
-    import jax
-
-    from mmr_jax.config import config_types
-
-    if run.cfg.rollout.off_policy_lag == 0:
-        return None
-    if jax.process_count() > 1:  # the rollout's gathers would interleave with the update's
-        raise config_types.ConfigError("rollout.off_policy_lag=1 runs on one process only")
-    params = own(run.engine, run.state.params)
-    if params is not run.state.params:  # the engine's weights become its own
-        run.engine.sync_weights(run.policy.model(params), version=int(run.state.step))
-    return OffPolicyRollouts(
-        lambda step, timings: collect(run, step, timings), run.prompts.state, run.cfg.total_steps
-    )
 
 
 def own(engine, params):

@@ -1,12 +1,12 @@
 """Experience of one generation round, on the host: rollout, decode, rewards, embeddings
-(`generate_and_score`), the DAPO variance filter (`has_variance`), reweighting and advantages
-(`compute_advantages`), and the reward / group / length metrics of a step's groups.
+(`generate_and_score`), the DAPO variance filter (`has_variance`), and the reward / group /
+length metrics of a step's groups (`group_metrics`).
 
-The step's collection loop (dynamic sampling) and its layout are `step_batch` and `batch_layout`.
+The step's collection loop (dynamic sampling), its advantages and its layout are `step_batch`'s.
 
-Shape legend: B prompts, G completions per prompt, T completion tokens, D embedding width,
-F reward functions. Everything here is host-side NumPy around the engines; the reweighting and
-advantage math are the jitted functions of `algorithms.mmr` and `mmr_jax.algorithms.advantages`.
+Shape legend (docs/design.md): B prompts, G completions a prompt, T completion tokens,
+D embedding width. Everything here is host-side NumPy around the engines and the reward
+functions; `has_variance` calls `algorithms.advantages` eagerly.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ import numpy as np
 
 from mmr_jax import distributed, rewards
 from mmr_jax.algorithms import advantages as advantages_lib
-from mmr_jax.algorithms import mmr
 from mmr_jax.rollout import base as rollout_base
 
 
@@ -281,44 +280,6 @@ class _TextsOnRead(collections.abc.Sequence):
 def has_variance(groups: Groups, reward: str) -> np.ndarray:
     """bool [B]: the group's `reward` is not constant over its valid completions (DAPO filter)."""
     return np.asarray(advantages_lib.has_variance(groups.per_fn[reward], mask=groups.valid))
-
-
-@dataclasses.dataclass(frozen=True)
-class AdvantageOptions:
-    method: str = "none"  # 'none' | 'mmr' | 'dra'
-    lam: float | None = None
-    scope: str = "group"
-    estimator: str = "grpo"
-    std_ddof: int = 1
-    eps: float = 1e-4
-    uniform_group_guard: bool = False  # advantages.varying_groups_mask
-
-
-def compute_advantages(total_BxG, embeddings_BxGxD, valid_BxG, opts: AdvantageOptions):
-    """(reweighted [B, G], advantages [B, G], lambda [B] or None) on the host."""
-    if opts.uniform_group_guard:  # this project's variant: groups of equal raw rewards sit out
-        valid_BxG = np.asarray(advantages_lib.varying_groups_mask(total_BxG, mask=valid_BxG))
-    reweighted = mmr.reweight(
-        opts.method, total_BxG, embeddings_BxGxD, lam=opts.lam, mask=valid_BxG, scope=opts.scope
-    )
-    lam = None
-    if opts.method == "mmr":
-        r = np.asarray(total_BxG)
-        m = np.asarray(valid_BxG)
-        if opts.scope == "batch":
-            r, m = r.reshape(1, -1), m.reshape(1, -1)
-        lam = (
-            np.full(r.shape[:1], opts.lam)
-            if opts.lam is not None
-            else mmr.adaptive_lambda(r, mask=m)
-        )
-    scaled = opts.estimator in ("grpo", "batch_std")  # the estimators with a std convention
-    kwargs = {"ddof": opts.std_ddof, "eps": opts.eps} if scaled else {}
-    adv = advantages_lib.ESTIMATORS[opts.estimator](
-        reweighted, mask=np.asarray(valid_BxG), **kwargs
-    )
-    adv = np.where(np.asarray(valid_BxG), np.asarray(adv), 0.0).astype(np.float32)
-    return np.asarray(reweighted, np.float32), adv, None if lam is None else np.asarray(lam)
 
 
 def group_metrics(groups: Groups, reweighted, adv, lam, *, filter_reward: str | None) -> dict:

@@ -1,13 +1,21 @@
-"""One training step's batch, from the prompt iterator to the device arrays the jitted step takes.
+"""The host side of one training step, in the order it runs (docs/design.md, "One step"):
 
-    collect:    prompts -> rollout -> rewards -> embeddings (`experience.generate_and_score`),
-                with DAPO's dynamic sampling (rounds until B groups have reward variance)
-    make_batch: reweighting and advantages (`experience.compute_advantages`) -> the step's layout
-                (`batch_layout.pack`) -> ref / old log-probs -> `train_step.Batch`
+    prompts -> rollout -> rewards -> embeddings   `collect` (`experience.generate_and_score`), with
+                                                  DAPO's dynamic sampling (rounds until B groups
+                                                  have reward variance)
+    -> reweighting and advantages                 `advantages` (the lambda MMR used comes from the
+                                                  reweighter itself)
+    -> layout                                     `lay_out` (`batch_layout.pack`; lays out only)
+    -> reference / old log-probs                  `logprobs` (`step_loss.jit_logprobs`)
+    -> `train_step.Batch`                         `make_batch` runs the three stages above
 
-The trainer calls these two once per step; they take the run's parts (config, engine, policy),
-not the run, so that they can be driven without a trainer. Host-side NumPy and jitted calls; the
-only side effects are the engine's and logging.
+The trainer calls `collect` (directly, or through the off-policy schedule) and `make_batch` once
+per step; they take the run's parts (config, engine, policy), not the run, so that they can be
+driven without a trainer. Host-side NumPy and jitted calls; the only side effects are the
+engine's and logging.
+
+Shape legend (docs/design.md): B prompts, G completions a prompt, N = B x G rows, T completion
+tokens.
 """
 
 from __future__ import annotations
@@ -18,10 +26,12 @@ import numpy as np
 from absl import logging
 
 from mmr_jax import distributed, rewards
+from mmr_jax.algorithms import advantages as advantages_lib
+from mmr_jax.algorithms import mmr
 from mmr_jax.config import config_types
 from mmr_jax.infra import faults
 from mmr_jax.rollout import base as rollout_base
-from mmr_jax.step import batch_layout, experience, train_step
+from mmr_jax.step import batch_layout, experience, step_loss, train_step
 
 
 class EngineLogprobError(ValueError):
@@ -81,19 +91,19 @@ def collect(
 
     `prompts` yields batches of B (prompt ids, gold answer) pairs (`data.PromptIterator`).
     """
-    ds = cfg.dynamic_sampling
+    ds, scoring = cfg.dynamic_sampling, reward_params(cfg)
     kept, rounds, seen, dropped = [], 0, 0, 0
     max_rounds = ds.max_generation_batches if ds.enabled else 1
     while rounds < max_rounds:
-        batch = next(prompts)
+        batch, sampling = next(prompts), sampling_params(cfg, step, rounds)
         groups = experience.generate_and_score(
             engine,
             tokenizer,
             [p for p, _ in batch],
             [a for _, a in batch],
-            sampling_params(cfg, step, rounds),
+            sampling,
             cfg.rewards.weights,
-            reward_params=reward_params(cfg),
+            reward_params=scoring,
             encoder=encoder,
             timings=timings,
         )
@@ -132,30 +142,107 @@ def collect(
     return groups, info if ds.enabled else {}
 
 
+def advantages(
+    cfg: config_types.TrainConfig, groups: experience.Groups, timings: dict
+) -> tuple[np.ndarray, dict]:
+    """float32 [B, G] advantages of the step's groups (`reweighted_advantages`), and the group
+    metrics (`experience.group_metrics`)."""
+    t0 = time.perf_counter()
+    reweighted_BxG, adv_BxG, lam = reweighted_advantages(
+        groups.total,
+        groups.embeddings,
+        groups.trained,  # DAPO's filler groups (when it gives up) sit out of the advantages
+        reweight=cfg.reweight,
+        advantage=cfg.advantage,
+    )
+    timings["reweighting"] = time.perf_counter() - t0
+    ds = cfg.dynamic_sampling
+    filter_reward = ds.filter_reward if ds.enabled else None
+    info = experience.group_metrics(
+        groups, reweighted_BxG, adv_BxG, lam, filter_reward=filter_reward
+    )
+    return adv_BxG, info
+
+
+def reweighted_advantages(
+    total_BxG: np.ndarray,
+    embeddings_BxGxD: np.ndarray | None,
+    valid_BxG: np.ndarray,
+    *,
+    reweight: config_types.ReweightConfig,
+    advantage: config_types.AdvantageConfig,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """(reweighted rewards [B, G], advantages [B, G], lambda or None) on the host, float32.
+
+    The rewards are reweighted by `reweight.method` (`mmr.reweight_with_lambda`: the lambda is
+    the one MMR used, [B] by group or [1] in batch scope), then made advantages by
+    `advantage.estimator` over the valid completions; invalid rows get advantage 0.
+    """
+    if reweight.uniform_group_guard:  # this project's variant: groups of equal rewards sit out
+        valid_BxG = np.asarray(advantages_lib.varying_groups_mask(total_BxG, mask=valid_BxG))
+    reweighted_BxG, lam = mmr.reweight_with_lambda(
+        reweight.method,
+        total_BxG,
+        embeddings_BxGxD,
+        lam=reweight.lam,
+        mask=valid_BxG,
+        scope=reweight.scope,
+    )
+    scaled = advantage.estimator in ("grpo", "batch_std")  # the estimators with a std convention
+    kwargs = {"ddof": advantage.std_ddof, "eps": advantage.eps} if scaled else {}
+    estimate = advantages_lib.ESTIMATORS[advantage.estimator]
+    adv_BxG = estimate(reweighted_BxG, mask=np.asarray(valid_BxG), **kwargs)
+    adv_BxG = np.where(np.asarray(valid_BxG), np.asarray(adv_BxG), 0.0).astype(np.float32)
+    lam = None if lam is None else np.asarray(lam)
+    return np.asarray(reweighted_BxG, np.float32), adv_BxG, lam
+
+
+def lay_out(
+    cfg: config_types.TrainConfig,
+    groups: experience.Groups,
+    adv_BxG: np.ndarray,
+    *,
+    pad_id: int,
+    packed_length=None,
+) -> tuple[dict, dict]:
+    """Host arrays of the step's batch in the configured layout (`batch_layout.pack`), and the
+    layout's metrics. `packed_length` maps the packed row length the batch needs to the one it
+    runs at (`shape_reuse.LengthChooser.choose`; None: as needed)."""
+    b, name, rows_BxG = cfg.batch, layout(cfg), loss_rows(cfg, groups)
+    buckets = batch_layout.Buckets.geometric(
+        b.min_bucket_len, b.max_prompt_len, b.max_completion_len, b.pack_max_len
+    )
+    group = batch_layout.group_size(b.generations, cfg.rows_per_step, cfg.loss.minibatches)
+    host = batch_layout.pack(
+        groups.prompt_ids,
+        groups.tokens,
+        groups.mask,
+        rows_BxG,
+        adv_BxG,
+        groups.sampler_logps,
+        layout=name,
+        buckets=buckets,
+        group=group,
+        pad_id=pad_id,
+    )
+    info = {}
+    if "packed" in host:
+        needed = host["packed"].inputs.shape[1]
+        length = packed_length(needed) if packed_length is not None else needed
+        if length != needed:  # a longer length the step is compiled for: same loss, no compile
+            host["packed"] = batch_layout.pad_packed(host["packed"], length, pad_id=pad_id)
+        info["batch/packed_len_needed"] = float(needed)
+    check_engine_logps(host["sampler_logps"], host["completion_mask"], cfg.rollout.engine)
+    info.update(layout_metrics(host))
+    info["throughput/tokens"] = float(host["completion_mask"].sum())
+    return host, info
+
+
 def layout(cfg: config_types.TrainConfig) -> str:
     """The configured `batch_layout.LAYOUTS` entry."""
     if not cfg.batch.shared_prompt:
         return "full"
     return "packed" if cfg.batch.pack_max_len else "shared"
-
-
-def host_arrays(cfg: config_types.TrainConfig, groups: experience.Groups, adv, pad_id: int) -> dict:
-    """Host arrays of the step's batch in the configured layout (`batch_layout.pack`)."""
-    b = cfg.batch
-    return batch_layout.pack(
-        groups.prompt_ids,
-        groups.tokens,
-        groups.mask,
-        loss_rows(cfg, groups),
-        adv,
-        groups.sampler_logps,
-        layout=layout(cfg),
-        buckets=batch_layout.Buckets.geometric(
-            b.min_bucket_len, b.max_prompt_len, b.max_completion_len, b.pack_max_len
-        ),
-        group=batch_layout.group_size(b.generations, cfg.rows_per_step, cfg.loss.minibatches),
-        pad_id=pad_id,
-    )
 
 
 def loss_rows(cfg: config_types.TrainConfig, groups: experience.Groups) -> np.ndarray:
@@ -168,88 +255,37 @@ def loss_rows(cfg: config_types.TrainConfig, groups: experience.Groups) -> np.nd
     return groups.trained
 
 
+def layout_metrics(arrays: dict) -> dict[str, float]:
+    """The layout a step ran in: `batch/layout` (index in `batch_layout.LAYOUTS`), the rows
+    each stored prompt serves, and the packed row length L (the compiled shapes)."""
+    name = batch_layout.layout_of(arrays)
+    rows = arrays["completion_mask"].shape[0]
+    out = {
+        "batch/layout": float(batch_layout.LAYOUTS.index(name)),
+        "batch/rows_per_prompt": float(
+            rows // arrays["prompt_tokens"].shape[0] if "prompt_tokens" in arrays else 1
+        ),
+    }
+    if name == "packed":
+        out["batch/packed_len"] = float(arrays["packed"].inputs.shape[1])
+    return out
+
+
 def needs_old_logps(cfg: config_types.TrainConfig) -> bool:
     """Whether the step compares with the pre-update policy: after its first optimiser update."""
     return cfg.loss.iterations * cfg.loss.updates_per_batch > 1
 
 
-def layout_metrics(host: dict) -> dict[str, float]:
-    """The layout a step ran in: `batch/layout` (index in `batch_layout.LAYOUTS`), the rows
-    each stored prompt serves, and the packed row length L (the compiled shapes)."""
-    name = batch_layout.layout_of(host)
-    rows = host["completion_mask"].shape[0]
-    out = {
-        "batch/layout": float(batch_layout.LAYOUTS.index(name)),
-        "batch/rows_per_prompt": float(
-            rows // host["prompt_tokens"].shape[0] if "prompt_tokens" in host else 1
-        ),
-    }
-    if name == "packed":
-        out["batch/packed_len"] = float(host["packed"].inputs.shape[1])
-    return out
-
-
-def _advantages(cfg: config_types.TrainConfig, groups: experience.Groups):
-    opts = experience.AdvantageOptions(
-        method=cfg.reweighting,
-        lam=cfg.mmr.lam,
-        scope=cfg.mmr.scope,
-        estimator=cfg.advantage.estimator,
-        std_ddof=cfg.advantage.std_ddof,
-        eps=cfg.advantage.eps,
-        uniform_group_guard=cfg.mmr.uniform_group_guard,
-    )
-    return experience.compute_advantages(groups.total, groups.embeddings, groups.trained, opts)
-
-
-def make_batch(
-    cfg: config_types.TrainConfig,
-    groups: experience.Groups,
-    *,
-    policy,
-    params,
-    ref_params,
-    logp_fn,
-    pad_id: int,
-    timings: dict,
-    packed_length=None,
-    mesh=None,
-) -> tuple[train_step.Batch, dict]:
-    """Reweighting and advantages, the layout, and the ref / old log-probs the loss needs.
+def logprobs(cfg: config_types.TrainConfig, dev: dict, *, policy, params, ref_params):
+    """(reference, old) log-probs [N, T] of the batch `dev` (None where the loss needs none).
 
     `policy` is the run's `build.Policy`, `params` the trainable parameters of this step,
     `ref_params` the reference policy's (full fine-tune with beta > 0; else None: the base is the
-    adapters switched off), `logp_fn` the jitted `step_loss.logprobs_fn`. `packed_length` maps
-    the packed row length the batch needs to the one it runs at (`shape_reuse`; None: as needed).
-    `mesh`: the run's; the batch becomes global arrays with rows split over its (data, fsdp)
-    axes, each device holding only its rows (`distributed.global_batch`; a collective with
-    several processes). None: one device.
+    adapters switched off).
     """
-    t0 = time.perf_counter()
-    reweighted, adv, lam = _advantages(cfg, groups)
-    timings["reweighting"] = time.perf_counter() - t0
-    info = experience.group_metrics(
-        groups,
-        reweighted,
-        adv,
-        lam,
-        filter_reward=(
-            cfg.dynamic_sampling.filter_reward if cfg.dynamic_sampling.enabled else None
-        ),
-    )
-    host = host_arrays(cfg, groups, adv, pad_id)
-    if "packed" in host:
-        needed = host["packed"].inputs.shape[1]
-        length = packed_length(needed) if packed_length is not None else needed
-        if length != needed:  # a longer length the step is compiled for: same loss, no compile
-            host["packed"] = batch_layout.pad_packed(host["packed"], length, pad_id=pad_id)
-        info["batch/packed_len_needed"] = float(needed)
-    check_engine_logps(host["sampler_logps"], host["completion_mask"], cfg.rollout.engine)
-    dev = distributed.global_batch(host, mesh)
-    t = host["completion_mask"].shape[1]
     kw = dict(
         graphdef=policy.eval_graphdef,
-        num_completion=t,
+        num_completion=dev["completion_mask"].shape[1],
         temperature=cfg.rollout.temperature,
         chunk=cfg.model.logprob_chunk,
         minibatches=cfg.loss.minibatches,
@@ -261,7 +297,7 @@ def make_batch(
     ref = old = None
     if cfg.loss.beta > 0:
         ref_p = ref_params if ref_params is not None else params
-        ref = logp_fn(ref_p, *args, disable_lora=policy.lora, **kw)
+        ref = step_loss.jit_logprobs(ref_p, *args, disable_lora=policy.lora, **kw)
     # With LoRA dropout the step's own log-probs are noisy; TIS needs the clean pre-update ones.
     dropout = policy.lora and cfg.lora.dropout > 0
     if dropout and not needs_old_logps(cfg) and cfg.loss.tis_cap == 0:
@@ -273,7 +309,33 @@ def make_batch(
             cfg.lora.dropout,
         )
     if needs_old_logps(cfg) or (dropout and cfg.loss.tis_cap > 0):
-        old = logp_fn(params, *args, **kw)
+        old = step_loss.jit_logprobs(params, *args, **kw)
+    return ref, old
+
+
+def make_batch(
+    cfg: config_types.TrainConfig,
+    groups: experience.Groups,
+    *,
+    policy,
+    params,
+    ref_params,
+    pad_id: int,
+    timings: dict,
+    packed_length=None,
+    mesh=None,
+) -> tuple[train_step.Batch, dict]:
+    """The step's `train_step.Batch` from its groups, and its metrics: advantages -> layout ->
+    device arrays -> reference / old log-probs (`logprobs`, whose arguments these are).
+
+    `mesh`: the run's; the batch becomes global arrays with rows split over its (data, fsdp)
+    axes, each device holding only its rows (`distributed.global_batch`; a collective with
+    several processes). None: one device.
+    """
+    adv_BxG, info = advantages(cfg, groups, timings)
+    host, layout_info = lay_out(cfg, groups, adv_BxG, pad_id=pad_id, packed_length=packed_length)
+    dev = distributed.global_batch(host, mesh)
+    ref, old = logprobs(cfg, dev, policy=policy, params=params, ref_params=ref_params)
     batch = train_step.Batch(
         dev["tokens"],
         dev["attention_mask"],
@@ -286,6 +348,4 @@ def make_batch(
         prompt_mask=dev.get("prompt_mask"),
         packed=dev.get("packed"),
     )
-    info.update(layout_metrics(host))
-    info["throughput/tokens"] = float(host["completion_mask"].sum())
-    return batch, info
+    return batch, {**info, **layout_info}

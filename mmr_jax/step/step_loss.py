@@ -154,37 +154,37 @@ def minibatch_loss(
     # later updates compare the updated policy with the pre-update one.
     ratio_ref = same if mb.old_logps is None else jnp.where(first, same, mb.old_logps)
     tis = None  # rollout/trainer mismatch correction (issues 16, 37): `mismatch.tis_weights`
-    if cfg.tis_cap > 0:
+    if cfg.loss.tis_cap > 0:
         if mb.sampler_logps is None:
             raise ValueError("loss.tis_cap > 0 needs the engine's log-probs (Batch.sampler_logps)")
         tis = mismatch.tis_weights(
             behaviour,
             mb.sampler_logps,
             mb.completion_mask,
-            cap=cfg.tis_cap,
-            mode=cfg.tis_mode,
-            low=cfg.tis_mask_low,
+            cap=cfg.loss.tis_cap,
+            mode=cfg.loss.tis_mode,
+            low=cfg.loss.tis_mask_low,
         )
     loss, aux = losses.policy_loss(
         logps,
         ratio_ref,
         mb.advantages,
         mb.completion_mask,
-        ref_logps_BxT=mb.ref_logps,
-        eps_low=cfg.eps_low,
-        eps_high=cfg.eps_high,
-        aggregation=cfg.aggregation,
-        beta=cfg.beta,
-        kl_estimator=cfg.kl_estimator,
+        ref_logps_NxT=mb.ref_logps,
+        eps_low=cfg.loss.eps_low,
+        eps_high=cfg.loss.eps_high,
+        aggregation=cfg.loss.aggregation,
+        beta=cfg.loss.beta,
+        kl_estimator=cfg.loss.kl_estimator,
         max_completion_len=cfg.max_completion_len,
         normaliser=normaliser,
-        is_weights_BxT=tis,
-        importance_sampling_level=cfg.importance_sampling_level,
-        objective=cfg.objective,
-        dual_clip_c=cfg.dual_clip_c,
-        entropy_BxT=entropy,
+        is_weights_NxT=tis,
+        importance_sampling_level=cfg.loss.importance_sampling_level,
+        objective=cfg.loss.objective,
+        dual_clip_c=cfg.loss.dual_clip_c,
+        entropy_NxT=entropy,
         entropy_coef=entropy_coef if cfg.entropy_on else 0.0,  # 0: the graph has no bonus term
-        top_entropy_quantile=cfg.top_entropy_quantile,
+        top_entropy_quantile=cfg.loss.top_entropy_quantile,
     )
     mask = mb.completion_mask
     tokens = jnp.maximum(mask.sum(), 1)
@@ -209,9 +209,9 @@ def minibatch_loss(
             behaviour,
             mb.sampler_logps,
             mask,
-            tis_cap=cfg.tis_cap,
-            tis_mode=cfg.tis_mode,
-            tis_low=cfg.tis_mask_low,
+            tis_cap=cfg.loss.tis_cap,
+            tis_mode=cfg.loss.tis_mode,
+            tis_low=cfg.loss.tis_mask_low,
         )
         out.update({MISMATCH_STATS + k: v for k, v in stats.items()})
     return loss, out
@@ -261,3 +261,18 @@ def logprobs_fn(
     xs = (tokens_NxL, attention_mask_NxL, prompt_tokens, prompt_mask, packed)
     out = jax.lax.map(one, jax.tree.map(functools.partial(split, m=minibatches), xs))
     return out.reshape(n, num_completion)
+
+
+# The reference and old log-probs of a step (`step_batch.make_batch`), jitted here once for every
+# caller; prompt_tokens / prompt_mask / packed (shared-prompt layouts) are traced arguments.
+jit_logprobs = jax.jit(
+    logprobs_fn,
+    static_argnames=(
+        "graphdef",
+        "num_completion",
+        "temperature",
+        "chunk",
+        "disable_lora",
+        "minibatches",
+    ),
+)

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import optax
 
 from mmr_jax.algorithms import entropy_control, losses, mismatch
+from mmr_jax.config import config_types
 from mmr_jax.step import step_loss
 
 
@@ -65,33 +66,19 @@ class Batch:
 
 @dataclasses.dataclass(frozen=True)
 class StepConfig:
-    """Static hyperparameters of the step (hashable: part of the jit cache key)."""
+    """Static settings of the step (hashable: part of the jit cache key): the run's `loss`
+    section whole, and what the step reads of the others."""
 
-    minibatches: int
-    iterations: int
-    temperature: float
-    eps_low: float
-    eps_high: float
-    aggregation: str
-    beta: float
-    kl_estimator: str
-    max_completion_len: int
-    logprob_chunk: int = 0
-    tis_cap: float = 0.0  # truncated importance sampling cap (0 = off); needs sampler_logps
-    tis_mode: str = "token_truncate"  # mismatch.TIS_MODES
-    tis_mask_low: float = 0.0  # lower bound of the '_mask' modes (0 = none)
-    importance_sampling_level: str = "token"  # losses.IS_LEVELS: 'sequence' = GSPO
-    objective: str = "ppo_clip"  # losses.OBJECTIVES
-    dual_clip_c: float = 0.0  # 0 = off
-    top_entropy_quantile: float = 1.0  # per minibatch (losses.high_entropy_mask); 1 = off
-    updates_per_batch: int = 1  # U optimiser updates per pass, each on M / U minibatches
-    entropy_coef: float = 0.0  # the entropy bonus's coefficient (adaptive: its start)
+    loss: config_types.LossConfig
+    temperature: float  # rollout.temperature: the log-probs are the sampler's
+    max_completion_len: int  # batch.max_completion_len: Dr.GRPO's normaliser
+    logprob_chunk: int = 0  # model.logprob_chunk
     entropy_control: entropy_control.Control | None = None  # adaptive coefficient (None: fixed)
 
     @property
     def entropy_on(self) -> bool:
         """Whether the loss carries an entropy bonus (fixed non-zero, or adaptive)."""
-        return self.entropy_coef != 0 or self.entropy_control is not None
+        return self.loss.entropy_coef != 0 or self.entropy_control is not None
 
 
 def make_optimizer(
@@ -180,11 +167,11 @@ def _over_updates(name: str, values_U: jax.Array, tokens_U: jax.Array) -> jax.Ar
 
 def _update_normalisers(mask_NxT: jax.Array, cfg: StepConfig) -> jax.Array:
     """[U] the loss denominator of each update's rows (DAPO's token mean: its own tokens)."""
-    masks = step_loss.split(mask_NxT, cfg.updates_per_batch)
+    masks = step_loss.split(mask_NxT, cfg.loss.updates_per_batch)
     return jnp.stack(
         [
             losses.loss_denominator(
-                mask, aggregation=cfg.aggregation, max_completion_len=cfg.max_completion_len
+                mask, aggregation=cfg.loss.aggregation, max_completion_len=cfg.max_completion_len
             )
             for mask in masks
         ]
@@ -194,14 +181,14 @@ def _update_normalisers(mask_NxT: jax.Array, cfg: StepConfig) -> jax.Array:
 def train_step(
     state: TrainState, batch: Batch, frozen, rest, *, graphdef, optimizer, schedule, cfg: StepConfig
 ) -> tuple[TrainState, dict[str, jax.Array]]:
-    """`cfg.iterations` passes of `cfg.updates_per_batch` optimiser updates (module docstring).
+    """`loss.iterations` passes of `loss.updates_per_batch` optimiser updates (module docstring).
 
     Update j of a pass takes minibatches j * M / U ... (j + 1) * M / U - 1, each row once per
     pass; its gradient is the sum of their losses' gradients, each divided by the update's own
     denominator (`losses.loss_denominator` of its rows), so that it is the exact gradient of
     the update's rows as one batch. With U = 1 that is the whole batch, as before this option.
     """
-    m, u = cfg.minibatches, cfg.updates_per_batch
+    m, u = cfg.loss.minibatches, cfg.loss.updates_per_batch
     step_loss.check_minibatches(batch.prompt_tokens, batch.tokens.shape[0], m)
     if m % u:
         raise ValueError(f"loss.updates_per_batch={u} must divide loss.minibatches={m}")
@@ -214,7 +201,7 @@ def train_step(
         lambda x: step_loss.split(step_loss.split(x, m), u), batch
     )  # [U, M / U, N / M, ...]
     normalisers = _update_normalisers(batch.completion_mask, cfg)
-    coef = cfg.entropy_coef if cfg.entropy_control is None else state.entropy_coef
+    coef = cfg.loss.entropy_coef if cfg.entropy_control is None else state.entropy_coef
     loss_fn = functools.partial(
         step_loss.minibatch_loss, graphdef=graphdef, frozen=frozen, rest=rest, cfg=cfg
     )
@@ -250,7 +237,7 @@ def train_step(
         return carry, _combine(metrics, _over_updates)
 
     (params, opt_state), metrics = jax.lax.scan(
-        one_pass, (state.params, state.opt_state), jnp.arange(cfg.iterations)
+        one_pass, (state.params, state.opt_state), jnp.arange(cfg.loss.iterations)
     )
     metrics = _neutral_ratio({k: _over_iterations(k, v) for k, v in metrics.items()})
     names = [k for k in metrics if k.startswith(step_loss.MISMATCH_STATS)]
@@ -258,14 +245,14 @@ def train_step(
         stats = {k.removeprefix(step_loss.MISMATCH_STATS): metrics.pop(k) for k in names}
         metrics.update(mismatch.mismatch_metrics(stats))
     metrics["clip/frac"] = metrics["clip/low_frac"] + metrics["clip/high_frac"]
-    metrics["lr"] = schedule(state.step * cfg.iterations * u)
+    metrics["lr"] = schedule(state.step * cfg.loss.iterations * u)
     new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
     if cfg.entropy_control is not None:  # this step's coefficient logged, the next one kept
         metrics["entropy_coef"] = state.entropy_coef
         coef = entropy_control.update(state.entropy_coef, metrics["entropy"], cfg.entropy_control)
         new_state = new_state.replace(entropy_coef=coef)
-    elif cfg.entropy_coef:
-        metrics["entropy_coef"] = jnp.asarray(cfg.entropy_coef, jnp.float32)
+    elif cfg.loss.entropy_coef:
+        metrics["entropy_coef"] = jnp.asarray(cfg.loss.entropy_coef, jnp.float32)
     return new_state, metrics
 
 

@@ -197,27 +197,13 @@ def _init_state(cfg: config_types.TrainConfig, params, optimizer) -> train_step.
 
 
 def step_config(cfg: config_types.TrainConfig) -> train_step.StepConfig:
+    """The train step's static settings: the loss section, and what the step reads of the rest."""
     return train_step.StepConfig(
-        minibatches=cfg.loss.minibatches,
-        iterations=cfg.loss.iterations,
+        loss=cfg.loss,
         temperature=cfg.rollout.temperature,
-        eps_low=cfg.loss.eps_low,
-        eps_high=cfg.loss.eps_high,
-        aggregation=cfg.loss.aggregation,
-        beta=cfg.loss.beta,
-        kl_estimator=cfg.loss.kl_estimator,
         max_completion_len=cfg.batch.max_completion_len,
         logprob_chunk=cfg.model.logprob_chunk,
-        tis_cap=cfg.loss.tis_cap,
-        tis_mode=cfg.loss.tis_mode,
-        tis_mask_low=cfg.loss.tis_mask_low,
-        importance_sampling_level=cfg.loss.importance_sampling_level,
-        updates_per_batch=cfg.loss.updates_per_batch,
-        entropy_coef=cfg.loss.entropy_coef,
         entropy_control=entropy_control(cfg),
-        objective=cfg.loss.objective,
-        dual_clip_c=cfg.loss.dual_clip_c,
-        top_entropy_quantile=cfg.loss.top_entropy_quantile,
     )
 
 
@@ -247,11 +233,29 @@ def entropy_control(cfg: config_types.TrainConfig):
 
 
 def make_engine(cfg: config_types.TrainConfig, policy: Policy, tokenizer, workdir, mesh=None):
-    """The rollout engine of `cfg.rollout.engine`, already holding the policy's weights.
+    """The run's rollout engine (`cfg.rollout.engine`), already holding the policy's weights.
 
-    On a pure data-parallel `mesh` (fsdp and tensor of size 1: the weights are replicated
-    already) the embedded engine samples data-parallel over it; otherwise on the weights' devices.
+    With several processes, one engine per process over its share of the prompts
+    (`distributed.ShareEngine`), holding whole weights of its own. On a pure data-parallel
+    `mesh` (fsdp and tensor of size 1: the weights are replicated already) the embedded engine
+    samples data-parallel over it; otherwise on the weights' devices.
     """
+    if jax.process_count() == 1:
+        return _engine(cfg, policy, tokenizer, workdir, mesh)
+    share = cfg.batch.prompts // jax.process_count()
+    local_cfg = dataclasses.replace(cfg, batch=dataclasses.replace(cfg.batch, prompts=share))
+    local = dataclasses.replace(
+        policy,
+        params=distributed.local_copy(policy.params),
+        frozen=distributed.local_copy(policy.frozen),
+        rest=distributed.local_copy(policy.rest),
+    )
+    devices = jax.local_devices()
+    local_mesh = sharding.data_parallel_mesh(devices) if len(devices) > 1 else None
+    return distributed.ShareEngine(_engine(local_cfg, local, tokenizer, workdir, local_mesh))
+
+
+def _engine(cfg: config_types.TrainConfig, policy: Policy, tokenizer, workdir, mesh):
     from mmr_jax.rollout import embedded, layout, stops
 
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0

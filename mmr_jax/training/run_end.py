@@ -59,8 +59,7 @@ def close(run) -> None:
         logging.warning("closing the checkpointer after an error: %s", e)
     finally:
         run.writer.close()
-        if run.prefetch is not None:  # before the engine: a rollout in flight is dropped
-            run.prefetch.close()
+        run.rollouts.close()  # before the engine: a rollout in flight is dropped
         if hasattr(run.engine, "close"):  # a vLLM server the run launched stops with it
             run.engine.close()
         run_paths.close(run.workdir)  # a bucket workdir gets its metrics and logs now

@@ -48,7 +48,7 @@ def _flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 def _differences(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[str]:
     """The keys whose values differ, as 'key: old -> new'. A key the stored run lacks (added to
     the config since) counts as its default there: the run ran with it."""
-    a, b = _flatten(old), _flatten(new)
+    a, b = _flatten(config_checks.upgrade(old)), _flatten(new)
     added = {k: v for k, v in config_checks.key_defaults().items() if k not in a and k in b}
     a.update(added)
     diffs = []

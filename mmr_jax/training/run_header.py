@@ -22,11 +22,11 @@ _RATIO_LEVELS = {"token": "token", "sequence": "sequence (GSPO)", "sequence_toke
 
 
 def _reweighting(cfg: config_types.TrainConfig) -> str:
-    if cfg.reweighting == "mmr":
-        lam = "adaptive lambda" if cfg.mmr.lam is None else f"lambda {cfg.mmr.lam:g}"
-        return f"MMR ({cfg.mmr.scope} scope, {lam}, {cfg.mmr.embedding_model})"
-    if cfg.reweighting == "dra":
-        return f"DRA ({cfg.mmr.embedding_model})"
+    if cfg.reweight.method == "mmr":
+        lam = "adaptive lambda" if cfg.reweight.lam is None else f"lambda {cfg.reweight.lam:g}"
+        return f"MMR ({cfg.reweight.scope} scope, {lam}, {cfg.reweight.embedding_model})"
+    if cfg.reweight.method == "dra":
+        return f"DRA ({cfg.reweight.embedding_model})"
     return "none"
 
 
@@ -64,7 +64,7 @@ def method_line(cfg: config_types.TrainConfig) -> str:
         f"loss {loss.aggregation}",
     ]
     options = _loss_options(loss)
-    if cfg.mmr.uniform_group_guard:
+    if cfg.reweight.uniform_group_guard:
         options.append("uniform-group guard")
     if cfg.dynamic_sampling.enabled:
         ds = cfg.dynamic_sampling

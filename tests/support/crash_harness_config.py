@@ -21,7 +21,7 @@ def get_config(arg: str = "grpo"):
     crash_harness.register_digit_reward()
     c.data.source = "arithmetic"
     c.data.system_prompt = ""
-    c.mmr.embedding_model = "hashing"  # no encoder to load (`:smoke` keeps the CPU default's)
+    c.reweight.embedding_model = "hashing"  # no encoder to load (`:smoke` keeps the CPU default's)
     c.batch.max_prompt_len = 32
     c.batch.max_completion_len = 16
     c.optim.lr = 1e-3

@@ -1,6 +1,7 @@
 """The train step's update loop as it was before `updates_per_batch` (commit 6dd19a4), kept
 verbatim as the reference that `tests/train_step_test.py` holds the U = 1 step to, bit for bit.
-Only the minibatch loss is called where it now lives (`step_loss`, moved unchanged)."""
+Only the minibatch loss is called where it now lives (`step_loss`, moved unchanged), and the
+loss settings are read from `StepConfig.loss` (issue 53)."""
 
 from __future__ import annotations
 
@@ -23,15 +24,15 @@ _over_iterations, _reduce = train_step._over_iterations, train_step._reduce
 def train_step(
     state: TrainState, batch, frozen, rest, *, graphdef, optimizer, schedule, cfg
 ) -> tuple[TrainState, dict[str, jax.Array]]:
-    """`cfg.iterations` optimiser updates, each on the gradient accumulated over all minibatches."""
-    m = cfg.minibatches
+    """`loss.iterations` optimiser updates, each on the gradient summed over all minibatches."""
+    m = cfg.loss.minibatches
     check_minibatches(batch.prompt_tokens, batch.tokens.shape[0], m)
     mbs = jax.tree.map(functools.partial(_split, m=m), batch)
     # Every minibatch loss is divided by the whole batch's normaliser: the sum of the minibatch
     # gradients is the full-batch gradient exactly (losses module docstring).
     normaliser = losses.loss_denominator(
         batch.completion_mask,
-        aggregation=cfg.aggregation,
+        aggregation=cfg.loss.aggregation,
         max_completion_len=cfg.max_completion_len,
     )
     loss_fn = functools.partial(
@@ -69,7 +70,7 @@ def train_step(
         return (params, opt_state), metrics
 
     (params, opt_state), metrics = jax.lax.scan(
-        one_update, (state.params, state.opt_state), jnp.arange(cfg.iterations)
+        one_update, (state.params, state.opt_state), jnp.arange(cfg.loss.iterations)
     )
     metrics = _neutral_ratio({k: _over_iterations(k, v) for k, v in metrics.items()})
     names = [k for k in metrics if k.startswith(MISMATCH_STATS)]
@@ -77,6 +78,6 @@ def train_step(
         stats = {k.removeprefix(MISMATCH_STATS): metrics.pop(k) for k in names}
         metrics.update(mismatch.mismatch_metrics(stats))
     metrics["clip/frac"] = metrics["clip/low_frac"] + metrics["clip/high_frac"]
-    metrics["lr"] = schedule(state.step * cfg.iterations)
+    metrics["lr"] = schedule(state.step * cfg.loss.iterations)
     new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
     return new_state, metrics

@@ -299,10 +299,10 @@ def smoke_config(
     c.model.path = str(ckpt)
     c.total_steps = steps
     c.lora.enabled = lora
-    c.mmr.enabled = mmr
+    c.reweight.method = "mmr" if mmr else "none"
     c.data.source = run_data.ARITHMETIC
     c.data.system_prompt = ""
-    c.mmr.embedding_model = "hashing"  # no encoder to load (`:smoke` keeps the CPU default's)
+    c.reweight.embedding_model = "hashing"  # no encoder to load (`:smoke` keeps the CPU default's)
     c.batch.max_prompt_len = 32
     c.batch.max_completion_len = 16
     c.optim.lr = 1e-3
@@ -312,3 +312,18 @@ def smoke_config(
     c.checkpoint.every = 1
     c.logging.samples = 0
     return config_overrides.set_keys(c, overrides)
+
+
+def step_config(*, temperature, max_completion_len, logprob_chunk=0, entropy_control=None, **loss):
+    """`train_step.StepConfig` with the loss keys `loss` (`config_types.LossConfig`'s names; the
+    rest at their defaults), as `build.step_config` makes it of a run's config."""
+    from mmr_jax.config import config_types
+    from mmr_jax.step import train_step
+
+    return train_step.StepConfig(
+        loss=config_types.LossConfig(**loss),
+        temperature=temperature,
+        max_completion_len=max_completion_len,
+        logprob_chunk=logprob_chunk,
+        entropy_control=entropy_control,
+    )

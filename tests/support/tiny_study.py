@@ -21,7 +21,7 @@ def tiny_study(ckpt, folder, **train):
     c.baselines = ("grpo",)
     t = c.train
     t.model.path = str(ckpt)
-    t.mmr.embedding_model = "hashing"
+    t.reweight.embedding_model = "hashing"
     t.data.system_prompt = t.eval.system_prompt = ""
     t.batch.prompts, t.batch.generations, t.loss.minibatches = 2, 4, 2
     t.batch.max_prompt_len, t.batch.max_completion_len = 32, 16
@@ -40,8 +40,9 @@ def overrides(c) -> list[str]:
     t = c.train
     flags = [f"--config.folder={c.folder}"]
     flags += [f"--config.{key}={tuple(c[key])!r}" for key in ("run", "compare", "baselines")]
-    for key in ("model.path", "mmr.embedding_model", "data.system_prompt", "eval.system_prompt",
-                "batch.prompts", "batch.generations", "loss.minibatches", "batch.max_prompt_len",
+    for key in ("model.path", "reweight.embedding_model", "data.system_prompt",
+                "eval.system_prompt", "batch.prompts", "batch.generations", "loss.minibatches",
+                "batch.max_prompt_len",
                 "batch.max_completion_len", "optim.lr", "total_steps", "eval.every",
                 "checkpoint.every", "eval.arithmetic_problems", "eval.n", "eval.max_new_tokens",
                 "logging.samples"):  # fmt: skip

@@ -116,6 +116,8 @@ def train_cmd(workdir, ckpt, steps, *, repo=REPO) -> list[str]:
     `ckpt` (arithmetic data, a checkpoint every step, 5 kept), as one process's command line;
     `repo`: the source tree whose script and config run (another commit's, unpacked)."""
     repo = pathlib.Path(repo)
+    # Commits before issue 53 spell MMR as mmr.enabled (a run.json of theirs stores it so).
+    new_keys = "c.reweight.method" in (repo / "configs" / "base.py").read_text()
     return [
         sys.executable,
         str(repo / "scripts" / "train.py"),
@@ -125,7 +127,7 @@ def train_cmd(workdir, ckpt, steps, *, repo=REPO) -> list[str]:
         f"--config.total_steps={steps}",
         "--config.data.source=arithmetic",
         "--config.data.system_prompt=",
-        "--config.mmr.enabled=True",
+        "--config.reweight.method=mmr" if new_keys else "--config.mmr.enabled=True",
         "--config.batch.max_prompt_len=32",
         "--config.batch.max_completion_len=16",
         "--config.optim.lr=0.001",
