@@ -284,8 +284,7 @@ def train(cfg: config_types.TrainConfig, workdir, *, overwrite: bool = False) ->
     pending, last_saved, host = None, start or None, {}
     try:
         if start == 0 and cfg.eval.at_start and cfg.eval.every > 0:  # the base model's accuracy
-            run.writer.write(0, scores := evaluate(run, 0))
-            _log_eval(0, scores)
+            run.writer.write(0, evaluate(run, 0))
             progress = metrics.Progress(cfg.total_steps, start)  # the ETA counts steps only
         compile_stats.CLOCK.start().lap()  # from here, each step's compilation
         for step in range(start + 1, cfg.total_steps + 1):
