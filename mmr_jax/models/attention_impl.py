@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mmr_jax.kernels import compile_platform
 from mmr_jax.models import attention
 from mmr_jax.models import config as config_lib
 
@@ -92,7 +93,7 @@ def resolve(implementation: str, dtype, head_dim: int) -> str:
         return implementation
     # Never an unprobed cuDNN: `attention_probe.choose` resolves 'auto' before any trace; an
     # 'auto' left in a config (a test, a script that skipped it) gets the safe default.
-    on_gpu = jax.default_backend() == "gpu"
+    on_gpu = compile_platform.current() == "gpu"
     return "xla" if on_gpu and cudnn_eligible(dtype, head_dim) else "unfused"
 
 
@@ -217,7 +218,7 @@ def _splash(q_BxTxNxD, k_BxSxKxD, v_BxSxKxD, mask: Mask):
     kh = k_BxSxKxD.shape[2]
     kernel = splash.make_splash_mqa_single_device(
         splash.MultiHeadMask([splash.NumpyMask(mask.static_TxS)] * (n // kh)),
-        interpret=jax.default_backend() != "tpu",
+        interpret=compile_platform.current() != "tpu",
     )
     q = (q_BxTxNxD * jnp.asarray(d**-0.5, q_BxTxNxD.dtype)).reshape(b, t, kh, n // kh, d)
     q_BxKxGxTxD = jnp.transpose(q, (0, 2, 3, 1, 4))
