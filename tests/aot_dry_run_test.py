@@ -91,14 +91,13 @@ def _check_all_compiled(code, text, report, target):
             assert 0 < row["total_bytes"] <= report["memory_bytes"], row
 
 
-@pytest.mark.parametrize("target", ["h100:1", "v5e:2x2"])
-def test_cpu_default_compiles_for_the_target(tmp_path, target):
-    code, text, report = _dry_run(tmp_path, target, "configs/cpu_smollm2.py")
-    _check_all_compiled(code, text, report, target)
-    if target.startswith("h100"):
-        # fp32 (the CPU default's dtype): cuDNN takes no fp32, so 'auto' is 'unfused', as at
-        # a run's start-up, and the report says so.
-        assert report["attention"] == [["unfused", "auto: cuDNN takes no float32"]]
+def test_cpu_default_compiles_for_an_h100(tmp_path):
+    # (On a TPU the CPU default compiles in the does-not-fit test below, at a larger batch.)
+    code, text, report = _dry_run(tmp_path, "h100:1", "configs/cpu_smollm2.py")
+    _check_all_compiled(code, text, report, "h100:1")
+    # fp32 (the CPU default's dtype): cuDNN takes no fp32, so 'auto' is 'unfused', as at a
+    # run's start-up, and the report says so.
+    assert report["attention"] == [["unfused", "auto: cuDNN takes no float32"]]
 
 
 def test_qwen2_head_dim_128_on_an_h100_compiles_cudnn_and_its_fallback(tmp_path):
@@ -133,7 +132,11 @@ def test_a_config_that_does_not_fit_exits_naming_the_program(tmp_path):
     code, text, report = _dry_run(tmp_path, "v5e:1x1", "configs/cpu_smollm2.py", *overrides)
     assert code != 0
     assert "train step (remat none, attention unfused) does not fit on v5e:1x1" in text
-    assert report["failures"] and not _compiled(report)[report["rows"][0]["name"]]["fits"]
+    train = _compiled(report)["train step (remat none, attention unfused)"]
+    assert train["error"] is None and not train["fits"]
+    assert train["total_bytes"] > report["memory_bytes"] == 16 * 2**30
+    # The sampler's programs compiled for the TPU too (they fit: the failure names one program).
+    assert _compiled(report)["sampler decode loop"]["error"] is None
 
 
 def test_without_the_plugin_the_error_names_the_setup_script(tmp_path):
