@@ -107,7 +107,8 @@ def test_every_flip_moves_the_figures(figures):
 def test_directions(figures):
     f = figures
     assert f["param_dtype"]["args"] < f["base"]["args"]  # half the parameter bytes
-    assert f["dtype"]["temp"] < f["base"]["temp"]  # bf16 activations
+    # (model.dtype moves the figures, but its direction at this size is not the activations':
+    # the bf16 copies of the fp32 weights outweigh them in a 2-layer model of width 64.)
     assert f["remat"]["temp"] < f["base"]["temp"]  # layer inputs kept, not everything
     assert f["minibatches"]["temp"] < f["base"]["temp"]  # half the rows' activations at once
     assert f["mesh"]["args"] > f["base"]["args"]  # data parallel: every parameter on every device
@@ -118,8 +119,14 @@ def test_frozen_dtype_halves_the_frozen_base(figures):
     # The dry run honours model.frozen_dtype: the frozen base is bf16 arguments of the step, and
     # the sizes summary counts it so (before issue 52 both built the model without it).
     fp32, bf16 = figures["lora"], figures["lora_frozen_bf16"]
-    assert {d for _, d in bf16["frozen"]} == {"bfloat16"}
-    assert {d for _, d in fp32["frozen"]} == {"float32"}
+    import numpy as np
+
+    elements = lambda e, dtype: sum(int(np.prod(x)) for x, d in e["frozen"] if d == dtype)
+    assert elements(fp32, "bfloat16") == 0
+    # Every frozen weight matrix (projections, embedding, LM head) is bf16; only the RMSNorm
+    # scales (hidden-sized, per layer) stay fp32.
+    assert elements(bf16, "float32") < 0.05 * elements(bf16, "bfloat16")
+    assert elements(bf16, "bfloat16") + elements(bf16, "float32") == elements(fp32, "float32")
     saved = _frozen_bytes(fp32) - _frozen_bytes(bf16)
     # Arguments per device: the frozen weights are split over the 4 devices where they divide;
     # the saving is between a quarter (all split) and all of it (all replicated) of the total.
