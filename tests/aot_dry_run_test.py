@@ -4,7 +4,7 @@ GPU compiler on this machine, with no accelerator (issue 52).
 The command a user runs, in the compile-only venvs (`.venv-aot-gpu`, `.venv-aot-tpu`, built by
 scripts/setup_aot_env.sh; MMR_JAX_AOT_GPU_PYTHON / MMR_JAX_AOT_TPU_PYTHON name other
 interpreters): the CPU default's SmolLM2 and a 2-layer Qwen2-shaped model at head dim 128, for
-one GPU target and one TPU target. Each must compile every program, report the target's devices,
+an H100 and a v5e. Each must compile every program, report the target's devices,
 and with the attention forms a run there uses: cuDNN on the GPU in bf16, splash on the TPU at the
 completions' odd length. A config that cannot fit must exit non-zero naming the program.
 
@@ -115,12 +115,14 @@ def test_qwen2_head_dim_128_on_an_h100_compiles_cudnn_and_its_fallback(tmp_path)
 def test_qwen2_head_dim_128_on_a_tpu_compiles_splash(tmp_path):
     # Splash attention (pallas_tpu) through Mosaic, at the completions' length T = 31: not a
     # multiple of its blocks (the fix of issue 52: padded to them). No packing: splash takes no
-    # per-row segments.
+    # per-row segments. One chip: on several, XLA cannot partition a Mosaic kernel ("wrap the
+    # call in a shard_map"), which this dry run reports for v5e:2x2 (an open bug, pinned as a
+    # strict expected failure by the HLO tests).
     ckpt = _qwen2_head_dim_128(tmp_path)
     overrides = [f"model.path={ckpt}", "model.dtype=bfloat16", "model.attention_impl=pallas_tpu"]
     overrides += ["batch.pack_max_len=0", "batch.max_completion_len=31"]
-    code, text, report = _dry_run(tmp_path, "v5e:2x2", "configs/grpo.py:smoke", *overrides)
-    _check_all_compiled(code, text, report, "v5e:2x2")
+    code, text, report = _dry_run(tmp_path, "v5e:1x1", "configs/grpo.py:smoke", *overrides)
+    _check_all_compiled(code, text, report, "v5e:1x1")
     assert "train step (remat none, attention pallas_tpu)" in _compiled(report)
 
 
