@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mmr_jax.kernels import compile_platform
 from mmr_jax.models import attention
 from mmr_jax.models import config as config_lib
 
@@ -94,7 +95,7 @@ def resolve(implementation: str, dtype, head_dim: int) -> str:
         return implementation
     # Never an unprobed cuDNN: `attention_probe.choose` resolves 'auto' before any trace; an
     # 'auto' left in a config (a test, a script that skipped it) gets the safe default.
-    on_gpu = jax.default_backend() == "gpu"
+    on_gpu = compile_platform.current() == "gpu"
     return "xla" if on_gpu and cudnn_eligible(dtype, head_dim) else "unfused"
 
 
