@@ -141,15 +141,15 @@ def cache_copies(module: hlo_stats.Module, cache) -> list[str]:
 
 
 def missing_attention_kernels(module, *, target_re, want) -> list[str]:
-    """`want`: {label: (kernel name regex, required q-operand dims)}; the labels whose kernel is
-    not among the custom calls matching `target_re` with those q dims."""
+    """`want`: {label: (kernel name regex, the query operand's dims)}; the labels with no custom
+    call (target matching `target_re`) of that name with an operand of those dims (cuDNN's
+    query is its first operand, splash's its fourth, after the mask tables)."""
     calls = hlo_stats.custom_calls(module, target_re)
     missing = []
     for label, (name_re, dims) in want.items():
         if not any(
             re.search(name_re, c.target + " " + c.name)
-            and c.operand_shapes
-            and hlo_stats.arrays(c.operand_shapes[0])[0][1] == dims
+            and any(d == dims for shape in c.operand_shapes for _, d in hlo_stats.arrays(shape))
             for c in calls
         ):
             missing.append(label)

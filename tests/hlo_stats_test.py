@@ -4,6 +4,8 @@ reads theirs)."""
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 from absl.testing import absltest
@@ -134,6 +136,25 @@ class WritesTest(absltest.TestCase):
         self.assertEqual(call.operand_shapes, ("f32[16,8]{1,0}", "f32[3,8,16]{2,1,0}"))
         self.assertEqual(call.count, 1)
         self.assertEqual(hlo_stats.custom_calls(hlo_stats.parse(_TEXT), "cudnn"), [])
+
+    def test_trip_count_from_the_condition_without_known_trip_count(self):
+        """TPU's HLO prints no known_trip_count: the condition's `i < 3` gives it."""
+        text = re.sub(r', backend_config=\{"known_trip_count[^\n]*\}\}', "", _TEXT)
+        self.assertNotIn("known_trip_count", text)
+        m = hlo_stats.parse(text)
+        self.assertEqual(hlo_stats.execution_counts(m), {"main": 1, "body": 3})
+
+    def test_an_instruction_over_several_lines(self):
+        """A Mosaic call's backend_config holds newlines, some lines starting with '}}': they
+        continue the instruction, and the instructions after it are still read."""
+        call = '"__cublas$gemm", backend_config={"body":"a\n}}, x\n b"}'
+        m = hlo_stats.parse(_TEXT.replace('"__cublas$gemm"', call))
+        main = m.by_name("main")
+        self.assertEqual(main["gemm"].custom_call_target, "__cublas$gemm")
+        self.assertIn("gemm_out", main)
+        self.assertEqual(
+            hlo_stats.bytes_by_kind(m), hlo_stats.bytes_by_kind(hlo_stats.parse(_TEXT))
+        )
 
     def test_largest_write(self):
         (w,) = hlo_stats.largest_writes(hlo_stats.parse(_TEXT), 1)

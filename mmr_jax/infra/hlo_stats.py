@@ -40,7 +40,7 @@ _NO_WRITE = {
     "parameter", "get-tuple-element", "tuple", "bitcast", "constant", "while", "conditional",
     "call", "after-all", "add-dependency", "opt-barrier", "partition-id", "replica-id",
 }  # fmt: skip
-_INSTRUCTION = re.compile(r"^\s+(ROOT )?%?([\w.\-]+) = (.*)$")
+_INSTRUCTION = re.compile(r"^\s+(ROOT )?%?([\w.\-]+) = (.*)$", re.DOTALL)
 _COMPUTATION = re.compile(r"^(ENTRY )?%?([\w.\-]+) .*\{\s*$")
 _ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
 
@@ -53,6 +53,7 @@ class Instruction:
     operands: tuple[str, ...]  # operand instruction names
     attrs: str  # everything after the operands
     is_root: bool = False
+    operand_text: str = ""  # between the parentheses as printed (a constant's value)
 
     def attr(self, key: str) -> str | None:
         """The computation named by `key=%name` (calls, body, condition), or None."""
@@ -118,29 +119,38 @@ def _instruction(line: str) -> Instruction | None:
     if not op:
         return None
     close = _closing(rest, op.end() - 1)
-    operands = tuple(re.findall(r"%([\w.\-]+)", rest[op.end() : close]))
-    return Instruction(name, shape, op.group(1), operands, rest[close + 1 :], is_root)
+    inside = rest[op.end() : close]
+    operands = tuple(re.findall(r"%([\w.\-]+)", inside))
+    return Instruction(name, shape, op.group(1), operands, rest[close + 1 :], is_root, inside)
 
 
 def parse(text: str) -> Module:
-    """The computations of an HLO module's text (`compiled.as_text()`)."""
-    computations: dict[str, list[Instruction]] = {}
+    """The computations of an HLO module's text (`compiled.as_text()`). An instruction may span
+    several lines (a Mosaic kernel's backend_config does): lines that neither start an
+    instruction nor close the computation continue the one before."""
+    computations: dict[str, list[str]] = {}
     entry, current, header = None, None, ""
     for line in text.splitlines():
-        if line.startswith("HloModule"):
-            header = line
-        elif not line.startswith((" ", "}")) and (m := _COMPUTATION.match(line)):
-            current = m.group(2)
-            computations[current] = []
-            if m.group(1):
-                entry = current
-        elif line.startswith("}"):
+        if current is None:
+            if line.startswith("HloModule"):
+                header = line
+            elif (m := _COMPUTATION.match(line)) and not line.startswith(" "):
+                current = m.group(2)
+                computations[current] = []
+                entry = current if m.group(1) else entry
+        elif line.rstrip() == "}":
             current = None
-        elif current is not None and (inst := _instruction(line)):
-            computations[current].append(inst)
+        elif _INSTRUCTION.match(line) or not computations[current]:
+            computations[current].append(line)
+        else:
+            computations[current][-1] += "\n" + line
     if entry is None:
         raise ValueError("no ENTRY computation in this HLO text")
-    return Module({k: tuple(v) for k, v in computations.items()}, entry, header)
+    parsed = {
+        name: tuple(i for i in map(_instruction, lines) if i is not None)
+        for name, lines in computations.items()
+    }
+    return Module(parsed, entry, header)
 
 
 def arrays(shape: str) -> list[tuple[str, tuple[int, ...]]]:
@@ -166,8 +176,7 @@ def execution_counts(module: Module) -> dict[str, int]:
         counts[comp] += times
         for inst in module.computations[comp]:
             if inst.opcode == "while":
-                trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', inst.attrs)
-                visit(inst.attr("body"), times * (int(trips.group(1)) if trips else 1))
+                visit(inst.attr("body"), times * trip_count(module, inst))
             elif inst.opcode == "conditional":
                 branches = re.search(r"branch_computations=\{([^}]*)\}", inst.attrs)
                 names = re.findall(r"%?([\w.\-]+)", branches.group(1)) if branches else []
@@ -181,6 +190,25 @@ def execution_counts(module: Module) -> dict[str, int]:
 
     visit(module.entry, 1)
     return dict(counts)
+
+
+def trip_count(module: Module, loop: Instruction) -> int:
+    """A while loop's trip count: XLA's `known_trip_count` (GPU), else the N of a condition
+    `counter < N` on a constant (TPU prints no count; the project's loops are scans from 0 by
+    1), else 1."""
+    known = re.search(r'"known_trip_count":\{"n":"(\d+)"', loop.attrs)
+    if known:
+        return int(known.group(1))
+    cond = loop.attr("condition")
+    if cond not in module.computations:
+        return 1
+    names = module.by_name(cond)
+    root = module.root(cond)
+    if root.opcode == "compare" and "direction=LT" in root.attrs and len(root.operands) == 2:
+        bound = names.get(root.operands[1])
+        if bound is not None and bound.opcode == "constant" and bound.operand_text.isdigit():
+            return int(bound.operand_text)
+    return 1
 
 
 def _look_through(inst: Instruction, names: dict[str, Instruction]) -> Instruction:
