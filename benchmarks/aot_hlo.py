@@ -7,7 +7,7 @@
 
 Compiles `dry_run_programs.train_step_program` and `decode_step_program` of `--config` (default
 the paper's 1.5B full fine-tune, configs/grpo.py:1.5b) at the paper's shapes (48 completions of
-1024 tokens, 6 prompts x 8, 512-token prompts; `--prompts`, `--generations`, `--prompt_len`,
+1024 tokens, 8 prompts x 6, 512-token prompts; `--prompts`, `--generations`, `--prompt_len`,
 `--completion_len`) for the compile-only devices of `--target` (infra/aot_targets.py; the config's
 mesh on them), and reads each optimized program with infra/hlo_stats.py: bytes written a call by
 kind of op (a loop body counted once per trip), the share written by transpose, copy,
@@ -31,8 +31,8 @@ FLAGS = {
     "config": ("configs/grpo.py:1.5b", "config file (and its :arg)"),
     "target": ("h100:1", "compile-only target (infra/aot_targets.py)"),
     "attention": ("cudnn", "model.attention_impl of the train step"),
-    "prompts": (6, "prompts a step (B)"),
-    "generations": (8, "completions a prompt (G)"),
+    "prompts": (8, "prompts a step (B)"),
+    "generations": (6, "completions a prompt (G)"),
     "prompt_len": (512, "batch.max_prompt_len"),
     "completion_len": (1024, "batch.max_completion_len (completions feed one token less)"),
     "pack_max_len": (-1, "batch.pack_max_len (-1: the config's)"),
