@@ -37,6 +37,7 @@ FLAGS = {
     "completion_len": (1024, "batch.max_completion_len (completions feed one token less)"),
     "pack_max_len": (-1, "batch.pack_max_len (-1: the config's)"),
     "programs": ("train,decode", "which programs, comma separated"),
+    "devices": (0, "compile for the target's first N devices (0: all of them)"),
     "top": (8, "layout writes listed, largest first"),
 }
 GOAL = 0.15  # the layout share goal for the train step
@@ -107,8 +108,9 @@ def main(argv=None):
     from mmr_jax.training import compiled_dry_run, dry_run_programs
 
     cfg = _config(args)
-    mesh = compiled_dry_run.config_mesh(cfg, devices=devices)
-    results = {"target": target.name, "config": args.config, "attention": args.attention,
+    mesh = compiled_dry_run.config_mesh(cfg, devices=devices[: args.devices or None])
+    results = {"target": target.name, "devices": mesh.size, "config": args.config,
+               "attention": args.attention,
                "shapes": {k: getattr(args, k) for k in ("prompts", "generations", "prompt_len",
                                                          "completion_len", "pack_max_len")},
                "programs": []}  # fmt: skip
@@ -125,8 +127,8 @@ def main(argv=None):
 
 
 def report(results: dict) -> str:
-    lines = [f"{results['config']} on {results['target']}, attention {results['attention']}, "
-             f"shapes {results['shapes']}"]  # fmt: skip
+    lines = [f"{results['config']} on {results['target']} ({results['devices']} devices), "
+             f"attention {results['attention']}, shapes {results['shapes']}"]  # fmt: skip
     for r in results["programs"]:
         mem = r["memory_gib"]
         lines.append(

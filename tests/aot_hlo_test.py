@@ -68,8 +68,9 @@ def _qwen2_dir(root: pathlib.Path) -> str:
 
 
 @functools.cache
-def _config(model: str, *, pack: int = 0, lora: str = "", root: str = ""):
-    """A small real config: 2 prompts x 4 completions, one minibatch, one device."""
+def _config(model: str, *, pack: int = 0, lora: str = "", root: str = "", devices: int = 1):
+    """A small real config: 2 prompts x 4 completions, one minibatch, `devices` on the fsdp
+    axis."""
     from configs import cpu_smollm2, grpo
     from mmr_jax.config import config_checks
 
@@ -82,14 +83,16 @@ def _config(model: str, *, pack: int = 0, lora: str = "", root: str = ""):
     c.batch.prompts, c.batch.generations = 2, 4
     c.batch.pack_max_len, c.batch.min_bucket_len = pack, 16
     c.loss.minibatches = 1
-    c.mesh.shape = (1, 1, 1)
+    c.mesh.shape = (1, devices, 1)
     if lora:
         c.lora.enabled, c.lora.rank, c.model.frozen_dtype = True, 8, lora
     return config_checks.from_config_dict(c)
 
 
 @functools.cache
-def _compiled(target: str, kind: str, model: str, *, attention="", pack=0, lora="", root=""):
+def _compiled(
+    target: str, kind: str, model: str, *, attention="", pack=0, lora="", root="", devices=1
+):
     """(optimized HLO module, memory analysis, abstract args, config) of one program for `target`:
     'train', 'decode', or 'decode_undonated' (the broken variant: the same step, no donation)."""
     import jax
@@ -97,9 +100,9 @@ def _compiled(target: str, kind: str, model: str, *, attention="", pack=0, lora=
     from mmr_jax.infra import aot_targets
     from mmr_jax.training import compiled_dry_run, dry_run_programs
 
-    cfg = _config(model, pack=pack, lora=lora, root=root)
-    devices = aot_targets.compile_only_devices(aot_targets.parse_target(target))
-    mesh = compiled_dry_run.config_mesh(cfg, devices=devices[:1])
+    cfg = _config(model, pack=pack, lora=lora, root=root, devices=devices)
+    chips = aot_targets.compile_only_devices(aot_targets.parse_target(target))
+    mesh = compiled_dry_run.config_mesh(cfg, devices=chips[:devices])
     if kind == "train":
         fn, args = dry_run_programs.train_step_program(cfg, mesh, attention=attention)
     else:
@@ -298,3 +301,16 @@ def test_tpu_splash_check_finds_xla_attention(compile_for):
     module, _, _, cfg = compile_for("v5e:1x1", "train", attention="xla")
     want = _splash_want(cfg)
     assert missing_attention_kernels(module, target_re=r"tpu_custom_call", want=want) == list(want)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=NotImplementedError,
+    reason="splash's Mosaic call is not partitioned for a mesh of several chips (JAX: 'Mosaic "
+    "kernels cannot be automatically partitioned. Please wrap the call in a shard_map'): "
+    "attention_impl='pallas_tpu' compiles on one chip only (docs/attention.md)",
+)
+def test_tpu_splash_on_four_chips(compile_for):
+    module, _, _, cfg = compile_for("v5e:2x2", "train", attention="pallas_tpu", devices=4)
+    want = _splash_want(cfg)
+    assert missing_attention_kernels(module, target_re=r"tpu_custom_call", want=want) == []
