@@ -233,7 +233,8 @@ def _splash(q_BxTxNxD, k_BxSxKxD, v_BxSxKxD, mask: Mask):
     lengths, and the train step's are odd (completions T = bucket - 1, keys P + T): queries and
     keys are padded with zeros up to the block (`splash_padded_mask`; padded keys get segment 1,
     so no real query sees them, and the padded queries' outputs are dropped), so the values are
-    those of the unpadded problem. Off TPU it runs in Pallas' interpret mode (slow; for tests).
+    those of the unpadded problem. Lowered for anything but a TPU it runs in Pallas' interpret
+    mode (slow; for tests).
     """
     if mask.extra_BxTxS is not None:
         raise NotImplementedError(
@@ -247,11 +248,7 @@ def _splash(q_BxTxNxD, k_BxSxKxD, v_BxSxKxD, mask: Mask):
     blocks, q_multiple, kv_multiple = _splash_blocks()
     static = splash_padded_mask(mask.static_TxS, q_multiple, kv_multiple)
     tp, sp = static.shape
-    kernel = splash.make_splash_mqa_single_device(
-        splash.MultiHeadMask([splash.NumpyMask(static)] * (n // kh)),
-        block_sizes=blocks,
-        interpret=compile_platform.current() != "tpu",
-    )
+    heads_mask = splash.MultiHeadMask([splash.NumpyMask(static)] * (n // kh))
 
     def pad(x, to):  # zeros after the sequence axis (1)
         return jnp.pad(x, ((0, 0), (0, to - x.shape[1])) + ((0, 0),) * (x.ndim - 2))
@@ -265,8 +262,25 @@ def _splash(q_BxTxNxD, k_BxSxKxD, v_BxSxKxD, mask: Mask):
         kv=jnp.where(pad(mask.kv_valid_BxS, sp), 0, 1).astype(jnp.int32),
     )
 
-    def one(q, k, v, seg):  # q [K, G, T', D], k/v [K, S', D]
-        return jax.vmap(functools.partial(kernel, segment_ids=seg))(q, k, v)
+    def attend(interpret, q, k, v, seg):  # q [B, K, G, T', D], k/v [B, K, S', D]
+        kernel = splash.make_splash_mqa_single_device(
+            heads_mask, block_sizes=blocks, interpret=interpret
+        )
 
-    o = jax.vmap(one)(q_BxKxGxTxD, k_BxKxSxD, v_BxKxSxD, seg)  # [B, K, G, T', D]
+        def one(q, k, v, seg):
+            return jax.vmap(functools.partial(kernel, segment_ids=seg))(q, k, v)
+
+        return jax.vmap(one)(q, k, v, seg)
+
+    # The kernel through Mosaic where the program is lowered for a TPU (also compile-only TPU
+    # devices on a CPU host, where the default backend is not 'tpu'), Pallas' interpreter
+    # elsewhere; only the branch of the lowering platform is compiled.
+    o = jax.lax.platform_dependent(
+        q_BxKxGxTxD,
+        k_BxKxSxD,
+        v_BxKxSxD,
+        seg,
+        tpu=functools.partial(attend, False),
+        default=functools.partial(attend, True),
+    )  # [B, K, G, T', D]
     return jnp.transpose(o[:, :, :, :t], (0, 3, 1, 2, 4)).astype(v_BxSxKxD.dtype)
