@@ -133,11 +133,17 @@ def test_a_config_that_does_not_fit_exits_naming_the_program(tmp_path):
     overrides += ["batch.pack_max_len=0", "loss.minibatches=1", "model.remat=none"]
     code, text, report = _dry_run(tmp_path, "v5e:1x1", "configs/cpu_smollm2.py", *overrides)
     assert code != 0
-    assert "train step (remat none, attention unfused) does not fit on v5e:1x1" in text
-    train = _compiled(report)["train step (remat none, attention unfused)"]
-    assert train["error"] is None and not train["fits"]
-    assert train["total_bytes"] > report["memory_bytes"] == 16 * 2**30
-    # The sampler's programs compiled for the TPU too (they fit: the failure names one program).
+    name = "train step (remat none, attention unfused)"
+    assert f"{name} does not" in text and "v5e:1x1" in text, text[-3000:]
+    train = _compiled(report)[name]
+    # libtpu itself refuses a program over the chip's HBM ("Ran out of memory on HBM": 115 GiB
+    # of temporaries here), so on a TPU it does not compile; a compiler that builds it anyway
+    # would give a total over the 16 GiB.
+    if train["error"] is None:
+        assert not train["fits"] and train["total_bytes"] > report["memory_bytes"] == 16 * 2**30
+    else:
+        assert "memory" in train["error"].lower(), train["error"]
+    # The sampler's programs compiled for the TPU too (the failure names one program).
     assert _compiled(report)["sampler decode loop"]["error"] is None
 
 
