@@ -4,6 +4,8 @@
         --config.mmr.enabled=True
     python scripts/train.py --config=configs/cpu_smollm2.py --workdir=runs/cpu_smollm2
     python scripts/train.py --config=configs/dapo.py:8b --dry_run
+    .venv-aot-gpu/bin/python scripts/train.py --config=configs/grpo_7b.py --dry_run \
+        --dry_run_target=h100:1     # compiled for an H100 without one (scripts/setup_aot_env.sh)
     python scripts/train.py --config=configs/grpo.py:1.5b --workdir=runs/x --export_hf=runs/x/hf
 
 Several processes (hosts) train as one program on one global mesh (docs/multihost.md):
