@@ -15,14 +15,19 @@
 # install, ~5 s, counts in it; 15 s are left before the call's 300 s for the summary); a step
 # gets min(its limit, what is left), and one with under 20 s left is skipped.
 #
-# Run A (the attention and the step's kernels, then the decode step):
-#   gpu_tests  75 s   pytest -m gpu: cuDNN's two forms against XLA at the 1.5B's attention and our
+# Run A (compile-only against the device, the attention and the step's kernels, the decode step):
+#   aot_vs_device 40 s  benchmarks/aot_vs_device.py: the 1.5B's train step at 1024-token
+#                     completions (then its decode step, if time is left) compiled for this GPU
+#                     and deviceless from XLA's spec of the same card (third_party/xla_gpu_specs),
+#                     XLA's memory analysis of both side by side: how far `--dry_run_target`'s
+#                     figures hold (issue 52)
+#   gpu_tests  60 s   pytest -m gpu: cuDNN's two forms against XLA at the 1.5B's attention and our
 #                     structure (odd T, padding, packed segments, prompt-then-causal), what 'auto'
 #                     picks, the decode step's HLO and values (pass/fail lines in gpu_check.log)
-#   peer_1024  155 s  benchmarks/peer_step.py, configs/grpo.py:1.5b at 1024-token completions:
-#                     torch without checkpointing (the peer's best; 40 s), then ours (105 s) with
+#   peer_1024  135 s  benchmarks/peer_step.py, configs/grpo.py:1.5b at 1024-token completions:
+#                     torch without checkpointing (the peer's best; 40 s), then ours (85 s) with
 #                     the jax.profiler kernel table (profile.json)
-#   decode     40 s   benchmarks/bench_gpu.py --programs=decode: one decode step of the 1.5B,
+#   decode     35 s   benchmarks/bench_gpu.py --programs=decode: one decode step of the 1.5B,
 #                     48 rows, caches for 512 + 1024 tokens
 # Run B (the whole RL step, the long completions, the 7B):
 #   rl_step    95 s   benchmarks/rl_step.py: scripts/train.py, configs/grpo.py:1.5b,
@@ -35,7 +40,7 @@
 #                     so it finishes only if those end early; its JSON keeps the compile time
 #                     and XLA's memory as soon as they are known). Alone: --run=B --only=lora_7b.
 # Files in $OUT (the device tool returns 8 at most): A: gpu_check.log, summary.json,
-# peer_1024.json, profile.json, decode.json; B: gpu_check.log, summary.json, rl_step.json,
+# aot_vs_device.json, peer_1024.json, profile.json, decode.json; B: gpu_check.log, summary.json, rl_step.json,
 # peer_3584.json, lora_7b.json.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -167,7 +172,9 @@ EOF
   # the tiny vocabulary's byte-level tokenizer makes the system prompt ~540 tokens: prompts of 768
   RL=(--config=configs/grpo.py:1.5b,smoke --steps=1 --set=model.path="$TINY"
     --set=batch.max_completion_len=16 --set=batch.max_prompt_len=768)
-  L_TESTS=120 L_PEER=300 L_DECODE=200 L_RL=300 L_PEER2=300
+  L_TESTS=120 L_PEER=300 L_DECODE=200 L_RL=300 L_PEER2=300 L_AOT=300
+  AOT=(--cpu_smoke --configs=configs/grpo.py:1.5b "${TINY_SET[@]}"
+    --set=batch.max_completion_len="$T1024")
   TIMEOUTS_A="" TIMEOUTS_B=""
   TESTS_MODE=(--collect-only)  # here: only that they are collected under -m gpu
 else
@@ -177,12 +184,17 @@ else
   T1024=1024 T3584=()
   DECODE_STEPS=10
   RL=(--config=configs/grpo.py:1.5b --steps=2 --set=batch.max_completion_len=1024)
-  L_TESTS=75 L_PEER=155 L_DECODE=40 L_RL=95 L_PEER2=175
-  TIMEOUTS_A="torch=40,ours=105" TIMEOUTS_B="torch=40,ours=125"
+  L_TESTS=60 L_PEER=135 L_DECODE=35 L_RL=95 L_PEER2=175 L_AOT=40
+  AOT=(--configs=configs/grpo.py:1.5b --set=batch.max_completion_len="$T1024")
+  TIMEOUTS_A="torch=40,ours=85" TIMEOUTS_B="torch=40,ours=125"
   TESTS_MODE=()
 fi
 
 if [[ "$RUNS" == *A* ]]; then
+  # First: the same programs compiled for this GPU and deviceless (how far a dry run holds).
+  step aot_vs_device "$L_AOT" "$PY" benchmarks/aot_vs_device.py "${AOT[@]}" \
+    --json="$OUT/aot_vs_device.json"
+
   # The GPU-only parity tests (skipped on CPU, so they run only here).
   step gpu_tests "$L_TESTS" "$PY" -m pytest -m gpu -q -p no:cacheprovider -o addopts="" \
     "${TESTS_MODE[@]}" tests/attention_impl_test.py tests/attention_probe_test.py \

@@ -4,6 +4,8 @@
         --config.reweight.method=mmr
     python scripts/train.py --config=configs/cpu_smollm2.py --workdir=runs/cpu_smollm2
     python scripts/train.py --config=configs/dapo.py:8b --dry_run
+    .venv-aot-gpu/bin/python scripts/train.py --config=configs/grpo_7b.py --dry_run \
+        --dry_run_target=h100:1     # compiled for an H100 without one (scripts/setup_aot_env.sh)
     python scripts/train.py --config=configs/grpo.py:1.5b --workdir=runs/x --export_hf=runs/x/hf
 
 Several processes (hosts) train as one program on one global mesh (docs/multihost.md):
@@ -50,8 +52,20 @@ _DRY_RUN_DEVICES = flags.DEFINE_integer(
 _DRY_RUN_REMAT = flags.DEFINE_list(
     "dry_run_remat",
     [],
-    "With --dry_run_devices: the remat policies to compile the train step for ('all' for every "
-    "one; default: the config's).",
+    "With --dry_run_devices or --dry_run_target: the remat policies to compile the train step "
+    "for ('all' for every one; default: the config's).",
+)
+_DRY_RUN_TARGET = flags.DEFINE_string(
+    "dry_run_target",
+    None,
+    "With --dry_run: compile every program a run compiles for this accelerator, with its own "
+    "compiler and no device (h100:8, h200:1, v5e:2x4, v5p:2x2x2, v6e:2x4, v5p:4x4x4, ...; "
+    "training/aot_dry_run), print per-device memory against the device's and exit non-zero "
+    "naming a program that does not compile or fit. Needs .venv-aot-gpu or .venv-aot-tpu "
+    "(scripts/setup_aot_env.sh).",
+)
+_DRY_RUN_JSON = flags.DEFINE_string(
+    "dry_run_json", None, "With --dry_run_target: also write the figures here as JSON."
 )
 _OVERWRITE = flags.DEFINE_bool("overwrite", False, "Delete a run of another config in --workdir.")
 _EXPORT_HF = flags.DEFINE_string(
@@ -61,7 +75,7 @@ _EXPORT_STEP = flags.DEFINE_integer("export_step", None, "Step to export (defaul
 _PROCESSES = distributed.define_flags()
 
 
-def _compiled_dry_run(cfg):
+def _remat_policies():
     from mmr_jax.models import config as model_config
 
     policies = _DRY_RUN_REMAT.value
@@ -69,12 +83,44 @@ def _compiled_dry_run(cfg):
         policies = list(model_config.REMAT_POLICIES)
     for name in policies:
         model_config.remat_policy_name(name)  # a named error before anything compiles
-    result = compiled_dry_run.run(cfg, policies=policies or None)
+    return policies or None
+
+
+def _compiled_dry_run(cfg):
+    result = compiled_dry_run.run(cfg, policies=_remat_policies())
     print(compiled_dry_run.format_table(result), flush=True)
+
+
+def _target_dry_run(cfg, target):
+    import json
+
+    from mmr_jax.infra import aot_targets
+    from mmr_jax.training import aot_dry_run
+
+    try:
+        result = aot_dry_run.run(cfg, target, policies=_remat_policies())
+    except aot_targets.AotEnvironmentMissing as e:
+        sys.exit(f"FATAL: {e}")
+    print(aot_dry_run.format_report(result), flush=True)
+    if _DRY_RUN_JSON.value:
+        with open(_DRY_RUN_JSON.value, "w") as f:
+            json.dump(aot_dry_run.to_json(result), f, indent=1)
+    problems = aot_dry_run.failures(result)
+    if problems:
+        sys.exit("FATAL: " + "; ".join(problems))
 
 
 def main(argv):
     del argv
+    target = None
+    if _DRY_RUN.value and _DRY_RUN_TARGET.value:  # a named error, then JAX kept on the CPU
+        from mmr_jax.infra import aot_targets
+
+        try:
+            target = aot_targets.parse_target(_DRY_RUN_TARGET.value)
+        except aot_targets.UnknownTarget as e:
+            raise app.UsageError(str(e)) from None
+        aot_targets.prepare_jax()
     if _DRY_RUN.value and _DRY_RUN_DEVICES.value:  # before JAX starts its backends
         jax.config.update("jax_platforms", "cpu")
         jax.config.update("jax_num_cpu_devices", _DRY_RUN_DEVICES.value)
@@ -84,6 +130,8 @@ def main(argv):
         compiled_dry_run.dry_run(cfg)
         if _DRY_RUN_DEVICES.value:
             _compiled_dry_run(cfg)
+        if target is not None:
+            _target_dry_run(cfg, target)
         return
     if not _WORKDIR.value:
         raise app.UsageError("--workdir is required (except with --dry_run)")

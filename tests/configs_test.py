@@ -212,6 +212,7 @@ class TestBadInput:
             (("loss", "top_entropy_quantile", 1.5), "top_entropy_quantile=1.5"),
             (("batch", "pack_max_len", 3582), "pack_max_len=3582 must be 0 .* at least"),
             (("batch", "pack_max_len", -1), "pack_max_len"),
+            (("model", "attention_impl", "pallas_tpu"), "takes no packed completions"),
             (("loss", "updates_per_batch", 3), "updates_per_batch=3 must be >= 1 and divide"),
             (("loss", "updates_per_batch", 0), "updates_per_batch=0 must be >= 1"),
             (("loss", "entropy_target", -0.1), "entropy_target=-0.1 must be >= 0"),
@@ -233,6 +234,8 @@ class TestBadInput:
         cfg["batch"]["pack_max_len"] = cfg["batch"]["max_completion_len"] - 1
         config_checks.from_config_dict(cfg)
         cfg["batch"]["pack_max_len"] = 0  # no packing
+        config_checks.from_config_dict(cfg)
+        cfg["model"]["attention_impl"] = "pallas_tpu"  # splash, unpacked
         config_checks.from_config_dict(cfg)
 
     def test_off_policy_runs_on_one_process_only(self):

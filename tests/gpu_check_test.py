@@ -15,7 +15,7 @@ import pytest
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "gpu_check.sh"
-RUN_A = ("gpu_tests", "peer_1024", "decode")
+RUN_A = ("aot_vs_device", "gpu_tests", "peer_1024", "decode")
 RUN_B = ("rl_step", "peer_3584", "lora_7b")
 CALL_S, TOTAL_S = 300, 285  # the device call's timeout_s and the script's budget of it
 
@@ -37,7 +37,7 @@ def _device_limits() -> dict[str, object]:
 def test_device_runs_fit_their_five_minutes_with_slack():
     limits = _device_limits()
     assert f'TOTAL_S="${{TOTAL_S:-{TOTAL_S}}}"' in SCRIPT.read_text()  # the device branch's
-    run_a = limits["L_TESTS"] + limits["L_PEER"] + limits["L_DECODE"]
+    run_a = limits["L_AOT"] + limits["L_TESTS"] + limits["L_PEER"] + limits["L_DECODE"]
     run_b = limits["L_RL"] + limits["L_PEER2"]  # lora_7b gets what these leave
     assert run_a <= TOTAL_S - 15 and run_b <= TOTAL_S - 15, limits  # the wheels' install
     # the peer's sides (and their process starts) fit its step's limit
@@ -90,10 +90,18 @@ def test_cpu_smoke_runs_every_step(tmp_path):
     assert list(summary["steps"]) == [*RUN_A, *RUN_B], summary
     for name, s in summary["steps"].items():
         assert s["status"] == "ok", (name, s, log[-4000:])
-    for name in RUN_A[1:] + RUN_B:
+    for name in ("aot_vs_device",) + RUN_A[2:] + RUN_B:
         assert summary["steps"][name]["json"] == f"{name}.json"
-    files = sorted(p.name for p in out.iterdir())
-    assert len(files) <= 8, files  # what the device tool brings back
+    # what the device tool brings back from each run's call: at most 8 files
+    files = {p.name for p in out.iterdir()}
+    shared = {"gpu_check.log", "summary.json"}
+    run_a = shared | {f"{n}.json" for n in RUN_A[:1] + RUN_A[2:]} | {"profile.json"}
+    run_b = shared | {f"{n}.json" for n in RUN_B}
+    assert files == run_a | run_b and len(run_a) <= 8 and len(run_b) <= 8, files
+    # the deviceless comparison's path: here the CPU side only (no GPU, no spec to compare)
+    aot = json.loads((out / "aot_vs_device.json").read_text())["rows"]
+    assert [r["program"] for r in aot] == ["train", "decode"], aot
+    assert all("error" not in r and r["peak"] > 0 for r in aot), aot
     # the cuDNN parity tests at our shapes are collected under -m gpu (the marker's placement)
     assert "CudnnAtOurShapesTest::test_equals_xla_cudnn_packed" in log
     assert "test_equals_xla_cudnn_maskfree_completions" in log

@@ -123,6 +123,12 @@ def validate(cfg: config_types.TrainConfig) -> config_types.TrainConfig:
             f"batch.pack_max_len={b.pack_max_len} must be 0 (no packing) or at least "
             f"batch.max_completion_len - 1 = {b.max_completion_len - 1}"
         )
+    if cfg.model.attention_impl == "pallas_tpu" and b.shared_prompt and b.pack_max_len:
+        # splash's segment ids cannot let every packed completion see its prompt's keys
+        raise config_types.ConfigError(
+            "model.attention_impl='pallas_tpu' (splash) takes no packed completions: set "
+            "batch.pack_max_len=0"
+        )
     if not cfg.batch.compile_price_steps >= 0:  # also refuses NaN
         raise config_types.ConfigError(
             f"batch.compile_price_steps={cfg.batch.compile_price_steps} must be >= 0 "

@@ -30,6 +30,8 @@ import jax
 import jax.numpy as jnp
 from absl import logging
 
+from mmr_jax.kernels import compile_platform
+
 TARGET = "mmr_decode_attention"
 SOURCE = pathlib.Path(__file__).with_name("decode_attention.cc")
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp-simd", "-std=c++17")
@@ -82,11 +84,12 @@ def _build(compiler: str) -> pathlib.Path:
 
 
 def usable() -> bool:
-    """Whether to use the kernel: JAX's default backend is the CPU and `available()`.
+    """Whether to use the kernel: the platform compiled for (`compile_platform.current()`: JAX's
+    default backend, unless a dry run compiles for an accelerator) is the CPU, and `available()`.
 
     The platform is checked first, so nothing is compiled (no g++ run) on a GPU or TPU host.
     """
-    return jax.default_backend() == "cpu" and available()
+    return compile_platform.current() == "cpu" and available()
 
 
 @functools.cache

@@ -12,7 +12,8 @@ between the projections and the attention, and no score matrix is written by our
   'cudnn_maskfree'  cuDNN with no bias: `is_causal` plus sequence lengths, over keys compacted
                 per row (`_maskfree`); exact for causal and prompt-then-causal masks with any
                 padding, not for packed segments.
-  'pallas_tpu'  the Pallas splash-attention kernel (TPU; runs in interpret mode elsewhere).
+  'pallas_tpu'  the Pallas splash-attention kernel (TPU; runs in interpret mode elsewhere),
+                queries and keys padded up to its block size (any T and S).
   'unfused'     the einsum forms this replaced (`attention.attend`, and over a shared prompt
                 `shared_prompt.attend_completions`: score matrices concatenated, no per-row
                 keys); on CPU they measured a few % faster than 'xla' (docs/attention.md).
@@ -31,12 +32,14 @@ Legend: B rows, T queries, S keys, N heads, K kv heads, G = N / K, D head dim.
 from __future__ import annotations
 
 import functools
+import math
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mmr_jax.kernels import compile_platform
 from mmr_jax.models import attention
 from mmr_jax.models import config as config_lib
 
@@ -92,7 +95,7 @@ def resolve(implementation: str, dtype, head_dim: int) -> str:
         return implementation
     # Never an unprobed cuDNN: `attention_probe.choose` resolves 'auto' before any trace; an
     # 'auto' left in a config (a test, a script that skipped it) gets the safe default.
-    on_gpu = jax.default_backend() == "gpu"
+    on_gpu = compile_platform.current() == "gpu"
     return "xla" if on_gpu and cudnn_eligible(dtype, head_dim) else "unfused"
 
 
@@ -199,12 +202,39 @@ def _maskfree(q_BxTxNxD, k_BxSxKxD, v_BxSxKxD, mask: Mask, backend: str):
     return o
 
 
+def _splash_blocks():
+    """Splash's block sizes (its defaults, passed explicitly so the padding below matches) and
+    the multiples the query and key lengths must be of: every forward and backward block."""
+    from jax.experimental.pallas.ops.tpu import splash_attention as splash
+
+    blocks = splash.BlockSizes.get_default()
+    q_side = (blocks.block_q, blocks.block_q_dkv, blocks.block_q_dq)
+    kv_side = (blocks.block_kv, blocks.block_kv_dkv, blocks.block_kv_dq, blocks.block_kv_compute)
+    return blocks, math.lcm(*q_side), math.lcm(*kv_side)
+
+
+def splash_padded_mask(static_TxS: np.ndarray, q_multiple: int, kv_multiple: int) -> np.ndarray:
+    """The static pattern padded to [T', S'] (the next multiples): padded keys are seen by no
+    query; padded queries (outputs dropped) see what the last real query sees, so that no query
+    block of the kernel is empty (an empty block row would leave its softmax sum at 0: 0/0)."""
+    t, s = static_TxS.shape
+    tp, sp = -(-t // q_multiple) * q_multiple, -(-s // kv_multiple) * kv_multiple
+    out = np.zeros((tp, sp), bool)
+    out[:t, :s] = static_TxS
+    out[t:, :s] = static_TxS[-1]
+    return out
+
+
 def _splash(q_BxTxNxD, k_BxSxKxD, v_BxSxKxD, mask: Mask):
     """`dot_product` through Pallas splash attention (one MQA kernel per kv head and row).
 
     Splash takes no dense mask: the static pattern is compiled into the kernel and padding
-    enters as segment ids (queries 0, keys 0 where valid, else 1). Off TPU it runs in Pallas'
-    interpret mode (slow; for tests).
+    enters as segment ids (queries 0, keys 0 where valid, else 1). Its blocks must divide the
+    lengths, and the train step's are odd (completions T = bucket - 1, keys P + T): queries and
+    keys are padded with zeros up to the block (`splash_padded_mask`; padded keys get segment 1,
+    so no real query sees them, and the padded queries' outputs are dropped), so the values are
+    those of the unpadded problem. Lowered for anything but a TPU it runs in Pallas' interpret
+    mode (slow; for tests).
     """
     if mask.extra_BxTxS is not None:
         raise NotImplementedError(
@@ -215,20 +245,42 @@ def _splash(q_BxTxNxD, k_BxSxKxD, v_BxSxKxD, mask: Mask):
 
     b, t, n, d = q_BxTxNxD.shape
     kh = k_BxSxKxD.shape[2]
-    kernel = splash.make_splash_mqa_single_device(
-        splash.MultiHeadMask([splash.NumpyMask(mask.static_TxS)] * (n // kh)),
-        interpret=jax.default_backend() != "tpu",
-    )
-    q = (q_BxTxNxD * jnp.asarray(d**-0.5, q_BxTxNxD.dtype)).reshape(b, t, kh, n // kh, d)
+    blocks, q_multiple, kv_multiple = _splash_blocks()
+    static = splash_padded_mask(mask.static_TxS, q_multiple, kv_multiple)
+    tp, sp = static.shape
+    heads_mask = splash.MultiHeadMask([splash.NumpyMask(static)] * (n // kh))
+
+    def pad(x, to):  # zeros after the sequence axis (1)
+        return jnp.pad(x, ((0, 0), (0, to - x.shape[1])) + ((0, 0),) * (x.ndim - 2))
+
+    q = (pad(q_BxTxNxD, tp) * jnp.asarray(d**-0.5, q_BxTxNxD.dtype)).reshape(b, tp, kh, n // kh, d)
     q_BxKxGxTxD = jnp.transpose(q, (0, 2, 3, 1, 4))
-    k_BxKxSxD = jnp.swapaxes(k_BxSxKxD, 1, 2)
-    v_BxKxSxD = jnp.swapaxes(v_BxSxKxD, 1, 2)
+    k_BxKxSxD = jnp.swapaxes(pad(k_BxSxKxD, sp), 1, 2)
+    v_BxKxSxD = jnp.swapaxes(pad(v_BxSxKxD, sp), 1, 2)
     seg = splash.SegmentIds(
-        q=jnp.zeros((b, t), jnp.int32), kv=jnp.where(mask.kv_valid_BxS, 0, 1).astype(jnp.int32)
+        q=jnp.zeros((b, tp), jnp.int32),
+        kv=jnp.where(pad(mask.kv_valid_BxS, sp), 0, 1).astype(jnp.int32),
     )
 
-    def one(q, k, v, seg):  # q [K, G, T, D], k/v [K, S, D]
-        return jax.vmap(functools.partial(kernel, segment_ids=seg))(q, k, v)
+    def attend(interpret, q, k, v, seg):  # q [B, K, G, T', D], k/v [B, K, S', D]
+        kernel = splash.make_splash_mqa_single_device(
+            heads_mask, block_sizes=blocks, interpret=interpret
+        )
 
-    o = jax.vmap(one)(q_BxKxGxTxD, k_BxKxSxD, v_BxKxSxD, seg)  # [B, K, G, T, D]
-    return jnp.transpose(o, (0, 3, 1, 2, 4)).astype(v_BxSxKxD.dtype)
+        def one(q, k, v, seg):
+            return jax.vmap(functools.partial(kernel, segment_ids=seg))(q, k, v)
+
+        return jax.vmap(one)(q, k, v, seg)
+
+    # The kernel through Mosaic where the program is lowered for a TPU (also compile-only TPU
+    # devices on a CPU host, where the default backend is not 'tpu'), Pallas' interpreter
+    # elsewhere; only the branch of the lowering platform is compiled.
+    o = jax.lax.platform_dependent(
+        q_BxKxGxTxD,
+        k_BxKxSxD,
+        v_BxKxSxD,
+        seg,
+        tpu=functools.partial(attend, False),
+        default=functools.partial(attend, True),
+    )  # [B, K, G, T', D]
+    return jnp.transpose(o[:, :, :, :t], (0, 3, 1, 2, 4)).astype(v_BxSxKxD.dtype)

@@ -98,11 +98,14 @@ def summarize(
     lora: lora_lib.LoraConfig | None = None,
     param_dtype=jnp.float32,
     adam_dtype=jnp.float32,
+    frozen_dtype=None,
 ) -> dict:
     """Counts and per-device bytes (params, grads, Adam mu+nu) for full fine-tuning or LoRA.
 
     Gradients are in param_dtype; only trainable parameters (all without LoRA, the adapters with)
-    have gradients and optimiser state. Activations and the KV cache are not included.
+    have gradients and optimiser state. Under LoRA the frozen base is stored in `frozen_dtype`
+    (None: param_dtype), as `decoder.Decoder` stores it. Activations and the KV cache are not
+    included.
     """
     model = loading.abstract_model(cfg, param_dtype=param_dtype, lora=lora)
     params = _params(model)
@@ -112,6 +115,8 @@ def summarize(
     trainable = [(p, v) for p, v, is_lora in params if is_lora == (lora is not None)]
     dev_all = sum(_per_device(p, v.shape, mesh) for p, v, _ in params)
     dev_train = sum(_per_device(p, v.shape, mesh) for p, v in trainable)
+    f_bytes = jnp.dtype(frozen_dtype if lora is not None and frozen_dtype else param_dtype).itemsize
+    param_bytes = dev_train * p_bytes + (dev_all - dev_train) * f_bytes
     gib = 2.0**30
     return {
         "params": total,
@@ -119,10 +124,10 @@ def summarize(
         "trainable": sum(math.prod(v.shape) for _, v in trainable),
         "formula_params": formula_param_count(cfg),
         "mesh": mesh.shape,
-        "param_gib_per_device": dev_all * p_bytes / gib,
+        "param_gib_per_device": param_bytes / gib,
         "grad_gib_per_device": dev_train * p_bytes / gib,
         "adam_gib_per_device": 2 * dev_train * a_bytes / gib,
-        "total_gib_per_device": (dev_all * p_bytes + dev_train * (p_bytes + 2 * a_bytes)) / gib,
+        "total_gib_per_device": (param_bytes + dev_train * (p_bytes + 2 * a_bytes)) / gib,
     }
 
 
