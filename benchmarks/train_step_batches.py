@@ -72,7 +72,7 @@ def batches(cfg, groups, adv, paths: dict[str, tuple[bool, int]]) -> dict:
         b = dc.replace(cfg.batch, shared_prompt=shared, pack_max_len=pack_max_len)
         if not shared:  # one bucket, the maxima: full rows as they were before shared prompts
             b = dc.replace(b, min_bucket_len=max(b.max_prompt_len, b.max_completion_len))
-        host = step_batch.host_arrays(dc.replace(cfg, batch=b), groups, adv, pad_id=0)
+        host, _ = step_batch.lay_out(dc.replace(cfg, batch=b), groups, adv, pad_id=0)
         if pack_max_len and "packed" not in host:
             raise ValueError(f"{pack_max_len=} is too short to pack these groups")
         dev = experience.to_device({k: v for k, v in host.items() if k != "sampler_logps"})

@@ -127,6 +127,7 @@ def main(argv):
     distributed.start(_PROCESSES)  # before any other JAX operation
     cfg = config_checks.from_config_dict(_CONFIG.value)
     if _DRY_RUN.value:
+        user_errors.show_info()  # the dry run's report is its INFO lines; there is no log file
         compiled_dry_run.dry_run(cfg)
         if _DRY_RUN_DEVICES.value:
             _compiled_dry_run(cfg)

@@ -344,6 +344,7 @@ class TestBadInput:
             pathlib.Path(__file__).parent / "support" / "runs" / "bfa45cc_cpu_smollm2_run.json"
         )
         (tmp_path / run_guard.RUN_FILE).write_text(fixture.read_text())
+        (tmp_path / "checkpoints" / "3").mkdir(parents=True)  # a run with a checkpoint is bound
         over = [
             "--config.total_steps=3",
             "--config.checkpoint.every=1000",

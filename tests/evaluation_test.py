@@ -206,7 +206,7 @@ class TestEndToEnd:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         assert proc.returncode == 1, proc.stderr[-3000:]
         last = proc.stderr.strip().splitlines()[-1]
-        assert last == f"evaluate: benchmark folder: {data.missing_data_message(missing)}"
+        assert last == f"FATAL: benchmark folder: {data.missing_data_message(missing)}"
         assert f"prepare_data.py --out={tmp_path / 'data'}`" in last
 
     def test_script_on_a_tiny_model_and_five_problems(self, tmp_path):

@@ -27,7 +27,7 @@ def test_smoke_keeps_the_cpu_defaults_task_and_encoder(name):
 @pytest.mark.parametrize("name", VARIANTS)
 def test_smoke_leaves_the_algorithm_as_the_variant_has_it(name):
     smoke, full = _cfg(f"{name}.py:smoke"), _cfg(f"{name}.py")
-    assert smoke.advantage == full.advantage and smoke.reweighting == full.reweighting
+    assert smoke.advantage == full.advantage and smoke.reweight.method == full.reweight.method
     assert smoke.dynamic_sampling.enabled == full.dynamic_sampling.enabled
     for key in ("objective", "importance_sampling_level", "aggregation", "eps_low", "eps_high",
                 "beta", "iterations"):  # fmt: skip

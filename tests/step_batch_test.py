@@ -105,6 +105,17 @@ class TestOverlongParams:
         assert step_batch.reward_params(cfg)["overlong"] == {"max_len": 30, "cache_len": 10}
 
 
+def _advantages(cfg, groups):
+    """The step's advantages as `step_batch.advantages` computes them (over `groups.trained`)."""
+    return step_batch.reweighted_advantages(
+        groups.total,
+        groups.embeddings,
+        groups.trained,
+        reweight=cfg.reweight,
+        advantage=cfg.advantage,
+    )
+
+
 class TestDynamicSamplingGivesUp:
     """DAPO's rounds end without B groups of reward variance: the step is filled with copies
     that stay out of the advantages and the loss, while the metrics report the rewards that were
@@ -131,7 +142,7 @@ class TestDynamicSamplingGivesUp:
         flat = [[-0.5] * G] * B  # every completion wrong: reward -0.5, no variance anywhere
         groups = self._collect(monkeypatch, [flat] * 4)
         assert groups.filler.tolist() == [True, True] and not groups.trained.any()
-        reweighted, adv, lam = step_batch._advantages(_cfg(), groups)
+        reweighted, adv, lam = _advantages(_cfg(), groups)
         assert np.all(adv == 0.0) and not step_batch.loss_rows(_cfg(), groups).any()
         m = experience.group_metrics(groups, reweighted, adv, lam, filter_reward="accuracy")
         assert m["reward/mean"] == -0.5  # was 0: the copies' rewards were hidden as invalid
@@ -143,7 +154,7 @@ class TestDynamicSamplingGivesUp:
         groups = self._collect(monkeypatch, [varied] + [[[0.0] * G] * B] * 3)
         assert groups.filler.tolist() == [False, True]
         np.testing.assert_array_equal(groups.trained, [[True] * G, [False] * G])
-        _, adv, lam = step_batch._advantages(_cfg(), groups)
+        _, adv, lam = _advantages(_cfg(), groups)
         assert np.all(adv[1] == 0.0) and np.all(adv[0] != 0.0)
         m = experience.group_metrics(groups, groups.total, adv, lam, filter_reward="accuracy")
         # the kept group's mean only; the filler (a copy of it) is not counted twice

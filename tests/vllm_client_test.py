@@ -146,8 +146,8 @@ class TestVllmEngineGenerate:
 
     def test_unsupported_request_is_a_clear_400(self, fake):
         _, srv = fake
-        with pytest.raises(vllm_client.ServerError, match="echo is not supported") as e:
-            _client(srv.url).completions({"model": "fake", "prompt": [1], "echo": True})
+        with pytest.raises(vllm_client.ServerError, match="beam search is not supported") as e:
+            _client(srv.url).completions({"model": "fake", "prompt": [1], "use_beam_search": True})
         assert e.value.status == 400
 
     @pytest.mark.parametrize(

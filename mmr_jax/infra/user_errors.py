@@ -59,6 +59,14 @@ def _quiet_until_setup() -> None:
         absl_logging.get_absl_handler().setLevel(logging.WARNING)
 
 
+def show_info() -> None:
+    """Puts absl's INFO records back on stderr: for a command that reports through them without a
+    log file (`scripts/train.py --dry_run`)."""
+    from absl import logging as absl_logging
+
+    absl_logging.get_absl_handler().setLevel(logging.NOTSET)
+
+
 def parse_flags(argv: Sequence[str], checks: Sequence[Callable[[Sequence[str]], None]] = ()):
     """absl's flag parsing, after `checks` (each raises a `UserError` for a bad argv); a flag
     error is raised as a `UserError`."""
