@@ -143,8 +143,10 @@ def test_a_config_that_does_not_fit_exits_naming_the_program(tmp_path):
         assert not train["fits"] and train["total_bytes"] > report["memory_bytes"] == 16 * 2**30
     else:
         assert "memory" in train["error"].lower(), train["error"]
-    # The sampler's programs compiled for the TPU too (the failure names one program).
-    assert _compiled(report)["sampler decode loop"]["error"] is None
+    # The sampler's decode loop is compiled for the TPU too and reported on its own: at 512 rows
+    # of 4096 tokens its cache is also over the HBM, which libtpu says the same way.
+    decode = _compiled(report)["sampler decode loop"]
+    assert decode["error"] is None or "memory" in decode["error"].lower(), decode["error"]
 
 
 def test_without_the_plugin_the_error_names_the_setup_script(tmp_path):

@@ -64,7 +64,9 @@ def test_orbax_checkpoints_evaluate_as_their_export(tmp_path, tiny_llama_dir):
     assert len(orbax) == 4 and all(len(r[2]) == 2 for r in orbax)  # 4 held-out sums, n = 2
     assert orbax != _records(tmp_path / "orbax" / "step_0.json")  # trained weights, not the base
 
-    trainer.export_hf(cfg, run, run / "step_2", step=2)  # the HF export of the same step (merged)
+    run_export.export_hf(
+        cfg, run, run / "step_2", step=2
+    )  # the HF export of the same step (merged)
     _evaluate(run, tmp_path / "export", "--config.step=2", "--config.with_base=False")
     assert _records(tmp_path / "export" / "step_2.json") == orbax
 
