@@ -46,7 +46,7 @@ LAYOUT_COLUMNS = [("kind", "largest layout writes", ""), ("name", "op", ""), ("s
 
 
 def _config(args):
-    from mmr_jax.config import config_overrides
+    from mmr_jax.config import command_line
 
     b = {
         "batch.prompts": args.prompts,
@@ -56,7 +56,7 @@ def _config(args):
     }
     if args.pack_max_len >= 0:
         b["batch.pack_max_len"] = args.pack_max_len
-    return config_overrides.load_config(args.config, b)
+    return command_line.load_config(args.config, b)
 
 
 def measure(program: str, fn, fargs, *, top: int) -> dict:

@@ -83,9 +83,9 @@ def main(argv=None):
     args, _ = harness.parse_args(__doc__, FLAGS, argv)
     import jax
 
-    from mmr_jax.config import config_overrides
+    from mmr_jax.config import command_line
 
-    cfg = config_overrides.load_config(args.configs, config_overrides.parse_assignments(args.set))
+    cfg = command_line.load_config(args.configs, command_line.parse_assignments(args.set))
     device = jax.devices()[0]
     acc = None if args.cpu_smoke else card_spec(device.device_kind)
     if not args.cpu_smoke and acc is None:

@@ -41,7 +41,7 @@ import time
 import jax
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from mmr_jax.config import config_overrides
+from mmr_jax.config import command_line
 from mmr_jax.infra import bench_harness as harness
 
 compile_run = harness.load("compile_run")  # benchmarks/, beside this file: --train_run
@@ -65,7 +65,7 @@ def _model(name: str):
     from mmr_jax.training import compiled_dry_run
 
     path, devices = MODELS[name]
-    cfg = config_overrides.load_config(path)
+    cfg = command_line.load_config(path)
     return cfg, compiled_dry_run.config_mesh(cfg, devices=jax.devices()[:devices]), devices
 
 
@@ -97,11 +97,11 @@ def bench_model(name: str, steps: int) -> list[dict]:
 
 def parse_options(text: str) -> dict:
     """'a=false,b=2' -> {'a': False, 'b': 2}: XLA compiler options as JAX's `compile` takes them."""
-    from mmr_jax.config import config_overrides
+    from mmr_jax.config import command_line
 
     items = [part for part in text.split(",") if part.strip()]
     try:
-        return config_overrides.parse_assignments(items)
+        return command_line.parse_assignments(items)
     except ValueError as e:
         raise ValueError(f"an XLA option is name=value: {e}") from None
 

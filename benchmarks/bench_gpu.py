@@ -53,11 +53,11 @@ GIB = 2.0**30
 def _load(spec: str, overrides: list[str]):
     """The config file's TrainConfig with `key=value` overrides (values as Python literals,
     else strings: `batch.max_completion_len=1024`, `model.path=/ckpt`)."""
-    from mmr_jax.config import config_checks, config_overrides
+    from mmr_jax.config import checks, command_line
 
-    parsed = config_overrides.parse_assignments(overrides)
-    config = config_overrides.set_keys(config_overrides.load_config_file(spec), parsed)
-    return config_checks.from_config_dict(config)
+    parsed = command_line.parse_assignments(overrides)
+    config = command_line.set_keys(command_line.load_config_file(spec), parsed)
+    return checks.from_config_dict(config)
 
 
 def run_config(

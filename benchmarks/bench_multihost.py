@@ -24,7 +24,7 @@ from absl import app, flags
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "tests")]
-from mmr_jax.config import config_overrides  # noqa: E402
+from mmr_jax.config import command_line  # noqa: E402
 from mmr_jax.infra import bench_harness as harness  # noqa: E402
 from mmr_jax.infra import metrics  # noqa: E402
 
@@ -41,7 +41,7 @@ KEYS = (
 
 
 def _config() -> dict:
-    c = config_overrides.load_config_file(str(REPO / _CONFIG.value))
+    c = command_line.load_config_file(str(REPO / _CONFIG.value))
     c.total_steps = _STEPS.value
     c.checkpoint.every = _STEPS.value
     c.logging.tensorboard = False

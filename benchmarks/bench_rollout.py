@@ -5,7 +5,8 @@
 
 The work is the trainer's rollout for the config (default the CPU default: SmolLM2-135M-Instruct,
 4 arithmetic prompts x 8 completions, 32 new tokens at most, T = 0.7, EOS on): the config's
-prompts in the trainer's order (`run_data.load_prompts`, `data.PromptIterator`), --batches batches,
+prompts in the trainer's order (`problem_sets.load_prompts`, `data.PromptIterator`),
+--batches batches,
 each sampled by `EmbeddedEngine.generate` as the trainer calls it, with the sampler's
 compaction on (the default: once at most half of the rows are still decoding they go on
 alone, `rollout/sampler.py`) and off (every row stays in the loop until the last one ends).
@@ -39,19 +40,19 @@ def main(argv) -> None:
     del argv
     import transformers
 
-    from mmr_jax.config import config_checks, config_overrides
+    from mmr_jax.config import checks, command_line
     from mmr_jax.infra import compile_cache
     from mmr_jax.models import hub
     from mmr_jax.problems import data
     from mmr_jax.rollout import base
-    from mmr_jax.training import build, run_data
+    from mmr_jax.training import build, problem_sets
 
     compile_cache.enable()
-    cfg = config_checks.from_config_dict(config_overrides.load_config_file(_CONFIG.value))
+    cfg = checks.from_config_dict(command_line.load_config_file(_CONFIG.value))
     tokenizer = transformers.AutoTokenizer.from_pretrained(hub.resolve_checkpoint(cfg.model.path))
     policy = build.load_policy(cfg)
     engine = build.make_engine(cfg, policy, tokenizer, workdir=None)
-    prompt_ids, answers, _ = run_data.load_prompts(cfg, tokenizer)
+    prompt_ids, answers, _ = problem_sets.load_prompts(cfg, tokenizer)
     it = data.PromptIterator(
         list(zip(prompt_ids, answers, strict=True)), cfg.batch.prompts, cfg.seed
     )

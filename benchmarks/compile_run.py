@@ -10,7 +10,7 @@ import pathlib
 
 import jax
 
-from mmr_jax.config import config_overrides
+from mmr_jax.config import command_line
 from mmr_jax.infra import bench_harness as harness
 
 PARTS = ("builds", "trace", "lower", "backend")
@@ -40,7 +40,7 @@ def bench_run(config, steps, workdir, price=None, programs=None, loads=None) -> 
     overrides = {"total_steps": steps, "checkpoint.every": 0, "eval.every": 0}
     if price is not None:
         overrides["batch.compile_price_steps"] = price
-    cfg = config_overrides.load_config(config, overrides)
+    cfg = command_line.load_config(config, overrides)
     shutil.rmtree(workdir, ignore_errors=True)
     trainer.train(cfg, workdir)
     compile_s = {k: v - before[k] for k, v in clock.totals().items()}

@@ -8,7 +8,7 @@ problems as prompts and their reference solutions as completions, each adapter's
 N(0, scale^2) (fresh adapters have B = 0, where dropout changes nothing): per scale, how far the
 adapters move the policy from the base (mean |log pi - log pi_base| per token), and the log-ratio
 d = log pi_dropout - log pi_clean the train step's second update would see at unchanged weights
-(`step_loss.minibatch_loss` against `Batch.old_logps`): its std over tokens, the std over
+(`minibatch.minibatch_loss` against `Batch.old_logps`): its std over tokens, the std over
 sequences of the sequence mean (GSPO's log-ratio), and the share outside each clip band
 (GRPO's token ratio in [0.8, 1.2], GSPO's sequence ratio in [1 - 3e-4, 1 + 4e-4]). Dropout 0 is
 the training-mode forward without masks (d ~ 1e-7: fp32 rounding). Prints a table, writes --json.
@@ -30,7 +30,7 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from mmr_jax.models import loading  # noqa: E402
 from mmr_jax.models import lora as lora_lib  # noqa: E402
-from mmr_jax.step import step_loss  # noqa: E402
+from mmr_jax.step import minibatch  # noqa: E402
 from mmr_jax.training import build  # noqa: E402
 
 GSPO_BAND = (1 - 3e-4, 1 + 4e-4)
@@ -67,15 +67,15 @@ def measure(model_path, tokens, attn, comp, *, dropout, scale, keys, temperature
     kw = dict(num_completion=t, temperature=temperature)
     clean_kw = dict(graphdef=policy.eval_graphdef, **kw)
     args = (policy.params, policy.frozen, policy.rest, tokens, attn)
-    clean = step_loss.logprobs_fn(*args, **clean_kw)
-    base = step_loss.logprobs_fn(*args, disable_lora=True, **clean_kw)
+    clean = minibatch.logprobs_fn(*args, **clean_kw)
+    base = minibatch.logprobs_fn(*args, disable_lora=True, **clean_kw)
     m = np.asarray(comp)
     drift = float(np.abs(np.asarray(clean - base))[m].mean())
     tok, seq = [], []
     for k in range(keys):  # the train step's forward: dropout drawn from its key
-        rest = step_loss.with_dropout_key(policy.rest, jax.random.key_data(jax.random.key(k)))
+        rest = minibatch.with_dropout_key(policy.rest, jax.random.key_data(jax.random.key(k)))
         model = nnx.merge(policy.graphdef, policy.params, policy.frozen, rest)
-        noisy = step_loss.completion_logprobs(model, tokens, attn, **kw)
+        noisy = minibatch.completion_logprobs(model, tokens, attn, **kw)
         d = np.asarray(noisy - clean, np.float64)
         tok.append(d[m])
         seq.append((d * m).sum(-1) / m.sum(-1))

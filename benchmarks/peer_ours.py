@@ -18,11 +18,11 @@ from mmr_jax.infra import bench_harness as harness
 
 def load_config(spec: str, overrides: list[str]):
     """`path[:arg]`'s TrainConfig with `key=value` overrides (values parsed as Python literals)."""
-    from mmr_jax.config import config_checks, config_overrides
+    from mmr_jax.config import checks, command_line
 
-    parsed = config_overrides.parse_assignments(overrides)
-    return config_checks.from_config_dict(
-        config_overrides.set_keys(config_overrides.load_config_file(spec), parsed)
+    parsed = command_line.parse_assignments(overrides)
+    return checks.from_config_dict(
+        command_line.set_keys(command_line.load_config_file(spec), parsed)
     )
 
 

@@ -18,13 +18,13 @@ rl_step = harness.load("rl_step")
 def server_options(config: str, sets: list[str], cpus: str, port: int):
     """`vllm_launch.LaunchOptions` of the server the trainer of `config` with `sets` would
     launch itself (its model, served name, lengths, seed, LoRA rank), pinned to `cpus`."""
-    from mmr_jax.config import config_overrides
+    from mmr_jax.config import command_line
     from mmr_jax.rollout import vllm_launch
 
     path, sep, arg = config.partition(":")
-    c = config_overrides.load_config_file(f"{_REPO / path}{sep}{arg}")  # as the child, from _REPO
-    over = {**rl_step.BASE, **config_overrides.parse_assignments(sets)}
-    config_overrides.set_keys(c, over)
+    c = command_line.load_config_file(f"{_REPO / path}{sep}{arg}")  # as the child, from _REPO
+    over = {**rl_step.BASE, **command_line.parse_assignments(sets)}
+    command_line.set_keys(c, over)
     local = _REPO / c.model.path
     model = str(local) if local.is_dir() else c.model.path  # a hub id: vLLM resolves it
     return vllm_launch.options_from_config(c, port=port, model=model, cpus=cpus or None)

@@ -45,7 +45,7 @@ def make_groups(shape, vocab: int, seed: int = 0, long_row: bool = False):
 
 def train_config(shape, model_path: str):
     """configs/cpu_smollm2.py with the shape's batch sizes and `model_path`."""
-    from mmr_jax.config import config_checks
+    from mmr_jax.config import checks
 
     sys.path.insert(0, str(_CONFIGS))
     import cpu_smollm2
@@ -57,7 +57,7 @@ def train_config(shape, model_path: str):
         shape.max_prompt_len,
         shape.max_completion_len,
     )
-    return config_checks.from_config_dict(c)
+    return checks.from_config_dict(c)
 
 
 def batches(cfg, groups, adv, paths: dict[str, tuple[bool, int]]) -> dict:
@@ -65,14 +65,14 @@ def batches(cfg, groups, adv, paths: dict[str, tuple[bool, int]]) -> dict:
     batch.pack_max_len), as `bench_train_step.PATHS`."""
     import dataclasses as dc
 
-    from mmr_jax.step import experience, step_batch, train_step
+    from mmr_jax.step import experience, pipeline, train_step
 
     out = {}
     for name, (shared, pack_max_len) in paths.items():
         b = dc.replace(cfg.batch, shared_prompt=shared, pack_max_len=pack_max_len)
         if not shared:  # one bucket, the maxima: full rows as they were before shared prompts
             b = dc.replace(b, min_bucket_len=max(b.max_prompt_len, b.max_completion_len))
-        host, _ = step_batch.lay_out(dc.replace(cfg, batch=b), groups, adv, pad_id=0)
+        host, _ = pipeline.lay_out(dc.replace(cfg, batch=b), groups, adv, pad_id=0)
         if pack_max_len and "packed" not in host:
             raise ValueError(f"{pack_max_len=} is too short to pack these groups")
         dev = experience.to_device({k: v for k, v in host.items() if k != "sampler_logps"})

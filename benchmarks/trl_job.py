@@ -13,11 +13,11 @@ import os
 import time
 
 from mmr_jax import rewards
-from mmr_jax.config import config_overrides, config_types
+from mmr_jax.config import command_line, schema
 from mmr_jax.infra import bench_harness as harness
 from mmr_jax.problems import data
-from mmr_jax.step import step_batch
-from mmr_jax.training import run_data
+from mmr_jax.step import pipeline
+from mmr_jax.training import problem_sets
 
 # Our loss aggregation -> TRL's loss_type; advantage estimator -> TRL's scale_rewards.
 LOSS_TYPES = {
@@ -45,16 +45,16 @@ def overrides(steps: int, mmr: bool, model_path: str | None = None) -> dict:
     }
 
 
-def _problems(cfg: config_types.TrainConfig) -> list[data.Problem]:
-    # run_data.load_prompts returns ids only; the texts come from the same source here, and
+def _problems(cfg: schema.TrainConfig) -> list[data.Problem]:
+    # problem_sets.load_prompts returns ids only; the texts come from the same source here, and
     # `step_batches` checks that they render to exactly those ids.
     d = cfg.data
-    if d.source == run_data.ARITHMETIC:
+    if d.source == problem_sets.ARITHMETIC:
         problems = data.arithmetic_problems(
             2_000, cfg.seed, max_operand=d.arithmetic_max_operand, ops=d.arithmetic_ops
         )
-        if cfg.eval.source == run_data.ARITHMETIC:  # as the trainer: the held-out set removed
-            problems, _ = data.without(problems, run_data.eval_problems(cfg)["heldout"])
+        if cfg.eval.source == problem_sets.ARITHMETIC:  # as the trainer: the held-out set removed
+            problems, _ = data.without(problems, problem_sets.eval_problems(cfg)["heldout"])
         return problems
     return data.load_problems(
         d.source, split=d.split, problem_field=d.problem_field, answer_field=d.answer_field
@@ -77,12 +77,12 @@ def trl_prompt_ids(tokenizer, conversation: list[dict]) -> list[int]:
     return list(out["input_ids"][0])
 
 
-def step_batches(cfg: config_types.TrainConfig, tokenizer, steps: int) -> list[list[tuple]]:
+def step_batches(cfg: schema.TrainConfig, tokenizer, steps: int) -> list[list[tuple]]:
     """Per step, the B (prompt ids, answer, messages) our trainer draws, in its order.
 
     Raises ValueError when the messages do not render (TRL's way) to the trainer's prompt ids.
     """
-    ids, answers, _ = run_data.load_prompts(cfg, tokenizer)
+    ids, answers, _ = problem_sets.load_prompts(cfg, tokenizer)
     rebuilt, problems, _ = data.build_prompts(
         tokenizer,
         _problems(cfg),
@@ -104,9 +104,9 @@ def step_batches(cfg: config_types.TrainConfig, tokenizer, steps: int) -> list[l
     return batches
 
 
-def make_reward_fn(cfg: config_types.TrainConfig, calls: list | None = None):
+def make_reward_fn(cfg: schema.TrainConfig, calls: list | None = None):
     """A TRL reward function scoring as our trainer does (rewards.score, the config's weights)."""
-    weights, params = dict(cfg.rewards.weights), step_batch.reward_params(cfg)
+    weights, params = dict(cfg.rewards.weights), pipeline.reward_params(cfg)
 
     def accuracy(completions, answer, completion_ids, **kwargs):
         del kwargs
@@ -119,7 +119,7 @@ def make_reward_fn(cfg: config_types.TrainConfig, calls: list | None = None):
     return accuracy
 
 
-def trl_config(cfg: config_types.TrainConfig, steps: int, output_dir: str):
+def trl_config(cfg: schema.TrainConfig, steps: int, output_dir: str):
     """TRL's GRPOConfig for the config's job: B x G completions per optimiser update."""
     import trl
 
@@ -173,7 +173,7 @@ def trl_worker(args) -> None:
     from trl.extras import profiling
 
     torch.set_num_threads(args.threads)
-    cfg = config_overrides.load_config(
+    cfg = command_line.load_config(
         args.config, overrides(args.steps, mmr=False, model_path=args.model_path)
     )
     b, g = cfg.batch.prompts, cfg.batch.generations

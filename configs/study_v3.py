@@ -29,7 +29,7 @@ FILTERED_TRAIN = "runs/study_v3/train_filtered.jsonl"  # written by scripts/filt
 # Fixed from the pilot's step-0 pass@1 p0 (plan, section 4) in a commit before the first arm;
 # provisional for p0 = 30%: p0 + 10 and p0 + 15 points, rounded down to a multiple of 5.
 FIXED_THRESHOLDS = (0.40, 0.45)
-# Fixed from the pilot's spread (plan, section 3: study_design.seeds_from_pilot, at most 10) in
+# Fixed from the pilot's spread (plan, section 3: design.seeds_from_pilot, at most 10) in
 # the same commit; provisional.
 SEEDS = (1, 2, 3, 4, 5, 6, 7, 8)
 

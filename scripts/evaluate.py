@@ -8,7 +8,7 @@
 A run's checkpoints are its `step_N` Hugging Face exports when it wrote them
 (`checkpoint.export_hf`), else its own Orbax checkpoints (`<run>/checkpoints/N`): each is
 restored with the config the run was trained with (its run.json), LoRA merged, and exported to
-a temporary folder for the evaluation (`training.run_export`). `:run` evaluates on the run's own
+a temporary folder for the evaluation (`training.hf_export`). `:run` evaluates on the run's own
 evaluation problems and settings (its config's `eval` block: for the CPU default, held-out
 arithmetic) and adds the initial weights as step 0, so the table shows before and after.
 
@@ -42,12 +42,12 @@ from ml_collections import config_flags
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from mmr_jax import distributed
-from mmr_jax.config import config_overrides
+from mmr_jax.config import command_line
 from mmr_jax.infra import compile_cache, console, run_paths, user_errors
 from mmr_jax.models import hub, sharding
 from mmr_jax.problems import evaluation
 from mmr_jax.rewards import grading
-from mmr_jax.training import run_data, run_export
+from mmr_jax.training import hf_export, problem_sets
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Evaluation config.", lock_config=True)
 _PROCESSES = distributed.define_flags()
@@ -90,7 +90,7 @@ def eval_settings(config, train_cfg) -> tuple[dict, dict]:
             n=e.n, temperature=e.temperature, top_p=e.top_p, max_new_tokens=e.max_new_tokens,
             ks=ks, system_prompt=e.system_prompt or None, number_only=e.number_only,
         )  # fmt: skip
-        return run_data.eval_problems(train_cfg), kwargs
+        return problem_sets.eval_problems(train_cfg), kwargs
     if config.source != "benchmarks":
         raise app.UsageError(f"--config.source={config.source!r}: expected 'benchmarks' or 'run'")
     problems = evaluation.load_benchmarks(
@@ -136,11 +136,11 @@ def run_checkpoints(config, local_run: str) -> list[tuple[int, object]]:
     `run_paths.shadow_steps`), else its Orbax checkpoints; only `config.step` when set; with
     `config.with_base`, the initial weights as step 0."""
     exports = evaluation.find_checkpoints(local_run)
-    found = exports or [(s, s) for s in run_export.checkpoint_steps(config.run_dir)]
+    found = exports or [(s, s) for s in hf_export.checkpoint_steps(config.run_dir)]
     if config.step:
         found = [(s, c) for s, c in found if s == config.step]
         if not found:
-            steps = [s for s, _ in exports] + run_export.checkpoint_steps(config.run_dir)
+            steps = [s for s, _ in exports] + hf_export.checkpoint_steps(config.run_dir)
             raise app.UsageError(
                 f"--config.step={config.step}: {config.run_dir} has no checkpoint of that step "
                 f"(its steps: {sorted(set(steps)) or 'none'})"
@@ -174,7 +174,7 @@ def checkpoint_folder(config, train_cfg, step: int, source):
         with tempfile.TemporaryDirectory(prefix="mmr_jax_eval_") as tmp:
             out = os.path.join(tmp, f"step_{step}")
             logging.info("exporting step %d of %s to %s", step, config.run_dir, out)
-            yield run_export.export_hf(train_cfg, config.run_dir, out, step=step)
+            yield hf_export.export_hf(train_cfg, config.run_dir, out, step=step)
 
 
 def main(argv):
@@ -199,7 +199,7 @@ def main(argv):
     if config.run_dir:
         local_run = run_paths.shadow_steps(config.run_dir)  # a bucket's exports: step by step
         if config.source == "run" or config.with_base or not evaluation.find_checkpoints(local_run):
-            train_cfg = run_export.run_config(config.run_dir)
+            train_cfg = hf_export.run_config(config.run_dir)
     elif config.source == "run":
         raise app.UsageError("--config.source=run needs --config.run_dir (the run's config)")
     problems, settings = eval_settings(config, train_cfg)  # a missing file: one FATAL line
@@ -252,4 +252,4 @@ def main(argv):
 
 if __name__ == "__main__":
     flags.mark_flag_as_required("config")
-    user_errors.run(main, argv_checks=(config_overrides.check_argv,))
+    user_errors.run(main, argv_checks=(command_line.check_argv,))

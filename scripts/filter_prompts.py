@@ -23,7 +23,7 @@ from absl import app, flags
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from mmr_jax.infra import compile_cache, console
 from mmr_jax.problems import data, evaluation
-from mmr_jax.studies import study_design
+from mmr_jax.studies import design
 
 _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "HF folder or hub id of the start policy.")
 _SOURCE = flags.DEFINE_string("source", None, "Training problems (JSONL/parquet or hub name).")
@@ -75,10 +75,8 @@ def main(argv):
         system_prompt=data.TRAIN_SYSTEM_PROMPT,
         seed=_SEED.value,
     )
-    counts = study_design.pass_counts(result.records)
-    keep = set(
-        study_design.select_by_pass_rate(counts, n=_N.value, low=_LOW.value, high=_HIGH.value)
-    )
+    counts = design.pass_counts(result.records)
+    keep = set(design.select_by_pass_rate(counts, n=_N.value, low=_LOW.value, high=_HIGH.value))
     rows = [
         {
             "id": p.id,

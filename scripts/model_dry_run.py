@@ -84,12 +84,12 @@ def compiled(args) -> dict:
     hosts = dry_run.pod_hosts(args.hosts, args.devices_per_host)
     jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_num_cpu_devices", len(hosts))
-    from mmr_jax.config import config_checks, config_overrides
+    from mmr_jax.config import checks, command_line
     from mmr_jax.training import compiled_dry_run
 
-    c = config_overrides.load_config_file(args.train_config)
-    config_overrides.set_keys(c, config_overrides.parse_assignments(args.set))
-    cfg = config_checks.from_config_dict(c)
+    c = command_line.load_config_file(args.train_config)
+    command_line.set_keys(c, command_line.parse_assignments(args.set))
+    cfg = checks.from_config_dict(c)
     mesh = compiled_dry_run.config_mesh(cfg, hosts=hosts)
     host_of = dict(zip(jax.devices(), hosts, strict=True))
     result = compiled_dry_run.run(cfg, hosts=hosts)

@@ -34,8 +34,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from mmr_jax.infra import compile_cache, console, user_errors
 from mmr_jax.models import hub
-from mmr_jax.rollout import layout
-from mmr_jax.serving import serve_backend, serve_limits, server
+from mmr_jax.rollout import padding
+from mmr_jax.serving import embedded_backend, request_limits, server
 
 _MODEL = flags.DEFINE_string("model", None, "HF checkpoint folder", required=True)
 _NAME = flags.DEFINE_string("served_model_name", None, "model name clients use (default: --model)")
@@ -101,13 +101,13 @@ def main(argv):
     hub.resolve_checkpoint(_MODEL.value, "--model")  # a wrong path: one line naming the flag
     started = time.perf_counter()
     compile_cache.enable()
-    backend = serve_backend.EmbeddedBackend.from_pretrained(
+    backend = embedded_backend.EmbeddedBackend.from_pretrained(
         _MODEL.value,
         model_name=_NAME.value or _MODEL.value,
         tokenizer_path=_TOKENIZER.value,
         seed=_SEED.value,
         max_model_len=_MAX_LEN.value,
-        buckets=layout.Buckets(min_prompts=_MIN_PROMPTS.value),
+        buckets=padding.Buckets(min_prompts=_MIN_PROMPTS.value),
         logprobs_mode=_LOGPROBS_MODE.value,
     )
     backend.enable_slots(  # compiles every program requests use, a line each on stderr
@@ -115,7 +115,7 @@ def main(argv):
         max_num_seqs=_MAX_NUM_SEQS.value,
         log=lambda line: print(line, file=sys.stderr, flush=True),
     )
-    limits = serve_limits.Limits(
+    limits = request_limits.Limits(
         max_num_seqs=_MAX_NUM_SEQS.value,
         max_request_tokens=_MAX_REQUEST_TOKENS.value,
         max_body_bytes=_MAX_BODY_BYTES.value,

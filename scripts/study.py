@@ -38,8 +38,8 @@ import plot_run  # noqa: E402
 from mmr_jax import distributed  # noqa: E402
 from mmr_jax.infra import compile_cache, console, metrics, run_paths  # noqa: E402
 from mmr_jax.problems import evaluation  # noqa: E402
-from mmr_jax.studies import study, study_hosts, study_mechanism, study_report  # noqa: E402
-from mmr_jax.training import run_process  # noqa: E402
+from mmr_jax.studies import on_hosts, reporting, run_curves, study  # noqa: E402
+from mmr_jax.training import own_process  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Study config (configs/study.py[:pilot]).", lock_config=True
@@ -90,11 +90,11 @@ def write_report(config, specs) -> dict:
             (folder / "curves.png").write_bytes((written / "curves.png").read_bytes())
         plot = "curves.png"
     mechanism = {  # how each run learnt and what it cost, from its metrics
-        s.name: study_mechanism.run_mechanism(metrics.read_jsonl(path))
+        s.name: run_curves.run_mechanism(metrics.read_jsonl(path))
         for s in specs
         if (path := folder / s.name / metrics.METRICS_FILE).exists()
     }
-    report = study_report.markdown(
+    report = reporting.markdown(
         result["summary"], result["runs"], result["study"], plot=plot, mechanism=mechanism
     )
     (folder / "report.md").write_text(report)
@@ -123,7 +123,7 @@ def _hosts() -> distributed.Options:
     """The distributed flags, checked (a named error and exit on bad ones)."""
     try:
         opts = distributed.options_from_flags(**{k: v.value for k, v in _PROCESSES.items()})
-        study_hosts.check_options(opts, in_process=_IN_PROCESS.value)
+        on_hosts.check_options(opts, in_process=_IN_PROCESS.value)
     except (ValueError, distributed.DistributedError) as e:
         sys.exit(f"ERROR: {type(e).__name__}: {e}")
     return opts
@@ -146,7 +146,7 @@ def main(argv):
     hosts = training and opts.mode == "explicit"
     if hosts:
         try:
-            study_hosts.start(opts)
+            on_hosts.start(opts)
         except distributed.DistributedError as e:  # e.g. no coordinator within the timeout
             sys.exit(f"ERROR: {type(e).__name__}: {e}")
         console.info("study process %d of %d", process, opts.num_processes)
@@ -155,7 +155,7 @@ def main(argv):
     if not hosts:
         _one_process(config, specs, log_file)
         return
-    study_hosts.run(
+    on_hosts.run(
         config,
         opts,
         report=functools.partial(_report, config, specs),
@@ -203,7 +203,7 @@ def _one_process(config, specs, log_file) -> None:
     if not _REPORT_ONLY.value:
         # Each run in its own process: nothing one run compiled outlives it (memory stays flat).
         in_child = functools.partial(
-            run_process.train_in_child, log_file=log_file, verbose=console.verbosity_given()
+            own_process.train_in_child, log_file=log_file, verbose=console.verbosity_given()
         )
         study.run_study(
             config,

@@ -31,10 +31,10 @@ from ml_collections import config_flags
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from mmr_jax import distributed
-from mmr_jax.config import config_checks, config_overrides
+from mmr_jax.config import checks, command_line
 from mmr_jax.infra import compile_cache, console, run_paths, user_errors
 from mmr_jax.models import hub
-from mmr_jax.training import checkpoint, compiled_dry_run, run_export, trainer
+from mmr_jax.training import checkpoint, compiled_dry_run, hf_export, trainer
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Config file (configs/*.py[:arg]).", lock_config=True
@@ -125,7 +125,7 @@ def main(argv):
         jax.config.update("jax_platforms", "cpu")
         jax.config.update("jax_num_cpu_devices", _DRY_RUN_DEVICES.value)
     distributed.start(_PROCESSES)  # before any other JAX operation
-    cfg = config_checks.from_config_dict(_CONFIG.value)
+    cfg = checks.from_config_dict(_CONFIG.value)
     if _DRY_RUN.value:
         user_errors.show_info()  # the dry run's report is its INFO lines; there is no log file
         compiled_dry_run.dry_run(cfg)
@@ -146,7 +146,7 @@ def main(argv):
 
         def export():
             console.setup(log_file, stdout=primary)  # Orbax's INFO lines go to the file
-            path = run_export.export_hf(
+            path = hf_export.export_hf(
                 cfg, _WORKDIR.value, _EXPORT_HF.value, step=_EXPORT_STEP.value
             )
             console.info("exported %s", path)
@@ -216,4 +216,4 @@ def _without_weights() -> str:
 
 if __name__ == "__main__":
     flags.mark_flag_as_required("config")
-    user_errors.run(main, argv_checks=(config_overrides.check_argv,))
+    user_errors.run(main, argv_checks=(command_line.check_argv,))

@@ -209,21 +209,21 @@ class BatchStdAdvantagesTest(chex.TestCase):
             np.testing.assert_array_equal(jax.jit(fn)(r, mask=mask), np.zeros(r.shape))
 
     def test_the_trainer_passes_its_std_convention(self):
-        # step_batch.reweighted_advantages (the whole step's groups, after MMR) gives batch_std
+        # pipeline.reweighted_advantages (the whole step's groups, after MMR) gives batch_std
         # the configured ddof and eps, as grpo.
-        from mmr_jax.config import config_types
-        from mmr_jax.step import step_batch
+        from mmr_jax.config import schema
+        from mmr_jax.step import pipeline
 
         r, mask = _ragged_batch(7)
         emb = np.random.default_rng(0).normal(size=(*r.shape, 4)).astype(np.float32)
         r = r.astype(np.float32)
         for ddof, eps in ((0, 1e-4), (1, 0.5)):
-            reweighted, adv, _ = step_batch.reweighted_advantages(
+            reweighted, adv, _ = pipeline.reweighted_advantages(
                 r,
                 emb,
                 mask,
-                reweight=config_types.ReweightConfig(method="mmr"),
-                advantage=config_types.AdvantageConfig("batch_std", std_ddof=ddof, eps=eps),
+                reweight=schema.ReweightConfig(method="mmr"),
+                advantage=schema.AdvantageConfig("batch_std", std_ddof=ddof, eps=eps),
             )
             want = advantages.batch_std_advantages(
                 jnp.asarray(reweighted), mask=jnp.asarray(mask), ddof=ddof, eps=eps

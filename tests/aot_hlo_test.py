@@ -72,7 +72,7 @@ def _config(model: str, *, pack: int = 0, lora: str = "", root: str = "", device
     """A small real config: 2 prompts x 4 completions, one minibatch, `devices` on the fsdp
     axis."""
     from configs import cpu_smollm2, grpo
-    from mmr_jax.config import config_checks
+    from mmr_jax.config import checks
 
     if model == "smollm2":
         c = cpu_smollm2.get_config()
@@ -86,7 +86,7 @@ def _config(model: str, *, pack: int = 0, lora: str = "", root: str = "", device
     c.mesh.shape = (1, devices, 1)
     if lora:
         c.lora.enabled, c.lora.rank, c.model.frozen_dtype = True, 8, lora
-    return config_checks.from_config_dict(c)
+    return checks.from_config_dict(c)
 
 
 @functools.cache

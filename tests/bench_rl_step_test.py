@@ -2,7 +2,7 @@
 
 import pytest
 
-from mmr_jax.config import config_overrides
+from mmr_jax.config import command_line
 from mmr_jax.infra import bench_harness
 
 rl_step = bench_harness.load("rl_step")
@@ -13,7 +13,7 @@ def test_command_is_train_py_on_random_weights_with_overrides_last():
     assert argv[1].endswith("scripts/train.py") and argv[2] == "--config=configs/grpo.py:1.5b"
     assert "--config.model.init=random" in argv and "--config.total_steps=2" in argv
     assert argv[-1] == "--config.batch.max_completion_len=1024"
-    config_overrides.check_override_keys(argv[1:])  # every key is one train.py accepts
+    command_line.check_override_keys(argv[1:])  # every key is one train.py accepts
     with pytest.raises(ValueError, match="key=value"):
         rl_step.command("c.py", 1, "/tmp/w", ["no_equals"])
 
@@ -42,4 +42,4 @@ def test_read_rows_keeps_whole_lines_and_leaves_a_half_written_one(tmp_path):
 def test_rl_step_saves_no_checkpoint():
     argv = rl_step.command("configs/grpo.py:1.5b", 2, "/tmp/w", [])
     assert "--config.checkpoint.every=0" in argv and "--config.checkpoint.at_end=False" in argv
-    config_overrides.check_override_keys(argv[1:])
+    command_line.check_override_keys(argv[1:])

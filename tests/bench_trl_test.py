@@ -8,10 +8,10 @@ import sys
 
 import pytest
 
-from mmr_jax.config import config_overrides
+from mmr_jax.config import command_line
 from mmr_jax.infra import bench_harness
 from mmr_jax.problems import data
-from mmr_jax.training import run_data
+from mmr_jax.training import problem_sets
 
 from support import testing
 
@@ -31,16 +31,16 @@ def tokenizer(tmp_path_factory):
 @pytest.fixture(scope="module")
 def cfg():
     over = {**job.overrides(5, mmr=False), "batch.max_prompt_len": 512}
-    return config_overrides.load_config("configs/cpu_smollm2.py", over)
+    return command_line.load_config("configs/cpu_smollm2.py", over)
 
 
 def test_overrides_are_config_keys_train_py_accepts():
     argv = ["train.py", "--config=configs/cpu_smollm2.py"]
     argv += [f"--config.{k}={v}" for k, v in job.overrides(3, mmr=False).items()]
-    config_overrides.check_override_keys(argv)  # raises on a key the config does not have
-    c = config_overrides.load_config("configs/cpu_smollm2.py", job.overrides(3, mmr=False))
+    command_line.check_override_keys(argv)  # raises on a key the config does not have
+    c = command_line.load_config("configs/cpu_smollm2.py", job.overrides(3, mmr=False))
     assert (c.total_steps, c.checkpoint.every, c.reweight.method) == (3, 0, "none")
-    assert config_overrides.load_config(
+    assert command_line.load_config(
         "configs/cpu_smollm2.py", job.overrides(3, mmr=True)
     ).reweight.method == ("mmr")
 
@@ -49,7 +49,7 @@ def test_step_batches_are_the_trainers_prompts_in_its_order(cfg, tokenizer):
     steps = 5
     batches = job.step_batches(cfg, tokenizer, steps)
     # The trainer's draw (trainer.setup): load_prompts, then a PromptIterator on (ids, answer).
-    ids, answers, _ = run_data.load_prompts(cfg, tokenizer)
+    ids, answers, _ = problem_sets.load_prompts(cfg, tokenizer)
     it = data.PromptIterator(list(zip(ids, answers, strict=True)), cfg.batch.prompts, cfg.seed)
     for batch in batches:
         want = next(it)

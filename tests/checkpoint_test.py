@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mmr_jax.training import checkpoint, checkpoint_read, run_guard
+from mmr_jax.training import checkpoint, checkpoint_read, workdir_guard
 
 from support import checkpoint_trees as trees
 
@@ -88,8 +88,8 @@ class TestUnreadableCheckpoint:
 def _started(workdir, config, *, checkpointed=True, **resolved):
     """What a run's start leaves: the guard's check, run.json (`claim`), and a checkpoint of
     step 1 (an empty step folder: the guard reads the step names only)."""
-    run_guard.prepare_workdir(workdir, config)
-    run_guard.claim(workdir, config, **resolved)
+    workdir_guard.prepare_workdir(workdir, config)
+    workdir_guard.claim(workdir, config, **resolved)
     if checkpointed:
         (workdir / checkpoint.CKPT_DIR / "1").mkdir(parents=True, exist_ok=True)
 
@@ -98,28 +98,29 @@ class TestWorkdir:
     def test_same_config_resumes(self, tmp_path):
         _started(tmp_path, {"a": 1, "total_steps": 5})
         _started(tmp_path, {"a": 1, "total_steps": 9})  # extending is fine
-        assert run_guard.read_run_config(tmp_path) == {"a": 1, "total_steps": 9}
+        assert workdir_guard.read_run_config(tmp_path) == {"a": 1, "total_steps": 9}
 
     def test_other_config_refused(self, tmp_path):
         _started(tmp_path, {"loss": {"beta": 0.04}})
         with pytest.raises(
-            run_guard.RunMismatchError, match=r"steps \[1\].*loss.beta: 0.04 -> 0.0.*--overwrite"
+            workdir_guard.RunMismatchError,
+            match=r"steps \[1\].*loss.beta: 0.04 -> 0.0.*--overwrite",
         ):
-            run_guard.prepare_workdir(tmp_path, {"loss": {"beta": 0.0}})
+            workdir_guard.prepare_workdir(tmp_path, {"loss": {"beta": 0.0}})
 
     def test_a_key_added_since_counts_as_its_default(self, tmp_path):
         # A run stored before loss.objective existed ran as its default 'ppo_clip'.
         _started(tmp_path, {"loss": {"beta": 0.0}})
-        run_guard.prepare_workdir(tmp_path, {"loss": {"beta": 0.0, "objective": "ppo_clip"}})
+        workdir_guard.prepare_workdir(tmp_path, {"loss": {"beta": 0.0, "objective": "ppo_clip"}})
         with pytest.raises(
-            run_guard.RunMismatchError, match=r"loss.objective: 'ppo_clip' -> 'cispo'"
+            workdir_guard.RunMismatchError, match=r"loss.objective: 'ppo_clip' -> 'cispo'"
         ):
-            run_guard.prepare_workdir(tmp_path, {"loss": {"beta": 0.0, "objective": "cispo"}})
-        with pytest.raises(run_guard.RunMismatchError, match=r"made.up: '<absent>' -> 1"):
-            run_guard.prepare_workdir(tmp_path, {"loss": {"beta": 0.0}, "made": {"up": 1}})
+            workdir_guard.prepare_workdir(tmp_path, {"loss": {"beta": 0.0, "objective": "cispo"}})
+        with pytest.raises(workdir_guard.RunMismatchError, match=r"made.up: '<absent>' -> 1"):
+            workdir_guard.prepare_workdir(tmp_path, {"loss": {"beta": 0.0}, "made": {"up": 1}})
 
     def test_the_check_writes_nothing_but_the_folder(self, tmp_path):
-        run_guard.prepare_workdir(tmp_path / "run", {"a": 1})
+        workdir_guard.prepare_workdir(tmp_path / "run", {"a": 1})
         assert list((tmp_path / "run").iterdir()) == []  # a start that fails claims nothing
 
     def test_a_run_without_checkpoint_does_not_bind_the_workdir(self, tmp_path):
@@ -128,14 +129,14 @@ class TestWorkdir:
         (tmp_path / checkpoint.CKPT_DIR / f"1{checkpoint.UNREADABLE_SUFFIX}").mkdir(parents=True)
         (tmp_path / checkpoint.CKPT_DIR / "2.orbax-checkpoint-tmp-9").mkdir()
         assert checkpoint.saved_steps(tmp_path) == []
-        run_guard.prepare_workdir(tmp_path, {"a": 2})
-        run_guard.claim(tmp_path, {"a": 2})
-        assert run_guard.read_run_config(tmp_path) == {"a": 2}
+        workdir_guard.prepare_workdir(tmp_path, {"a": 2})
+        workdir_guard.claim(tmp_path, {"a": 2})
+        assert workdir_guard.read_run_config(tmp_path) == {"a": 2}
 
     def test_claim_keeps_what_was_resolved(self, tmp_path):
         _started(tmp_path, {"a": 1}, attention_impl={"implementation": "unfused"})
-        run_guard.claim(tmp_path, {"a": 1, "total_steps": 3}, other=1)
-        data = json.loads((tmp_path / run_guard.RUN_FILE).read_text())
+        workdir_guard.claim(tmp_path, {"a": 1, "total_steps": 3}, other=1)
+        data = json.loads((tmp_path / workdir_guard.RUN_FILE).read_text())
         assert data == {
             "config": {"a": 1, "total_steps": 3},
             "resolved": {"attention_impl": {"implementation": "unfused"}, "other": 1},
@@ -144,9 +145,11 @@ class TestWorkdir:
     def test_overwrite_deletes_run(self, tmp_path):
         _started(tmp_path, {"a": 1})
         (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1}) + "\n")
-        run_guard.prepare_workdir(tmp_path, {"a": 2}, overwrite=True)
+        workdir_guard.prepare_workdir(tmp_path, {"a": 2}, overwrite=True)
         assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "metrics.jsonl").exists()
-        assert not (tmp_path / run_guard.RUN_FILE).exists()  # the new run writes it once started
+        assert not (
+            tmp_path / workdir_guard.RUN_FILE
+        ).exists()  # the new run writes it once started
 
 
 class TestDescribe:

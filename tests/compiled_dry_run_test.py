@@ -25,8 +25,8 @@ _SCRIPT = textwrap.dedent(
     import numpy as np
     from configs import grpo
     from mmr_jax.training import compiled_dry_run
-    from mmr_jax.config import config_types
-    from mmr_jax.config import config_checks
+    from mmr_jax.config import schema
+    from mmr_jax.config import checks
 
     c = grpo.get_config("smoke")
     c.model.path = sys.argv[1]
@@ -35,7 +35,7 @@ _SCRIPT = textwrap.dedent(
     c.batch.max_prompt_len, c.batch.max_completion_len = 16, 8
     c.loss.minibatches = 1
     c.mesh.shape = (1, 4, 1)
-    cfg = config_checks.from_config_dict(c)
+    cfg = checks.from_config_dict(c)
     mesh = compiled_dry_run.config_mesh(cfg)
 
     def shard_bytes(tree):
@@ -104,7 +104,7 @@ def test_decode_program_takes_the_samplers_compute_dtype_weights(tiny_llama_dir)
     import jax.numpy as jnp
 
     from configs import grpo
-    from mmr_jax.config import config_checks
+    from mmr_jax.config import checks
     from mmr_jax.training import compiled_dry_run
 
     c = grpo.get_config("smoke")
@@ -112,7 +112,7 @@ def test_decode_program_takes_the_samplers_compute_dtype_weights(tiny_llama_dir)
     c.model.dtype, c.model.param_dtype = "bfloat16", "float32"
     c.batch.prompts, c.batch.generations = 2, 2
     c.batch.max_prompt_len, c.batch.max_completion_len = 8, 4
-    cfg = config_checks.from_config_dict(c)
+    cfg = checks.from_config_dict(c)
     mesh = compiled_dry_run.config_mesh(cfg)
     fn, args = compiled_dry_run.decode_step_program(cfg, mesh)
     weights = jax.tree.leaves(args[:3])

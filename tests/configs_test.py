@@ -11,8 +11,8 @@ from absl import flags
 from ml_collections import config_flags
 
 from mmr_jax.algorithms import advantages, losses, mismatch, mmr
-from mmr_jax.config import config_checks, config_overrides, config_types
-from mmr_jax.training import build, run_guard
+from mmr_jax.config import checks, command_line, schema
+from mmr_jax.training import build, workdir_guard
 
 CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "configs"
 VARIANTS = [
@@ -42,19 +42,19 @@ class TestVariants:
     @pytest.mark.parametrize("name", VARIANTS)
     @pytest.mark.parametrize("arg", [None, "1.5b", "7b", "8b", "smoke", "8b,smoke"])
     def test_loads_and_converts(self, name, arg):
-        cfg = config_checks.from_config_dict(_load(name, arg))
+        cfg = checks.from_config_dict(_load(name, arg))
         assert dataclasses.is_dataclass(cfg) and cfg.rows_per_step > 0
         if arg and "smoke" in arg:
             assert cfg.total_steps <= 4 and cfg.batch.max_completion_len <= 64
 
     @pytest.mark.parametrize("size,lora", [("1.5b", False), ("7b", True), ("8b", True)])
     def test_model_sizes(self, size, lora):
-        cfg = config_checks.from_config_dict(_load("grpo", size))
+        cfg = checks.from_config_dict(_load("grpo", size))
         assert cfg.lora.enabled == lora
         assert cfg.lora.rank == 64 and cfg.lora.alpha == 128 and cfg.lora.dropout == 0.05
 
     def test_paper_shared_hyperparameters(self):
-        cfg = config_checks.from_config_dict(_load("grpo"))
+        cfg = checks.from_config_dict(_load("grpo"))
         assert (cfg.optim.lr, cfg.optim.min_lr_ratio, cfg.optim.warmup_ratio) == (1e-6, 0.1, 0.1)
         assert cfg.optim.grad_clip == 1.0 and cfg.seed == 2025 and cfg.total_steps == 500
         assert cfg.rows_per_step == 48 and cfg.batch.generations == 6
@@ -67,45 +67,43 @@ class TestVariants:
         }
 
     def test_dapo(self):
-        cfg = config_checks.from_config_dict(_load("dapo"))
+        cfg = checks.from_config_dict(_load("dapo"))
         assert (cfg.loss.eps_low, cfg.loss.eps_high, cfg.loss.beta) == (0.2, 0.28, 0.0)
         assert cfg.dynamic_sampling.enabled and cfg.dynamic_sampling.filter_reward == "accuracy"
         assert cfg.dynamic_sampling.max_generation_batches == 10 and cfg.total_steps == 200
         assert cfg.rewards.weights["accuracy"] == 1.0 and cfg.rewards.weights["cosine"] == 1.0
-        nods = config_checks.from_config_dict(_load("dapo_nods"))
+        nods = checks.from_config_dict(_load("dapo_nods"))
         assert not nods.dynamic_sampling.enabled and nods.loss.eps_high == 0.28
 
     def test_dr_grpo(self):
-        cfg = config_checks.from_config_dict(_load("dr_grpo"))
+        cfg = checks.from_config_dict(_load("dr_grpo"))
         assert cfg.advantage.estimator == "dr_grpo"
         assert cfg.loss.aggregation == "seq_mean_token_sum_norm"
 
     def test_gspo(self):
         # The paper's v2 settings (TRL paper index): sequence ratio, clip 3e-4 / 4e-4, no KL.
-        cfg = config_checks.from_config_dict(_load("gspo"))
+        cfg = checks.from_config_dict(_load("gspo"))
         assert cfg.loss.importance_sampling_level == "sequence"
         assert (cfg.loss.eps_low, cfg.loss.eps_high, cfg.loss.beta) == (3e-4, 4e-4, 0.0)
         assert cfg.loss.aggregation == "seq_mean_token_mean" and cfg.loss.iterations == 2
         step = build.step_config(cfg)  # reaches the train step
         assert step.loss.importance_sampling_level == "sequence" and step.loss.eps_high == 4e-4
         with_mmr = _load("gspo", "8b,smoke", ["--config.reweight.method=mmr"])
-        typed = config_checks.from_config_dict(with_mmr)
+        typed = checks.from_config_dict(with_mmr)
         assert typed.reweight.method == "mmr" and typed.loss.importance_sampling_level == "sequence"
         assert typed.total_steps <= 4 and typed.lora.enabled
         token = _load("gspo", None, ["--config.loss.importance_sampling_level=sequence_token"])
-        assert config_checks.from_config_dict(token).loss.importance_sampling_level == (
-            "sequence_token"
-        )
+        assert checks.from_config_dict(token).loss.importance_sampling_level == ("sequence_token")
 
     def test_cispo(self):
         # MiniMax-M1's objective, no lower bound, cap 1 + 4 = 5 (TRL / ScaleRL), no KL.
-        cfg = config_checks.from_config_dict(_load("cispo"))
+        cfg = checks.from_config_dict(_load("cispo"))
         assert cfg.loss.objective == "cispo" and cfg.loss.importance_sampling_level == "token"
         assert (cfg.loss.eps_low, cfg.loss.eps_high, cfg.loss.beta) == (1.0, 4.0, 0.0)
         assert cfg.loss.aggregation == "token_mean" and cfg.loss.iterations == 2
         step = build.step_config(cfg)  # reaches the train step
         assert step.loss.objective == "cispo" and step.loss.eps_high == 4.0
-        typed = config_checks.from_config_dict(
+        typed = checks.from_config_dict(
             _load("cispo", "8b,smoke", ["--config.reweight.method=mmr"])
         )
         assert typed.reweight.method == "mmr" and typed.loss.objective == "cispo"
@@ -118,12 +116,12 @@ class TestVariants:
             "--config.advantage.estimator=rloo",
             "--config.reweight.method=mmr",
         ]
-        cfg = config_checks.from_config_dict(_load("dapo", None, over))
+        cfg = checks.from_config_dict(_load("dapo", None, over))
         step = build.step_config(cfg)
         assert (step.loss.objective, step.loss.dual_clip_c) == ("ppo_clip", 3.0)
         assert (step.loss.entropy_coef, step.loss.top_entropy_quantile) == (0.001, 0.2)
         assert cfg.advantage.estimator == "rloo" and cfg.reweight.method == "mmr"
-        base = build.step_config(config_checks.from_config_dict(_load("grpo")))
+        base = build.step_config(checks.from_config_dict(_load("grpo")))
         assert (base.loss.objective, base.loss.dual_clip_c, base.loss.entropy_coef) == (
             "ppo_clip",
             0.0,
@@ -133,7 +131,7 @@ class TestVariants:
 
     def test_tis_modes_reach_the_step(self):
         over = ["--config.loss.tis_cap=3.0", "--config.loss.tis_mode=sequence_mask"]
-        cfg = config_checks.from_config_dict(
+        cfg = checks.from_config_dict(
             _load("grpo", None, [*over, "--config.loss.tis_mask_low=0.5"])
         )
         step = build.step_config(cfg)
@@ -144,8 +142,8 @@ class TestVariants:
         )
 
     def test_choices_are_the_modules(self):
-        # config_types spells the choices out (it imports no JAX); they must stay the modules'.
-        choices = config_checks._CHOICES
+        # schema spells the choices out (it imports no JAX); they must stay the modules'.
+        choices = checks._CHOICES
         assert choices[("loss", "tis_mode")] == mismatch.TIS_MODES
         assert choices[("loss", "importance_sampling_level")] == losses.IS_LEVELS
         assert choices[("loss", "aggregation")] == losses.AGGREGATIONS
@@ -155,9 +153,9 @@ class TestVariants:
 
     def test_overrides(self):
         cfg = _load("grpo_7b", None, ["--config.reweight.method=mmr", "--config.reweight.lam=0.7"])
-        typed = config_checks.from_config_dict(cfg)
+        typed = checks.from_config_dict(cfg)
         assert typed.reweight.method == "mmr" and typed.reweight.lam == 0.7 and typed.lora.enabled
-        assert config_checks.from_config_dict(_load("grpo")).reweight.lam is None
+        assert checks.from_config_dict(_load("grpo")).reweight.lam is None
 
 
 class TestBadInput:
@@ -168,15 +166,15 @@ class TestBadInput:
     @pytest.mark.parametrize("key", ["reweight.lamda", "reweightt.lam", "loss.beta.x"])
     def test_check_override_keys(self, key):
         argv = ["prog", f"--config={CONFIGS / 'grpo.py'}:smoke", f"--config.{key}=1"]
-        with pytest.raises(config_overrides.UnknownKeyError, match="valid keys"):
-            config_overrides.check_override_keys(argv)
-        config_overrides.check_override_keys([*argv[:2], "--config.reweight.lam=0.5"])
+        with pytest.raises(command_line.UnknownKeyError, match="valid keys"):
+            command_line.check_override_keys(argv)
+        command_line.check_override_keys([*argv[:2], "--config.reweight.lam=0.5"])
 
     def test_unknown_key_in_dict(self):
         cfg = _load("grpo").to_dict()
         cfg["loss"]["bogus"] = 1
         with pytest.raises(ValueError, match=r"unknown keys \['bogus'\].*valid keys"):
-            config_checks.from_config_dict(cfg)
+            checks.from_config_dict(cfg)
 
     def test_bad_arg(self):
         with pytest.raises(Exception, match="unknown config argument"):
@@ -225,28 +223,26 @@ class TestBadInput:
         cfg = _load("grpo").to_dict()
         section, key, value = override
         cfg[section][key] = value
-        with pytest.raises(config_types.ConfigError, match=match):
-            config_checks.from_config_dict(cfg)
+        with pytest.raises(schema.ConfigError, match=match):
+            checks.from_config_dict(cfg)
 
     def test_edge_values_accepted(self):
         cfg = _load("grpo").to_dict()
         cfg["loss"]["tis_cap"] = 1.0
         cfg["batch"]["pack_max_len"] = cfg["batch"]["max_completion_len"] - 1
-        config_checks.from_config_dict(cfg)
+        checks.from_config_dict(cfg)
         cfg["batch"]["pack_max_len"] = 0  # no packing
-        config_checks.from_config_dict(cfg)
+        checks.from_config_dict(cfg)
         cfg["model"]["attention_impl"] = "pallas_tpu"  # splash, unpacked
-        config_checks.from_config_dict(cfg)
+        checks.from_config_dict(cfg)
 
     def test_off_policy_runs_on_one_process_only(self):
-        cfg = config_checks.from_config_dict(
-            _load("grpo", None, ["--config.rollout.off_policy_lag=1"])
-        )
-        config_checks.check_processes(cfg, 1)
-        with pytest.raises(config_types.ConfigError, match="one process only .*has 2"):
-            config_checks.check_processes(cfg, 2)
-        on_policy = config_checks.from_config_dict(_load("grpo"))
-        config_checks.check_processes(on_policy, 2)
+        cfg = checks.from_config_dict(_load("grpo", None, ["--config.rollout.off_policy_lag=1"]))
+        checks.check_processes(cfg, 1)
+        with pytest.raises(schema.ConfigError, match="one process only .*has 2"):
+            checks.check_processes(cfg, 2)
+        on_policy = checks.from_config_dict(_load("grpo"))
+        checks.check_processes(on_policy, 2)
 
     def test_no_key_is_defined_twice(self):
         # A second assignment of a key (base.py) or a second field of one name (a dataclass body)
@@ -261,7 +257,7 @@ class TestBadInput:
             if ast.unparse(t).startswith("c.")
         ]
         assert len(keys) > 100 and sorted(k for k in set(keys) if keys.count(k) > 1) == []
-        types = ast.parse(pathlib.Path(config_types.__file__).read_text())
+        types = ast.parse(pathlib.Path(schema.__file__).read_text())
         for cls in (n for n in types.body if isinstance(n, ast.ClassDef)):
             names = [n.target.id for n in cls.body if isinstance(n, ast.AnnAssign)]
             assert sorted(k for k in set(names) if names.count(k) > 1) == [], cls.name
@@ -269,10 +265,8 @@ class TestBadInput:
     def test_dataclass_defaults_are_the_base_config(self):
         # One default per key: a dataclass default that differs from configs/base.py is a twin
         # that a run built without the base (tests, scripts) would silently get instead.
-        cfg = config_checks.from_config_dict(
-            config_overrides.load_config_file(str(CONFIGS / "base.py"))
-        )
-        for name, section in config_checks._SECTIONS.items():
+        cfg = checks.from_config_dict(command_line.load_config_file(str(CONFIGS / "base.py")))
+        for name, section in checks._SECTIONS.items():
             for f in dataclasses.fields(section):
                 if (
                     f.default in (dataclasses.MISSING, "", ())
@@ -293,8 +287,8 @@ class TestBadInput:
     def test_adaptive_entropy_refused_by_name(self, loss):
         cfg = _load("grpo").to_dict()
         cfg["loss"].update(loss)
-        with pytest.raises(config_types.ConfigError, match="adaptive entropy"):
-            config_checks.from_config_dict(cfg)
+        with pytest.raises(schema.ConfigError, match="adaptive entropy"):
+            checks.from_config_dict(cfg)
 
     def test_dapo_full_adds_only_the_overlong_punishment(self):
         paper = _load("dapo", "7b").to_dict()
@@ -303,13 +297,13 @@ class TestBadInput:
         full["rewards"]["weights"] = paper["rewards"]["weights"]
         full["name"] = paper["name"]
         assert full == paper
-        config_checks.from_config_dict(_load("dapo", "smoke,full"))
+        checks.from_config_dict(_load("dapo", "smoke,full"))
 
     @pytest.mark.parametrize("lag,tis_cap,lines", [(1, 0.0, 1), (1, 2.0, 0), (0, 0.0, 0)])
     def test_stale_uncorrected_samples_advised(self, lag, tis_cap, lines):
         cfg = _load("grpo").to_dict()
         cfg["rollout"]["off_policy_lag"], cfg["loss"]["tis_cap"] = lag, tis_cap
-        out = config_checks.advisories(config_checks.from_config_dict(cfg))
+        out = checks.advisories(checks.from_config_dict(cfg))
         assert len(out) == lines
         assert all("off_policy_lag=1 with loss.tis_cap=0" in line for line in out)
 
@@ -324,18 +318,18 @@ class TestBadInput:
     def test_cispo_refuses(self, overrides, match):
         cfg = _load("cispo").to_dict()
         cfg["loss"].update(overrides)
-        with pytest.raises(config_types.ConfigError, match=match):
-            config_checks.from_config_dict(cfg)
+        with pytest.raises(schema.ConfigError, match=match):
+            checks.from_config_dict(cfg)
 
     def test_reweighting_is_one_choice(self):
         for method in ("none", "mmr", "dra"):
             cfg = _load("grpo", None, [f"--config.reweight.method={method}"])
-            assert config_checks.from_config_dict(cfg).reweight.method == method
-        with pytest.raises(config_types.ConfigError, match="reweight.method='both'"):
-            config_checks.from_config_dict(_load("grpo", None, ["--config.reweight.method=both"]))
+            assert checks.from_config_dict(cfg).reweight.method == method
+        with pytest.raises(schema.ConfigError, match="reweight.method='both'"):
+            checks.from_config_dict(_load("grpo", None, ["--config.reweight.method=both"]))
         over = ["--config.reweight.method=dra", "--config.reweight.lam=0.5"]
-        with pytest.raises(config_types.ConfigError, match="lam is MMR's"):
-            config_checks.from_config_dict(_load("grpo", None, over))
+        with pytest.raises(schema.ConfigError, match="lam is MMR's"):
+            checks.from_config_dict(_load("grpo", None, over))
 
     def test_the_run_json_of_the_commit_before_resumes_under_todays_keys(self, tmp_path):
         # run.json of configs/cpu_smollm2.py for 3 steps, written by commit bfa45cc (the one
@@ -343,7 +337,7 @@ class TestBadInput:
         fixture = (
             pathlib.Path(__file__).parent / "support" / "runs" / "bfa45cc_cpu_smollm2_run.json"
         )
-        (tmp_path / run_guard.RUN_FILE).write_text(fixture.read_text())
+        (tmp_path / workdir_guard.RUN_FILE).write_text(fixture.read_text())
         (tmp_path / "checkpoints" / "3").mkdir(parents=True)  # a run with a checkpoint is bound
         over = [
             "--config.total_steps=3",
@@ -351,13 +345,13 @@ class TestBadInput:
             "--config.checkpoint.at_end=False",
             "--config.logging.samples=0",
         ]
-        today = config_checks.from_config_dict(_load("cpu_smollm2", None, over))
+        today = checks.from_config_dict(_load("cpu_smollm2", None, over))
         assert today.reweight.method == "mmr"
-        run_guard.prepare_workdir(tmp_path, today.to_dict())  # the same run: no mismatch
-        (tmp_path / run_guard.RUN_FILE).write_text(fixture.read_text())
+        workdir_guard.prepare_workdir(tmp_path, today.to_dict())  # the same run: no mismatch
+        (tmp_path / workdir_guard.RUN_FILE).write_text(fixture.read_text())
         dra = _load("cpu_smollm2", None, [*over, "--config.reweight.method=dra"])
-        with pytest.raises(run_guard.RunMismatchError, match="reweight.method: 'mmr' -> 'dra'"):
-            run_guard.prepare_workdir(tmp_path, config_checks.from_config_dict(dra).to_dict())
+        with pytest.raises(workdir_guard.RunMismatchError, match="reweight.method: 'mmr' -> 'dra'"):
+            workdir_guard.prepare_workdir(tmp_path, checks.from_config_dict(dra).to_dict())
 
     @pytest.mark.parametrize(
         "old,want",
@@ -372,9 +366,9 @@ class TestBadInput:
         stored["mmr"] = {**old, "uniform_group_guard": True, "embedding_model": "hashing"}
         stored["mmr"].update(embedding_max_length=512, embedding_batch_size=64)
         stored["dra"] = {"enabled": False}
-        rw = config_checks.from_config_dict(stored).reweight
+        rw = checks.from_config_dict(stored).reweight
         assert (rw.method, rw.scope, rw.lam) == want
         assert rw.uniform_group_guard and rw.embedding_model == "hashing"
         stored["dra"] = {"enabled": True}
         stored["mmr"].update(enabled=False, lam=None)
-        assert config_checks.from_config_dict(stored).reweight.method == "dra"
+        assert checks.from_config_dict(stored).reweight.method == "dra"

@@ -11,9 +11,9 @@ import jax
 import numpy as np
 import pytest
 
-from mmr_jax.config import config_checks
+from mmr_jax.config import checks
 from mmr_jax.infra import faults, metrics
-from mmr_jax.training import build, checkpoint, run_guard, trainer
+from mmr_jax.training import build, checkpoint, trainer, workdir_guard
 
 from support import crash_harness, testing
 
@@ -27,7 +27,7 @@ def _xla_cache():
 
 
 def _restore(workdir):
-    cfg = config_checks.from_config_dict(run_guard.read_run_config(workdir))
+    cfg = checks.from_config_dict(workdir_guard.read_run_config(workdir))
     policy = build.load_policy(cfg)
     optimizer, _ = build.make_optimizer(cfg)
     state = build.init_state(cfg, policy.params, optimizer)
@@ -46,7 +46,7 @@ def _chain(tmp_path, ckpt, algorithm, overrides, kills):
     cmd = crash_harness.train_command(run, algorithm, {"model.path": ckpt, **overrides})
     outcomes = crash_harness.run_chain(cmd, kills, crash_harness.subprocess_env())
     crash_harness.register_digit_reward()
-    cfg = config_checks.from_config_dict(run_guard.read_run_config(run))
+    cfg = checks.from_config_dict(workdir_guard.read_run_config(run))
     trainer.train(cfg, tmp_path / "ref")
     diffs = crash_harness.differences(tmp_path / "ref", run, _restore)
     assert diffs == [], "\n".join(diffs)

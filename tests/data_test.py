@@ -75,17 +75,17 @@ class TestLoadProblems:
     def test_trainer_data_paths_name_missing_data(self, tmp_path, tokenizer):
         """The trainer's problems (`data.source`) and benchmarks (`eval.data_dir`)."""
         from configs import base
-        from mmr_jax.config import config_checks
-        from mmr_jax.training import run_data
+        from mmr_jax.config import checks
+        from mmr_jax.training import problem_sets
 
         c = base.get_config()
         c.data.source = str(tmp_path / "d" / "train" / "gsm8k_train.jsonl")
         c.eval.source, c.eval.data_dir = "benchmarks", str(tmp_path / "d" / "eval")
-        cfg = config_checks.from_config_dict(c)
+        cfg = checks.from_config_dict(c)
         with pytest.raises(data.DataNotFoundError, match=re.escape(f"--out={tmp_path / 'd'}`")):
-            run_data.load_prompts(cfg, tokenizer)
+            problem_sets.load_prompts(cfg, tokenizer)
         with pytest.raises(data.DataNotFoundError, match=r"d.eval does not exist"):
-            run_data.eval_problems(cfg)
+            problem_sets.eval_problems(cfg)
 
 
 class TestRequireSharedData:

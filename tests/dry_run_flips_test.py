@@ -26,7 +26,7 @@ _SCRIPT = textwrap.dedent(
     import jax
     jax.config.update("jax_num_cpu_devices", 4)
     from configs import grpo
-    from mmr_jax.config import config_checks
+    from mmr_jax.config import checks
     from mmr_jax.training import compiled_dry_run, dry_run_programs
 
     def base():
@@ -63,7 +63,7 @@ _SCRIPT = textwrap.dedent(
         for key, value in changes:
             section, field = key.split(".")
             setattr(getattr(c, section), field, value)
-        cfg = config_checks.from_config_dict(c)
+        cfg = checks.from_config_dict(c)
         mesh = compiled_dry_run.config_mesh(cfg)
         fn, args = dry_run_programs.train_step_program(
             cfg, mesh, attention=cfg.model.attention_impl

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from mmr_jax import rewards
-from mmr_jax.config import config_checks
-from mmr_jax.training import run_export, trainer
+from mmr_jax.config import checks
+from mmr_jax.training import hf_export, trainer
 
 from support import testing
 
@@ -54,9 +54,9 @@ def test_orbax_checkpoints_evaluate_as_their_export(tmp_path, tiny_llama_dir):
     c.dynamic_sampling.filter_reward = "eval_run_digits"
     c.eval.every, c.eval.source, c.eval.arithmetic_problems = 0, "arithmetic", 4
     c.eval.n, c.eval.max_new_tokens, c.eval.system_prompt = 2, 8, ""
-    cfg = config_checks.from_config_dict(c)
+    cfg = checks.from_config_dict(c)
     trainer.train(cfg, run)
-    assert run_export.checkpoint_steps(run) == [1, 2] and not list(run.glob("step_*"))
+    assert hf_export.checkpoint_steps(run) == [1, 2] and not list(run.glob("step_*"))
 
     stdout = _evaluate(run, tmp_path / "orbax")
     assert "== step_0 (initial weights)" in stdout and "== step_2" in stdout, stdout
@@ -64,14 +64,12 @@ def test_orbax_checkpoints_evaluate_as_their_export(tmp_path, tiny_llama_dir):
     assert len(orbax) == 4 and all(len(r[2]) == 2 for r in orbax)  # 4 held-out sums, n = 2
     assert orbax != _records(tmp_path / "orbax" / "step_0.json")  # trained weights, not the base
 
-    run_export.export_hf(
-        cfg, run, run / "step_2", step=2
-    )  # the HF export of the same step (merged)
+    hf_export.export_hf(cfg, run, run / "step_2", step=2)  # the HF export of the same step (merged)
     _evaluate(run, tmp_path / "export", "--config.step=2", "--config.with_base=False")
     assert _records(tmp_path / "export" / "step_2.json") == orbax
 
 
 def test_a_folder_without_a_run_is_named(tmp_path):
     with pytest.raises(FileNotFoundError, match="is not a training run"):
-        run_export.run_config(tmp_path)
-    assert run_export.checkpoint_steps(tmp_path) == []
+        hf_export.run_config(tmp_path)
+    assert hf_export.checkpoint_steps(tmp_path) == []

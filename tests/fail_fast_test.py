@@ -17,7 +17,7 @@ from mmr_jax.infra import faults, metrics
 from support import train_script
 
 # Every process exits within this many seconds of the fault (cleanup's checkpoint join is bounded
-# by run_end.CLOSE_WAIT_S = 60 s; JAX's exit barrier alone would take 300 s).
+# by shutdown.CLOSE_WAIT_S = 60 s; JAX's exit barrier alone would take 300 s).
 _EXIT_S = 90
 
 

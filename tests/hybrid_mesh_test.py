@@ -18,7 +18,7 @@ import jax
 import numpy as np
 import pytest
 
-from mmr_jax.config import config_checks, config_types
+from mmr_jax.config import checks, schema
 from mmr_jax.models import sharding
 
 from support import multihost
@@ -173,8 +173,8 @@ class TestRefusals:
             sharding.make_mesh(devices=_devices(1, 2), layout="dcn")
         c = grpo.get_config("smoke")
         c.mesh.layout = "dcn"
-        with pytest.raises(config_types.ConfigError, match="mesh.layout='dcn'"):
-            config_checks.from_config_dict(c)
+        with pytest.raises(schema.ConfigError, match="mesh.layout='dcn'"):
+            checks.from_config_dict(c)
 
 
 _CLUSTER_SCRIPT = """
@@ -188,8 +188,8 @@ import jax.numpy as jnp, numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 from configs import grpo
 from mmr_jax.training import build
-from mmr_jax.config import config_types
-from mmr_jax.config import config_checks
+from mmr_jax.config import schema
+from mmr_jax.config import checks
 
 def hosts_of(mesh):
     return np.vectorize(lambda d: d.process_index)(mesh.devices).tolist()
@@ -199,7 +199,7 @@ for name, shape in (("default", None), ("written", (1, 4, 1))):
     c = grpo.get_config("smoke")
     if shape:
         c.mesh.shape = shape
-    mesh = build.make_mesh(config_checks.from_config_dict(c))
+    mesh = build.make_mesh(checks.from_config_dict(c))
     # A global array over the mesh, summed: the layout is one a multi-controller program runs.
     x = jax.make_array_from_callback(
         (4, 4), NamedSharding(mesh, P("data", "fsdp")),

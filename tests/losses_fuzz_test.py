@@ -6,7 +6,7 @@ down to about -60 with policy/old differences up to 5 nats, advantages of magnit
 1e30 (ratio * A stays far from overflow: finite input the objective can represent).
 Properties: finite loss, metrics and gradient; zero gradient on masked tokens; garbage (NaN,
 inf, 1e30) at masked positions changes nothing, bit for bit; the loss matches a float64
-reference; summing minibatch losses and gradients over `step_loss.split` minibatches with the
+reference; summing minibatch losses and gradients over `minibatch.split` minibatches with the
 full batch's `loss_denominator` as normaliser gives the full batch's.
 """
 
@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mmr_jax.algorithms import losses
-from mmr_jax.step import step_loss
+from mmr_jax.step import minibatch
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
@@ -185,7 +185,7 @@ def test_loss_and_gradient_finite_zero_on_masked_and_garbage_proof(record_proper
 def _prop_accumulation(args, m):
     arrays, mask, scalars, _ = _make(args, np.float32)
     full = jax.device_get(_LOSS_GRAD(*_args(arrays, mask), *scalars, None))
-    split = [step_loss.split(x, m) for x in _args(arrays, mask)]
+    split = [minibatch.split(x, m) for x in _args(arrays, mask)]
     e = fuzz_cases.eps(np.float32)
     normalisers = np.stack([
         losses.loss_denominator(mask, aggregation=a, max_completion_len=scalars[2])

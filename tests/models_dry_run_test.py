@@ -95,10 +95,10 @@ _POD_SCRIPT = textwrap.dedent(
             "--set", "batch.max_completion_len=8", "--set", "loss.minibatches=1"]
     import jax
     from mmr_jax.training import compiled_dry_run
-    from mmr_jax.config import config_types
-    from mmr_jax.config import config_overrides
-    from mmr_jax.config import config_checks
-    from mmr_jax.config import config_overrides
+    from mmr_jax.config import schema
+    from mmr_jax.config import command_line
+    from mmr_jax.config import checks
+    from mmr_jax.config import command_line
 
     def shard_bytes(tree):
         return sum(math.prod(x.sharding.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize
@@ -108,9 +108,9 @@ _POD_SCRIPT = textwrap.dedent(
     for layout in ("hybrid", "flat"):
         args = script._parser().parse_args(base + ["--set", f"mesh.layout={layout}"])
         r = script.compiled(args)
-        c = config_overrides.load_config_file(args.train_config)
-        config_overrides.set_keys(c, config_overrides.parse_assignments(args.set))
-        cfg = config_checks.from_config_dict(c)
+        c = command_line.load_config_file(args.train_config)
+        command_line.set_keys(c, command_line.parse_assignments(args.set))
+        cfg = checks.from_config_dict(c)
         mesh = compiled_dry_run.config_mesh(cfg, hosts=[i // 4 for i in range(8)])
         _, targs = compiled_dry_run.train_step_program(cfg, mesh)
         out[layout] = dict(mesh=r["mesh"], hosts=r["hosts"], row_hosts=r["row_hosts"],

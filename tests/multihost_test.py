@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from mmr_jax.infra import faults, metrics
-from mmr_jax.training import checkpoint, run_data
+from mmr_jax.training import checkpoint, problem_sets
 
 from support import crash_harness, multihost_runs
 
@@ -126,7 +126,7 @@ class TestContract:
                 "dynamic_sampling.max_generation_batches": 4,
                 # Evaluation at the last step over 5 held-out problems: shares of 3 and 2.
                 "eval.every": 3,
-                "eval.source": run_data.ARITHMETIC,
+                "eval.source": problem_sets.ARITHMETIC,
                 "eval.arithmetic_problems": 5,
                 "eval.n": 2,
                 "eval.max_new_tokens": 8,

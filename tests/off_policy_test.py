@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 from mmr_jax import rewards
-from mmr_jax.config import config_checks, config_overrides, config_types
+from mmr_jax.config import checks, command_line, schema
 from mmr_jax.infra import faults, metrics
 from mmr_jax.rollout import embedded, prefetch
-from mmr_jax.step import step_batch
+from mmr_jax.step import pipeline
 from mmr_jax.training import checkpoint, trainer
 
 from support import fake_server_venv, testing
@@ -45,8 +45,8 @@ def _config(ckpt, steps, lag=None, **overrides):
         del c.rollout.off_policy_lag  # the key absent: the dataclass default
     else:
         c.rollout.off_policy_lag = lag
-    c = config_overrides.set_keys(c, {"checkpoint.keep": 10, **overrides})
-    return config_checks.from_config_dict(c)
+    c = command_line.set_keys(c, {"checkpoint.keep": 10, **overrides})
+    return checks.from_config_dict(c)
 
 
 def _rows(workdir):
@@ -83,9 +83,9 @@ def _prefetch_threads():
 
 
 def test_config_validation():
-    with pytest.raises(config_types.ConfigError, match="off_policy_lag=2"):
-        config_checks.from_config_dict(
-            config_overrides.set_keys(grpo.get_config("smoke"), {"rollout.off_policy_lag": 2})
+    with pytest.raises(schema.ConfigError, match="off_policy_lag=2"):
+        checks.from_config_dict(
+            command_line.set_keys(grpo.get_config("smoke"), {"rollout.off_policy_lag": 2})
         )
 
 
@@ -274,7 +274,7 @@ def test_vllm_server_killed_mid_run_stops_the_trainer_then_resume_trains_each_st
 
     venv, work = fake_server_venv.make(tmp_path), tmp_path / "run"
     servers = _record_servers(monkeypatch)
-    real_collect, killed = step_batch.collect, []
+    real_collect, killed = pipeline.collect, []
 
     def collect(cfg, prompts, engine, tokenizer, encoder, step, timings):
         # Step 3's rollout, in the background while step 2 trains: the server dies first.
@@ -283,7 +283,7 @@ def test_vllm_server_killed_mid_run_stops_the_trainer_then_resume_trains_each_st
             killed.append(time.monotonic())
         return real_collect(cfg, prompts, engine, tokenizer, encoder, step, timings)
 
-    monkeypatch.setattr(step_batch, "collect", collect)
+    monkeypatch.setattr(pipeline, "collect", collect)
     with pytest.raises(prefetch.PrefetchError, match="rollout of step 3") as e:
         trainer.train(_vllm_config(tiny_llama_dir, 5, venv), work)
     assert killed and time.monotonic() - killed[0] < 60  # a named error, no hang
@@ -294,7 +294,7 @@ def test_vllm_server_killed_mid_run_stops_the_trainer_then_resume_trains_each_st
     assert sorted(_metas(work)) == [1]  # step 2 trained, but not checkpointed
     assert [r["step"] for r in _rows(work)] == [1]
 
-    monkeypatch.setattr(step_batch, "collect", real_collect)
+    monkeypatch.setattr(pipeline, "collect", real_collect)
     calls = _record_vllm_calls(monkeypatch)
     trainer.train(_vllm_config(tiny_llama_dir, 5, venv), work)
     # The restored weights (version 1) synced at the start; steps 2-5 sampled with versions
@@ -321,13 +321,13 @@ def test_vllm_trainer_error_stops_the_launched_server_and_the_prefetch(
 ):
     # With LoRA: the weights reach the server as adapters (a new name per version).
     servers, calls = _record_servers(monkeypatch), _record_vllm_calls(monkeypatch)
-    real_collect, in_flight = step_batch.collect, []
+    real_collect, in_flight = pipeline.collect, []
 
     def collect(cfg, prompts, engine, tokenizer, encoder, step, timings):
         in_flight.append(step)  # the rollouts begun (foreground and background)
         return real_collect(cfg, prompts, engine, tokenizer, encoder, step, timings)
 
-    monkeypatch.setattr(step_batch, "collect", collect)
+    monkeypatch.setattr(pipeline, "collect", collect)
     monkeypatch.setattr(faults, "_RAISE", ("train", 3))  # MMR_JAX_RAISE_AT=train:3
     venv = fake_server_venv.make(tmp_path)
     with pytest.raises(faults.InjectedFault, match="train:3"):

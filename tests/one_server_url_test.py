@@ -19,7 +19,7 @@ import pytest
 
 from mmr_jax import distributed
 from mmr_jax.infra import metrics
-from mmr_jax.rollout import layout
+from mmr_jax.rollout import padding
 from mmr_jax.serving import server
 
 from support import multihost, multihost_runs, recording_server
@@ -109,7 +109,7 @@ def test_evaluation_shares_one_server_without_reloads(tmp_path, tiny_llama_dir):
     data_dir = multihost.eval_benchmark_dir(tmp_path / "data")
     # Served under the checkpoint's path: the name evaluate.py asks for.
     backend = recording_server.RecordingBackend.from_pretrained(
-        tiny_llama_dir, model_name=str(tiny_llama_dir), buckets=layout.Buckets(min_prompts=1)
+        tiny_llama_dir, model_name=str(tiny_llama_dir), buckets=padding.Buckets(min_prompts=1)
     )
     with server.OpenAIServer(backend) as srv:
         _evaluate(tiny_llama_dir, data_dir, tmp_path / "one", srv.url, processes=1)

@@ -1,5 +1,5 @@
 """The package tree as the architecture (issue 48): which subpackage may import which, no import
-circles between modules, pure math with no I/O, and docs/layout.md generated from the tree."""
+circles between modules, pure math with no I/O, and docs/package_tree.md generated from the tree."""
 
 import ast
 import pathlib
@@ -140,7 +140,7 @@ def test_every_module_says_what_it_holds():
 
 def test_docs_layout_is_the_generated_one():
     out = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "layout_doc.py"), "--check"],
+        [sys.executable, str(REPO / "scripts" / "package_tree_doc.py"), "--check"],
         capture_output=True,
         text=True,
         cwd=REPO,

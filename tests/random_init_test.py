@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from mmr_jax.config import config_checks, config_types
+from mmr_jax.config import checks, schema
 from mmr_jax.infra import metrics
 from mmr_jax.models import config as model_config
 from mmr_jax.models import random_init
@@ -46,7 +46,7 @@ class TestByteTokenizer:
             random_init.byte_tokenizer(100)
 
 
-def _grpo_config(arg: str, **overrides) -> config_types.TrainConfig:
+def _grpo_config(arg: str, **overrides) -> schema.TrainConfig:
     sys.path.insert(0, str(REPO))
     from configs import grpo
 
@@ -54,7 +54,7 @@ def _grpo_config(arg: str, **overrides) -> config_types.TrainConfig:
     for key, value in overrides.items():
         section, name = key.split(".")
         setattr(getattr(c, section), name, value)
-    return config_checks.from_config_dict(c)
+    return checks.from_config_dict(c)
 
 
 class TestRandomPolicy:
@@ -98,7 +98,7 @@ class TestRandomPolicy:
         assert a.deterministic  # eval mode
 
     def test_random_with_vllm_is_a_config_error(self):
-        with pytest.raises(config_types.ConfigError, match="rollout.engine='embedded'"):
+        with pytest.raises(schema.ConfigError, match="rollout.engine='embedded'"):
             _grpo_config("smoke", **{"model.init": "random", "rollout.engine": "vllm"})
 
 

@@ -13,10 +13,10 @@ import jax
 import numpy as np
 import pytest
 
-from mmr_jax.config import config_checks
+from mmr_jax.config import checks
 from mmr_jax.infra import metrics, run_paths
 from mmr_jax.studies import study
-from mmr_jax.training import checkpoint, run_export, run_guard
+from mmr_jax.training import checkpoint, hf_export, workdir_guard
 
 from support import checkpoint_trees as trees
 from support import fake_bucket, train_script
@@ -138,7 +138,7 @@ def test_train_killed_and_resumed_in_a_bucket_matches_local(tmp_path, tiny_llama
     assert not (cwd / "gs:").exists() and not (REPO / "gs:").exists()
     assert not list(tmp_path.glob("**/gs:"))
     # Everything in the bucket: checkpoints, exports, metadata, metrics, the console log.
-    cfg = config_checks.from_config_dict(run_guard.read_run_config(run))
+    cfg = checks.from_config_dict(workdir_guard.read_run_config(run))
     _, a, meta_a = train_script.params(ref, cfg)
     _, b, meta_b = train_script.params(run, cfg)
     assert meta_a == meta_b  # same step and data-iterator position
@@ -150,7 +150,7 @@ def test_train_killed_and_resumed_in_a_bucket_matches_local(tmp_path, tiny_llama
     log = (run / "train.log").read_text()
     assert "resuming from step" in log and "new run" in log  # both processes' lines kept
     with fake_bucket.installed(gcs):  # --export_hf from the bucket's checkpoint to the bucket
-        out = run_export.export_hf(cfg, "gs://bucket/run", "gs://bucket/hf", step=2)
+        out = hf_export.export_hf(cfg, "gs://bucket/run", "gs://bucket/hf", step=2)
     assert out == "gs://bucket/hf"
     for name in ("config.json", "model.safetensors"):
         assert (gcs / "bucket" / "hf" / name).read_bytes() == (run / "step_2" / name).read_bytes()

@@ -14,7 +14,7 @@ import time
 import pytest
 
 from mmr_jax.infra import metrics, run_paths
-from mmr_jax.training import checkpoint, run_guard
+from mmr_jax.training import checkpoint, workdir_guard
 
 from support import fake_bucket, multihost
 
@@ -38,21 +38,21 @@ class TestSchemes:
     def test_unsupported_scheme_refused_and_nothing_written(self, tmp_path, monkeypatch, url):
         monkeypatch.chdir(tmp_path)
         with pytest.raises(run_paths.WorkdirSchemeError, match="is not supported"):
-            run_guard.prepare_workdir(url, {"a": 1})
+            workdir_guard.prepare_workdir(url, {"a": 1})
         assert list(tmp_path.iterdir()) == []
 
     @pytest.mark.skipif(HAS_GCSFS, reason="gcsfs installed: gs:// is readable")
     def test_gs_without_gcsfs_names_the_package(self, tmp_path, monkeypatch):
         monkeypatch.chdir(tmp_path)
         with pytest.raises(run_paths.WorkdirSchemeError, match=r"gcsfs.*mmr_jax\[gcs\]"):
-            run_guard.prepare_workdir("gs://bucket/runs/x", {"a": 1})
+            workdir_guard.prepare_workdir("gs://bucket/runs/x", {"a": 1})
         assert list(tmp_path.iterdir()) == []
 
     def test_local_paths_pass(self, tmp_path):
         run_paths.check(tmp_path / "run")
         run_paths.check("runs/x")
         assert run_paths.scheme("gs://b/x") == "gs" and run_paths.scheme("/a/gs:/b") is None
-        assert run_guard.prepare_workdir(tmp_path / "run", {"a": 1}).is_dir()
+        assert workdir_guard.prepare_workdir(tmp_path / "run", {"a": 1}).is_dir()
 
     @pytest.mark.skipif(HAS_GCSFS, reason="gcsfs installed: gs:// is readable")
     def test_train_script_names_the_error(self, tmp_path):
@@ -157,17 +157,17 @@ class TestRunDir:
 
 class TestBucketWorkdir:
     def test_prepare_refuses_other_config_and_overwrites(self, bucket):
-        out = run_guard.prepare_workdir("gs://bucket/run", {"a": 1, "b": {"c": 2}})
+        out = workdir_guard.prepare_workdir("gs://bucket/run", {"a": 1, "b": {"c": 2}})
         assert str(out) == "gs://bucket/run"
-        run_guard.claim("gs://bucket/run", {"a": 1, "b": {"c": 2}})  # the run started
-        assert json.loads((bucket / "run" / run_guard.RUN_FILE).read_text())["config"]["a"] == 1
-        assert run_guard.read_run_config("gs://bucket/run") == {"a": 1, "b": {"c": 2}}
+        workdir_guard.claim("gs://bucket/run", {"a": 1, "b": {"c": 2}})  # the run started
+        assert json.loads((bucket / "run" / workdir_guard.RUN_FILE).read_text())["config"]["a"] == 1
+        assert workdir_guard.read_run_config("gs://bucket/run") == {"a": 1, "b": {"c": 2}}
         (bucket / "run" / checkpoint.CKPT_DIR / "1").mkdir(parents=True)  # and checkpointed
-        run_guard.prepare_workdir("gs://bucket/run", {"a": 1, "b": {"c": 2}})  # same: resumes
-        with pytest.raises(run_guard.RunMismatchError, match=r"b.c: 2 -> 3"):
-            run_guard.prepare_workdir("gs://bucket/run", {"a": 1, "b": {"c": 3}})
+        workdir_guard.prepare_workdir("gs://bucket/run", {"a": 1, "b": {"c": 2}})  # same: resumes
+        with pytest.raises(workdir_guard.RunMismatchError, match=r"b.c: 2 -> 3"):
+            workdir_guard.prepare_workdir("gs://bucket/run", {"a": 1, "b": {"c": 3}})
         (bucket / "run" / metrics.METRICS_FILE).write_text("{}\n")
-        run_guard.prepare_workdir("gs://bucket/run", {"a": 2}, overwrite=True)
+        workdir_guard.prepare_workdir("gs://bucket/run", {"a": 2}, overwrite=True)
         assert list((bucket / "run").iterdir()) == []
 
     def test_metrics_staged_mirrored_and_truncated_on_resume(self, bucket):

@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 from mmr_jax.models import kv_cache
-from mmr_jax.rollout import base, layout, sampler
+from mmr_jax.rollout import base, padding, sampler
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
@@ -57,7 +57,7 @@ class TestSegmentIds:
 
 def _left_padded_prompt_cache(model, prompts, bp, p):
     """The reference: the prefill as `_generate` ran it before packing, over [Bp, P - 1]."""
-    tokens, mask = layout.left_pad(prompts, bp, p, 0)
+    tokens, mask = padding.left_pad(prompts, bp, p, 0)
     positions = np.maximum(np.cumsum(mask, axis=-1) - 1, 0).astype(np.int32)
     graphdef, state = nnx.split(model)
 
@@ -90,9 +90,9 @@ class TestPackedPrefill:
             (request.getfixturevalue(f"tiny_{family}_dir") / "config.json").read_text()
         )
         assert max(map(max, prompts)) < config["vocab_size"], config["vocab_size"]
-        bp, p = layout.bucket(len(prompts)), layout.length_bucket(max(lengths), 16)
+        bp, p = padding.bucket(len(prompts)), padding.length_bucket(max(lengths), 16)
         assert (bp, p) == (8, 24)
-        packed = layout.pack_prefill(prompts, bp, p, pad_id=0)
+        packed = padding.pack_prefill(prompts, bp, p, pad_id=0)
         assert packed.tokens.shape == (4, 23)  # 23 | 18 + 4 + 1 | 12 + 6 -> 3 rows -> 4
         graphdef, state = nnx.split(model)
         got = sampler._prefill(

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mmr_jax.rollout import base, embedded, layout, sampler, sampling
+from mmr_jax.rollout import base, embedded, padding, sampler, sampling
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
@@ -110,7 +110,7 @@ class TestSample:
     def test_loop_exits_when_every_row_is_done(self, llama):
         # 32 new-token slots compiled; the loop must stop at max_new_tokens, and at step 1 when
         # every row's first token is a stop id.
-        buckets = layout.Buckets(min_new_tokens=32)
+        buckets = padding.Buckets(min_new_tokens=32)
         greedy = base.SamplingParams(max_new_tokens=5, temperature=0.0, n=2)
         stats = sampler.LoopStats()
         free = sampler.sample(llama, PROMPTS, greedy, buckets=buckets, stats=stats)
@@ -204,9 +204,9 @@ class TestSample:
 
 class TestBuckets:
     def test_length_buckets(self):
-        got = [layout.length_bucket(x, 16) for x in (1, 16, 17, 24, 25, 137, 193, 3584)]
+        got = [padding.length_bucket(x, 16) for x in (1, 16, 17, 24, 25, 137, 193, 3584)]
         assert got == [16, 16, 24, 24, 32, 192, 256, 4096]
-        assert [layout.bucket(x) for x in (1, 3, 4, 5)] == [1, 4, 4, 8]
+        assert [padding.bucket(x) for x in (1, 3, 4, 5)] == [1, 4, 4, 8]
 
 
 class TestFilter:

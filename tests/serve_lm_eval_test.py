@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from mmr_jax.rollout import vllm_launch
-from mmr_jax.serving import serve_backend, server
+from mmr_jax.serving import embedded_backend, server
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("vllm_server")]
 lm_eval = pytest.importorskip("lm_eval")
@@ -77,7 +77,7 @@ def tasks(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def ours(ckpt):
-    backend = serve_backend.EmbeddedBackend.from_pretrained(ckpt, model_name="tiny")
+    backend = embedded_backend.EmbeddedBackend.from_pretrained(ckpt, model_name="tiny")
     with server.OpenAIServer(backend) as srv:
         yield srv.url
 

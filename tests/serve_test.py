@@ -9,7 +9,7 @@ import requests
 from flax import nnx
 
 from mmr_jax.rollout import base, sampler, vllm_client, vllm_engine
-from mmr_jax.serving import serve_backend, server
+from mmr_jax.serving import embedded_backend, server
 
 EOS = 2
 PROMPTS = [[5, 17, 33, 9, 100], [7, 8], list(range(40, 61))]
@@ -18,7 +18,7 @@ GREEDY = base.SamplingParams(max_new_tokens=16, temperature=0.0, n=2)
 
 @pytest.fixture(scope="module")
 def served(tiny_llama_dir):
-    backend = serve_backend.EmbeddedBackend.from_pretrained(tiny_llama_dir, model_name="tiny")
+    backend = embedded_backend.EmbeddedBackend.from_pretrained(tiny_llama_dir, model_name="tiny")
     with server.OpenAIServer(backend, weights_dir="/") as srv:  # tmp_path varies per test
         yield backend, srv
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import requests
 
-from mmr_jax.serving import serve_backend, server
+from mmr_jax.serving import embedded_backend, server
 
 openai = pytest.importorskip("openai")
 torch = pytest.importorskip("torch")
@@ -25,7 +25,7 @@ PROMPT = "The answer to 12 + 35 is"
 
 @pytest.fixture(scope="module")
 def served(tiny_llama_dir):
-    backend = serve_backend.EmbeddedBackend.from_pretrained(tiny_llama_dir, model_name="tiny")
+    backend = embedded_backend.EmbeddedBackend.from_pretrained(tiny_llama_dir, model_name="tiny")
     with server.OpenAIServer(backend) as srv:
         client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0)
         yield backend, srv, client

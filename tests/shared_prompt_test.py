@@ -20,7 +20,7 @@ from flax import nnx
 
 from mmr_jax.models import loading
 from mmr_jax.models import lora as lora_lib
-from mmr_jax.step import batch_layout, experience, step_loss, train_step
+from mmr_jax.step import batch_layout, experience, minibatch, train_step
 from mmr_jax.training import build
 
 from support import testing
@@ -133,7 +133,7 @@ class TestLayout:
     @pytest.mark.parametrize("layout", batch_layout.LAYOUTS)
     def test_too_long_is_an_error_not_a_truncation(self, layout):
         # One policy in every layout: over-long prompts never reach the packer (the trainer
-        # drops them at load, run_data.load_prompts); one that does is refused, never cut.
+        # drops them at load, problem_sets.load_prompts); one that does is refused, never cut.
         groups = _groups(2, 2, seed=1)
         groups.prompt_ids[1] = list(range(4, 4 + MAX_P + 1))
         with pytest.raises(batch_layout.TooLongError, match="prompt of 13 tokens"):
@@ -264,7 +264,7 @@ def test_logprobs_and_gradients_equal_full_rows(
     kw = dict(temperature=0.7, chunk=chunk, entropy=True, disable_lora=disable_lora)
 
     def loss(m, arrays, prompts):
-        lp, ent = step_loss.batch_logprobs(
+        lp, ent = minibatch.batch_logprobs(
             m,
             jnp.asarray(arrays["tokens"]),
             jnp.asarray(arrays["attention_mask"]),
@@ -379,7 +379,7 @@ def test_train_step_same_metrics_and_update(ckpt, variant):
         graphdef=policy.graphdef, optimizer=optimizer, schedule=lambda _: 1.0, cfg=cfg
     )
     logp = jax.jit(
-        step_loss.logprobs_fn,
+        minibatch.logprobs_fn,
         static_argnames=(
             "graphdef",
             "num_completion",
@@ -498,8 +498,8 @@ def test_minibatches_must_hold_whole_groups(ckpt):
     groups = _groups(3, 4, seed=6)
     _, shared = _both(groups, np.zeros((3, 4)))  # 3 prompts of 4 rows
     with pytest.raises(ValueError, match="2 minibatches do not split 12 rows sharing 3 prompts"):
-        step_loss.check_minibatches(shared["prompt_tokens"], 12, 2)
-    step_loss.check_minibatches(shared["prompt_tokens"], 12, 3)
+        minibatch.check_minibatches(shared["prompt_tokens"], 12, 2)
+    minibatch.check_minibatches(shared["prompt_tokens"], 12, 3)
 
 
 _SHARDED = textwrap.dedent(

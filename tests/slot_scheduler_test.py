@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from mmr_jax.rollout import base, sampler
-from mmr_jax.serving import openai_params, serve_backend, serve_batcher, slot_grid, slot_scheduler
+from mmr_jax.serving import batching, embedded_backend, openai_params, slot_grid, slot_scheduler
 from mmr_jax.serving.openai_format import HTTPError
 
 SLOTS = 4
@@ -26,7 +26,7 @@ def small_grid():
 
 @pytest.fixture(scope="module")
 def batcher(tiny_llama_dir, small_grid):
-    backend = serve_backend.EmbeddedBackend.from_pretrained(
+    backend = embedded_backend.EmbeddedBackend.from_pretrained(
         tiny_llama_dir, model_name="tiny", max_model_len=128
     )
     lines = []
@@ -47,7 +47,7 @@ def batcher(tiny_llama_dir, small_grid):
 def _job(prompt, max_new=12, temperature=0.0, n=1, seed=None, ignore_eos=False):
     params = base.SamplingParams(max_new_tokens=max_new, temperature=temperature, n=n, seed=seed)
     request = openai_params.Request(prompts=[list(prompt)], params=params, ignore_eos=ignore_eos)
-    return serve_batcher.Job(request, "tiny")
+    return batching.Job(request, "tiny")
 
 
 def _final(job, timeout=120):
@@ -87,7 +87,7 @@ class TestContinuousBatcher:
         params = base.SamplingParams(max_new_tokens=12, temperature=0.0, n=2)
         prompts = [PROMPTS[3], PROMPTS[0]]  # rows 1 and 3 get a copy of their prompt's cache
         request = openai_params.Request(prompts=prompts, params=params)
-        update = _final(batcher.submit(serve_batcher.Job(request, "tiny")))
+        update = _final(batcher.submit(batching.Job(request, "tiny")))
         expected = [_alone(batcher, p)[0] for p in prompts for _ in range(2)]
         assert update.ids == expected
 

@@ -5,14 +5,14 @@ import pathlib
 
 import pytest
 
-from mmr_jax.config import config_checks, config_overrides
+from mmr_jax.config import checks, command_line
 
 CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "configs"
 VARIANTS = ("grpo", "dr_grpo", "dapo", "dapo_nods", "gspo", "cispo", "grpo_7b")
 
 
 def _cfg(spec):
-    return config_checks.from_config_dict(config_overrides.load_config_file(str(CONFIGS / spec)))
+    return checks.from_config_dict(command_line.load_config_file(str(CONFIGS / spec)))
 
 
 @pytest.mark.parametrize("name", VARIANTS)

@@ -81,7 +81,7 @@ class TestEmbeddedEngineStops:
 
         import transformers
 
-        from mmr_jax.config import config_checks
+        from mmr_jax.config import checks
         from mmr_jax.models import hub
         from mmr_jax.training import build
 
@@ -93,7 +93,7 @@ class TestEmbeddedEngineStops:
         spec.loader.exec_module(module)
         c = module.get_config()
         c.model.path = "org/tiny"
-        cfg = config_checks.from_config_dict(c)
+        cfg = checks.from_config_dict(c)
         tokenizer = transformers.AutoTokenizer.from_pretrained(hub.resolve_checkpoint("org/tiny"))
         policy = types.SimpleNamespace(model=lambda: llama)
         engine = build.make_engine(cfg, policy, tokenizer, tmp_path / "run")

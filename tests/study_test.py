@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from mmr_jax.problems import data
-from mmr_jax.studies import paired_stats, study, study_report
-from mmr_jax.training import checkpoint, run_data, run_process, trainer
+from mmr_jax.studies import paired_stats, reporting, study
+from mmr_jax.training import checkpoint, own_process, problem_sets, trainer
 
 from support import testing
 from support.tiny_study import overrides as _overrides
@@ -35,16 +35,16 @@ def _curve(steps, values, train_s=None):
 class TestAggregation:
     def test_run_summary_by_hand(self):
         c = _curve([0, 5, 10, 15, 20], [0.2, 0.5, 0.85, 0.75, 0.9])
-        s = study_report.run_summary(c, 0.9, reference_peak=0.6)
+        s = reporting.run_summary(c, 0.9, reference_peak=0.6)
         # own peak 0.9 at 20; 0.9 * 0.9 = 0.81 first reached at step 10 (0.85); 0.54 at 10 too
         assert s["peak"] == 0.9 and s["peak_step"] == 20
         assert s["step_to_own"] == 10 and s["train_s_to_own"] == 100.0
         assert s["step_to_ref"] == 10
-        s = study_report.run_summary(c, 0.9, reference_peak=0.2)  # 0.18: the base model at 0
+        s = reporting.run_summary(c, 0.9, reference_peak=0.2)  # 0.18: the base model at 0
         assert s["step_to_ref"] == 0
-        s = study_report.run_summary(c, 0.9, reference_peak=1.0)  # 0.9 first at 20
+        s = reporting.run_summary(c, 0.9, reference_peak=1.0)  # 0.9 first at 20
         assert s["step_to_ref"] == 20
-        s = study_report.run_summary(_curve([0, 5], [0.3, 0.2]), 0.9, reference_peak=0.5)
+        s = reporting.run_summary(_curve([0, 5], [0.3, 0.2]), 0.9, reference_peak=0.5)
         assert s["step_to_ref"] is None and s["peak_step"] == 0
 
     def test_bootstrap_exact_by_hand(self):
@@ -94,7 +94,7 @@ class TestAggregation:
 
     def test_summarise(self):
         meta = {"run": ["grpo", "mmr"], "baselines": ["grpo"], "compare": [["mmr", "grpo"]]}
-        s = study_report.summarise(self._runs(), {**meta, "threshold": 0.9})
+        s = reporting.summarise(self._runs(), {**meta, "threshold": 0.9})
         assert s["best_baseline"] == "grpo" and s["reference_peak"] == pytest.approx(0.5)
         g, m = s["variants"]["grpo"], s["variants"]["mmr"]
         assert g["peak"]["mean"] == pytest.approx(0.5) and g["peak"]["std"] == pytest.approx(0.1)
@@ -108,7 +108,7 @@ class TestAggregation:
         assert c["peak"]["seeds"] == [1, 2] and c["peak"]["left_out_seeds"] == [3]
         assert c["peak"]["diffs"] == pytest.approx([0.1, 0.2])
         assert c["step_to_ref"]["diffs"] == [5 - 10, 5 - 5]
-        report = study_report.markdown(
+        report = reporting.markdown(
             s, self._runs(), {**meta, "name": "t", "base_config": "x", "seeds": [1, 2, 3],
                               "total_steps": 10, "eval_every": 5, "threshold": 0.9},
         )  # fmt: skip
@@ -254,7 +254,7 @@ class TestRunInChild:
         c.run, c.compare = ("grpo",), ()
 
         def in_child(cfg, workdir):
-            run_process.train_in_child(cfg, workdir, train_fn=_child_diverges)
+            own_process.train_in_child(cfg, workdir, train_fn=_child_diverges)
 
         study.run_study(c, train_fn=in_child, log=lambda s: None)
         status = study.run_status(c.folder, study.plan(c)[0])
@@ -275,10 +275,10 @@ class TestHeldOut:
         c = _tiny_study(tok_dir, tmp_path / "s")
         c.train.data.arithmetic_max_operand = 20
         cfg = study.plan(c)[0].cfg
-        heldout = {p.problem for p in run_data.eval_problems(cfg)["heldout"]}
+        heldout = {p.problem for p in problem_sets.eval_problems(cfg)["heldout"]}
         train_all = data.arithmetic_problems(2000, cfg.seed, max_operand=20, ops=("+",))
         assert heldout & {p.problem for p in train_all}  # the raw draws do overlap (400 sums)
-        prompts, answers, _ = run_data.load_prompts(cfg, tok)
+        prompts, answers, _ = problem_sets.load_prompts(cfg, tok)
         texts = {tok.decode(p) for p in prompts}
         assert not any(q in t for q in heldout for t in texts)
         assert len(prompts) == sum(p.problem not in heldout for p in train_all)

@@ -3,9 +3,9 @@
 import os
 import sys
 
-from mmr_jax.config import config_checks
+from mmr_jax.config import checks
 from mmr_jax.problems import tasks
-from mmr_jax.studies import study, study_report
+from mmr_jax.studies import reporting, study
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "configs"))
 import study_v2
@@ -41,7 +41,7 @@ def test_fixed_thresholds_reach_the_report():
     run = {"name": "grpo_s1", "variant": "grpo", "seed": 1, "status": "finished",
            "curve": {"steps": [0, 4, 8], "values": [0.3, 0.4, 0.5], "train_s": [0, 1, 2],
                      "last_step": 8}}  # fmt: skip
-    s = study_report.summarise([run], {**meta, "run": ["grpo"], "compare": []})
+    s = reporting.summarise([run], {**meta, "run": ["grpo"], "compare": []})
     assert s["per_run"]["grpo_s1"]["step_to_35"] == 4
     assert s["per_run"]["grpo_s1"]["step_to_45"] == 8
 
@@ -49,7 +49,7 @@ def test_fixed_thresholds_reach_the_report():
 def test_pilot_and_warmup():
     pilot = study.plan(study_v2.get_config("pilot"))
     assert len(pilot) == 5 and pilot[0].cfg.total_steps == 2
-    w = config_checks.from_config_dict(study_v2_warmup.get_config())
+    w = checks.from_config_dict(study_v2_warmup.get_config())
     assert w.reweight.method == "none" and w.total_steps == 12 and w.seed not in range(1, 7)
     # The export the arms start from is written at the last step.
     assert w.checkpoint.export_hf and w.total_steps % w.checkpoint.every == 0

@@ -6,9 +6,9 @@ import sys
 
 import pytest
 
-from mmr_jax.config import config_checks
+from mmr_jax.config import checks
 from mmr_jax.problems import data, tasks
-from mmr_jax.training import run_data
+from mmr_jax.training import problem_sets
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "configs"))
 import base
@@ -80,11 +80,11 @@ def test_source_names_and_errors():
 def test_build_reads_the_task_from_the_config():
     c = base.get_config()
     c.data.source, c.eval.source = "task:add_sub_2d", "task"
-    cfg = config_checks.from_config_dict(c)
-    assert run_data.eval_problems(cfg)["heldout"] == tasks.heldout_problems("add_sub_2d")
+    cfg = checks.from_config_dict(c)
+    assert problem_sets.eval_problems(cfg)["heldout"] == tasks.heldout_problems("add_sub_2d")
     c.data.source = "arithmetic"
     with pytest.raises(ValueError, match="eval.source='task' needs data.source='task:<name>'"):
-        run_data.eval_problems(config_checks.from_config_dict(c))
+        problem_sets.eval_problems(checks.from_config_dict(c))
 
 
 def test_training_prompts_are_the_task_training_set(tiny_llama_dir):
@@ -94,7 +94,7 @@ def test_training_prompts_are_the_task_training_set(tiny_llama_dir):
     c.data.source, c.eval.source, c.data.system_prompt = "task:chain3", "task", ""
     c.batch.max_prompt_len = 128
     tok = transformers.AutoTokenizer.from_pretrained(tiny_llama_dir)
-    out = run_data.load_prompts(config_checks.from_config_dict(c), tok)
+    out = problem_sets.load_prompts(checks.from_config_dict(c), tok)
     prompts, answers = out[0], out[1]
     want = tasks.train_problems("chain3")
     assert len(prompts) == len(want) == 1000

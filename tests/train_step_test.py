@@ -15,7 +15,7 @@ from flax import nnx
 
 from mmr_jax.models import loading
 from mmr_jax.models import lora as lora_lib
-from mmr_jax.step import step_loss, train_step
+from mmr_jax.step import minibatch, train_step
 from mmr_jax.training import build
 
 from support import testing
@@ -64,7 +64,7 @@ def _rows(seed: int = 0, *, lengths=(6, 4, 2, 5)):
 def _logps(policy, params, tokens, attention, disable_lora=False):
     """Clean (eval-mode, no dropout) completion log-probs [N, T], as the trainer computes them
     (`disable_lora`: the base model's, the KL reference under LoRA)."""
-    return step_loss.logprobs_fn(
+    return minibatch.logprobs_fn(
         params,
         policy.frozen,
         policy.rest,
@@ -134,7 +134,7 @@ class TestRatioReference:
         tokens, attention, comp, _ = _rows()
         clean = _logps(policy, policy.params, tokens, attention)
         model = nnx.merge(policy.graphdef, policy.params, policy.frozen, policy.rest)
-        noisy = step_loss.completion_logprobs(
+        noisy = minibatch.completion_logprobs(
             model, tokens, attention, num_completion=T, temperature=TEMPERATURE
         )
         assert float(jnp.abs(jnp.where(comp, noisy - clean, 0.0)).max()) > 1e-2
@@ -210,7 +210,7 @@ def _reference_updates(policy, batch, optimizer, *, updates, iterations, aggrega
 
             def loss(p, first=(it == 0 and j == 0), sl=sl):
                 model = nnx.merge(policy.graphdef, p, policy.frozen, policy.rest)
-                lp = step_loss.completion_logprobs(
+                lp = minibatch.completion_logprobs(
                     model,
                     batch.tokens[sl],
                     batch.attention_mask[sl],
@@ -393,17 +393,15 @@ class TestOptionsOff:
 
     @pytest.mark.parametrize("name", ["grpo", "dr_grpo", "dapo", "dapo_nods", "gspo"])
     def test_variant_configs_leave_the_options_off(self, name):
-        from mmr_jax.config import config_checks, config_overrides
-        from mmr_jax.step import step_batch
+        from mmr_jax.config import checks, command_line
+        from mmr_jax.step import pipeline
 
-        cfg = config_checks.from_config_dict(
-            config_overrides.load_config_file(f"{CONFIGS}/{name}.py:smoke")
-        )
+        cfg = checks.from_config_dict(command_line.load_config_file(f"{CONFIGS}/{name}.py:smoke"))
         sc = build.step_config(cfg)
         assert sc.loss.updates_per_batch == 1 and not sc.entropy_on
         assert not cfg.loss.mask_truncated_completions
-        assert "overlong" not in step_batch.reward_params(cfg)
-        assert step_batch.needs_old_logps(cfg) == (cfg.loss.iterations > 1)
+        assert "overlong" not in pipeline.reward_params(cfg)
+        assert pipeline.needs_old_logps(cfg) == (cfg.loss.iterations > 1)
         assert build._init_state(cfg, {}, optax.sgd(1.0)).entropy_coef is None
 
 
@@ -457,20 +455,20 @@ class TestLoraDropout:
         # At learning rate 0 the second update sees unchanged weights: with the dropout forward
         # its ratio against the clean old log-probs is dropout's noise alone; with the forward
         # `build.train_graphdef` picks for several updates, exactly the same forward.
-        from mmr_jax.config import config_checks, config_overrides
+        from mmr_jax.config import checks, command_line
 
         policy = _policy(ckpt, dropout=0.5)
         tokens, attention, comp, adv = _rows8()
         old = _logps(policy, policy.params, tokens, attention)
         batch = train_step.Batch(tokens, attention, comp, adv, old_logps=old)
-        c = config_overrides.load_config_file(f"{CONFIGS}/gspo.py:8b,smoke")
+        c = command_line.load_config_file(f"{CONFIGS}/gspo.py:8b,smoke")
         c.loss.iterations, c.loss.updates_per_batch, c.loss.minibatches = 1, 2, 2
-        cfg = config_checks.from_config_dict(c)
-        assert any("lora.dropout" in line for line in config_checks.advisories(cfg))
+        cfg = checks.from_config_dict(c)
+        assert any("lora.dropout" in line for line in checks.advisories(cfg))
         graphdef = build.train_graphdef(cfg, policy)
         assert graphdef is policy.eval_graphdef
         c.loss.updates_per_batch = 1  # one update: dropout stays (its ratio is the same forward)
-        assert build.train_graphdef(config_checks.from_config_dict(c), policy) is policy.graphdef
+        assert build.train_graphdef(checks.from_config_dict(c), policy) is policy.graphdef
         spread = {}
         for name, gd in (("dropout", policy.graphdef), ("clean", graphdef)):
             step_cfg = testing.step_config(

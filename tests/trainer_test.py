@@ -13,17 +13,17 @@ import numpy as np
 import pytest
 
 from mmr_jax import rewards
-from mmr_jax.config import config_checks
+from mmr_jax.config import checks
 from mmr_jax.infra import metrics
 from mmr_jax.rewards import grading
-from mmr_jax.step import batch_layout, step_batch
+from mmr_jax.step import batch_layout, pipeline
 from mmr_jax.training import (
     build,
     checkpoint,
     compiled_dry_run,
-    run_export,
-    run_guard,
+    hf_export,
     trainer,
+    workdir_guard,
 )
 
 from support import testing, train_script
@@ -59,7 +59,7 @@ def _target_reward(completions, answers, *, lengths=None):
 
 def _config(algo, ckpt, *, mmr=False, lora=False, steps=2, **overrides):
     c = testing.smoke_config(ALGOS[algo], ckpt, steps=steps, mmr=mmr, lora=lora, **overrides)
-    return config_checks.from_config_dict(c)
+    return checks.from_config_dict(c)
 
 
 # The fast set trains one variant (20-25 s on 2 cores); each algorithm, MMR on and off, LoRA and
@@ -152,7 +152,7 @@ class TestVariants:
         )
         for where in ("tiny", "average"):
             assert out[f"eval/{where}/pass@1"] == 0.75 and out[f"eval/{where}/pass@2"] == 1.0
-        path = run_export.export_hf(cfg, tmp_path / "run", tmp_path / "hf", step=1)
+        path = hf_export.export_hf(cfg, tmp_path / "run", tmp_path / "hf", step=1)
         assert (pathlib.Path(path) / "config.json").exists()
         assert (pathlib.Path(path) / "adapter" / "adapter_config.json").exists()
 
@@ -210,7 +210,7 @@ class TestBatchPolicy:
 
 def _capture_advantages(monkeypatch):
     """Records (rewards [B, G], embeddings [B, G, D], advantages [B, G]) of every step."""
-    seen, real = [], step_batch.make_batch
+    seen, real = [], pipeline.make_batch
 
     def make_batch(cfg, groups, **kw):
         batch, info = real(cfg, groups, **kw)
@@ -219,7 +219,7 @@ def _capture_advantages(monkeypatch):
         seen.append((groups.total.astype(np.float64), groups.embeddings.astype(np.float64), adv))
         return batch, info
 
-    monkeypatch.setattr(step_batch, "make_batch", make_batch)
+    monkeypatch.setattr(pipeline, "make_batch", make_batch)
     return seen
 
 
@@ -270,14 +270,14 @@ MISMATCH_KEYS = {
 
 def _capture_batches(monkeypatch):
     """Records every (engine log-probs, loss mask) the trainer sends to the step, as numpy."""
-    seen, real = [], step_batch.make_batch
+    seen, real = [], pipeline.make_batch
 
     def make_batch(cfg, groups, **kw):
         batch, info = real(cfg, groups, **kw)
         seen.append((np.asarray(batch.sampler_logps), np.asarray(batch.completion_mask)))
         return batch, info
 
-    monkeypatch.setattr(step_batch, "make_batch", make_batch)
+    monkeypatch.setattr(pipeline, "make_batch", make_batch)
     return seen
 
 
@@ -322,10 +322,12 @@ class TestMismatch:
         # The project's OpenAI-compatible server stands in for vLLM: the engine's log-probs come
         # back over HTTP. Step 2 samples after a weight sync, so a small mismatch there also
         # shows the server generated with the updated weights (lr 1e-3 moves them far more).
-        from mmr_jax.serving import serve_backend, server
+        from mmr_jax.serving import embedded_backend, server
 
         seen = _capture_batches(monkeypatch)
-        backend = serve_backend.EmbeddedBackend.from_pretrained(tiny_llama_dir, model_name="tiny")
+        backend = embedded_backend.EmbeddedBackend.from_pretrained(
+            tiny_llama_dir, model_name="tiny"
+        )
         with server.OpenAIServer(backend, weights_dir=tmp_path) as srv:
             cfg = _config(
                 "dapo_nods",
@@ -407,7 +409,7 @@ class TestMismatch:
         _plant_engine_offset(monkeypatch, np.nan)
         cfg = _config("dapo_nods", tiny_llama_dir, steps=1, **{"checkpoint.every": 0})
         with pytest.raises(
-            step_batch.EngineLogprobError, match="embedded engine returned .* non-fin"
+            pipeline.EngineLogprobError, match="embedded engine returned .* non-fin"
         ):
             trainer.train(cfg, tmp_path / "run")
 
@@ -474,8 +476,8 @@ class TestResume:
         )
         assert res.returncode == 0, res.stderr[-3000:]
         assert f"workdir {run} | resuming from step {killed_at}" in res.stdout
-        cfg = config_checks.from_config_dict(
-            json.loads((run / run_guard.RUN_FILE).read_text())["config"]
+        cfg = checks.from_config_dict(
+            json.loads((run / workdir_guard.RUN_FILE).read_text())["config"]
         )
         _, a, meta_a = train_script.params(ref, cfg)
         _, b, meta_b = train_script.params(run, cfg)
@@ -524,7 +526,7 @@ class TestResume:
             text=True,
         )
         assert first.returncode == 0, first.stderr[-3000:]
-        stored = run_guard.read_run_config(run)
+        stored = workdir_guard.read_run_config(run)
         assert stored["mmr"]["enabled"] and "reweight" not in stored  # the old keys wrote it
         env["PYTHONPATH"] = str(train_script.REPO)
         res = subprocess.run(
@@ -550,7 +552,7 @@ class TestDryRun:
         ],
     )
     def test_param_counts(self, size, total, trainable):
-        out = compiled_dry_run.dry_run(config_checks.from_config_dict(grpo.get_config(size)))
+        out = compiled_dry_run.dry_run(checks.from_config_dict(grpo.get_config(size)))
         assert (out["params_total"], out["trainable"]) == (total, trainable)
 
     @pytest.mark.parametrize(
@@ -567,7 +569,7 @@ class TestDryRun:
         device_grid), not -1 filled from all 8 devices as one flat block."""
         c = grpo.get_config("1.5b")
         c.mesh.shape, c.mesh.layout = shape, layout
-        cfg = config_checks.from_config_dict(c)
+        cfg = checks.from_config_dict(c)
         sizes = compiled_dry_run.dry_run_mesh_sizes(cfg, hosts=2, devices_per_host=4)
         assert sizes == dict(zip(("data", "fsdp", "tensor"), want, strict=True))
 
@@ -576,7 +578,7 @@ class TestDryRun:
         c.mesh.shape = (3, -1, 1)  # data 3 does not split over 2 hosts
         with pytest.raises(build.sharding.MeshLayoutError, match="do not divide"):
             compiled_dry_run.dry_run_mesh_sizes(
-                config_checks.from_config_dict(c), hosts=2, devices_per_host=4
+                checks.from_config_dict(c), hosts=2, devices_per_host=4
             )
 
     @pytest.mark.parametrize(
@@ -668,9 +670,9 @@ class TestBadInput:
             trainer.train(cfg, tmp_path / "run")
 
     def test_workdir_of_another_config(self, tmp_path, tiny_llama_dir):
-        run_guard.claim(tmp_path / "run", _config("grpo", tiny_llama_dir).to_dict())
+        workdir_guard.claim(tmp_path / "run", _config("grpo", tiny_llama_dir).to_dict())
         (tmp_path / "run" / checkpoint.CKPT_DIR / "1").mkdir(parents=True)  # it saved a step
-        with pytest.raises(run_guard.RunMismatchError, match="loss.beta"):
+        with pytest.raises(workdir_guard.RunMismatchError, match="loss.beta"):
             trainer.train(_config("dapo", tiny_llama_dir), tmp_path / "run")
 
     def test_non_finite_loss_stops_and_keeps_checkpoint(
@@ -736,7 +738,7 @@ class TestHeader:
         c = grpo.get_config("smoke")
         c.rollout.off_policy_lag, c.loss.tis_cap = 1, tis_cap
         with caplog.at_level("WARNING"):
-            trainer._header(config_checks.from_config_dict(c), str(tmp_path), None, None)
+            trainer._header(checks.from_config_dict(c), str(tmp_path), None, None)
         lines = [r.getMessage() for r in caplog.records if "off_policy_lag=1" in r.getMessage()]
         assert len(lines) == (1 if warned else 0), lines
 

@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from mmr_jax.infra import user_errors
-from mmr_jax.training import checkpoint, run_guard
+from mmr_jax.training import checkpoint, workdir_guard
 
 from support import checkpoint_trees, train_script
 
@@ -203,14 +203,14 @@ class TestFailedStart:
         # Every checkpoint unreadable: one FATAL line with advice; run.json left as it was.
         for step in checkpoint.saved_steps(run):
             checkpoint_trees.CORRUPTIONS["data_truncated"](run / checkpoint.CKPT_DIR / str(step))
-        claimed = (run / run_guard.RUN_FILE).read_bytes()
+        claimed = (run / workdir_guard.RUN_FILE).read_bytes()
         assert "resolved" in json.loads(claimed)
         line = _fatal(
             *_script("train.py", *_train_args(run, tiny_llama_dir, "--config.total_steps=3"))[::2]
         )
         assert f"no checkpoint in {run}/checkpoints could be restored (tried steps [2, 1]" in line
         assert "another --workdir" in line
-        assert (run / run_guard.RUN_FILE).read_bytes() == claimed
+        assert (run / workdir_guard.RUN_FILE).read_bytes() == claimed
 
 
 class TestCheckpointReadNoise:

@@ -718,7 +718,7 @@ def test_trainer_engine_launches_its_server_and_close_stops_it(tiny_llama_dir, t
     generates through it; engine.close() stops the whole process group (port free again)."""
     import types
 
-    from mmr_jax.config import config_checks
+    from mmr_jax.config import checks
     from mmr_jax.rollout import vllm_launch
     from mmr_jax.training import build
 
@@ -733,7 +733,7 @@ def test_trainer_engine_launches_its_server_and_close_stops_it(tiny_llama_dir, t
     c.rollout.engine, c.rollout.url, c.rollout.server_venv = "vllm", "", str(venv)
     c.rollout.ready_timeout_s = 120.0
     c.batch.max_prompt_len, c.batch.max_completion_len = 32, 16
-    cfg = config_checks.from_config_dict(c)
+    cfg = checks.from_config_dict(c)
     policy = types.SimpleNamespace(lora=False)
     tokenizer = types.SimpleNamespace(pad_token_id=3, eos_token_id=2)
     engine = build.make_engine(cfg, policy, tokenizer, tmp_path / "run")

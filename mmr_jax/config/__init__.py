@@ -1,7 +1,7 @@
 """The run's configuration, from a config file and flags to typed, checked values.
 
-`config_types` (the frozen dataclasses every part receives), `config_checks` (ConfigDict ->
-`TrainConfig`, choices and cross-field rules, advisories) and `config_overrides` (config files,
+`schema` (the frozen dataclasses every part receives), `checks` (ConfigDict ->
+`TrainConfig`, choices and cross-field rules, advisories) and `command_line` (config files,
 `--config.a.b=v` overrides and their key checks). Config stays at the edge: the math never sees a
 ConfigDict.
 

@@ -1,7 +1,7 @@
 """Processes that die with the process that started them (Linux `PR_SET_PDEATHSIG`).
 
 One helper for both kinds of children: a spawned Python child of ours calls `die_with_parent`
-itself (a study's run, `run_process.train_in_child`); a program in another environment (the vLLM
+itself (a study's run, `own_process.train_in_child`); a program in another environment (the vLLM
 server, in its own venv, without this package) is started through `exec_argv`, which runs the
 same function's source in that interpreter, then execs the program: the death signal survives
 exec. Not a `preexec_fn`: Python code between fork and exec in a multithreaded (JAX) process can

@@ -7,7 +7,7 @@ Absl flag errors (`--config.total_steps=abc`) and `app.UsageError` are told the 
 other exception is a bug of the program and keeps its traceback.
 
     if __name__ == "__main__":
-        user_errors.run(main, argv_checks=(config_overrides.check_argv,))
+        user_errors.run(main, argv_checks=(command_line.check_argv,))
 
 Error classes of the other parts derive from `UserError` beside their own base (`class
 RunMismatchError(user_errors.UserError, ValueError)`), so that library callers still catch
@@ -84,7 +84,7 @@ def run(main: Callable, *, argv_checks: Sequence[Callable[[Sequence[str]], None]
     """`absl.app.run(main)`, telling user errors (of the flags, and raised by `main`) in one line.
 
     `argv_checks` run on the command line before absl parses it (e.g. config keys and values,
-    `config_overrides.check_argv`)."""
+    `command_line.check_argv`)."""
     from absl import app
 
     def parser(argv):

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from mmr_jax.rollout import base, layout, sampler
+from mmr_jax.rollout import base, padding, sampler
 
 
 def _param_state(model: nnx.Module) -> nnx.State:
@@ -39,7 +39,7 @@ class EmbeddedEngine:
       stop_token_ids: ids that always end a completion (the model's EOS ids), like vLLM's EOS.
       pad_id: written after the end of each completion.
       seed: seeds calls whose `SamplingParams.seed` is None (a new seed per call).
-      buckets: minimum padded sizes (see `layout.Buckets`).
+      buckets: minimum padded sizes (see `padding.Buckets`).
       mesh: sample data-parallel over this mesh (see `sampler.sample`); the model's weights are
         replicated on it here, in place. None = on the weights' devices.
       compact: let the decode loop go on with only its live rows once most are done
@@ -53,7 +53,7 @@ class EmbeddedEngine:
         stop_token_ids: Sequence[int] = (),
         pad_id: int = 0,
         seed: int = 0,
-        buckets: layout.Buckets = layout.DEFAULT_BUCKETS,
+        buckets: padding.Buckets = padding.DEFAULT_BUCKETS,
         mesh: jax.sharding.Mesh | None = None,
         compact: bool = True,
     ):

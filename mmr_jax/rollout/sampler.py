@@ -6,7 +6,8 @@ N new-token slots (padded), V vocab.
 Layout. Prompts are left-padded to P, so every prompt ends at slot P - 1: the prompt cache (Bp
 prompts x P slots) holds prompt b's first len_b - 1 tokens at slots [P - len_b, P - 1), and its
 last token is its rows' first decode input. The prefill is packed: those tokens go first-fit-
-decreasing into rows of W = P - 1 (`layout.pack_prefill`; row count bucketed to a power of two), run
+decreasing into rows of W = P - 1 (`padding.pack_prefill`; row count bucketed to a power of two),
+run
 with segment ids so each attends to its own prompt only, and their keys/values are gathered into
 the prompt cache's slots (`_prefill`, its own jit: a new row count does not recompile the decode
 loop; its logits are unused, so XLA drops the vocab projection). Left-padded, more than half the
@@ -61,7 +62,7 @@ import numpy as np
 from flax import nnx
 
 from mmr_jax.models import kv_cache, sharding
-from mmr_jax.rollout import base, decode_loop, layout, prefill, sampler_weights, sampling_call
+from mmr_jax.rollout import base, decode_loop, padding, prefill, sampler_weights, sampling_call
 
 LoopStats = decode_loop.LoopStats
 Sampling = sampling_call.Sampling
@@ -240,7 +241,7 @@ def start(
     stop_token_ids=(),
     seed: int = 0,
     pad_id: int = 0,
-    buckets: layout.Buckets = layout.DEFAULT_BUCKETS,
+    buckets: padding.Buckets = padding.DEFAULT_BUCKETS,
     max_len: int | None = None,
     mesh: jax.sharding.Mesh | None = None,
     compact: bool = True,
@@ -286,14 +287,14 @@ def start(
         raise ValueError(f"n_slots ({slots}) < n ({n})")
     ways = sharding.batch_size(mesh)
     # A multiple of the split, so every device gets whole prompts.
-    bp = -(-layout.bucket(num_prompts, buckets.min_prompts) // ways) * ways
-    p = layout.length_bucket(longest, max(buckets.min_prompt_len, 2))
-    num_new = layout.length_bucket(params.max_new_tokens, buckets.min_new_tokens)
+    bp = -(-padding.bucket(num_prompts, buckets.min_prompts) // ways) * ways
+    p = padding.length_bucket(longest, max(buckets.min_prompt_len, 2))
+    num_new = padding.length_bucket(params.max_new_tokens, buckets.min_new_tokens)
     stops = sorted(set(stop_token_ids) | set(params.stop_token_ids))
-    stop_arr = np.full((layout.bucket(len(stops), buckets.min_stop_ids),), -1, np.int32)
+    stop_arr = np.full((padding.bucket(len(stops), buckets.min_stop_ids),), -1, np.int32)
     stop_arr[: len(stops)] = stops
-    tokens, mask = layout.left_pad(prompt_ids, bp, p, pad_id)
-    packed = layout.pack_prefill(prompt_ids, bp, p, pad_id, row_multiple=ways)
+    tokens, mask = padding.left_pad(prompt_ids, bp, p, pad_id)
+    packed = padding.pack_prefill(prompt_ids, bp, p, pad_id, row_multiple=ways)
     b_R, i_R = np.divmod(np.arange(bp * slots, dtype=np.int32), slots)
     real_R = (b_R < num_prompts) & (i_R < n)
     row_ids = np.where(i_R < n, b_R * n + i_R, bp * n + b_R * slots + i_R).astype(np.int32)

@@ -1,10 +1,10 @@
 """An OpenAI-compatible HTTP server over the embedded sampler (`scripts/serve.py`).
 
-`server` (the routes), `serve_http` (bodies, lengths, the API key, keep-alive), `serve_limits`
+`server` (the routes), `http` (bodies, lengths, the API key, keep-alive), `request_limits`
 (the vLLM-like limits, each excess a 400 before anything compiles), `slot_scheduler`
 (continuous batching over a KV cache of slots sized by one memory budget: `slot_grid`, its
-programs compiled at start-up, `slot_programs`, `slot_engine`), `serve_batcher` (jobs, updates,
-and whole batches for backends that generate them whole), `serve_backend` (the sampler,
+programs compiled at start-up, `slot_programs`, `slot_engine`), `batching` (jobs, updates,
+and whole batches for backends that generate them whole), `embedded_backend` (the sampler,
 weights and adapters behind it) and the OpenAI formats: `openai_params` (every accepted
 parameter honoured or refused by name), `openai_choices`, `openai_format`, `openai_stream`
 (chunks sent as they decode). It serves a checkpoint for evaluation and lets the tests run the

@@ -1,4 +1,4 @@
-"""A `serve_batcher.Job`'s updates -> its reply: finished `Choice`s, or chunks as tokens come.
+"""A `batching.Job`'s updates -> its reply: finished `Choice`s, or chunks as tokens come.
 
 Streamed, each choice sends the tokens decoded so far after every decode chunk: their text pieces
 are `openai_format.text_pieces`' incremental decode, so a piece once sent is the piece the whole
@@ -17,13 +17,13 @@ import queue
 from collections.abc import Callable, Iterator
 
 from mmr_jax.rollout import base
-from mmr_jax.serving import openai_choices, serve_batcher
+from mmr_jax.serving import batching, openai_choices
 from mmr_jax.serving import openai_format as fmt
 
 POLL_S = 0.25  # how often a waiting handler checks that its client is still there
 
 
-def updates(job: serve_batcher.Job, client_gone: Callable[[], bool]):
+def updates(job: batching.Job, client_gone: Callable[[], bool]):
     """The job's `Update`s up to the final one; cancels the job when the client leaves."""
     while True:
         try:

@@ -1,7 +1,7 @@
 """OpenAI-compatible HTTP server with vLLM's request/response shapes, over any `Backend`.
 
 Routes (parameters, shapes and what is refused: docs/serving.md):
-  GET  /health, /ping, /version, /load, /metrics (Prometheus, `serve_metrics`), /v1/models
+  GET  /health, /ping, /version, /load, /metrics (Prometheus, `metrics`), /v1/models
   POST /v1/completions, /v1/chat/completions, /v1/chat/completions/batch (vLLM's batched chat),
        /invocations (SageMaker's: a chat or completion body), /ping, /reset_prefix_cache
   with `weights_dir` only (off by default, as vLLM's dev-mode and runtime-LoRA routes; the paths
@@ -14,15 +14,15 @@ Bodies and stream chunks: `openai_format`; request parsing and what is refused: 
 a parameter were absent); echo and prompt log-probs: `prompt_logprobs` (one forward pass per
 prompt). Errors are OpenAI's shape, {"error": {"message", "type", "param", "code"}}.
 
-Limits (`serve_limits`): rows, context and body size, each a 400 before anything is generated.
+Limits (`request_limits`): rows, context and body size, each a 400 before anything is generated.
 Generation: with the backend's slot engine enabled (`scripts/serve.py` does), `slot_scheduler`
 batches continuously: a request joins the running decode at the next step and a finished row
-frees its slot; else `serve_batcher` decodes the requests waiting together. Streams send tokens
+frees its slot; else `batching` decodes the requests waiting together. Streams send tokens
 as they are decoded (`openai_stream`); stop strings and clients that leave end their rows
 early. Log-probs follow the backend's `logprobs_mode` (default: after temperature, before
 top-k/top-p); with k alternatives (k > 0) the server runs one extra forward pass over
 prompt + completion for them, under the same hold of the backend as the generation.
-HTTP: `serve_http` (stdlib `http.server`). In-process: `OpenAIServer(backend, port=0).start()`.
+HTTP: `http` (stdlib `http.server`). In-process: `OpenAIServer(backend, port=0).start()`.
 """
 
 from __future__ import annotations
@@ -41,14 +41,14 @@ import numpy as np
 import mmr_jax
 from mmr_jax.rollout import base, vllm_engine
 from mmr_jax.serving import (
+    batching,
+    http,
+    metrics,
     openai_chat_params,
     openai_choices,
     openai_params,
     openai_stream,
-    serve_batcher,
-    serve_http,
-    serve_limits,
-    serve_metrics,
+    request_limits,
     slot_scheduler,
 )
 from mmr_jax.serving import openai_format as fmt
@@ -56,12 +56,12 @@ from mmr_jax.serving import openai_format as fmt
 log = logging.getLogger(__name__)
 
 HTTPError = fmt.HTTPError
-Finished = serve_batcher.Finished
+Finished = batching.Finished
 parse_completion_request = openai_params.parse_completion_request
 
 
 class Backend(Protocol):
-    """What the server needs from a model host (see `serve_backend.EmbeddedBackend`)."""
+    """What the server needs from a model host (see `embedded_backend.EmbeddedBackend`)."""
 
     model_name: str
     max_model_len: int
@@ -80,7 +80,7 @@ class Backend(Protocol):
         ignore_eos: bool,
         n_slots: int,
     ) -> Any:
-        """A decode in progress, as `sampler.start`'s `Sampling` (or `serve_batcher.Finished`
+        """A decode in progress, as `sampler.start`'s `Sampling` (or `batching.Finished`
         over a whole batch): advance(steps), progress(), cancel(rows), finished."""
 
     def top_logprobs(
@@ -114,7 +114,7 @@ class OpenAIServer:
 
     Args:
       default_max_tokens: a chat request's limit when it sets none (None: the context's room).
-      limits: what one request may ask (`serve_limits.Limits`).
+      limits: what one request may ask (`request_limits.Limits`).
       api_key: the key clients must send as `Authorization: Bearer <key>` (None: no key).
       weights_dir: turns the weight-reload and adapter routes on, for paths inside this folder
         (None: those routes answer 404).
@@ -129,22 +129,22 @@ class OpenAIServer:
         host: str = "127.0.0.1",
         port: int = 0,
         default_max_tokens: int | None = None,
-        limits: serve_limits.Limits | None = None,
+        limits: request_limits.Limits | None = None,
         api_key: str | None = None,
         weights_dir: str | os.PathLike | None = None,
         chunk_steps: int = 8,
         gather_s: float = 0.02,
     ):
         self.backend, self.default_max_tokens = backend, default_max_tokens
-        self.limits, self.api_key = limits or serve_limits.Limits(), api_key or None
+        self.limits, self.api_key = limits or request_limits.Limits(), api_key or None
         self.weights_dir = None if weights_dir is None else os.path.realpath(weights_dir)
         self.batcher = slot_scheduler.batcher_for(
             backend, self.limits, chunk_steps=chunk_steps, gather_s=gather_s
         )
-        self._http = serve_http.HTTPServer((host, port), serve_http.Handler)
+        self._http = http.HTTPServer((host, port), http.Handler)
         self._http.app = self
         self._thread: threading.Thread | None = None
-        self.metrics = serve_metrics.Metrics(backend.model_name)
+        self.metrics = metrics.Metrics(backend.model_name)
         ok = lambda body, conn: (200, None, None)
         self.routes = {
             ("GET", "/health"): ok,
@@ -229,7 +229,7 @@ class OpenAIServer:
 
     def _reply(self, request: openai_params.Request, model: str, conn, *, chat: bool, body):
         """The reply of a parsed request: a JSON body, or a stream as tokens are decoded."""
-        serve_limits.check(request, self.limits)
+        request_limits.check(request, self.limits)
         as_ids = bool(body.get("return_tokens_as_token_ids"))
         token_ids = bool(body.get("return_token_ids"))
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
@@ -250,11 +250,11 @@ class OpenAIServer:
                     chunks = fmt.completion_chunks(
                         choices, rid=rid, **meta, include_usage=request.include_usage
                     )
-                    return 200, serve_http.sse(chunks, on_close=done), None
+                    return 200, http.sse(chunks, on_close=done), None
                 done()
                 reply = fmt.completion_response(choices, rid=rid, token_ids=token_ids, **meta)
                 return 200, reply, None
-            job = self.batcher.submit(serve_batcher.Job(request, model))
+            job = self.batcher.submit(batching.Job(request, model))
         except BaseException:
             done()
             raise
@@ -271,7 +271,7 @@ class OpenAIServer:
                 job.cancel()
                 done()
 
-            return 200, serve_http.sse(chunks, on_close=close), None
+            return 200, http.sse(chunks, on_close=close), None
         try:
             choices = openai_stream.collect(
                 self.backend, job, conn.client_gone, as_ids=as_ids, prompt_info=info

@@ -169,7 +169,7 @@ def decode_step(
 
 @functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache",))
 def prefill(graphdef, state, cache, tokens_RxW, positions_RxW, segments_RxW, slots_RxW, cols_RxW):
-    """Prompts packed into rows (`layout.pack_prompts`): each token attends to the tokens of
+    """Prompts packed into rows (`padding.pack_prompts`): each token attends to the tokens of
     its own segment (id >= 0) before it, and its key/value go to column `cols_RxW` of slot
     `slots_RxW` (a column C, past the cache: padding, nothing written)."""
     model = nnx.merge(graphdef, state)

@@ -12,7 +12,7 @@ One thread runs the batch a step at a time over the KV cache's S slots (`slot_gr
     model, e.g. a LoRA adapter, waits until the running rows end).
 A request whose rows could never fit (more than S, or longer than a slot) is refused with a
 400 when it is submitted; the others wait in the queue, holding only their token ids.
-Jobs and updates are `serve_batcher`'s: a job gets an `Update` after its first step, every
+Jobs and updates are `batching`'s: a job gets an `Update` after its first step, every
 `chunk_steps` steps and when a row ends; the last has `final`.
 """
 
@@ -25,7 +25,7 @@ import threading
 import numpy as np
 
 from mmr_jax.rollout import base
-from mmr_jax.serving import serve_batcher, slot_grid
+from mmr_jax.serving import batching, slot_grid
 from mmr_jax.serving.openai_format import HTTPError
 
 log = logging.getLogger(__name__)
@@ -51,7 +51,7 @@ class _Prefill:
 
 
 class ContinuousBatcher:
-    """The decode thread over `backend` (a `serve_backend.EmbeddedBackend`, whose
+    """The decode thread over `backend` (a `embedded_backend.EmbeddedBackend`, whose
     `slot_engine()` gives the grid, cache and programs); `submit(job)` queues a job."""
 
     def __init__(self, backend, *, chunk_steps: int = 8):
@@ -79,7 +79,7 @@ class ContinuousBatcher:
 
     # ---- the queue -----------------------------------------------------------------------------
 
-    def submit(self, job: serve_batcher.Job) -> serve_batcher.Job:
+    def submit(self, job: batching.Job) -> batching.Job:
         self._check_fits(job)
         with self._cond:
             self._waiting.append(job)
@@ -290,7 +290,7 @@ class ContinuousBatcher:
         if not (done or ended_now or length == 1 or length % self.chunk_steps == 0):
             return
         job.reported_done = len(job.done_rows)
-        update = serve_batcher.Update(
+        update = batching.Update(
             [list(r.ids) for r in rows],
             [list(r.logps) for r in rows],
             [r.reason is not None for r in rows],
@@ -314,17 +314,17 @@ class ContinuousBatcher:
 
 def batcher_for(backend, limits, *, chunk_steps: int = 8, gather_s: float = 0.02):
     """A `ContinuousBatcher` when `backend` has its slot engine enabled, else the batch-at-a-time
-    `serve_batcher.Batcher` (backends that generate whole batches)."""
+    `batching.Batcher` (backends that generate whole batches)."""
     if getattr(backend, "slot_engine", lambda: None)() is not None:
         return ContinuousBatcher(backend, chunk_steps=chunk_steps)
-    return serve_batcher.Batcher(backend, limits, chunk_steps=chunk_steps, gather_s=gather_s)
+    return batching.Batcher(backend, limits, chunk_steps=chunk_steps, gather_s=gather_s)
 
 
-def _final(job, ids, backend) -> serve_batcher.Update:
+def _final(job, ids, backend) -> batching.Update:
     """The job's last update: its rows (`ids` [] for a job cancelled before it ran), with the
     top log-probs when asked."""
     if ids is not None:
-        job.last = serve_batcher.Update([[]] * job.rows, [[]] * job.rows, [True] * job.rows,
+        job.last = batching.Update([[]] * job.rows, [[]] * job.rows, [True] * job.rows,
                                         [base.FINISH_LENGTH] * job.rows)  # fmt: skip
     last = job.last
     k = job.request.logprobs

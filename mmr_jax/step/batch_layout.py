@@ -32,7 +32,7 @@ packed row rounded up to the next of a few geometric sizes (m, 1.5m, 2m, 3m, ...
 configured maximum), so the step compiles for a handful of shapes; in the packed layout T is the
 configured maximum (only L and k vary between packed steps). Nothing is ever truncated: a prompt
 or completion longer than its maximum is a `TooLongError` (the trainer drops over-long prompts
-when it loads the data, `run_data.load_prompts`).
+when it loads the data, `problem_sets.load_prompts`).
 
     packed.inputs   int32 [N / k, L]  every completion token that predicts a next one, by row
     packed.targets  int32 [N / k, L]  the token each input predicts

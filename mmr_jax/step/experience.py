@@ -2,7 +2,7 @@
 (`generate_and_score`), the DAPO variance filter (`has_variance`), and the reward / group /
 length metrics of a step's groups (`group_metrics`).
 
-The step's collection loop (dynamic sampling), its advantages and its layout are `step_batch`'s.
+The step's collection loop (dynamic sampling), its advantages and its layout are `pipeline`'s.
 
 Shape legend (docs/design.md): B prompts, G completions a prompt, T completion tokens,
 D embedding width. Everything here is host-side NumPy around the engines and the reward

@@ -11,12 +11,12 @@ each prompt is computed once for its g rows (`models.shared_prompt`), and shared
 each group's completions packed into one row (`packed` set, `batch_layout.PackedCompletions`),
 where the forward runs over real completion tokens only; same loss and gradients. Minibatches
 and updates take whole stored prompts (and packed rows) in every layout
-(`step_loss.check_minibatches`).
+(`minibatch.check_minibatches`).
 
 The model is functional here: `nnx.split` gives a graphdef, the trainable state (all `nnx.Param`,
 or only the `nnx.LoRAParam` adapters), the frozen parameters and the rest (RNG streams). The step
 is a module-level pure function of arrays, jitted once per (P, T) bucket with the state donated;
-one minibatch's log-probs and loss are `step_loss`.
+one minibatch's log-probs and loss are `minibatch`.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ import jax.numpy as jnp
 import optax
 
 from mmr_jax.algorithms import entropy_control, losses, mismatch
-from mmr_jax.config import config_types
-from mmr_jax.step import step_loss
+from mmr_jax.config import schema
+from mmr_jax.step import minibatch
 
 
 @flax.struct.dataclass
@@ -69,7 +69,7 @@ class StepConfig:
     """Static settings of the step (hashable: part of the jit cache key): the run's `loss`
     section whole, and what the step reads of the others."""
 
-    loss: config_types.LossConfig
+    loss: schema.LossConfig
     temperature: float  # rollout.temperature: the log-probs are the sampler's
     max_completion_len: int  # batch.max_completion_len: Dr.GRPO's normaliser
     logprob_chunk: int = 0  # model.logprob_chunk
@@ -127,7 +127,7 @@ def _reduce(name: str, values_M: jax.Array, tokens_M: jax.Array) -> jax.Array:
 
 def _over_iterations(name: str, values_I: jax.Array) -> jax.Array:
     """Per-iteration metrics -> one value: the extrema of all passes, else their mean."""
-    if name.startswith(step_loss.MISMATCH_STATS):
+    if name.startswith(minibatch.MISMATCH_STATS):
         return values_I[0]  # taken against the same pre-update log-probs each pass
     if name == "ratio/min":
         return values_I.min()
@@ -148,12 +148,12 @@ def _combine(aux: dict, reduce) -> dict:
     out = {
         k: reduce(k, v, aux["tokens"])
         for k, v in aux.items()
-        if not k.startswith(step_loss.MISMATCH_STATS)
+        if not k.startswith(minibatch.MISMATCH_STATS)
     }
-    prefix = len(step_loss.MISMATCH_STATS)
-    stats = {k[prefix:]: v for k, v in aux.items() if k.startswith(step_loss.MISMATCH_STATS)}
+    prefix = len(minibatch.MISMATCH_STATS)
+    stats = {k[prefix:]: v for k, v in aux.items() if k.startswith(minibatch.MISMATCH_STATS)}
     stats = mismatch.combine_mismatch_stats(stats)
-    out.update({step_loss.MISMATCH_STATS + k: v for k, v in stats.items()})
+    out.update({minibatch.MISMATCH_STATS + k: v for k, v in stats.items()})
     return out
 
 
@@ -167,7 +167,7 @@ def _over_updates(name: str, values_U: jax.Array, tokens_U: jax.Array) -> jax.Ar
 
 def _update_normalisers(mask_NxT: jax.Array, cfg: StepConfig) -> jax.Array:
     """[U] the loss denominator of each update's rows (DAPO's token mean: its own tokens)."""
-    masks = step_loss.split(mask_NxT, cfg.loss.updates_per_batch)
+    masks = minibatch.split(mask_NxT, cfg.loss.updates_per_batch)
     return jnp.stack(
         [
             losses.loss_denominator(
@@ -189,7 +189,7 @@ def train_step(
     the update's rows as one batch. With U = 1 that is the whole batch, as before this option.
     """
     m, u = cfg.loss.minibatches, cfg.loss.updates_per_batch
-    step_loss.check_minibatches(batch.prompt_tokens, batch.tokens.shape[0], m)
+    minibatch.check_minibatches(batch.prompt_tokens, batch.tokens.shape[0], m)
     if m % u:
         raise ValueError(f"loss.updates_per_batch={u} must divide loss.minibatches={m}")
     if u > 1 and batch.old_logps is None:
@@ -198,12 +198,12 @@ def train_step(
         raise ValueError("an adaptive entropy coefficient needs TrainState.entropy_coef")
     per = m // u
     mbs = jax.tree.map(
-        lambda x: step_loss.split(step_loss.split(x, m), u), batch
+        lambda x: minibatch.split(minibatch.split(x, m), u), batch
     )  # [U, M / U, N / M, ...]
     normalisers = _update_normalisers(batch.completion_mask, cfg)
     coef = cfg.loss.entropy_coef if cfg.entropy_control is None else state.entropy_coef
     loss_fn = functools.partial(
-        step_loss.minibatch_loss, graphdef=graphdef, frozen=frozen, rest=rest, cfg=cfg
+        minibatch.minibatch_loss, graphdef=graphdef, frozen=frozen, rest=rest, cfg=cfg
     )
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
     step_key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
@@ -240,9 +240,9 @@ def train_step(
         one_pass, (state.params, state.opt_state), jnp.arange(cfg.loss.iterations)
     )
     metrics = _neutral_ratio({k: _over_iterations(k, v) for k, v in metrics.items()})
-    names = [k for k in metrics if k.startswith(step_loss.MISMATCH_STATS)]
+    names = [k for k in metrics if k.startswith(minibatch.MISMATCH_STATS)]
     if names:
-        stats = {k.removeprefix(step_loss.MISMATCH_STATS): metrics.pop(k) for k in names}
+        stats = {k.removeprefix(minibatch.MISMATCH_STATS): metrics.pop(k) for k in names}
         metrics.update(mismatch.mismatch_metrics(stats))
     metrics["clip/frac"] = metrics["clip/low_frac"] + metrics["clip/high_frac"]
     metrics["lr"] = schedule(state.step * cfg.loss.iterations * u)

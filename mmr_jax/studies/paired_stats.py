@@ -1,6 +1,6 @@
 """Paired comparisons of two arms by seed: differences, t interval, exact sign-flip p, bootstrap.
 
-Pure functions on plain numbers (`study_report` builds its tables on them). With few seeds: the
+Pure functions on plain numbers (`reporting` builds its tables on them). With few seeds: the
 paired t interval and the exact sign-flip p-value over all 2^n sign patterns; a percentile
 bootstrap only from MIN_BOOTSTRAP_N pairs on (with 3 pairs its bounds are always the smallest and
 largest difference: a range, not evidence), enumerated exactly up to EXACT_BOOTSTRAP_MAX_N pairs.

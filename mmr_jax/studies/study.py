@@ -6,10 +6,10 @@ Layout of a study folder:
                                     another config is refused, the differing keys named
     <folder>/<variant>_s<seed>/     one trainer workdir per run (run.json, checkpoints, metrics)
     <folder>/<variant>_s<seed>/study_run.json   written when the run ends: finished | diverged
-    <folder>/study.json, report.md, curves.png  the aggregate (`study_report`)
+    <folder>/study.json, report.md, curves.png  the aggregate (`reporting`)
 
 The folder may be in a bucket (gs://, `run_paths`): every path here is an `epath.Path`. On
-several hosts every run trains on all of them (`study_hosts`: `run_study(hosts=Hosts())`).
+several hosts every run trains on all of them (`on_hosts`: `run_study(hosts=Hosts())`).
 
 Re-running the same study skips runs with a `study_run.json`, and the trainer resumes an
 interrupted run from its latest checkpoint. A run whose loss became non-finite is marked diverged
@@ -28,9 +28,9 @@ from typing import Any
 import jax
 import ml_collections
 
-from mmr_jax.config import config_checks, config_types
+from mmr_jax.config import checks, schema
 from mmr_jax.infra import console, metrics, run_paths
-from mmr_jax.training import checkpoint, run_guard
+from mmr_jax.training import checkpoint, workdir_guard
 
 STUDY_FILE = "study_config.json"
 RUN_FILE = "study_run.json"
@@ -48,7 +48,7 @@ class RunSpec:
     name: str
     variant: str
     seed: int
-    cfg: config_types.TrainConfig
+    cfg: schema.TrainConfig
 
 
 def _plain(tree) -> Any:
@@ -100,7 +100,7 @@ def plan(study: ml_collections.ConfigDict) -> list[RunSpec]:
     # every variant, so its paired comparisons are usable at any point.
     for seed in study.seeds:
         for variant in study.run:
-            cfg = config_checks.from_config_dict(train_config(study, variant, seed))
+            cfg = checks.from_config_dict(train_config(study, variant, seed))
             if cfg.eval.every <= 0:
                 raise ValueError("a study needs held-out evaluation: set train.eval.every > 0")
             if cfg.logging.every != 1:
@@ -196,7 +196,7 @@ def run_study(
     reads only each run's metrics, and the last checkpoint of every ended run would otherwise
     stay on disk (1.4 GB a SmolLM2 run, 42 GB for a 30-run study).
     `hosts`: this is one of the study's processes on several hosts, and `hosts` their agreements
-    (`study_hosts.Hosts`; `train_fn` trains each run in a child that joins the run's cluster):
+    (`on_hosts.Hosts`; `train_fn` trains each run in a child that joins the run's cluster):
     the processes agree on the folder and on each run's outcome, and process 0 alone writes.
     """
     from mmr_jax.training import trainer
@@ -263,7 +263,7 @@ def _release_run_memory() -> None:
     Each run jits its own train step and sampler (new closures over its model), which JAX's
     caches keep, with whatever they reference, after the run ends. Clearing them helps little in
     practice (a study process still grew from 11.7 to 12.8 GB between runs); a process a run
-    (`run_process.train_in_child`, which the study script uses) is the robust fix. Kept for
+    (`own_process.train_in_child`, which the study script uses) is the robust fix. Kept for
     in-process `train_fn`s.
     """
     import gc
@@ -275,7 +275,7 @@ def _release_run_memory() -> None:
 
 # What `archive` keeps: the study's own files, and of each ended run what the report reads.
 ARCHIVE_STUDY_FILES = (STUDY_FILE, "study.json", "report.md", "curves.png")
-ARCHIVE_RUN_FILES = (metrics.METRICS_FILE, run_guard.RUN_FILE, RUN_FILE)
+ARCHIVE_RUN_FILES = (metrics.METRICS_FILE, workdir_guard.RUN_FILE, RUN_FILE)
 
 
 def archive(folder, dest) -> list[str]:
@@ -331,7 +331,7 @@ def read_curve(workdir, metric: str = EVAL_METRIC) -> dict:
 
 def collect(study: ml_collections.ConfigDict, specs: list[RunSpec]) -> dict:
     """Everything `study.json` holds: the study keys, every run's status and curves, the summary."""
-    from mmr_jax.studies import study_report
+    from mmr_jax.studies import reporting
 
     folder = run_paths.as_path(study.folder)
     runs = []
@@ -355,24 +355,24 @@ def collect(study: ml_collections.ConfigDict, specs: list[RunSpec]) -> dict:
         "eval_every": cfg.eval.every,
         "metric": EVAL_METRIC,
     }
-    return {"study": meta, "runs": runs, "summary": study_report.summarise(runs, meta)}
+    return {"study": meta, "runs": runs, "summary": reporting.summarise(runs, meta)}
 
 
-def base_accuracy(cfg: config_types.TrainConfig):
+def base_accuracy(cfg: schema.TrainConfig):
     """Held-out evaluation of the untrained checkpoint, as the run would evaluate it at step 0."""
     import transformers
 
     from mmr_jax.models import hub
     from mmr_jax.problems import evaluation
     from mmr_jax.rollout import embedded
-    from mmr_jax.training import run_data
+    from mmr_jax.training import problem_sets
 
     path = hub.resolve_checkpoint(cfg.model.path)
     e = cfg.eval
     return evaluation.evaluate(
         embedded.EmbeddedEngine.from_pretrained(path, seed=cfg.seed),
         transformers.AutoTokenizer.from_pretrained(path),
-        run_data.eval_problems(cfg),
+        problem_sets.eval_problems(cfg),
         n=e.n,
         temperature=e.temperature,
         top_p=e.top_p,

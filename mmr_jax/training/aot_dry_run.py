@@ -28,7 +28,7 @@ from typing import Any
 
 import jax
 
-from mmr_jax.config import config_types
+from mmr_jax.config import schema
 from mmr_jax.infra import aot_targets
 from mmr_jax.kernels import compile_platform
 from mmr_jax.models import attention_impl, attention_probe
@@ -57,7 +57,7 @@ class Row:
         return None if self.figures is None else self.figures.peak_bytes + self.resident_bytes
 
 
-def attention_plan(cfg: config_types.TrainConfig, mcfg, target) -> list[tuple[str, str, bool]]:
+def attention_plan(cfg: schema.TrainConfig, mcfg, target) -> list[tuple[str, str, bool]]:
     """[(backend, why, required)] of the training forwards on `target`, by the start-up rule
     (`attention_probe.choose`): 'auto' cannot probe without a device, so on a GPU its first
     candidate and the 'xla' fallback are both compiled; cuDNN needs bf16/fp16. Raises ValueError
@@ -156,7 +156,7 @@ def _sampler_rows(cfg, mesh, policy, master, trainer_bytes) -> list[Row]:
     return [prefill, loop]
 
 
-def run(cfg: config_types.TrainConfig, target, *, policies=None) -> dict[str, Any]:
+def run(cfg: schema.TrainConfig, target, *, policies=None) -> dict[str, Any]:
     """Compiles the run's programs for `target` (an `aot_targets.Target`); returns the report:
     the target, the mesh, the attention plan and one `Row` a program."""
     devices = aot_targets.compile_only_devices(target)

@@ -1,6 +1,6 @@
 """Builds what a run needs from a `TrainConfig`: model (split for the functional step), optimiser,
 train state, rollout engine, encoder (`compiled_dry_run.dry_run`: the same, abstractly; the
-prompts are `run_data`'s).
+prompts are `problem_sets`'s).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from flax import nnx
 
 from mmr_jax import distributed, rollout
 from mmr_jax.algorithms import entropy_control as entropy_control_lib
-from mmr_jax.config import config_types
+from mmr_jax.config import schema
 from mmr_jax.models import attention_probe, hub, loading, random_init, sharding
 from mmr_jax.models import config as model_config
 from mmr_jax.models import lora as lora_lib
@@ -45,7 +45,7 @@ class Policy:
         return nnx.merge(gd, self.params if params is None else params, self.frozen, self.rest)
 
 
-def lora_config(cfg: config_types.TrainConfig) -> lora_lib.LoraConfig | None:
+def lora_config(cfg: schema.TrainConfig) -> lora_lib.LoraConfig | None:
     if not cfg.lora.enabled:
         return None
     return lora_lib.LoraConfig(
@@ -57,7 +57,7 @@ def lora_config(cfg: config_types.TrainConfig) -> lora_lib.LoraConfig | None:
     )
 
 
-def make_mesh(cfg: config_types.TrainConfig):
+def make_mesh(cfg: schema.TrainConfig):
     """The config's mesh over every process's devices (hybrid on several hosts by default)."""
     mesh = sharding.make_mesh(*cfg.mesh.shape, layout=cfg.mesh.layout)
     logging.info(
@@ -79,7 +79,7 @@ def split_model(model: nnx.Module) -> Policy:
     return Policy(graphdef, eval_graphdef, params, frozen, rest, lora=trainable is nnx.LoRAParam)
 
 
-def load_policy(cfg: config_types.TrainConfig, mesh=None) -> Policy:
+def load_policy(cfg: schema.TrainConfig, mesh=None) -> Policy:
     """Loads `cfg.model.path` (with adapters when LoRA is on); with `model.init='random'`,
     random weights of its architecture (`random_init.random_model`). The model's attention
     backend is `attention_choice(cfg, ...)`: 'auto' resolved here, before any trace."""
@@ -110,7 +110,7 @@ def load_policy(cfg: config_types.TrainConfig, mesh=None) -> Policy:
 
 
 def attention_choice(
-    cfg: config_types.TrainConfig, mcfg: model_config.ModelConfig
+    cfg: schema.TrainConfig, mcfg: model_config.ModelConfig
 ) -> attention_probe.Choice:
     """The attention backend of the run's training forwards (`attention_probe.choose`, run once
     per process and shape: the trainer's header and run.json read the same answer)."""
@@ -120,7 +120,7 @@ def attention_choice(
         mcfg.num_heads,
         mcfg.num_kv_heads,
         mcfg.head_dim,
-        packed=bool(cfg.batch.shared_prompt and cfg.batch.pack_max_len),  # step_batch.layout
+        packed=bool(cfg.batch.shared_prompt and cfg.batch.pack_max_len),  # pipeline.layout
     )
 
 
@@ -131,7 +131,7 @@ def _attention_choice(impl, dtype, heads, kv_heads, head_dim, *, packed):
     return choice
 
 
-def load_tokenizer(cfg: config_types.TrainConfig):
+def load_tokenizer(cfg: schema.TrainConfig):
     """The checkpoint's tokenizer; with `model.init='random'`, a byte-level one of the
     architecture's vocabulary size built in memory (`random_init.byte_tokenizer`)."""
     if cfg.model.init == "random":
@@ -141,7 +141,7 @@ def load_tokenizer(cfg: config_types.TrainConfig):
     return hub.load_tokenizer(cfg.model.path, "model.path")
 
 
-def weights_note(cfg: config_types.TrainConfig) -> str:
+def weights_note(cfg: schema.TrainConfig) -> str:
     """What the run's weights are, for its console header: random ones said plainly."""
     if cfg.model.init == "random":
         return (
@@ -151,7 +151,7 @@ def weights_note(cfg: config_types.TrainConfig) -> str:
     return f"model {cfg.model.path}"
 
 
-def make_optimizer(cfg: config_types.TrainConfig):
+def make_optimizer(cfg: schema.TrainConfig):
     o = cfg.optim
     return train_step.make_optimizer(
         lr=o.lr,
@@ -166,9 +166,7 @@ def make_optimizer(cfg: config_types.TrainConfig):
     )
 
 
-def init_state(
-    cfg: config_types.TrainConfig, params, optimizer, mesh=None
-) -> train_step.TrainState:
+def init_state(cfg: schema.TrainConfig, params, optimizer, mesh=None) -> train_step.TrainState:
     """The step-0 state. With a mesh, leaves without a sharding (step, counts, RNG) are replicated
     on it, as the train step's outputs will be, so that the step compiles only once."""
     state = _init_state(cfg, params, optimizer)
@@ -186,7 +184,7 @@ def init_state(
     return jax.tree.map(place, state)
 
 
-def _init_state(cfg: config_types.TrainConfig, params, optimizer) -> train_step.TrainState:
+def _init_state(cfg: schema.TrainConfig, params, optimizer) -> train_step.TrainState:
     return train_step.TrainState(
         step=jnp.zeros([], jnp.int32),
         params=params,
@@ -196,7 +194,7 @@ def _init_state(cfg: config_types.TrainConfig, params, optimizer) -> train_step.
     )
 
 
-def step_config(cfg: config_types.TrainConfig) -> train_step.StepConfig:
+def step_config(cfg: schema.TrainConfig) -> train_step.StepConfig:
     """The train step's static settings: the loss section, and what the step reads of the rest."""
     return train_step.StepConfig(
         loss=cfg.loss,
@@ -207,7 +205,7 @@ def step_config(cfg: config_types.TrainConfig) -> train_step.StepConfig:
     )
 
 
-def train_graphdef(cfg: config_types.TrainConfig, policy: Policy):
+def train_graphdef(cfg: schema.TrainConfig, policy: Policy):
     """The train step's graphdef: LoRA dropout on, except when the step takes more than one
     optimiser update. From the second update on the ratio divides the training forward by the
     dropout-free old log-probs, and dropout's noise alone then moves GSPO's sequence ratio past
@@ -219,7 +217,7 @@ def train_graphdef(cfg: config_types.TrainConfig, policy: Policy):
     return policy.graphdef
 
 
-def entropy_control(cfg: config_types.TrainConfig):
+def entropy_control(cfg: schema.TrainConfig):
     """The adaptive entropy coefficient's constants, or None (a fixed `loss.entropy_coef`)."""
     loss = cfg.loss
     if loss.entropy_target <= 0:
@@ -232,7 +230,7 @@ def entropy_control(cfg: config_types.TrainConfig):
     )
 
 
-def make_engine(cfg: config_types.TrainConfig, policy: Policy, tokenizer, workdir, mesh=None):
+def make_engine(cfg: schema.TrainConfig, policy: Policy, tokenizer, workdir, mesh=None):
     """The run's rollout engine (`cfg.rollout.engine`), already holding the policy's weights.
 
     With several processes, one engine per process over its share of the prompts
@@ -255,8 +253,8 @@ def make_engine(cfg: config_types.TrainConfig, policy: Policy, tokenizer, workdi
     return distributed.ShareEngine(_engine(local_cfg, local, tokenizer, workdir, local_mesh))
 
 
-def _engine(cfg: config_types.TrainConfig, policy: Policy, tokenizer, workdir, mesh):
-    from mmr_jax.rollout import embedded, layout, stops
+def _engine(cfg: schema.TrainConfig, policy: Policy, tokenizer, workdir, mesh):
+    from mmr_jax.rollout import embedded, padding, stops
 
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     if cfg.model.init == "random":  # no checkpoint folder: the built tokenizer's EOS
@@ -267,7 +265,7 @@ def _engine(cfg: config_types.TrainConfig, policy: Policy, tokenizer, workdir, m
         stop_ids = stops.stop_token_ids(local, tokenizer)
     if cfg.rollout.engine == "embedded":
         # Training prompts padded to one shape: the sampler compiles once, not per prompt length.
-        buckets = layout.Buckets(
+        buckets = padding.Buckets(
             min_prompts=cfg.batch.prompts,
             min_prompt_len=cfg.batch.max_prompt_len,
             min_new_tokens=cfg.batch.max_completion_len,

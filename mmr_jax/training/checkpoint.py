@@ -2,7 +2,7 @@
 
 Layout of a workdir:
 
-    <workdir>/run.json            the config of the run (`run_guard`: refuses another config's)
+    <workdir>/run.json            the config of the run (`workdir_guard`: refuses another config's)
     <workdir>/checkpoints/<step>/state   params (or LoRA adapters), optimiser state, RNG key data
     <workdir>/checkpoints/<step>/meta    JSON: step, data-iterator position, anything host-side
 
@@ -17,7 +17,7 @@ filesystem or bucket, `checkpoint_read.is_transient`) is retried with backoff, a
 stops the run with `CheckpointReadError`: the step is not moved aside and the metrics are not cut
 back to an older one (`checkpoint_read` also holds the Orbax internals a failed read relies on).
 A write that fails (full disk, read-only folder) raises `WorkdirWriteError` naming the path; what
-was already saved is left as it was. The HF exports of a run are `run_export`'s.
+was already saved is left as it was. The HF exports of a run are `hf_export`'s.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from absl import logging
 
 from mmr_jax import distributed
 from mmr_jax.infra import run_paths, user_errors
-from mmr_jax.training import checkpoint_layout, checkpoint_read
+from mmr_jax.training import checkpoint_read, checkpoint_unstacked
 
 CKPT_DIR = "checkpoints"
 
@@ -265,9 +265,9 @@ class Checkpointer:
 
     def _restore_step(self, step: int, abstract, args):
         # Written before the decoder's layers were stacked: stacked while restoring.
-        if checkpoint_layout.has_unstacked_layers(self.directory / str(step)):
+        if checkpoint_unstacked.has_unstacked_layers(self.directory / str(step)):
             logging.info("checkpoint step %d has per-layer parameters: stacking them", step)
-            return checkpoint_layout.restore(self._manager, step, abstract)
+            return checkpoint_unstacked.restore(self._manager, step, abstract)
         return self._manager.restore(step, args=args)
 
     def _move_aside(self, step: int, err: BaseException) -> None:

@@ -26,7 +26,7 @@ import numpy as np
 from absl import logging
 from flax import nnx
 
-from mmr_jax.config import config_types
+from mmr_jax.config import schema
 from mmr_jax.models import config as model_config
 from mmr_jax.models import loading, sharding
 from mmr_jax.training import build, dry_run_programs
@@ -65,7 +65,7 @@ class Compiled:
         return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes
 
 
-def config_mesh(cfg: config_types.TrainConfig, devices=None, hosts=None) -> jax.sharding.Mesh:
+def config_mesh(cfg: schema.TrainConfig, devices=None, hosts=None) -> jax.sharding.Mesh:
     """The config's (data, fsdp, tensor) mesh over `devices` (default: all); `hosts[i]`, the host
     of device i, lays it as on that many hosts (virtual devices grouped as a pod's hosts)."""
     return sharding.make_mesh(*cfg.mesh.shape, devices=devices, layout=cfg.mesh.layout, hosts=hosts)
@@ -108,19 +108,19 @@ def _cost(compiled) -> dict[str, float]:
     return {k: float(v) for k, v in (cost or {}).items() if k in ("flops", "optimal_seconds")}
 
 
-def compile_train_step(cfg: config_types.TrainConfig, mesh, *, remat: str | None = None):
+def compile_train_step(cfg: schema.TrainConfig, mesh, *, remat: str | None = None):
     """The trainer's jitted train step, lowered and compiled on `mesh` for the largest batch."""
     step, args = train_step_program(cfg, mesh, remat=remat)
     return measure(f"train step (remat {remat or cfg.model.remat})", step, *args)[0]
 
 
-def compile_decode_step(cfg: config_types.TrainConfig, mesh) -> Compiled:
+def compile_decode_step(cfg: schema.TrainConfig, mesh) -> Compiled:
     """One decode step of the embedded sampler's model for all B * G rows, on `mesh`."""
     step, args = decode_step_program(cfg, mesh)
     return measure("decode step", step, *args)[0]
 
 
-def run(cfg: config_types.TrainConfig, *, policies=None, hosts=None) -> dict[str, Any]:
+def run(cfg: schema.TrainConfig, *, policies=None, hosts=None) -> dict[str, Any]:
     """Compiles the train step (for each remat policy in `policies`, default: the config's) and
     the decode step on the config's mesh over this host's devices (`hosts`: as `config_mesh`);
     returns the figures."""
@@ -158,7 +158,7 @@ def format_table(result: dict[str, Any]) -> str:
 
 
 def dry_run_mesh_sizes(
-    cfg: config_types.TrainConfig, *, hosts: int, devices_per_host: int
+    cfg: schema.TrainConfig, *, hosts: int, devices_per_host: int
 ) -> dict[str, int]:
     """The (data, fsdp, tensor) sizes `make_mesh` gives `cfg.mesh` on `hosts` x `devices_per_host`
     devices (`sharding.mesh_sizes`: its layout and errors). A shape written in full is taken as
@@ -171,7 +171,7 @@ def dry_run_mesh_sizes(
     )
 
 
-def dry_run(cfg: config_types.TrainConfig) -> dict[str, Any]:
+def dry_run(cfg: schema.TrainConfig) -> dict[str, Any]:
     """Builds model, optimiser state and mesh abstractly (no weights); returns, logs the sizes.
 
     The mesh is the one this cluster's run builds (`dry_run_mesh_sizes` over its processes).

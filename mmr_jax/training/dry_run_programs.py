@@ -6,7 +6,7 @@ compile-only devices of a TPU or GPU). Each is the run's own jitted function, fe
 - `train_step_program`: `train_step.jit_train_step` on the step's largest batch in the configured
   layout (full rows, shared prompt, or packed: every completion at max_completion_len, so the
   packed rows are the longest and fewest completions a row that such a batch gets);
-- `logprob_program`: the trainer's jitted `step_loss.logprobs_fn` on that batch (the reference or
+- `logprob_program`: the trainer's jitted `minibatch.logprobs_fn` on that batch (the reference or
   old log-probs), when the config computes them;
 - `prefill_program`, `decode_loop_program`: the embedded sampler's packed prefill
   (`rollout.prefill.prefill`) and its decode loop (`sampler._generate`, the first call: the
@@ -31,11 +31,11 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from mmr_jax.config import config_types
+from mmr_jax.config import schema
 from mmr_jax.models import config as model_config
 from mmr_jax.models import kv_cache, loading, sharding
-from mmr_jax.rollout import layout, prefill, sampler
-from mmr_jax.step import batch_layout, step_batch, step_loss, train_step
+from mmr_jax.rollout import padding, prefill, sampler
+from mmr_jax.step import batch_layout, minibatch, pipeline, train_step
 from mmr_jax.training import build
 
 
@@ -52,7 +52,7 @@ def _with_shardings(state, mesh):
 
 
 def abstract_policy(
-    cfg: config_types.TrainConfig,
+    cfg: schema.TrainConfig,
     mesh,
     *,
     remat: str | None = None,
@@ -135,7 +135,7 @@ def abstract_state(cfg, params, mesh) -> train_step.TrainState:
     )
 
 
-def packed_shape(cfg: config_types.TrainConfig) -> tuple[int, int]:
+def packed_shape(cfg: schema.TrainConfig) -> tuple[int, int]:
     """(k, L) of the packed layout's largest step: every completion max_completion_len long, k
     the completions a row (`batch_layout.packed_group`), L its packed bucket."""
     b = cfg.batch
@@ -146,8 +146,8 @@ def packed_shape(cfg: config_types.TrainConfig) -> tuple[int, int]:
     return k, batch_layout.bucket_for(k * (b.max_completion_len - 1), sizes, "packed row")
 
 
-def abstract_batch(cfg: config_types.TrainConfig, mesh) -> train_step.Batch:
-    """The step's largest batch in the configured layout (`step_batch.layout`), split over the
+def abstract_batch(cfg: schema.TrainConfig, mesh) -> train_step.Batch:
+    """The step's largest batch in the configured layout (`pipeline.layout`), split over the
     mesh's (data, fsdp) axes; an array whose rows do not divide is replicated, as the trainer
     places it (`distributed.row_sharding`; e.g. 8 prompts on 16 devices)."""
     from mmr_jax import distributed
@@ -158,7 +158,7 @@ def abstract_batch(cfg: config_types.TrainConfig, mesh) -> train_step.Batch:
     def arr(shape, dtype):
         return jax.ShapeDtypeStruct(shape, dtype, sharding=distributed.row_sharding(shape, mesh))
 
-    kind = step_batch.layout(cfg)
+    kind = pipeline.layout(cfg)
     width = p + t if kind == "full" else t
     prompts = n // batch_layout.group_size(b.generations, n, cfg.loss.minibatches)
     packed = None
@@ -173,7 +173,7 @@ def abstract_batch(cfg: config_types.TrainConfig, mesh) -> train_step.Batch:
         attention_mask=arr((n, width), jnp.bool_),
         completion_mask=arr((n, t), jnp.bool_),
         advantages=arr((n,), jnp.float32),
-        old_logps=arr((n, t), jnp.float32) if step_batch.needs_old_logps(cfg) else None,
+        old_logps=arr((n, t), jnp.float32) if pipeline.needs_old_logps(cfg) else None,
         ref_logps=arr((n, t), jnp.float32) if cfg.loss.beta > 0 else None,
         sampler_logps=arr((n, t), jnp.float32) if cfg.loss.tis_cap > 0 else None,
         prompt_tokens=None if kind == "full" else arr((prompts, p), jnp.int32),
@@ -202,11 +202,11 @@ def train_step_program(
 
 def logprob_program(cfg, mesh, *, attention: str | None = None):
     """(the trainer's jitted log-prob pass, its abstract arguments), or None when the config
-    computes no reference or old log-probs (`step_batch.make_batch`)."""
+    computes no reference or old log-probs (`pipeline.make_batch`)."""
     policy, _, (params, frozen, rest) = abstract_policy(cfg, mesh, attention=attention)
     dropout = policy.lora and cfg.lora.dropout > 0
     ref = cfg.loss.beta > 0
-    if not (ref or step_batch.needs_old_logps(cfg) or (dropout and cfg.loss.tis_cap > 0)):
+    if not (ref or pipeline.needs_old_logps(cfg) or (dropout and cfg.loss.tis_cap > 0)):
         return None
     batch = abstract_batch(cfg, mesh)
     static = dict(
@@ -219,7 +219,7 @@ def logprob_program(cfg, mesh, *, attention: str | None = None):
     )
 
     def logps(params, frozen, rest, tokens, mask, prompt_tokens, prompt_mask, packed):
-        return step_loss.logprobs_fn(
+        return minibatch.logprobs_fn(
             params, frozen, rest, tokens, mask,
             prompt_tokens=prompt_tokens, prompt_mask=prompt_mask, packed=packed, **static,
         )  # fmt: skip
@@ -248,11 +248,11 @@ def _sampler_shapes(cfg, mesh, data_parallel):
     """(bp prompts, P slots, num_new slots) of the run's sampler calls (`sampler.start`)."""
     b = cfg.batch
     ways = sharding.batch_size(mesh) if data_parallel else 1
-    bp = -(-layout.bucket(b.prompts, b.prompts) // ways) * ways
+    bp = -(-padding.bucket(b.prompts, b.prompts) // ways) * ways
     return (
         bp,
-        layout.length_bucket(b.max_prompt_len, max(b.max_prompt_len, 2)),
-        layout.length_bucket(b.max_completion_len, b.max_completion_len),
+        padding.length_bucket(b.max_prompt_len, max(b.max_prompt_len, 2)),
+        padding.length_bucket(b.max_completion_len, b.max_completion_len),
     )
 
 
@@ -295,7 +295,7 @@ def decode_loop_program(cfg, mesh, graphdef, state, data_parallel, prompt_cache)
         arr((), jnp.uint32, whole),
         *(arr((), dt, whole) for dt in (jnp.int32, jnp.int32, jnp.int32)),
         *(arr((), dt, whole) for dt in (jnp.float32, jnp.int32, jnp.float32)),
-        arr((layout.Buckets().min_stop_ids,), jnp.int32, whole),
+        arr((padding.Buckets().min_stop_ids,), jnp.int32, whole),
     )
     return jax.jit(fn), args
 

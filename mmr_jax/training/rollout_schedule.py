@@ -12,7 +12,7 @@ checkpoint records: off-policy, before the prefetched step's prompts, so that a 
 that step again, nothing skipped or trained twice) and `close`. The background worker is
 `rollout.prefetch.Prefetcher`; the first step of a run and the first after a resume are sampled
 in the foreground (lag 0); each off-policy step logs `rollout/policy_lag`. The one-process rule
-of the off-policy loop is a config check (`config_checks.check_processes`).
+of the off-policy loop is a config check (`checks.check_processes`).
 """
 
 from __future__ import annotations
@@ -22,13 +22,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from mmr_jax.config import config_types
+from mmr_jax.config import schema
 from mmr_jax.rollout import prefetch
-from mmr_jax.step import step_batch
+from mmr_jax.step import pipeline
 
 
 def make(
-    cfg: config_types.TrainConfig,
+    cfg: schema.TrainConfig,
     *,
     prompts,
     engine,
@@ -39,11 +39,11 @@ def make(
     model: Callable[[Any], Any],
     version: int,
 ) -> OnPolicyRollouts | OffPolicyRollouts:
-    """The schedule of `cfg.rollout.off_policy_lag` over `step_batch.collect`; off-policy, the
+    """The schedule of `cfg.rollout.off_policy_lag` over `pipeline.collect`; off-policy, the
     engine gets weights of its own (`prefetch.own`: `model(params)` at `version`)."""
 
     def collect_fn(step: int, timings: dict):
-        groups, info = step_batch.collect(cfg, prompts, engine, tokenizer, encoder, step, timings)
+        groups, info = pipeline.collect(cfg, prompts, engine, tokenizer, encoder, step, timings)
         info["data/prompts_dropped"] = float(prompts_dropped)
         return groups, info
 

@@ -4,11 +4,11 @@
     (none | mmr | dra) and advantages -> layout -> reference / old log-probs -> jitted update ->
     weight sync -> metrics -> checkpoint -> periodic evaluation
 
-The host side of a step up to the update is `step.step_batch`, read top to bottom; which rollout
+The host side of a step up to the update is `step.pipeline`, read top to bottom; which rollout
 feeds a step (now, or prefetched while the previous one trained) is `rollout_schedule`'s. Side
 effects (engines, files, clocks, logging) live here; the math lives in `algorithms` and
-`step.train_step`. How a run ends (its named errors, its close) is `run_end`'s; its HF exports
-are `run_export`'s. Entry points: `train(cfg, workdir)`, `compiled_dry_run.dry_run(cfg)`.
+`step.train_step`. How a run ends (its named errors, its close) is `shutdown`'s; its HF exports
+are `hf_export`'s. Entry points: `train(cfg, workdir)`, `compiled_dry_run.dry_run(cfg)`.
 """
 
 from __future__ import annotations
@@ -23,19 +23,19 @@ import jax
 from absl import logging
 
 from mmr_jax import distributed
-from mmr_jax.config import config_checks, config_types
+from mmr_jax.config import checks, schema
 from mmr_jax.infra import compile_stats, console, faults, metrics, run_paths
 from mmr_jax.problems import data
 from mmr_jax.rollout import prefetch
-from mmr_jax.step import shape_reuse, step_batch, train_step
+from mmr_jax.step import pipeline, shape_reuse, train_step
 from mmr_jax.training import (
     build,
     checkpoint,
+    hf_export,
+    problem_sets,
     rollout_schedule,
-    run_data,
-    run_end,
-    run_export,
-    run_guard,
+    shutdown,
+    workdir_guard,
 )
 
 
@@ -48,7 +48,7 @@ class Run:
     """Everything a running training job holds (its state, the one part that changes, is kept by
     the loop and `save`)."""
 
-    cfg: config_types.TrainConfig
+    cfg: schema.TrainConfig
     workdir: str
     tokenizer: Any
     prompts: data.PromptIterator  # yields (prompt ids, answer) pairs
@@ -64,7 +64,7 @@ class Run:
 
 
 def setup(
-    cfg: config_types.TrainConfig, workdir, *, overwrite: bool = False
+    cfg: schema.TrainConfig, workdir, *, overwrite: bool = False
 ) -> tuple[Run, train_step.TrainState]:
     """Builds the run and its state, resuming from the latest checkpoint in `workdir`."""
     from mmr_jax.step import embeddings
@@ -72,11 +72,11 @@ def setup(
     run_paths.check(workdir)  # on every process, before any collective
     distributed.check_same_config(cfg.to_dict())  # before anything is built or written
     distributed.check_batch_split(cfg.batch.prompts)
-    config_checks.check_processes(cfg, jax.process_count())
-    prepare = lambda: run_guard.prepare_workdir(workdir, cfg.to_dict(), overwrite=overwrite)
+    checks.check_processes(cfg, jax.process_count())
+    prepare = lambda: workdir_guard.prepare_workdir(workdir, cfg.to_dict(), overwrite=overwrite)
     workdir = os.fspath(distributed.primary_first(prepare, "to prepare the workdir") or workdir)
     tokenizer = build.load_tokenizer(cfg)  # model.init=random: built in memory, no download
-    prompt_ids, answers, prompts_dropped = run_data.load_prompts(cfg, tokenizer)
+    prompt_ids, answers, prompts_dropped = problem_sets.load_prompts(cfg, tokenizer)
     prompts = data.PromptIterator(
         list(zip(prompt_ids, answers, strict=True)), cfg.batch.prompts, cfg.seed
     )
@@ -95,7 +95,7 @@ def setup(
     state, resume_step, lengths_state = _restore(ckpt, state, prompts)
     _header(cfg, workdir, resume_step, policy.attention)
     if resume_step is not None and cfg.checkpoint.export_hf:
-        run_export.export_if_missing(cfg, policy, state, workdir, resume_step)
+        hf_export.export_if_missing(cfg, policy, state, workdir, resume_step)
     # A vLLM server's sync folder and log stay local: a bucket workdir's staging folder.
     engine = build.make_engine(cfg, policy, tokenizer, run_paths.open_run(workdir).local, mesh)
     engine.sync_weights(policy.model(state.params), version=int(state.step))
@@ -131,10 +131,10 @@ def setup(
         else metrics.NullWriter()
     )
     lengths = None
-    if step_batch.layout(cfg) == "packed" and cfg.batch.compile_price_steps > 0:
+    if pipeline.layout(cfg) == "packed" and cfg.batch.compile_price_steps > 0:
         lengths = shape_reuse.LengthChooser.from_state(lengths_state, cfg.batch.compile_price_steps)
     if jax.process_index() == 0:  # started: the workdir is this run's (a failed start claims none)
-        run_guard.claim(workdir, cfg.to_dict(), attention_impl=policy.attention)
+        workdir_guard.claim(workdir, cfg.to_dict(), attention_impl=policy.attention)
     run = Run(
         cfg=cfg,
         workdir=workdir,
@@ -164,8 +164,8 @@ def _restore(ckpt: checkpoint.Checkpointer, state: train_step.TrainState, prompt
     return train_step.TrainState(**tree), int(meta["step"]), meta.get("packed_lengths")
 
 
-def _header(cfg: config_types.TrainConfig, workdir: str, resume_step, attention) -> None:
-    from mmr_jax.training import run_header
+def _header(cfg: schema.TrainConfig, workdir: str, resume_step, attention) -> None:
+    from mmr_jax.training import method_line
 
     devices = jax.devices()
     console.info(
@@ -179,9 +179,9 @@ def _header(cfg: config_types.TrainConfig, workdir: str, resume_step, attention)
         workdir,
         f"resuming from step {resume_step}" if resume_step is not None else "new run",
     )
-    console.info("method: %s", run_header.method_line(cfg))
+    console.info("method: %s", method_line.method_line(cfg))
     if distributed.is_primary():
-        for line in config_checks.advisories(cfg):
+        for line in checks.advisories(cfg):
             logging.warning("config: %s", line)
 
 
@@ -217,7 +217,7 @@ def save(run: Run, state: train_step.TrainState, step: int) -> None:
     if run.cfg.checkpoint.export_hf:
         run.checkpointer.wait()
         out = os.path.join(run.workdir, f"step_{step}")
-        run_export.export(run.cfg, run.policy.model(state.params), out, step)
+        hf_export.export(run.cfg, run.policy.model(state.params), out, step)
         console.info("exported step %d -> %s", step, out)
 
 
@@ -227,7 +227,7 @@ def evaluate(run: Run, step: int) -> dict[str, float]:
 
     e = run.cfg.eval
     t0 = time.perf_counter()
-    problems = run_data.eval_problems(run.cfg)
+    problems = problem_sets.eval_problems(run.cfg)
     result = evaluation.evaluate(
         run.engine,
         run.tokenizer,
@@ -267,7 +267,7 @@ def step_timings(info: dict, timings: dict, t_step: float) -> None:
     info["throughput/tokens_per_s"] = info["throughput/tokens"] / info["time/step"]
 
 
-def train(cfg: config_types.TrainConfig, workdir, *, overwrite: bool = False) -> dict[str, float]:
+def train(cfg: schema.TrainConfig, workdir, *, overwrite: bool = False) -> dict[str, float]:
     """Trains to `cfg.total_steps`, resuming from `workdir`; returns the last step's metrics.
 
     A step's metrics are fetched while the next step's update runs (the device is not stalled);
@@ -291,7 +291,7 @@ def train(cfg: config_types.TrainConfig, workdir, *, overwrite: bool = False) ->
             t_step, timings = time.perf_counter(), {}
             # step's groups (off-policy: sampled while step - 1 trained; step + 1's rollout starts)
             groups, info = run.rollouts.groups(step, step - 1, timings)
-            batch, batch_info = step_batch.make_batch(
+            batch, batch_info = pipeline.make_batch(
                 cfg,
                 groups,
                 policy=run.policy,
@@ -333,11 +333,11 @@ def train(cfg: config_types.TrainConfig, workdir, *, overwrite: bool = False) ->
             host = fetch_finite(pending[0], pending[1], run.workdir, last_saved)
             write_metrics(run, pending[0], {**pending[2], **host}, progress)
             host = {**pending[2], **host}
-    except Exception as e:  # a full disk, a dead peer process: a named error (run_end)
-        named = run_end.named_error(e, run.workdir, last_saved)
+    except Exception as e:  # a full disk, a dead peer process: a named error (shutdown)
+        named = shutdown.named_error(e, run.workdir, last_saved)
         if named is None:
             raise
         raise named from e
     finally:
-        run_end.close(run)
+        shutdown.close(run)
     return host

@@ -5,7 +5,7 @@ N-processes-equal-1-process contract on the CPU default (tests/multihost_batch_t
     multihost.wait(procs, timeout)
     batch_dump.load(workdir, step=2, process=1)  # {'tokens', 'mask', 'advantages', ...}
 
-Each process writes `<workdir>.batch.p<i>.s<n>.npz` at its n-th `step_batch.make_batch` (one per
+Each process writes `<workdir>.batch.p<i>.s<n>.npz` at its n-th `pipeline.make_batch` (one per
 step): the sampled tokens and their mask (the B groups, after the gather), the embeddings and
 rewards the advantages came from, and the advantages. Nothing else changes in the run.
 """
@@ -68,9 +68,9 @@ def _install(workdir: str) -> None:
     import jax
     from jax.experimental import multihost_utils
 
-    from mmr_jax.step import step_batch
+    from mmr_jax.step import pipeline
 
-    real, calls = step_batch.make_batch, [0]
+    real, calls = pipeline.make_batch, [0]
 
     def make_batch(cfg, groups, **kw):
         batch, info = real(cfg, groups, **kw)
@@ -86,7 +86,7 @@ def _install(workdir: str) -> None:
         )
         return batch, info
 
-    step_batch.make_batch = make_batch
+    pipeline.make_batch = make_batch
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """The train step's update loop as it was before `updates_per_batch` (commit 6dd19a4), kept
 verbatim as the reference that `tests/train_step_test.py` holds the U = 1 step to, bit for bit.
-Only the minibatch loss is called where it now lives (`step_loss`, moved unchanged), and the
+Only the minibatch loss is called where it now lives (`minibatch`, moved unchanged), and the
 loss settings are read from `StepConfig.loss` (issue 53)."""
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ import jax.numpy as jnp
 import optax
 
 from mmr_jax.algorithms import losses, mismatch
-from mmr_jax.step import step_loss, train_step
+from mmr_jax.step import minibatch, train_step
 
 # The helpers the old loop shared with today's (unchanged by issue 47), under its old names.
-MISMATCH_STATS, _split = step_loss.MISMATCH_STATS, step_loss.split
-check_minibatches = step_loss.check_minibatches
+MISMATCH_STATS, _split = minibatch.MISMATCH_STATS, minibatch.split
+check_minibatches = minibatch.check_minibatches
 TrainState, _neutral_ratio = train_step.TrainState, train_step._neutral_ratio
 _over_iterations, _reduce = train_step._over_iterations, train_step._reduce
 
@@ -36,7 +36,7 @@ def train_step(
         max_completion_len=cfg.max_completion_len,
     )
     loss_fn = functools.partial(
-        step_loss.minibatch_loss, graphdef=graphdef, frozen=frozen, rest=rest, cfg=cfg
+        minibatch.minibatch_loss, graphdef=graphdef, frozen=frozen, rest=rest, cfg=cfg
     )
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
     step_key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)

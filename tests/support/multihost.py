@@ -239,7 +239,7 @@ def worker(argv: list[str]) -> int:
     import jax
     import ml_collections
 
-    from mmr_jax.config import config_checks
+    from mmr_jax.config import checks
     from mmr_jax.infra import console
     from mmr_jax.training import trainer
 
@@ -248,7 +248,7 @@ def worker(argv: list[str]) -> int:
     name = "train.log" if index == 0 else f"train.process{index}.log"
     console.setup(pathlib.Path(args.workdir) / name, stdout=index == 0)
     _register_test_reward()
-    cfg = config_checks.from_config_dict(
+    cfg = checks.from_config_dict(
         ml_collections.ConfigDict(json.loads(pathlib.Path(args.config_json).read_text()))
     )
     try:

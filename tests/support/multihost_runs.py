@@ -80,10 +80,10 @@ def restore(workdir):
     """(checkpoint tree, meta) of `workdir`'s latest checkpoint, read on this process's device."""
     import jax
 
-    from mmr_jax.config import config_checks
-    from mmr_jax.training import checkpoint, run_guard
+    from mmr_jax.config import checks
+    from mmr_jax.training import checkpoint, workdir_guard
 
-    cfg = config_checks.from_config_dict(run_guard.read_run_config(workdir))
+    cfg = checks.from_config_dict(workdir_guard.read_run_config(workdir))
     policy = build.load_policy(cfg)
     optimizer, _ = build.make_optimizer(cfg)
     state = build.init_state(cfg, policy.params, optimizer)

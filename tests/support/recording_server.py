@@ -13,13 +13,13 @@ from __future__ import annotations
 import contextlib
 import threading
 
-from mmr_jax.rollout import layout
-from mmr_jax.serving import serve_backend, server
+from mmr_jax.rollout import padding
+from mmr_jax.serving import embedded_backend, server
 
 MODEL_NAME = "tiny"
 
 
-class RecordingBackend(serve_backend.EmbeddedBackend):
+class RecordingBackend(embedded_backend.EmbeddedBackend):
     """`EmbeddedBackend` that records its completion requests and weight reloads."""
 
     def __init__(self, *args, **kwargs):
@@ -47,7 +47,7 @@ class RecordingBackend(serve_backend.EmbeddedBackend):
 def serve(checkpoint_dir):
     """(backend, url) of a server on `checkpoint_dir` under the name `MODEL_NAME`, in a thread."""
     backend = RecordingBackend.from_pretrained(
-        checkpoint_dir, model_name=MODEL_NAME, buckets=layout.Buckets(min_prompts=1)
+        checkpoint_dir, model_name=MODEL_NAME, buckets=padding.Buckets(min_prompts=1)
     )
     with server.OpenAIServer(backend, weights_dir="/") as srv:  # the runs' sync folders
         yield backend, srv.url

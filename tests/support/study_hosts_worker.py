@@ -1,6 +1,6 @@
 """One study process of a study on several "hosts" (local processes, a real JAX cluster), whose
-runs' children run a small body of this file instead of a training: `study_hosts.start`, then
-`study_hosts.run`, as scripts/study.py does. tests/study_hosts_test.py launches it.
+runs' children run a small body of this file instead of a training: `on_hosts.start`, then
+`on_hosts.run`, as scripts/study.py does. tests/on_hosts_test.py launches it.
 
     python tests/support/study_hosts_worker.py --folder=F --body=joins_cluster \\
         --coordinator_address=localhost:PORT --num_processes=2 --process_id=I [--lr=0.002]
@@ -63,7 +63,7 @@ def main(argv: list[str]) -> None:
     args = parser.parse_args(argv)
 
     from mmr_jax import distributed
-    from mmr_jax.studies import study_hosts
+    from mmr_jax.studies import on_hosts
 
     # The body by its module name (not __main__), which the spawned children import.
     from support import study_hosts_worker, tiny_study
@@ -71,10 +71,10 @@ def main(argv: list[str]) -> None:
     opts = distributed.Options(
         "explicit", args.coordinator_address, args.num_processes, args.process_id, timeout_s=300
     )
-    study_hosts.check_options(opts, in_process=False)
-    study_hosts.start(opts)
+    on_hosts.check_options(opts, in_process=False)
+    on_hosts.start(opts)
     config = tiny_study.tiny_study("ckpt", args.folder, **{"optim.lr": args.lr})
-    study_hosts.run(
+    on_hosts.run(
         config,
         opts,
         report=lambda: print("report written by process 0", flush=True),

@@ -293,14 +293,14 @@ def smoke_config(
     reward a tiny random model gets varied values of (`test_target`, registered by the tests
     that use it), a checkpoint every step; then the dotted `overrides`. -> the ConfigDict."""
     from mmr_jax.config import config_overrides
-    from mmr_jax.training import run_data
+    from mmr_jax.training import problem_sets
 
     c = module.get_config("smoke")
     c.model.path = str(ckpt)
     c.total_steps = steps
     c.lora.enabled = lora
     c.reweight.method = "mmr" if mmr else "none"
-    c.data.source = run_data.ARITHMETIC
+    c.data.source = problem_sets.ARITHMETIC
     c.data.system_prompt = ""
     c.reweight.embedding_model = "hashing"  # no encoder to load (`:smoke` keeps the CPU default's)
     c.batch.max_prompt_len = 32
@@ -315,13 +315,13 @@ def smoke_config(
 
 
 def step_config(*, temperature, max_completion_len, logprob_chunk=0, entropy_control=None, **loss):
-    """`train_step.StepConfig` with the loss keys `loss` (`config_types.LossConfig`'s names; the
+    """`train_step.StepConfig` with the loss keys `loss` (`schema.LossConfig`'s names; the
     rest at their defaults), as `build.step_config` makes it of a run's config."""
-    from mmr_jax.config import config_types
+    from mmr_jax.config import schema
     from mmr_jax.step import train_step
 
     return train_step.StepConfig(
-        loss=config_types.LossConfig(**loss),
+        loss=schema.LossConfig(**loss),
         temperature=temperature,
         max_completion_len=max_completion_len,
         logprob_chunk=logprob_chunk,

@@ -7,7 +7,7 @@ REPO = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "configs"))
 import study as study_config  # noqa: E402
 
-from mmr_jax.config import config_overrides  # noqa: E402
+from mmr_jax.config import command_line  # noqa: E402
 
 
 def tiny_study(ckpt, folder, **train):
@@ -30,7 +30,7 @@ def tiny_study(ckpt, folder, **train):
     t.total_steps, t.eval.every, t.checkpoint.every = 3, 1, 1
     t.eval.arithmetic_problems, t.eval.n, t.eval.max_new_tokens = 4, 2, 8
     t.logging.samples = 0
-    config_overrides.set_keys(t, train)
+    command_line.set_keys(t, train)
     return c
 
 

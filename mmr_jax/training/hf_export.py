@@ -23,12 +23,12 @@ from absl import logging
 from etils import epath
 
 from mmr_jax import distributed
-from mmr_jax.config import config_checks, config_types
+from mmr_jax.config import checks, schema
 from mmr_jax.infra import console, faults, run_paths
-from mmr_jax.training import build, checkpoint, run_guard
+from mmr_jax.training import build, checkpoint, workdir_guard
 
 
-def export(cfg: config_types.TrainConfig, model, out_dir, step: int | None = None) -> None:
+def export(cfg: schema.TrainConfig, model, out_dir, step: int | None = None) -> None:
     """Writes `model` (the policy's, `policy.model(params)`) to `out_dir` in `cfg.model.dtype`."""
     if jax.process_count() > 1:  # whole weights gathered on every process; process 0 writes
         model = distributed.local_model(model)
@@ -40,9 +40,7 @@ def export(cfg: config_types.TrainConfig, model, out_dir, step: int | None = Non
     )
 
 
-def export_if_missing(
-    cfg: config_types.TrainConfig, policy, state, workdir: str, step: int
-) -> None:
+def export_if_missing(cfg: schema.TrainConfig, policy, state, workdir: str, step: int) -> None:
     """Exports checkpoint `step`'s weights (`state`) unless `<workdir>/step_<step>` is complete."""
     # A run killed between its last checkpoint and that step's export resumes after the step.
     out = os.path.join(workdir, f"step_{step}")
@@ -54,7 +52,7 @@ def export_if_missing(
         export(cfg, policy.model(state.params), out, step)
 
 
-def export_hf(cfg: config_types.TrainConfig, workdir, out_dir, *, step: int | None = None) -> str:
+def export_hf(cfg: schema.TrainConfig, workdir, out_dir, *, step: int | None = None) -> str:
     """Writes checkpoint `step` (default: latest) of `workdir` as a HF folder (PEFT under LoRA).
 
     With several processes every process restores its shards of the global arrays onto the
@@ -74,14 +72,14 @@ def export_hf(cfg: config_types.TrainConfig, workdir, out_dir, *, step: int | No
     return os.fspath(out_dir)
 
 
-def run_config(workdir) -> config_types.TrainConfig:
+def run_config(workdir) -> schema.TrainConfig:
     """The config `workdir`'s run was trained with (its run.json): what restores its checkpoints."""
-    if not (run_paths.as_path(workdir) / run_guard.RUN_FILE).exists():
+    if not (run_paths.as_path(workdir) / workdir_guard.RUN_FILE).exists():
         raise FileNotFoundError(
-            f"{workdir} is not a training run (no {run_guard.RUN_FILE}); "
+            f"{workdir} is not a training run (no {workdir_guard.RUN_FILE}); "
             "pass the workdir of scripts/train.py"
         )
-    return config_checks.from_config_dict(run_guard.read_run_config(workdir))
+    return checks.from_config_dict(workdir_guard.read_run_config(workdir))
 
 
 def checkpoint_steps(workdir) -> list[int]:

@@ -8,7 +8,7 @@ from typing import NamedTuple
 
 from absl import logging
 
-from mmr_jax.config import config_types
+from mmr_jax.config import schema
 from mmr_jax.problems import data, tasks
 
 ARITHMETIC = "arithmetic"  # data.source for generated problems (`data.arithmetic_problems`)
@@ -23,7 +23,7 @@ class TrainPrompts(NamedTuple):
     dropped: int  # problems whose prompt exceeds batch.max_prompt_len (never truncated)
 
 
-def load_prompts(cfg: config_types.TrainConfig, tokenizer) -> TrainPrompts:
+def load_prompts(cfg: schema.TrainConfig, tokenizer) -> TrainPrompts:
     """The training prompts that fit `batch.max_prompt_len`; longer ones are dropped, counted."""
     d = cfg.data
     if d.source == ARITHMETIC:
@@ -53,7 +53,7 @@ def load_prompts(cfg: config_types.TrainConfig, tokenizer) -> TrainPrompts:
         shortest = min(
             len(data.build_prompt(tokenizer, p, d.system_prompt)) for p in problems[:100]
         )
-        raise config_types.ConfigError(
+        raise schema.ConfigError(
             f"no training problem of {d.source} fits "
             f"batch.max_prompt_len={cfg.batch.max_prompt_len} "
             f"tokens (with the system prompt; shortest of the first 100: {shortest}); "
@@ -62,7 +62,7 @@ def load_prompts(cfg: config_types.TrainConfig, tokenizer) -> TrainPrompts:
     return TrainPrompts(prompts, [p.answer for p in kept], dropped)
 
 
-def eval_problems(cfg: config_types.TrainConfig) -> dict[str, list[data.Problem]]:
+def eval_problems(cfg: schema.TrainConfig) -> dict[str, list[data.Problem]]:
     """Benchmark name -> problems of `cfg.eval`: benchmark files, or the held-out arithmetic set."""
     from mmr_jax.problems import evaluation
 

@@ -18,7 +18,7 @@ from typing import Any
 from absl import logging
 from etils import epath
 
-from mmr_jax.config import config_checks
+from mmr_jax.config import checks
 from mmr_jax.infra import run_paths, user_errors
 from mmr_jax.training import checkpoint
 
@@ -48,8 +48,8 @@ def _flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 def _differences(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[str]:
     """The keys whose values differ, as 'key: old -> new'. A key the stored run lacks (added to
     the config since) counts as its default there: the run ran with it."""
-    a, b = _flatten(config_checks.upgrade(old)), _flatten(new)
-    added = {k: v for k, v in config_checks.key_defaults().items() if k not in a and k in b}
+    a, b = _flatten(checks.upgrade(old)), _flatten(new)
+    added = {k: v for k, v in checks.key_defaults().items() if k not in a and k in b}
     a.update(added)
     diffs = []
     for key in sorted(set(a) | set(b)):

@@ -1,6 +1,6 @@
 """Typed, frozen views of a training config: one dataclass per block of `configs/base.py`.
 
-`config_checks.from_config_dict` converts the ml_collections ConfigDict once, at the edge
+`checks.from_config_dict` converts the ml_collections ConfigDict once, at the edge
 (`scripts/train.py`); everything downstream receives these dataclasses. Each section mirrors a
 block of `configs/base.py` key for key: a key missing on either side fails with the valid keys
 listed.

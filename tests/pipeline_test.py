@@ -1,4 +1,4 @@
-"""step_batch: which rows enter the loss (truncated completions), the old log-probs' need, and
+"""pipeline: which rows enter the loss (truncated completions), the old log-probs' need, and
 the reward parameters of the overlong punishment."""
 
 import pathlib
@@ -6,21 +6,21 @@ import pathlib
 import numpy as np
 import pytest
 
-from mmr_jax.config import config_checks, config_overrides
-from mmr_jax.step import batch_layout, experience, step_batch
+from mmr_jax.config import checks, command_line
+from mmr_jax.step import batch_layout, experience, pipeline
 
 B, G, T = 2, 4, 8
 DAPO = str(pathlib.Path(__file__).resolve().parents[1] / "configs" / "dapo.py")
 
 
 def _cfg(**loss):
-    c = config_overrides.load_config_file(DAPO + ":smoke")
+    c = command_line.load_config_file(DAPO + ":smoke")
     for k, v in loss.items():
         c.loss[k] = v
     c.batch.generations = G
     c.batch.max_completion_len = T
     c.batch.pack_max_len = 0
-    return config_checks.from_config_dict(c)
+    return checks.from_config_dict(c)
 
 
 def _groups():
@@ -56,7 +56,7 @@ class TestTruncatedCompletions:
             groups.prompt_ids,
             groups.tokens,
             groups.mask,
-            step_batch.loss_rows(cfg, groups),
+            pipeline.loss_rows(cfg, groups),
             adv,
             groups.sampler_logps,
             layout=layout,
@@ -70,7 +70,7 @@ class TestTruncatedCompletions:
             rows, [[True, False, False, False], [True, True, False, True]]
         )
         np.testing.assert_array_equal(host["advantages"], adv.reshape(-1))
-        off = step_batch.loss_rows(_cfg(minibatches=2), groups)
+        off = pipeline.loss_rows(_cfg(minibatches=2), groups)
         np.testing.assert_array_equal(off, groups.valid)
 
     def test_group_statistics_still_count_them(self):
@@ -78,7 +78,7 @@ class TestTruncatedCompletions:
         # mean is (1 - 1 + 0.5 - 1) / 4 with its two truncated rows (GRPO, ddof 1, eps 1e-4).
         groups = _groups()
         cfg = _cfg(mask_truncated_completions=True)
-        _, adv, _ = step_batch.reweighted_advantages(
+        _, adv, _ = pipeline.reweighted_advantages(
             groups.total, None, groups.valid, reweight=cfg.reweight, advantage=cfg.advantage
         )
         r = groups.total[0]
@@ -92,22 +92,22 @@ class TestOldLogps:
     )
     def test_needed_after_the_first_update(self, iterations, updates, needed):
         cfg = _cfg(iterations=iterations, updates_per_batch=updates, minibatches=2)
-        assert step_batch.needs_old_logps(cfg) == needed
+        assert pipeline.needs_old_logps(cfg) == needed
 
 
 class TestOverlongParams:
     def test_lengths_default_to_the_completion_length_and_a_fifth(self):
-        c = config_overrides.load_config_file(DAPO + ":smoke,full")
-        cfg = config_checks.from_config_dict(c)
-        assert step_batch.reward_params(cfg)["overlong"] == {"max_len": 32, "cache_len": 6}
+        c = command_line.load_config_file(DAPO + ":smoke,full")
+        cfg = checks.from_config_dict(c)
+        assert pipeline.reward_params(cfg)["overlong"] == {"max_len": 32, "cache_len": 6}
         c.rewards.overlong_max_len, c.rewards.overlong_cache_len = 30, 10
-        cfg = config_checks.from_config_dict(c)
-        assert step_batch.reward_params(cfg)["overlong"] == {"max_len": 30, "cache_len": 10}
+        cfg = checks.from_config_dict(c)
+        assert pipeline.reward_params(cfg)["overlong"] == {"max_len": 30, "cache_len": 10}
 
 
 def _advantages(cfg, groups):
-    """The step's advantages as `step_batch.advantages` computes them (over `groups.trained`)."""
-    return step_batch.reweighted_advantages(
+    """The step's advantages as `pipeline.advantages` computes them (over `groups.trained`)."""
+    return pipeline.reweighted_advantages(
         groups.total,
         groups.embeddings,
         groups.trained,
@@ -134,7 +134,7 @@ class TestDynamicSamplingGivesUp:
         monkeypatch.setattr(experience, "generate_and_score", generate_and_score)
         cfg = _cfg()
         prompts = iter(lambda: [([1, 2], "1"), ([3], "2")], None)
-        groups, _ = step_batch.collect(cfg, prompts, None, None, None, 1, {})
+        groups, _ = pipeline.collect(cfg, prompts, None, None, None, 1, {})
         assert cfg.dynamic_sampling.enabled and cfg.batch.prompts == B
         return groups
 
@@ -143,7 +143,7 @@ class TestDynamicSamplingGivesUp:
         groups = self._collect(monkeypatch, [flat] * 4)
         assert groups.filler.tolist() == [True, True] and not groups.trained.any()
         reweighted, adv, lam = _advantages(_cfg(), groups)
-        assert np.all(adv == 0.0) and not step_batch.loss_rows(_cfg(), groups).any()
+        assert np.all(adv == 0.0) and not pipeline.loss_rows(_cfg(), groups).any()
         m = experience.group_metrics(groups, reweighted, adv, lam, filter_reward="accuracy")
         assert m["reward/mean"] == -0.5  # was 0: the copies' rewards were hidden as invalid
         assert m["groups/invalid_gold_frac"] == 0.0  # was 1.0 though every gold answer parsed

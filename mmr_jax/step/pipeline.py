@@ -6,7 +6,7 @@
     -> reweighting and advantages                 `advantages` (the lambda MMR used comes from the
                                                   reweighter itself)
     -> layout                                     `lay_out` (`batch_layout.pack`; lays out only)
-    -> reference / old log-probs                  `logprobs` (`step_loss.jit_logprobs`)
+    -> reference / old log-probs                  `logprobs` (`minibatch.jit_logprobs`)
     -> `train_step.Batch`                         `make_batch` runs the three stages above
 
 The trainer calls `collect` (directly, or through the off-policy schedule) and `make_batch` once
@@ -28,10 +28,10 @@ from absl import logging
 from mmr_jax import distributed, rewards
 from mmr_jax.algorithms import advantages as advantages_lib
 from mmr_jax.algorithms import mmr
-from mmr_jax.config import config_types
+from mmr_jax.config import schema
 from mmr_jax.infra import faults
 from mmr_jax.rollout import base as rollout_base
-from mmr_jax.step import batch_layout, experience, step_loss, train_step
+from mmr_jax.step import batch_layout, experience, minibatch, train_step
 
 
 class EngineLogprobError(ValueError):
@@ -51,9 +51,7 @@ def check_engine_logps(logps_NxT: np.ndarray, mask_NxT: np.ndarray, engine: str)
         )
 
 
-def sampling_params(
-    cfg: config_types.TrainConfig, step: int, round_: int
-) -> rollout_base.SamplingParams:
+def sampling_params(cfg: schema.TrainConfig, step: int, round_: int) -> rollout_base.SamplingParams:
     """The rollout's sampling parameters for generation round `round_` of `step`."""
     # The seed is a function of (seed, step, round), so a resumed run samples what it would have.
     seed = (cfg.seed * 1_000_003 + step * 1_009 + round_) % 2**31
@@ -67,7 +65,7 @@ def sampling_params(
     )
 
 
-def reward_params(cfg: config_types.TrainConfig) -> dict:
+def reward_params(cfg: schema.TrainConfig) -> dict:
     """Keyword arguments of the reward functions, by name."""
     params = {}
     if "cosine" in cfg.rewards.weights:
@@ -85,7 +83,7 @@ def reward_params(cfg: config_types.TrainConfig) -> dict:
 
 
 def collect(
-    cfg: config_types.TrainConfig, prompts, engine, tokenizer, encoder, step: int, timings: dict
+    cfg: schema.TrainConfig, prompts, engine, tokenizer, encoder, step: int, timings: dict
 ) -> tuple[experience.Groups, dict]:
     """B groups for `step`: one generation round, or DAPO's rounds until B groups have variance.
 
@@ -143,7 +141,7 @@ def collect(
 
 
 def advantages(
-    cfg: config_types.TrainConfig, groups: experience.Groups, timings: dict
+    cfg: schema.TrainConfig, groups: experience.Groups, timings: dict
 ) -> tuple[np.ndarray, dict]:
     """float32 [B, G] advantages of the step's groups (`reweighted_advantages`), and the group
     metrics (`experience.group_metrics`)."""
@@ -169,8 +167,8 @@ def reweighted_advantages(
     embeddings_BxGxD: np.ndarray | None,
     valid_BxG: np.ndarray,
     *,
-    reweight: config_types.ReweightConfig,
-    advantage: config_types.AdvantageConfig,
+    reweight: schema.ReweightConfig,
+    advantage: schema.AdvantageConfig,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """(reweighted rewards [B, G], advantages [B, G], lambda or None) on the host, float32.
 
@@ -198,7 +196,7 @@ def reweighted_advantages(
 
 
 def lay_out(
-    cfg: config_types.TrainConfig,
+    cfg: schema.TrainConfig,
     groups: experience.Groups,
     adv_BxG: np.ndarray,
     *,
@@ -238,14 +236,14 @@ def lay_out(
     return host, info
 
 
-def layout(cfg: config_types.TrainConfig) -> str:
+def layout(cfg: schema.TrainConfig) -> str:
     """The configured `batch_layout.LAYOUTS` entry."""
     if not cfg.batch.shared_prompt:
         return "full"
     return "packed" if cfg.batch.pack_max_len else "shared"
 
 
-def loss_rows(cfg: config_types.TrainConfig, groups: experience.Groups) -> np.ndarray:
+def loss_rows(cfg: schema.TrainConfig, groups: experience.Groups) -> np.ndarray:
     """bool [B, G] the completions whose tokens enter the loss: valid ones outside DAPO's filler
     groups (`Groups.trained`), less the truncated
     (finish reason 'length') under `loss.mask_truncated_completions`. The advantages are computed
@@ -271,12 +269,12 @@ def layout_metrics(arrays: dict) -> dict[str, float]:
     return out
 
 
-def needs_old_logps(cfg: config_types.TrainConfig) -> bool:
+def needs_old_logps(cfg: schema.TrainConfig) -> bool:
     """Whether the step compares with the pre-update policy: after its first optimiser update."""
     return cfg.loss.iterations * cfg.loss.updates_per_batch > 1
 
 
-def logprobs(cfg: config_types.TrainConfig, dev: dict, *, policy, params, ref_params):
+def logprobs(cfg: schema.TrainConfig, dev: dict, *, policy, params, ref_params):
     """(reference, old) log-probs [N, T] of the batch `dev` (None where the loss needs none).
 
     `policy` is the run's `build.Policy`, `params` the trainable parameters of this step,
@@ -297,7 +295,7 @@ def logprobs(cfg: config_types.TrainConfig, dev: dict, *, policy, params, ref_pa
     ref = old = None
     if cfg.loss.beta > 0:
         ref_p = ref_params if ref_params is not None else params
-        ref = step_loss.jit_logprobs(ref_p, *args, disable_lora=policy.lora, **kw)
+        ref = minibatch.jit_logprobs(ref_p, *args, disable_lora=policy.lora, **kw)
     # With LoRA dropout the step's own log-probs are noisy; TIS needs the clean pre-update ones.
     dropout = policy.lora and cfg.lora.dropout > 0
     if dropout and not needs_old_logps(cfg) and cfg.loss.tis_cap == 0:
@@ -309,12 +307,12 @@ def logprobs(cfg: config_types.TrainConfig, dev: dict, *, policy, params, ref_pa
             cfg.lora.dropout,
         )
     if needs_old_logps(cfg) or (dropout and cfg.loss.tis_cap > 0):
-        old = step_loss.jit_logprobs(params, *args, **kw)
+        old = minibatch.jit_logprobs(params, *args, **kw)
     return ref, old
 
 
 def make_batch(
-    cfg: config_types.TrainConfig,
+    cfg: schema.TrainConfig,
     groups: experience.Groups,
     *,
     policy,

@@ -13,7 +13,7 @@ from flax import nnx
 from mmr_jax.models import config as model_config
 from mmr_jax.models import decoder
 from mmr_jax.step import train_step
-from mmr_jax.training import build, checkpoint, checkpoint_layout
+from mmr_jax.training import build, checkpoint, checkpoint_unstacked
 
 
 def _state(num_layers: int, seed: int = 0) -> dict:
@@ -62,7 +62,7 @@ def test_per_layer_checkpoint_restores_stacked(tmp_path):
     ckpt = checkpoint.Checkpointer(tmp_path, async_save=False)
     ckpt.save(5, _per_layer(state), {"step": 5})
     ckpt.wait()
-    assert checkpoint_layout.has_unstacked_layers(tmp_path / "5")
+    assert checkpoint_unstacked.has_unstacked_layers(tmp_path / "5")
     restored, meta = ckpt.restore(jax.tree.map(jnp.zeros_like, state))
     assert meta["step"] == 5
     want = ocp.tree.to_flat_dict(state)
@@ -79,7 +79,7 @@ def test_a_stacked_checkpoint_is_not_taken_for_a_per_layer_one(tmp_path):
     ckpt = checkpoint.Checkpointer(tmp_path, async_save=False)
     ckpt.save(1, state, {"step": 1})
     ckpt.wait()
-    assert not checkpoint_layout.has_unstacked_layers(tmp_path / "1")
+    assert not checkpoint_unstacked.has_unstacked_layers(tmp_path / "1")
 
 
 def test_per_layer_checkpoint_of_another_depth_is_refused_with_the_reason(tmp_path):

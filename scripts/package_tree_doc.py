@@ -1,7 +1,7 @@
-"""Writes docs/layout.md from the tree: each subpackage's docstring, each module's first line.
+"""Writes docs/package_tree.md from the tree: each subpackage's docstring, each module's first line.
 
-    python scripts/layout_doc.py            # rewrite docs/layout.md
-    python scripts/layout_doc.py --check    # exit 1 when docs/layout.md differs from the tree
+    python scripts/package_tree_doc.py            # rewrite docs/package_tree.md
+    python scripts/package_tree_doc.py --check    # exit 1 when the page differs from the tree
 
 tests/package_tree_test.py runs the check, so a module added, moved or re-described without
 regenerating the page fails the tests.
@@ -13,7 +13,7 @@ import pathlib
 import sys
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-OUT = REPO / "docs" / "layout.md"
+OUT = REPO / "docs" / "package_tree.md"
 # The library's parts: the method's math and one step first, then what they stand on.
 ORDER = (
     "algorithms", "step", "training", "models", "kernels", "rollout", "serving", "rewards",
@@ -21,7 +21,7 @@ ORDER = (
 )  # fmt: skip
 HEADER = """# Layout: what each module holds
 
-Generated from the tree by `python scripts/layout_doc.py` (each subpackage's docstring, each
+Generated from the tree by `python scripts/package_tree_doc.py` (each subpackage's docstring, each
 module's first docstring line); `tests/package_tree_test.py` fails when this page and the tree
 differ. What may import what is stated in each `__init__.py` and checked by the same test.
 
@@ -30,7 +30,7 @@ differ. What may import what is stated in each `__init__.py` and checked by the 
     mmr_jax/             the library, one subpackage per role (below)
     configs/             base.py holds every key; one file per variant (`:1.5b|7b|8b[,smoke]`)
     scripts/             entry points: train, evaluate, serve, study, prepare_*, plot_run,
-                         launch_vllm, model_dry_run, filter_prompts, layout_doc,
+                         launch_vllm, model_dry_run, filter_prompts, package_tree_doc,
                          step_fingerprint; setup_*.sh, gpu_check.sh
     benchmarks/          one short file per benchmark over infra/bench_harness.py; the PyTorch peer
     tests/               pytest + chex, a test module per subject (`<module>_test.py` for most of
@@ -57,7 +57,7 @@ def render() -> str:
     parts = sorted(p.name for p in lib.iterdir() if (p / "__init__.py").exists())
     missing = set(parts) - set(ORDER)
     if missing:
-        raise SystemExit(f"add {sorted(missing)} to ORDER in scripts/layout_doc.py")
+        raise SystemExit(f"add {sorted(missing)} to ORDER in scripts/package_tree_doc.py")
     for name in ORDER:
         pkg = lib / name
         lines += [f"### mmr_jax/{name}/", "", _doc(pkg / "__init__.py").strip(), ""]
@@ -79,7 +79,7 @@ def main(argv) -> int:
         old = OUT.read_text() if OUT.exists() else ""
         if old != text:
             sys.stdout.writelines(difflib.unified_diff(old.splitlines(True), text.splitlines(True)))
-            print("docs/layout.md is out of date: run python scripts/layout_doc.py")
+            print("docs/package_tree.md is out of date: run python scripts/package_tree_doc.py")
             return 1
         return 0
     OUT.write_text(text)

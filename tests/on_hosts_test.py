@@ -1,4 +1,4 @@
-"""A study on several hosts (studies/study_hosts.py): local processes forming real JAX clusters.
+"""A study on several hosts (studies/on_hosts.py): local processes forming real JAX clusters.
 
 The study processes form one cluster; each run's children form their own, one port up. The
 runs' bodies here (tests/support/study_hosts_worker.py) gather over the run's cluster instead of
@@ -14,7 +14,7 @@ import pytest
 
 from mmr_jax import distributed
 from mmr_jax.infra import metrics
-from mmr_jax.studies import study, study_hosts
+from mmr_jax.studies import on_hosts, study
 
 from support import multihost, testing
 from support.tiny_study import overrides, strip_wall_clock, tiny_study
@@ -25,17 +25,17 @@ RUNS = ("grpo_s1", "mmr_grpo_s1")
 
 class TestOptions:
     def test_auto_and_in_process_refused_by_name(self):
-        with pytest.raises(study_hosts.StudyClusterError, match="needs the address"):
-            study_hosts.check_options(distributed.Options(mode="auto"), in_process=False)
+        with pytest.raises(on_hosts.StudyClusterError, match="needs the address"):
+            on_hosts.check_options(distributed.Options(mode="auto"), in_process=False)
         explicit = distributed.Options("explicit", "h0:1234", 2, 1)
-        with pytest.raises(study_hosts.StudyClusterError, match="drop --in_process"):
-            study_hosts.check_options(explicit, in_process=True)
-        study_hosts.check_options(explicit, in_process=False)
-        study_hosts.check_options(distributed.Options(), in_process=True)  # one process
+        with pytest.raises(on_hosts.StudyClusterError, match="drop --in_process"):
+            on_hosts.check_options(explicit, in_process=True)
+        on_hosts.check_options(explicit, in_process=False)
+        on_hosts.check_options(distributed.Options(), in_process=True)  # one process
 
     def test_each_run_one_port_up_same_processes(self):
         opts = distributed.Options("explicit", "10.0.0.7:8476", 4, 3, timeout_s=50)
-        run = study_hosts.run_options(opts)
+        run = on_hosts.run_options(opts)
         assert run.coordinator_address == "10.0.0.7:8477"
         assert (run.num_processes, run.process_id, run.timeout_s) == (4, 3, 50)
 

@@ -7,7 +7,7 @@ import pathlib
 import numpy as np
 import pytest
 
-from mmr_jax.studies import paired_stats, study_mechanism, study_report
+from mmr_jax.studies import paired_stats, reporting, run_curves
 
 ARCHIVE = pathlib.Path(__file__).resolve().parents[1] / "docs" / "study_cpu"
 
@@ -19,23 +19,23 @@ def _curve(steps, values):
 
 class TestRunStatistics:
     def test_final_is_the_mean_of_the_last_five(self):
-        assert study_report.final_accuracy([0.0, 0.1, 0.2, 0.3, 0.4, 0.5]) == pytest.approx(0.3)
-        assert study_report.final_accuracy([0.5, 0.6, 0.7, 0.8]) is None
+        assert reporting.final_accuracy([0.0, 0.1, 0.2, 0.3, 0.4, 0.5]) == pytest.approx(0.3)
+        assert reporting.final_accuracy([0.5, 0.6, 0.7, 0.8]) is None
 
     def test_auc_is_the_trapezoid_mean_height(self):
         # (0 + 1) / 2 * 2 + (1 + 1) / 2 * 2 = 3 over 4 steps.
-        assert study_report.curve_auc([0, 2, 4], [0.0, 1.0, 1.0]) == pytest.approx(0.75)
+        assert reporting.curve_auc([0, 2, 4], [0.0, 1.0, 1.0]) == pytest.approx(0.75)
         # Unequal spacing weighs by the steps: 0.5 for 1 step, then 1.0 for 3.
-        assert study_report.curve_auc([0, 1, 4], [0.5, 0.5, 1.0]) == pytest.approx(
+        assert reporting.curve_auc([0, 1, 4], [0.5, 0.5, 1.0]) == pytest.approx(
             (0.5 + 3 * 0.75) / 4
         )
-        assert study_report.curve_auc([3], [0.4]) is None
+        assert reporting.curve_auc([3], [0.4]) is None
 
     def test_fixed_thresholds_are_the_same_bar_for_every_run(self):
         low = _curve([0, 2, 4, 6, 8, 10], [0.1, 0.55, 0.62, 0.63, 0.64, 0.64])
         high = _curve([0, 2, 4, 6, 8, 10], [0.1, 0.3, 0.5, 0.7, 0.85, 0.9])
-        s_low = study_report.run_summary(low, 0.9, None, (0.6, 0.8))
-        s_high = study_report.run_summary(high, 0.9, None, (0.6, 0.8))
+        s_low = reporting.run_summary(low, 0.9, None, (0.6, 0.8))
+        s_high = reporting.run_summary(high, 0.9, None, (0.6, 0.8))
         # Relative to its own (low) peak the low run looks sooner: 0.576 at step 4 vs 0.81 at 8.
         assert (s_low["step_to_own"], s_high["step_to_own"]) == (4, 8)
         # Against fixed bars it is not: 60% at 4 vs 6, and 80% never vs 8.
@@ -54,8 +54,8 @@ class TestNoBootstrapBelowFive:
 
     def test_report_of_three_seeds_prints_no_bootstrap_interval(self):
         study = json.loads((ARCHIVE / "study.json").read_text())
-        summary = study_report.summarise(study["runs"], study["study"])
-        text = study_report.markdown(summary, study["runs"], study["study"])
+        summary = reporting.summarise(study["runs"], study["study"])
+        text = reporting.markdown(summary, study["runs"], study["study"])
         rows = [line for line in text.splitlines() if line.startswith("| mmr_grpo - ")]
         assert len(rows) == 14  # 7 quantities x 2 comparisons
         assert all(row.rstrip().endswith("| n < 5: none |") for row in rows)
@@ -70,21 +70,21 @@ class TestMechanism:
                          "time/train": 100.0 if step == 1 else float(step),
                          "time/rollout": 1.0})  # fmt: skip
         rows.append({"step": 8, "time/eval": 30.0})  # same step, another row: merged
-        m = study_mechanism.run_mechanism(rows)
+        m = run_curves.run_mechanism(rows)
         assert m["stalled_from"] == 5  # steps 5-8 all zero; step 3's zero is not a stall
         assert m["tail_from"] == 7 and m["tail_grad_norm"] == 0.0  # last quarter: 7, 8
         assert m["tail_zero_variance_frac"] == 1.0
         assert m["tail_uniform_adv_abs_mean"] is None  # not logged by these rows
         rows[-2]["advantage/uniform_abs_mean"] = 0.5  # step 8 only
-        assert study_mechanism.run_mechanism(rows)["tail_uniform_adv_abs_mean"] == 0.5
+        assert run_curves.run_mechanism(rows)["tail_uniform_adv_abs_mean"] == 0.5
         assert m["train_s_median"] == pytest.approx(5.0)  # steps 2..8, compile step left out
         assert m["eval_s"] == [10.0, 30.0] and m["eval_total_s"] == 40.0
         rows.append({"step": 9, "grad_norm": 0.5})
-        assert study_mechanism.run_mechanism(rows)["stalled_from"] is None
+        assert run_curves.run_mechanism(rows)["stalled_from"] is None
         rows.append({"step": 10, "grad_norm": 0.0})  # 10 steps, tail 8-10: one zero is no stall
-        assert study_mechanism.run_mechanism(rows)["stalled_from"] is None
+        assert run_curves.run_mechanism(rows)["stalled_from"] is None
         rows += [{"step": 11, "grad_norm": 0.0}, {"step": 12, "grad_norm": 0.0}]
-        assert study_mechanism.run_mechanism(rows)["stalled_from"] == 10  # tail 10-12: all zero
+        assert run_curves.run_mechanism(rows)["stalled_from"] == 10  # tail 10-12: all zero
 
     def test_lengths_and_whole_run_means_by_hand(self):
         rows = []
@@ -93,7 +93,7 @@ class TestMechanism:
                          "completion/truncated_frac": 0.5 if step == 8 else 0.0,
                          "advantage/uniform_abs_mean": 0.1 * step,
                          "groups/zero_variance_frac": 0.25 if step < 5 else 0.75})  # fmt: skip
-        m = study_mechanism.run_mechanism(rows)
+        m = run_curves.run_mechanism(rows)
         assert m["tail_length_mean"] == pytest.approx(7.5)
         assert m["tail_truncated_frac"] == pytest.approx(0.25)
         assert m["all_uniform_adv_abs_mean"] == pytest.approx(0.45)  # 0.1 x mean(1..8)
@@ -103,7 +103,7 @@ class TestMechanism:
     def test_per_variant_mechanism_over_finished_runs_only(self):
         def mech(length, stalled, eval_s):
             return {"tail_length_mean": length, "stalled_from": stalled, "eval_total_s": eval_s,
-                    **{k: None for _, k, _ in study_mechanism.ARM_MECHANISM
+                    **{k: None for _, k, _ in run_curves.ARM_MECHANISM
                        if k not in ("tail_length_mean", "eval_total_min", "wall_min")}}  # fmt: skip
 
         runs = [
@@ -114,7 +114,7 @@ class TestMechanism:
         ]
         mechanism = {"a_s1": mech(8.0, None, 60.0), "a_s2": mech(12.0, 31, 180.0),
                      "a_s3": mech(32.0, None, 0.0), "b_s1": mech(20.0, None, 0.0)}  # fmt: skip
-        arms = study_mechanism.arm_mechanism(runs, mechanism, ["a", "b"])
+        arms = run_curves.arm_mechanism(runs, mechanism, ["a", "b"])
         a = arms["a"]
         assert a["runs"] == 2 and a["stalled"] == 1  # the diverged run is left out
         assert a["tail_length_mean"]["mean"] == pytest.approx(10.0)
@@ -149,7 +149,7 @@ class TestFirstStudyFromItsRecords:
         np.testing.assert_allclose(vs_grpo, [-13.8, -2.7, -8.7], atol=0.05)
         np.testing.assert_allclose(vs_dra, [-5.7, -6.2, -13.0], atol=0.05)
         study = json.loads((ARCHIVE / "study.json").read_text())
-        summary = study_report.summarise(study["runs"], study["study"])
+        summary = reporting.summarise(study["runs"], study["study"])
         for (variant, seed), value in final.items():
             got = summary["per_run"][f"{variant}_s{seed}"]["final"]
             assert 100 * got == pytest.approx(value)
@@ -158,7 +158,7 @@ class TestFirstStudyFromItsRecords:
             rows = _records(f"grpo_s{seed}")
             assert all(rows[s]["grad_norm"] == 0.0 for s in range(start, 41))
             assert rows[start - 1]["grad_norm"] > 0.0
-            assert study_mechanism.run_mechanism(list(rows.values()))["stalled_from"] == start
+            assert run_curves.run_mechanism(list(rows.values()))["stalled_from"] == start
 
     def test_mechanism_and_format_figures_quoted_in_the_docs(self):
         runs = {f"{v}_s{s}": _records(f"{v}_s{s}") for v in ("grpo", "mmr_grpo", "dra_grpo")

@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from mmr_jax.studies import study_mechanism
+from mmr_jax.studies import run_curves
 from mmr_jax.studies.paired_stats import EXACT_BOOTSTRAP_MAX_N, MIN_BOOTSTRAP_N, paired, spread
 
 FINAL_EVALS = 5  # final accuracy: the mean of a run's last 5 evaluations
@@ -295,7 +295,7 @@ def markdown(
         )
     if mechanism:
         lines += _arm_mechanism_lines(
-            study_mechanism.arm_mechanism(runs, mechanism, list(summary["variants"]))
+            run_curves.arm_mechanism(runs, mechanism, list(summary["variants"]))
         )
         lines += _mechanism_lines(runs, mechanism)
     if plot:
@@ -308,7 +308,7 @@ def markdown(
 
 
 def _arm_mechanism_lines(arms: Mapping[str, Mapping]) -> list[str]:
-    columns = study_mechanism.ARM_MECHANISM
+    columns = run_curves.ARM_MECHANISM
     lines = [
         "",
         "## Mechanism and cost per variant (mean ± sample std [min, max] over finished runs)",
@@ -317,9 +317,9 @@ def _arm_mechanism_lines(arms: Mapping[str, Mapping]) -> list[str]:
         "rewards are all equal, which GRPO gives advantage 0.",
         "",
         "| variant | runs | stalled | "
-        + " | ".join(lab for lab, _, _ in study_mechanism.ARM_MECHANISM)
+        + " | ".join(lab for lab, _, _ in run_curves.ARM_MECHANISM)
         + " |",
-        "|---|---|---|" + "---|" * len(study_mechanism.ARM_MECHANISM),
+        "|---|---|---|" + "---|" * len(run_curves.ARM_MECHANISM),
     ]
     for v, a in arms.items():
         cells = [_ms(a[key], digits=d) for _, key, d in columns]

@@ -9,7 +9,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from mmr_jax.config import config_types
+from mmr_jax.config import schema
 from mmr_jax.models import config as model_config
 
 _CHOICES = {
@@ -61,7 +61,7 @@ def _build(cls, values: Mapping[str, Any], where: str):
         )
     kwargs = {}
     for name, value in values.items():
-        sub = _SECTIONS.get(name) if cls is config_types.TrainConfig else None
+        sub = _SECTIONS.get(name) if cls is schema.TrainConfig else None
         if sub is not None:
             if not isinstance(value, Mapping):
                 raise ValueError(f"config section {name!r} must be a dict, got {value!r}")
@@ -77,41 +77,37 @@ def _required(f: dataclasses.Field) -> bool:
 
 
 _SECTIONS = {
-    "model": config_types.ModelConfig,
-    "lora": config_types.LoraConfig,
-    "optim": config_types.OptimConfig,
-    "batch": config_types.BatchConfig,
-    "rollout": config_types.RolloutConfig,
-    "rewards": config_types.RewardsConfig,
-    "advantage": config_types.AdvantageConfig,
-    "loss": config_types.LossConfig,
-    "reweight": config_types.ReweightConfig,
-    "dynamic_sampling": config_types.DynamicSamplingConfig,
-    "data": config_types.DataConfig,
-    "eval": config_types.EvalConfig,
-    "checkpoint": config_types.CheckpointConfig,
-    "logging": config_types.LoggingConfig,
-    "mesh": config_types.MeshConfig,
+    "model": schema.ModelConfig,
+    "lora": schema.LoraConfig,
+    "optim": schema.OptimConfig,
+    "batch": schema.BatchConfig,
+    "rollout": schema.RolloutConfig,
+    "rewards": schema.RewardsConfig,
+    "advantage": schema.AdvantageConfig,
+    "loss": schema.LossConfig,
+    "reweight": schema.ReweightConfig,
+    "dynamic_sampling": schema.DynamicSamplingConfig,
+    "data": schema.DataConfig,
+    "eval": schema.EvalConfig,
+    "checkpoint": schema.CheckpointConfig,
+    "logging": schema.LoggingConfig,
+    "mesh": schema.MeshConfig,
 }
 
 
-def validate(cfg: config_types.TrainConfig) -> config_types.TrainConfig:
+def validate(cfg: schema.TrainConfig) -> schema.TrainConfig:
     """Checks choices and cross-field constraints; returns `cfg`."""
     for (section, key), choices in _CHOICES.items():
         value = getattr(getattr(cfg, section), key)
         if value not in choices:
-            raise config_types.ConfigError(
-                f"config {section}.{key}={value!r}; expected one of {choices}"
-            )
+            raise schema.ConfigError(f"config {section}.{key}={value!r}; expected one of {choices}")
     rw = cfg.reweight
     if rw.lam is not None and not 0.0 <= rw.lam <= 1.0:
-        raise config_types.ConfigError(
-            f"reweight.lam={rw.lam} must lie in [0, 1] (or None for adaptive)"
-        )
+        raise schema.ConfigError(f"reweight.lam={rw.lam} must lie in [0, 1] (or None for adaptive)")
     if rw.lam is not None and rw.method == "dra":
-        raise config_types.ConfigError("reweight.lam is MMR's; reweight.method='dra' takes none")
+        raise schema.ConfigError("reweight.lam is MMR's; reweight.method='dra' takes none")
     if cfg.rows_per_step % cfg.loss.minibatches:
-        raise config_types.ConfigError(
+        raise schema.ConfigError(
             f"loss.minibatches={cfg.loss.minibatches} must divide "
             "batch.prompts * batch.generations "
             f"= {cfg.rows_per_step}"
@@ -119,78 +115,76 @@ def validate(cfg: config_types.TrainConfig) -> config_types.TrainConfig:
     b = cfg.batch
     if b.pack_max_len < 0 or 0 < b.pack_max_len < b.max_completion_len - 1:
         # A completion of T tokens is T - 1 packed inputs: the longest must fit one packed row.
-        raise config_types.ConfigError(
+        raise schema.ConfigError(
             f"batch.pack_max_len={b.pack_max_len} must be 0 (no packing) or at least "
             f"batch.max_completion_len - 1 = {b.max_completion_len - 1}"
         )
     if cfg.model.attention_impl == "pallas_tpu" and b.shared_prompt and b.pack_max_len:
         # splash's segment ids cannot let every packed completion see its prompt's keys
-        raise config_types.ConfigError(
+        raise schema.ConfigError(
             "model.attention_impl='pallas_tpu' (splash) takes no packed completions: set "
             "batch.pack_max_len=0"
         )
     if not cfg.batch.compile_price_steps >= 0:  # also refuses NaN
-        raise config_types.ConfigError(
+        raise schema.ConfigError(
             f"batch.compile_price_steps={cfg.batch.compile_price_steps} must be >= 0 "
             "(0: compile every packed length a step needs)"
         )
     if cfg.batch.min_bucket_len < 1:
-        raise config_types.ConfigError(
-            f"batch.min_bucket_len={cfg.batch.min_bucket_len} must be >= 1"
-        )
+        raise schema.ConfigError(f"batch.min_bucket_len={cfg.batch.min_bucket_len} must be >= 1")
     loss = cfg.loss
     if not (loss.tis_cap == 0 or 1 <= loss.tis_cap < float("inf")):  # also refuses NaN
         # w = min(pi_trainer / pi_engine, cap): a cap below 1 would scale down tokens on which
         # both agree (w = 1), which is no truncation of the importance weight.
-        raise config_types.ConfigError(
+        raise schema.ConfigError(
             f"loss.tis_cap={loss.tis_cap} must be 0 (off) or finite and >= 1 (verl/TRL use 2)"
         )
     if not 0 <= loss.tis_mask_low < 1:  # also refuses NaN
-        raise config_types.ConfigError(f"loss.tis_mask_low={loss.tis_mask_low} must lie in [0, 1)")
+        raise schema.ConfigError(f"loss.tis_mask_low={loss.tis_mask_low} must lie in [0, 1)")
     if loss.tis_mask_low > 0 and not (loss.tis_cap > 0 and loss.tis_mode.endswith("_mask")):
-        raise config_types.ConfigError(
+        raise schema.ConfigError(
             f"loss.tis_mask_low={loss.tis_mask_low} needs a '_mask' loss.tis_mode and "
             f"loss.tis_cap > 0 (got tis_mode={loss.tis_mode!r}, tis_cap={loss.tis_cap})"
         )
     if loss.tis_mode != "token_truncate" and loss.tis_cap == 0:
-        raise config_types.ConfigError(
+        raise schema.ConfigError(
             f"loss.tis_mode={loss.tis_mode!r} needs loss.tis_cap >= 1 (0 = off)"
         )
     _validate_objective(loss)
     if cfg.loss.iterations < 1 or cfg.total_steps < 1:
-        raise config_types.ConfigError("loss.iterations and total_steps must be >= 1")
+        raise schema.ConfigError("loss.iterations and total_steps must be >= 1")
     _validate_issue47(cfg)
     if cfg.model.init == "random" and cfg.rollout.engine != "embedded":
-        raise config_types.ConfigError(
+        raise schema.ConfigError(
             "model.init='random' needs rollout.engine='embedded' (a vLLM server loads model.path)"
         )
     if cfg.model.init == "random" and cfg.checkpoint.export_hf:
-        raise config_types.ConfigError(
+        raise schema.ConfigError(
             "model.init='random' has no tokenizer files to export: export_hf=False"
         )
     if not any(cfg.rewards.weights.values()):
-        raise config_types.ConfigError(
+        raise schema.ConfigError(
             f"rewards.weights={dict(cfg.rewards.weights)} has no non-zero weight"
         )
     ds = cfg.dynamic_sampling
     if ds.enabled and ds.filter_reward not in cfg.rewards.weights:
-        raise config_types.ConfigError(
+        raise schema.ConfigError(
             f"dynamic_sampling.filter_reward={ds.filter_reward!r} is not among rewards.weights "
             f"{sorted(cfg.rewards.weights)}"
         )
     return cfg
 
 
-def _validate_issue47(cfg: config_types.TrainConfig) -> None:
+def _validate_issue47(cfg: schema.TrainConfig) -> None:
     """Updates per batch, the adaptive entropy coefficient and the overlong punishment."""
     loss = cfg.loss
     if loss.updates_per_batch < 1 or loss.minibatches % loss.updates_per_batch:
-        raise config_types.ConfigError(
+        raise schema.ConfigError(
             f"loss.updates_per_batch={loss.updates_per_batch} must be >= 1 and divide "
             f"loss.minibatches={loss.minibatches} (each update takes whole minibatches)"
         )
     if not (loss.entropy_target >= 0 and abs(loss.entropy_coef) < float("inf")):  # and NaN
-        raise config_types.ConfigError(
+        raise schema.ConfigError(
             f"loss.entropy_target={loss.entropy_target} must be >= 0 (0: fixed coefficient) "
             f"and loss.entropy_coef={loss.entropy_coef} finite"
         )
@@ -198,7 +192,7 @@ def _validate_issue47(cfg: config_types.TrainConfig) -> None:
         loss.entropy_coef_step > 0
         and 0 <= loss.entropy_coef_min <= loss.entropy_coef <= loss.entropy_coef_max < float("inf")
     ):
-        raise config_types.ConfigError(
+        raise schema.ConfigError(
             f"adaptive entropy (loss.entropy_target={loss.entropy_target}) needs "
             f"loss.entropy_coef_step={loss.entropy_coef_step} > 0 and 0 <= "
             f"loss.entropy_coef_min={loss.entropy_coef_min} <= loss.entropy_coef="
@@ -207,23 +201,23 @@ def _validate_issue47(cfg: config_types.TrainConfig) -> None:
     r = cfg.rewards
     l_max = r.overlong_max_len or cfg.batch.max_completion_len
     if r.overlong_max_len < 0 or not 0 <= r.overlong_cache_len <= l_max:
-        raise config_types.ConfigError(
+        raise schema.ConfigError(
             f"rewards.overlong_cache_len={r.overlong_cache_len} must lie in [0, L_max={l_max}] "
             f"(rewards.overlong_max_len={r.overlong_max_len}, 0 = batch.max_completion_len)"
         )
 
 
-def check_processes(cfg: config_types.TrainConfig, processes: int) -> None:
+def check_processes(cfg: schema.TrainConfig, processes: int) -> None:
     """The rules that depend on the number of processes the run spans (`jax.process_count()`)."""
     if cfg.rollout.off_policy_lag and processes > 1:
         # A background rollout's gathers would interleave with the update's collectives.
-        raise config_types.ConfigError(
+        raise schema.ConfigError(
             f"rollout.off_policy_lag={cfg.rollout.off_policy_lag} runs on one process only "
             f"(this run has {processes})"
         )
 
 
-def advisories(cfg: config_types.TrainConfig) -> list[str]:
+def advisories(cfg: schema.TrainConfig) -> list[str]:
     """Valid but easily unintended combinations, one line each, logged when a run starts."""
     out = []
     if cfg.rollout.off_policy_lag > 0 and cfg.loss.tis_cap == 0:
@@ -242,34 +236,32 @@ def advisories(cfg: config_types.TrainConfig) -> list[str]:
     return out
 
 
-def _validate_objective(loss: config_types.LossConfig) -> None:
+def _validate_objective(loss: schema.LossConfig) -> None:
     """The objective options (`losses.policy_loss`) and the combinations they refuse."""
     if loss.objective == "cispo":
         if loss.importance_sampling_level != "token":
-            raise config_types.ConfigError(
+            raise schema.ConfigError(
                 "loss.objective='cispo' weights each token by its own clipped ratio; it does not "
                 f"combine with loss.importance_sampling_level={loss.importance_sampling_level!r}"
             )
         if loss.dual_clip_c:
-            raise config_types.ConfigError(
+            raise schema.ConfigError(
                 "loss.dual_clip_c caps the 'ppo_clip' surrogate; loss.objective='cispo' has none"
             )
         if not (0 <= loss.eps_low <= 1 and loss.eps_high >= 0):  # also refuses NaN
-            raise config_types.ConfigError(
+            raise schema.ConfigError(
                 f"loss.objective='cispo' clips its weight to [1 - eps_low, 1 + eps_high]: needs "
                 f"0 <= loss.eps_low <= 1 (1 = no lower bound) and loss.eps_high >= 0, got "
                 f"{loss.eps_low}, {loss.eps_high}"
             )
     if not (loss.dual_clip_c == 0 or 1 < loss.dual_clip_c < float("inf")):  # also refuses NaN
-        raise config_types.ConfigError(
+        raise schema.ConfigError(
             f"loss.dual_clip_c={loss.dual_clip_c} must be 0 (off) or finite and > 1 (verl: 3)"
         )
     if not 0 <= loss.entropy_coef < float("inf"):
-        raise config_types.ConfigError(
-            f"loss.entropy_coef={loss.entropy_coef} must be finite and >= 0"
-        )
+        raise schema.ConfigError(f"loss.entropy_coef={loss.entropy_coef} must be finite and >= 0")
     if not 0 < loss.top_entropy_quantile <= 1:
-        raise config_types.ConfigError(
+        raise schema.ConfigError(
             f"loss.top_entropy_quantile={loss.top_entropy_quantile} must lie in (0, 1] (1 = off)"
         )
 
@@ -277,7 +269,8 @@ def _validate_objective(loss: config_types.LossConfig) -> None:
 def key_defaults() -> dict[str, Any]:
     """{'section.key': default} of every keyed field with a default (configs/base.py's values:
     `tests/configs_test.py` holds the two equal). A run stored before a key existed ran as its
-    default, so a resume may take the key as absent-equals-default (`run_guard.prepare_workdir`).
+    default, so a resume may take the key as absent-equals-default
+    (`workdir_guard.prepare_workdir`).
     """
     out = {}
     for name, section in _SECTIONS.items():
@@ -300,7 +293,7 @@ def upgrade(stored: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def from_config_dict(config) -> config_types.TrainConfig:
+def from_config_dict(config) -> schema.TrainConfig:
     """ConfigDict (or nested dict, also one stored by an older version: `upgrade`) -> validated
-    `config_types.TrainConfig`."""
-    return validate(_build(config_types.TrainConfig, upgrade(_plain(config)), "<root>"))
+    `schema.TrainConfig`."""
+    return validate(_build(schema.TrainConfig, upgrade(_plain(config)), "<root>"))

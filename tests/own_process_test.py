@@ -1,4 +1,4 @@
-"""A run in its own process (training/run_process.py): each way a child ends, seen by the parent."""
+"""A run in its own process (training/own_process.py): each way a child ends, seen by the parent."""
 
 import os
 import pathlib
@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from mmr_jax.training import run_process, trainer
+from mmr_jax.training import own_process, trainer
 
 
 # Run bodies for `train_in_child`: module level, so the spawned child can import them by name.
@@ -52,17 +52,17 @@ def _gone(pid: int) -> bool:
 class TestRunInChild:
     @pytest.mark.slow
     def test_outcomes_cross_the_process_boundary(self, tmp_path):
-        run_process.train_in_child("cfg-x", tmp_path / "ok", train_fn=_child_writes_pid)
+        own_process.train_in_child("cfg-x", tmp_path / "ok", train_fn=_child_writes_pid)
         child_pid, parent_pid, cfg = (tmp_path / "ok" / "pid").read_text().split()
         assert int(child_pid) != os.getpid() and int(parent_pid) == os.getpid()
         assert cfg == "cfg-x"
         with pytest.raises(trainer.NonFiniteLossError, match="step 3: non-finite loss nan"):
-            run_process.train_in_child(None, tmp_path / "d", train_fn=_child_diverges)
+            own_process.train_in_child(None, tmp_path / "d", train_fn=_child_diverges)
         failed = r"(?s)failed in its process.*bad row 17"
-        with pytest.raises(run_process.RunProcessError, match=failed):
-            run_process.train_in_child(None, tmp_path / "e", train_fn=_child_raises)
-        with pytest.raises(run_process.RunProcessError, match=r"died \(exit code 7"):
-            run_process.train_in_child(None, tmp_path / "x", train_fn=_child_dies)
+        with pytest.raises(own_process.RunProcessError, match=failed):
+            own_process.train_in_child(None, tmp_path / "e", train_fn=_child_raises)
+        with pytest.raises(own_process.RunProcessError, match=r"died \(exit code 7"):
+            own_process.train_in_child(None, tmp_path / "x", train_fn=_child_dies)
 
     @pytest.mark.slow
     def test_a_failure_in_the_childs_setup_reports_its_traceback(self, tmp_path):
@@ -70,17 +70,17 @@ class TestRunInChild:
         (tmp_path / "taken").write_text("")
         log_file = tmp_path / "taken" / "run.log"
         match = r"(?s)failed in its process.*Traceback.*console.py.*(FileExistsError|NotADirectory)"
-        with pytest.raises(run_process.RunProcessError, match=match):
-            run_process.train_in_child(
+        with pytest.raises(own_process.RunProcessError, match=match):
+            own_process.train_in_child(
                 None, tmp_path / "r", train_fn=_child_raises, log_file=log_file
             )
 
     def test_a_run_past_its_timeout_is_killed_with_a_named_error(self, tmp_path):
         start = time.monotonic()
         with pytest.raises(
-            run_process.RunProcessTimeoutError, match=r"did not end within timeout_s=3s"
+            own_process.RunProcessTimeoutError, match=r"did not end within timeout_s=3s"
         ) as caught:
-            run_process.train_in_child(
+            own_process.train_in_child(
                 None, tmp_path / "s", train_fn=_child_sleeps, timeout_s=3, poll_s=0.1
             )
         assert time.monotonic() - start < 30
@@ -90,7 +90,7 @@ class TestRunInChild:
 
     def test_a_child_that_does_not_exit_after_its_result_is_killed(self, tmp_path):
         start = time.monotonic()
-        run_process.train_in_child(
+        own_process.train_in_child(
             "c", tmp_path / "l", train_fn=_child_lingers, exit_timeout_s=1, poll_s=0.1
         )  # the run finished: its result stands
         assert time.monotonic() - start < 30

@@ -2,7 +2,7 @@
 
 A study trains each run this way (`study.run_study` with `scripts/study.py`): nothing one run
 compiled or cached outlives it, and the persistent compilation cache turns the next run's
-compiles into loads. On several hosts the child first joins the run's cluster (`study_hosts`).
+compiles into loads. On several hosts the child first joins the run's cluster (`on_hosts`).
 Every wait is bounded, and every way a child can end (finished, diverged, raised, died, hung) is
 a result or a named error in the parent.
 """
@@ -124,7 +124,7 @@ def train_in_child(
 
     `train_fn` (default `trainer.train`) must be importable by name (spawn pickles it).
     `cluster` (`distributed.Options`): the child joins this cluster first, one process of a run
-    on several hosts (`study_hosts`).
+    on several hosts (`on_hosts`).
     """
     from mmr_jax.training import trainer
 

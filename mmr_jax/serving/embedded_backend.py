@@ -21,7 +21,7 @@ import numpy as np
 from flax import nnx
 
 from mmr_jax.models import hub
-from mmr_jax.rollout import base, embedded, layout, sampler, sampling, sampling_call, vllm_engine
+from mmr_jax.rollout import base, embedded, padding, sampler, sampling, sampling_call, vllm_engine
 from mmr_jax.serving import prompt_logprobs, slot_engine, slot_grid
 
 _PEFT_PREFIX = "base_model.model."
@@ -192,7 +192,7 @@ class EmbeddedBackend:
         tokenizer_path: str | os.PathLike | None = None,
         seed: int = 0,
         max_model_len: int | None = None,
-        buckets=layout.DEFAULT_BUCKETS,
+        buckets=padding.DEFAULT_BUCKETS,
         logprobs_mode: str = "scaled_logprobs",
     ):
         tokenizer = hub.load_tokenizer(tokenizer_path or path)
@@ -285,7 +285,7 @@ class EmbeddedBackend:
             graphdef, state = nnx.split(self._decoder(model))
             for prompt, completion in sequences:
                 row = list(prompt) + list(completion)
-                length = layout.length_bucket(len(row), self.engine.buckets.min_prompt_len)
+                length = padding.length_bucket(len(row), self.engine.buckets.min_prompt_len)
                 tokens = np.full((1, length), self.engine.pad_id, np.int32)
                 tokens[0, : len(row)] = row
                 mask = np.arange(length)[None] < len(row)
@@ -297,7 +297,7 @@ class EmbeddedBackend:
     def prompt_scores(self, prompt: Sequence[int], k: int, *, model: str):
         """`prompt_logprobs.scores` of `prompt` (its length bucketed as the sampler's)."""
         with self._lock:
-            length = layout.length_bucket(len(prompt), self.engine.buckets.min_prompt_len)
+            length = padding.length_bucket(len(prompt), self.engine.buckets.min_prompt_len)
             return prompt_logprobs.scores(
                 self._decoder(model), prompt, k, length=length, pad_id=self.engine.pad_id
             )

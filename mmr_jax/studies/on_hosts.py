@@ -1,7 +1,7 @@
 """A study on several hosts: `scripts/study.py` with the distributed flags, the same on every host.
 
 Each run of the grid is one multi-process training. On every host the study starts the run in a
-fresh child process (`run_process.train_in_child`, as on one host), and the children form the run's
+fresh child process (`own_process.train_in_child`, as on one host), and the children form the run's
 own JAX cluster, whose coordinator is on process 0's host at the study's port + 1. One port
 serves every run: the study processes gather each run's outcome before the next run starts, so
 every process of a run has exited, on every host, before the next run's coordinator binds it.
@@ -38,7 +38,7 @@ import numpy as np
 from mmr_jax import distributed
 from mmr_jax.distributed.errors import DistributedError
 from mmr_jax.studies import study
-from mmr_jax.training import run_process
+from mmr_jax.training import own_process
 
 OUTCOMES = ("finished", "diverged", "failed")
 
@@ -174,7 +174,7 @@ def run(
     failures = distributed.failures
     try:
         in_child = functools.partial(
-            run_process.train_in_child,
+            own_process.train_in_child,
             train_fn=train_fn,
             log_file=log_file,
             verbose=verbose,

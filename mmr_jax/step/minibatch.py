@@ -263,7 +263,7 @@ def logprobs_fn(
     return out.reshape(n, num_completion)
 
 
-# The reference and old log-probs of a step (`step_batch.make_batch`), jitted here once for every
+# The reference and old log-probs of a step (`pipeline.make_batch`), jitted here once for every
 # caller; prompt_tokens / prompt_mask / packed (shared-prompt layouts) are traced arguments.
 jit_logprobs = jax.jit(
     logprobs_fn,

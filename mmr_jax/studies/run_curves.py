@@ -1,6 +1,6 @@
 """How a run learnt and what it cost, from its metric rows: stalls, tail means, step times.
 
-Pure functions on plain lists and dicts (each run's metrics.jsonl rows); `study_report.markdown`
+Pure functions on plain lists and dicts (each run's metrics.jsonl rows); `reporting.markdown`
 renders their tables.
 """
 

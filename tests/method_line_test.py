@@ -1,20 +1,18 @@
-"""training.run_header: the console's method line names what the config trains."""
+"""training.method_line: the console's method line names what the config trains."""
 
 import pathlib
 
 import pytest
 
-from mmr_jax.config import config_checks, config_overrides
-from mmr_jax.training import run_header
+from mmr_jax.config import checks, command_line
+from mmr_jax.training import method_line
 
 CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "configs"
 
 
 def _line(name, arg="smoke", **keys):
-    c = config_overrides.load_config_file(f"{CONFIGS / name}.py:{arg}")
-    return run_header.method_line(
-        config_checks.from_config_dict(config_overrides.set_keys(c, keys))
-    )
+    c = command_line.load_config_file(f"{CONFIGS / name}.py:{arg}")
+    return method_line.method_line(checks.from_config_dict(command_line.set_keys(c, keys)))
 
 
 class TestMethodLine:

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from mmr_jax.rollout import base
-from mmr_jax.serving import openai_params, serve_limits
+from mmr_jax.serving import openai_params, request_limits
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +126,7 @@ class Batcher:
     def __init__(
         self,
         backend: Any,
-        limits: serve_limits.Limits,
+        limits: request_limits.Limits,
         *,
         chunk_steps: int = 8,
         gather_s: float = 0.02,
@@ -203,7 +203,7 @@ class Batcher:
             params,
             model=jobs[0].model,
             ignore_eos=first.ignore_eos,
-            n_slots=serve_limits.n_slots(params.n),
+            n_slots=request_limits.n_slots(params.n),
         )
         starts = np.cumsum([0] + [j.rows for j in jobs])
         steps = FIRST_CHUNK

@@ -9,7 +9,7 @@ run reads as such, not as plain CISPO.
 
 from __future__ import annotations
 
-from mmr_jax.config import config_types
+from mmr_jax.config import schema
 
 _ESTIMATORS = {
     "grpo": "GRPO (r - mean) / std",
@@ -21,7 +21,7 @@ _OBJECTIVES = {"ppo_clip": "clipped surrogate", "cispo": "CISPO"}
 _RATIO_LEVELS = {"token": "token", "sequence": "sequence (GSPO)", "sequence_token": "GSPO-token"}
 
 
-def _reweighting(cfg: config_types.TrainConfig) -> str:
+def _reweighting(cfg: schema.TrainConfig) -> str:
     if cfg.reweight.method == "mmr":
         lam = "adaptive lambda" if cfg.reweight.lam is None else f"lambda {cfg.reweight.lam:g}"
         return f"MMR ({cfg.reweight.scope} scope, {lam}, {cfg.reweight.embedding_model})"
@@ -30,7 +30,7 @@ def _reweighting(cfg: config_types.TrainConfig) -> str:
     return "none"
 
 
-def _loss_options(loss: config_types.LossConfig) -> list[str]:
+def _loss_options(loss: schema.LossConfig) -> list[str]:
     """The options that change the update, each when it is on."""
     out = []
     if loss.beta > 0:
@@ -49,7 +49,7 @@ def _loss_options(loss: config_types.LossConfig) -> list[str]:
     return out
 
 
-def method_line(cfg: config_types.TrainConfig) -> str:
+def method_line(cfg: schema.TrainConfig) -> str:
     """'reweighting ... | advantages ... | objective ... | loss ...[ | options]' of `cfg`."""
     loss = cfg.loss
     objective = (

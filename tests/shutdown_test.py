@@ -10,12 +10,12 @@ import types
 import pytest
 
 from mmr_jax import distributed
-from mmr_jax.training import checkpoint, rollout_schedule, run_end
+from mmr_jax.training import checkpoint, rollout_schedule, shutdown
 
 
 class TestNamedError:
     def test_full_disk_names_the_workdir_and_the_kept_step(self, tmp_path):
-        err = run_end.named_error(OSError(errno.ENOSPC, "No space left"), tmp_path, 4)
+        err = shutdown.named_error(OSError(errno.ENOSPC, "No space left"), tmp_path, 4)
         assert isinstance(err, checkpoint.WorkdirWriteError) and err.errno == errno.ENOSPC
         assert str(err).startswith(
             f"cannot write the run's files to {tmp_path}: {os.strerror(errno.ENOSPC)}. "
@@ -23,7 +23,7 @@ class TestNamedError:
         assert "The last complete checkpoint (step 4) is intact." in str(err)
 
     def test_nothing_saved_yet_claims_no_checkpoint(self, tmp_path):
-        err = run_end.named_error(OSError(errno.EROFS, "Read-only"), tmp_path, None)
+        err = shutdown.named_error(OSError(errno.EROFS, "Read-only"), tmp_path, None)
         assert isinstance(err, checkpoint.WorkdirWriteError) and err.errno == errno.EROFS
         assert str(err).startswith(
             f"cannot write the run's files to {tmp_path}: {os.strerror(errno.EROFS)}. Free space"
@@ -39,7 +39,7 @@ class TestNamedError:
         ],
     )
     def test_raised_as_is(self, tmp_path, err):
-        assert run_end.named_error(err, tmp_path, 2) is None
+        assert shutdown.named_error(err, tmp_path, 2) is None
 
 
 class _Closable:
@@ -67,18 +67,18 @@ def _run(tmp_path, log, ckpt_error=None, prefetch=True, engine_closes=True):
 class TestClose:
     def test_closes_everything_in_order(self, tmp_path):
         log = []
-        run_end.close(_run(tmp_path, log))
+        shutdown.close(_run(tmp_path, log))
         assert log == ["checkpointer", "writer", "prefetch", "engine"]
 
     def test_without_prefetch_or_closable_engine(self, tmp_path):
         log = []
-        run_end.close(_run(tmp_path, log, prefetch=False, engine_closes=False))
+        shutdown.close(_run(tmp_path, log, prefetch=False, engine_closes=False))
         assert log == ["checkpointer", "writer"]
 
     def test_failed_write_without_error_in_flight_is_raised(self, tmp_path):
         log = []
         with pytest.raises(OSError, match="write failed"):
-            run_end.close(_run(tmp_path, log, ckpt_error=OSError("write failed")))
+            shutdown.close(_run(tmp_path, log, ckpt_error=OSError("write failed")))
         assert log == ["checkpointer", "writer", "prefetch", "engine"]
 
     def test_error_in_flight_is_kept_over_a_failed_write(self, tmp_path):
@@ -88,7 +88,7 @@ class TestClose:
             try:
                 raise RuntimeError("the first error")
             finally:
-                run_end.close(run)
+                shutdown.close(run)
         assert log == ["checkpointer", "writer", "prefetch", "engine"]
 
 
@@ -98,7 +98,7 @@ class TestCloseBounded:
         hung = types.SimpleNamespace(close=lambda: release.wait(30))
         caplog.set_level(logging.WARNING)
         t0 = time.perf_counter()
-        run_end.close_bounded(hung, 0.2)
+        shutdown.close_bounded(hung, 0.2)
         elapsed = time.perf_counter() - t0
         release.set()
         assert 0.2 <= elapsed < 5.0, elapsed
@@ -107,6 +107,6 @@ class TestCloseBounded:
     def test_a_failed_write_is_reported_not_raised(self, caplog):
         log = []
         caplog.set_level(logging.WARNING)
-        run_end.close_bounded(_Closable("checkpointer", log, OSError("write failed")), 5.0)
+        shutdown.close_bounded(_Closable("checkpointer", log, OSError("write failed")), 5.0)
         assert log == ["checkpointer"]
         assert "closing the checkpointer after an error: write failed" in caplog.text

@@ -9,7 +9,7 @@ import ast
 from collections.abc import Mapping
 from typing import Any
 
-from mmr_jax.config import config_checks, config_types
+from mmr_jax.config import checks, schema
 from mmr_jax.infra import user_errors
 
 
@@ -84,7 +84,7 @@ def check_argv(argv, flag_name: str = "config") -> None:
     overrides = [a[len(prefix) + 1 :].split("=", 1) for a in argv if a.startswith(prefix + ".")]
     if spec is None:
         return
-    config = config_checks._plain(load_config_file(spec))
+    config = checks._plain(load_config_file(spec))
     for key, *raw in overrides:
         value = _leaf(config, key)
         if raw:
@@ -130,7 +130,7 @@ def _check_type(key: str, raw: str, value: Any, config_file: str) -> None:
         ) from e
 
 
-def load_config(path: str, overrides: Mapping[str, Any] | None = None) -> config_types.TrainConfig:
+def load_config(path: str, overrides: Mapping[str, Any] | None = None) -> schema.TrainConfig:
     """A config file ('configs/x.py[:arg]') with dotted `overrides` -> the validated TrainConfig."""
     config = load_config_file(path)
-    return config_checks.from_config_dict(set_keys(config, overrides or {}))
+    return checks.from_config_dict(set_keys(config, overrides or {}))
