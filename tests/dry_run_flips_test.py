@@ -18,7 +18,9 @@ import pytest
 from support import testing
 
 pytest.importorskip("transformers")
-pytestmark = pytest.mark.slow  # 12 compiles of the train step: 3 minutes on 2 idle cores
+# 12 compiles of the train step: 3 minutes on 2 idle cores. One xdist group: the module fixture
+# that compiles them runs once, not once on each worker that draws one of these tests.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("dry_run_flips")]
 
 _SCRIPT = textwrap.dedent(
     """

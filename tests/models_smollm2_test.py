@@ -20,7 +20,8 @@ from support import testing
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
-pytestmark = pytest.mark.slow
+# One xdist group: the module fixture (the checkpoint and its transformers model) loads once.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("models_smollm2")]
 
 
 @pytest.fixture(scope="module")
