@@ -70,7 +70,7 @@ class TestSample:
         assert sampler_weights.weight_major([state])  # these tests run on CPU
         params = base.SamplingParams(max_new_tokens=16, temperature=0.8, n=3, seed=4)
         fast = sampler.sample(llama, PROMPTS, params)
-        monkeypatch.setattr(sampler, "weight_major", lambda state: False)
+        monkeypatch.setattr(sampler_weights, "weight_major", lambda state: False)
         plain = sampler.sample(llama, PROMPTS, params)
         np.testing.assert_array_equal(fast.tokens, plain.tokens)
         np.testing.assert_allclose(fast.logprobs, plain.logprobs, atol=1e-5, rtol=1e-5)
