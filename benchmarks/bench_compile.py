@@ -72,14 +72,14 @@ def _model(name: str):
 def bench_model(name: str, steps: int) -> list[dict]:
     """Each program of `name` scanned and unrolled: trace, lower, compile seconds, temp memory,
     and (one device) the steady time of a call."""
-    from mmr_jax.training import compiled_dry_run
+    from mmr_jax.training import compiled_dry_run, dry_run_programs
 
     cfg, mesh, devices = _model(name)
     rows = []
     for program in PROGRAMS:
         for unrolled in (False, True):
             kind = program.split()[0]
-            fn, args, donated = compiled_dry_run.program(kind, cfg, mesh, unrolled=unrolled)
+            fn, args, donated = dry_run_programs.program(kind, cfg, mesh, unrolled=unrolled)
             measured, compiled = compiled_dry_run.measure(program, fn, *args)
             row = dict(model=name, program=program, layers="unrolled" if unrolled else "scanned")
             row |= dict(trace_s=measured.trace_s, lower_s=measured.lower_s, steady_s=None)
@@ -108,12 +108,12 @@ def parse_options(text: str) -> dict:
 
 def compare_options(name: str, steps: int, options: dict) -> list[dict]:
     """Each program of `name` (scanned) compiled with and without `options`, timed in turns."""
-    from mmr_jax.training import compiled_dry_run
+    from mmr_jax.training import dry_run_programs
 
     cfg, mesh, _ = _model(name)
     rows = []
     for program in PROGRAMS:
-        fn, args, donated = compiled_dry_run.program(program.split()[0], cfg, mesh)
+        fn, args, donated = dry_run_programs.program(program.split()[0], cfg, mesh)
         lowered = fn.trace(*args).lower()
         compiled, compile_s = [], []
         for opts in ({}, options):

@@ -69,11 +69,11 @@ def run_config(
     import jax
 
     from mmr_jax.models import config as model_config
-    from mmr_jax.training import build, compiled_dry_run
+    from mmr_jax.training import compiled_dry_run, dry_run_programs
 
     cfg = _load(spec, overrides)
     mesh = compiled_dry_run.config_mesh(cfg)
-    mcfg = model_config.ModelConfig.from_hf(build._hf_config(cfg.model.path))
+    mcfg = model_config.ModelConfig.from_hf(model_config.config_file(cfg.model.path))
     device = jax.local_devices()[0]
     tflops_peak, tbps_peak = gpu_flops.device_peaks(device.device_kind)
     b, g = cfg.batch.prompts, cfg.batch.generations
@@ -91,7 +91,7 @@ def run_config(
         "minibatches": cfg.loss.minibatches,
     }
     for program in programs:
-        fn, args, donated = compiled_dry_run.program(program, cfg, mesh)
+        fn, args, donated = dry_run_programs.program(program, cfg, mesh)
         harness.progress(f"{program}: compiling")
         measured, compiled = compiled_dry_run.measure(program, fn, *args)
         harness.progress(f"{program}: compiled in {measured.compile_s + measured.lower_s:.1f} s")

@@ -5,7 +5,7 @@
 
 The work is the trainer's rollout for the config (default the CPU default: SmolLM2-135M-Instruct,
 4 arithmetic prompts x 8 completions, 32 new tokens at most, T = 0.7, EOS on): the config's
-prompts in the trainer's order (`problem_sets.load_prompts`, `data.PromptIterator`),
+prompts in the trainer's order (`problem_sets.load`, `data.PromptIterator`),
 --batches batches,
 each sampled by `EmbeddedEngine.generate` as the trainer calls it, with the sampler's
 compaction on (the default: once at most half of the rows are still decoding they go on
@@ -45,14 +45,15 @@ def main(argv) -> None:
     from mmr_jax.models import hub
     from mmr_jax.problems import data
     from mmr_jax.rollout import base
-    from mmr_jax.training import build, problem_sets
+    from mmr_jax.training import build, engines, problem_sets
 
     compile_cache.enable()
     cfg = checks.from_config_dict(command_line.load_config_file(_CONFIG.value))
-    tokenizer = transformers.AutoTokenizer.from_pretrained(hub.resolve_checkpoint(cfg.model.path))
+    model_dir = hub.resolve_checkpoint(cfg.model.path)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
     policy = build.load_policy(cfg)
-    engine = build.make_engine(cfg, policy, tokenizer, workdir=None)
-    prompt_ids, answers, _ = problem_sets.load_prompts(cfg, tokenizer)
+    engine = engines.make_engine(cfg, policy, tokenizer, model_dir, workdir=None)
+    prompt_ids, answers, _ = problem_sets.load(cfg, tokenizer)[0]
     it = data.PromptIterator(
         list(zip(prompt_ids, answers, strict=True)), cfg.batch.prompts, cfg.seed
     )

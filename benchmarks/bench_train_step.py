@@ -94,16 +94,16 @@ def run_shape(
 
     cfg = train_step_batches.train_config(shape, model_path)
     policy = build.load_policy(cfg)
-    optimizer, schedule = build.make_optimizer(cfg)
-    state = build.init_state(cfg, policy.params, optimizer)
+    optimizer, schedule = train_step.make_optimizer(cfg.optim, total_updates=cfg.total_updates)
+    state = train_step.init_state(policy.params, optimizer, seed=cfg.seed, loss=cfg.loss)
     groups, adv = train_step_batches.make_groups(
         shape, policy.model().config.vocab_size, long_row=long_row
     )
     step = train_step.jit_train_step(
-        graphdef=build.train_graphdef(cfg, policy),
+        graphdef=train_step.step_graphdef(policy, cfg.loss, cfg.lora.dropout),
         optimizer=optimizer,
         schedule=schedule,
-        cfg=build.step_config(cfg),
+        cfg=train_step.StepConfig.from_config(cfg),
     )
     bs = train_step_batches.batches(cfg, groups, adv, PATHS)
     tokens = float(bs["full rows"].completion_mask.sum())

@@ -24,7 +24,7 @@ def decode_loop(
     """A jitted run of `steps` decode steps as the sampler runs them (+ a draw at T = 0.7).
 
     `weight_major`: the linear layers on kernels transposed outside the jit, as the sampler does
-    on CPU (`sampler.weight_major`); False: plain x @ W.
+    on CPU (`sampler_weights.weight_major`); False: plain x @ W.
 
     The own cache is donated and handed back, so no call copies it (the sampler makes it inside
     its jit); the timed steps write own slots from the middle of the cache on.
@@ -34,7 +34,7 @@ def decode_loop(
     from flax import nnx
 
     from mmr_jax.models import kv_cache
-    from mmr_jax.rollout import sampler, sampling
+    from mmr_jax.rollout import sampler_weights, sampling
 
     rows = prompts * n
     graphdef, state = nnx.split(model)
@@ -48,7 +48,7 @@ def decode_loop(
     prompt_mask = np.arange(prompt_slots)[None, :] >= prompt_slots - filled
     prompt_mask = np.repeat(prompt_mask & (np.arange(prompt_slots) < prompt_slots - 1), prompts, 0)
 
-    kernels_t = sampler._weight_major_kernels(graphdef, state) if weight_major else None
+    kernels_t = sampler_weights.weight_major_kernels(graphdef, state) if weight_major else None
 
     @functools.partial(jax.jit, donate_argnums=2)
     def loop(state, prompt_cache, cache, kernels_t):

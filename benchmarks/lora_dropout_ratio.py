@@ -31,7 +31,6 @@ sys.path.insert(0, str(REPO))
 from mmr_jax.models import loading  # noqa: E402
 from mmr_jax.models import lora as lora_lib  # noqa: E402
 from mmr_jax.step import minibatch  # noqa: E402
-from mmr_jax.training import build  # noqa: E402
 
 GSPO_BAND = (1 - 3e-4, 1 + 4e-4)
 GRPO_BAND = (0.8, 1.2)
@@ -58,7 +57,7 @@ def _policy(model_path: str, dropout: float, scale: float):
     for i, (name, var) in enumerate(nnx.to_flat_state(nnx.state(model, nnx.LoRAParam))):
         if name[-1] == "lora_b":
             var.set_value(scale * jax.random.normal(jax.random.key(i), var.get_value().shape))
-    return build.split_model(model)
+    return lora_lib.split_policy(model)
 
 
 def measure(model_path, tokens, attn, comp, *, dropout, scale, keys, temperature=0.7):

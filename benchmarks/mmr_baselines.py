@@ -89,7 +89,7 @@ def torch_released(rewards, embeddings):
 def unscaled_cosine(embeddings, *, mask=None):
     """The cosine before the fuzz fixes: no scaling, so extreme rows overflow or underflow."""
     del mask
-    return mmr._gram_cosine(embeddings)[0]
+    return mmr.gram_cosine(embeddings)[0]
 
 
 def always_scaled_cosine(embeddings, *, mask=None):

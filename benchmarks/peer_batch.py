@@ -1,7 +1,7 @@
 """The RL batch both sides of the peer benchmark compute (`peer_step.py`): NumPy, no framework.
 
 B prompts of P tokens, G completions of T tokens each (every token valid: the largest batch of
-the config, as `compiled_dry_run.abstract_batch` shapes it), one advantage per completion, and
+the config, as `dry_run_programs.abstract_batch` shapes it), one advantage per completion, and
 the reference policy's log-probs when the KL term is on (beta > 0). Ours computes each prompt
 once per group (shared-prompt layout: B * P + B * G * T tokens); the PyTorch peer, TRL's way,
 puts the prompt in front of every completion (B * G * (P + T) tokens).

@@ -22,10 +22,10 @@ def torch_job(cfg, *, checkpoint: str | None, seed: int = 0) -> dict:
     shape = peer_ours.shape_of(cfg)
     o = cfg.optim
     return {
-        "hf_config": str(peer_ours._hf_config_path(cfg, checkpoint)),
+        "hf_config": str(peer_ours.hf_config_path(cfg, checkpoint)),
         "checkpoint": checkpoint,
         "seed": seed,
-        "vocab_size": peer_ours._checkpoint_vocab(checkpoint)
+        "vocab_size": peer_ours.checkpoint_vocab(checkpoint)
         if checkpoint
         else peer_ours.vocab_size(cfg),
         "shape": {

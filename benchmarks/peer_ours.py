@@ -54,9 +54,9 @@ def make_step(cfg, batch: peer_batch.PeerBatch, checkpoint: str | None):
     import jax
 
     from mmr_jax.step import train_step
-    from mmr_jax.training import build, compiled_dry_run
+    from mmr_jax.training import build, compiled_dry_run, dry_run_programs
 
-    optimizer, schedule = build.make_optimizer(cfg)
+    optimizer, schedule = train_step.make_optimizer(cfg.optim, total_updates=cfg.total_updates)
     if checkpoint:
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=checkpoint))
         policy = build.load_policy(cfg)
@@ -64,13 +64,13 @@ def make_step(cfg, batch: peer_batch.PeerBatch, checkpoint: str | None):
             graphdef=policy.graphdef,
             optimizer=optimizer,
             schedule=schedule,
-            cfg=build.step_config(cfg),
+            cfg=train_step.StepConfig.from_config(cfg),
         )
-        state = build.init_state(cfg, policy.params, optimizer)
+        state = train_step.init_state(policy.params, optimizer, seed=cfg.seed, loss=cfg.loss)
         args = [state, _device_batch(cfg, batch, None), policy.frozen, policy.rest]
     else:
         mesh = compiled_dry_run.config_mesh(cfg)
-        step, (state_a, batch_a, frozen_a, rest_a) = compiled_dry_run.train_step_program(cfg, mesh)
+        step, (state_a, batch_a, frozen_a, rest_a) = dry_run_programs.train_step_program(cfg, mesh)
         state = harness.random_on_device(state_a)
         # The optimiser's moments as at step 0 (random ones would be nonsense, not slower).
         state = state.replace(opt_state=jax.jit(optimizer.init)(state.params))
@@ -107,7 +107,7 @@ def run(
     from mmr_jax.models import config as model_config
 
     shape = shape_of(cfg)
-    vocab = vocab_size(cfg) if not checkpoint else _checkpoint_vocab(checkpoint)
+    vocab = vocab_size(cfg) if not checkpoint else checkpoint_vocab(checkpoint)
     batch = peer_batch.make_batch(shape, vocab_size=vocab, beta=cfg.loss.beta, seed=seed)
     harness.progress("ours: compiling")
     compiled, args, figures = make_step(cfg, batch, checkpoint)
@@ -123,7 +123,7 @@ def run(
     timing = harness.timed(call, steps=steps, warmup=warmup)
     peak = harness.jax_peak_bytes()
     device = jax.local_devices()[0]
-    mcfg = model_config.ModelConfig.from_hf(_hf_config_path(cfg, checkpoint))
+    mcfg = model_config.ModelConfig.from_hf(hf_config_path(cfg, checkpoint))
     result = {
         "side": "ours",
         "device": device.device_kind,
@@ -154,19 +154,19 @@ def shape_of(cfg) -> peer_batch.Shape:
     return peer_batch.Shape(b.prompts, b.generations, b.max_prompt_len, b.max_completion_len)
 
 
-def _hf_config_path(cfg, checkpoint: str | None = None):
-    from mmr_jax.training import build
+def hf_config_path(cfg, checkpoint: str | None = None):
+    from mmr_jax.models import config as model_config
 
-    return build._hf_config(checkpoint or cfg.model.path)
+    return model_config.config_file(checkpoint or cfg.model.path)
 
 
 def vocab_size(cfg) -> int:
     import json
 
-    return int(json.loads(_hf_config_path(cfg).read_text())["vocab_size"])
+    return int(json.loads(hf_config_path(cfg).read_text())["vocab_size"])
 
 
-def _checkpoint_vocab(checkpoint: str) -> int:
+def checkpoint_vocab(checkpoint: str) -> int:
     import json
     import pathlib
 

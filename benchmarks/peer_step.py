@@ -196,7 +196,7 @@ def main(argv=None) -> None:
     cfg = peer_ours.load_config(config, overrides)
     if args.weights == "same" and checkpoint is None:
         checkpoint = peer_job.write_checkpoint(
-            str(peer_ours._hf_config_path(cfg)), work / "ckpt", args.seed
+            str(peer_ours.hf_config_path(cfg)), work / "ckpt", args.seed
         )
     job = {
         "config": config,

@@ -61,7 +61,7 @@ def warm_jax(model, prompts, n, new_tokens, temperature, mesh=None) -> float:
     """Compiles the bucket of a timed call (and runs one prefill); returns the seconds taken."""
     from mmr_jax.rollout import padding, sampler
 
-    buckets = padding.Buckets(min_new_tokens=new_tokens)  # max_new_tokens is traced, not static
+    buckets = padding.MinSizes(min_new_tokens=new_tokens)  # max_new_tokens is traced, not static
     t0 = time.perf_counter()
     sampler.sample(model, prompts, _jax_params(1, temperature, n, 0), buckets=buckets, mesh=mesh)
     return time.perf_counter() - t0
@@ -71,7 +71,7 @@ def bench_jax(model, prompts, n, new_tokens, temperature, mesh=None, seed=1) -> 
     """Seconds for one call that generates exactly `new_tokens` per completion (after warm_jax)."""
     from mmr_jax.rollout import padding, sampler
 
-    buckets = padding.Buckets(min_new_tokens=new_tokens)
+    buckets = padding.MinSizes(min_new_tokens=new_tokens)
     params = _jax_params(new_tokens, temperature, n, seed)
     t0 = time.perf_counter()
     batch = sampler.sample(model, prompts, params, buckets=buckets, mesh=mesh)

@@ -65,14 +65,26 @@ def batches(cfg, groups, adv, paths: dict[str, tuple[bool, int]]) -> dict:
     batch.pack_max_len), as `bench_train_step.PATHS`."""
     import dataclasses as dc
 
-    from mmr_jax.step import experience, pipeline, train_step
+    from mmr_jax.step import batch_layout, experience, pipeline, train_step
 
     out = {}
     for name, (shared, pack_max_len) in paths.items():
         b = dc.replace(cfg.batch, shared_prompt=shared, pack_max_len=pack_max_len)
         if not shared:  # one bucket, the maxima: full rows as they were before shared prompts
             b = dc.replace(b, min_bucket_len=max(b.max_prompt_len, b.max_completion_len))
-        host, _ = pipeline.lay_out(dc.replace(cfg, batch=b), groups, adv, pad_id=0)
+        rows = pipeline.loss_rows(cfg, groups)
+        g = groups
+        host, _ = batch_layout.lay_out(
+            g.prompt_ids,
+            g.tokens,
+            g.mask,
+            rows,
+            adv,
+            g.sampler_logps,
+            batch=b,
+            minibatches=cfg.loss.minibatches,
+            pad_id=0,
+        )
         if pack_max_len and "packed" not in host:
             raise ValueError(f"{pack_max_len=} is too short to pack these groups")
         dev = experience.to_device({k: v for k, v in host.items() if k != "sampler_logps"})

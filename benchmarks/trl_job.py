@@ -82,7 +82,7 @@ def step_batches(cfg: schema.TrainConfig, tokenizer, steps: int) -> list[list[tu
 
     Raises ValueError when the messages do not render (TRL's way) to the trainer's prompt ids.
     """
-    ids, answers, _ = problem_sets.load_prompts(cfg, tokenizer)
+    ids, answers, _ = problem_sets.load(cfg, tokenizer)[0]
     rebuilt, problems, _ = data.build_prompts(
         tokenizer,
         _problems(cfg),

@@ -47,37 +47,10 @@ from mmr_jax.infra import compile_cache, console, run_paths, user_errors
 from mmr_jax.models import hub, sharding
 from mmr_jax.problems import evaluation
 from mmr_jax.rewards import grading
-from mmr_jax.training import hf_export, problem_sets
+from mmr_jax.training import engines, hf_export, problem_sets
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Evaluation config.", lock_config=True)
 _PROCESSES = distributed.define_flags()
-
-
-def make_engine(config, checkpoint: str):
-    """The rollout engine that samples from `checkpoint`.
-
-    'embedded': the JAX sampler on the checkpoint (EOS ids from its generation config),
-    data-parallel over the default devices when there are several (CPU: `config.cpu_devices`).
-    'vllm': a server at `config.url` that already serves `checkpoint` under that name (one server
-    per checkpoint, so a run sweep with vLLM needs the server restarted between steps); with
-    several processes, `config.url` may list one server per process (`distributed.rollout_url`).
-    With several processes each samples its share of every prompt batch (`ShareEngine`).
-    """
-    if config.engine == "embedded":
-        from mmr_jax.rollout import embedded
-
-        mesh = sharding.data_parallel_mesh(jax.local_devices())  # this process's devices
-        engine = embedded.EmbeddedEngine.from_pretrained(
-            checkpoint, seed=config.seed, mesh=mesh if mesh.size > 1 else None
-        )
-    elif config.engine == "vllm":
-        from mmr_jax.rollout import vllm_engine
-
-        url = distributed.rollout_url(config.url, jax.process_count(), jax.process_index())
-        engine = vllm_engine.VllmEngine(url, model=checkpoint)
-    else:
-        raise ValueError(f"unknown engine {config.engine!r}; expected 'embedded' or 'vllm'")
-    return distributed.ShareEngine(engine) if jax.process_count() > 1 else engine
 
 
 def eval_settings(config, train_cfg) -> tuple[dict, dict]:
@@ -109,7 +82,7 @@ def evaluate_checkpoint(
 ) -> evaluation.EvalResult:
     tokenizer = hub.load_tokenizer(checkpoint, "--config.checkpoint")
     return evaluation.evaluate(
-        make_engine(config, checkpoint),
+        engines.checkpoint_engine(config.engine, checkpoint, url=config.url, seed=config.seed),
         tokenizer,
         problems,
         seed=config.seed,

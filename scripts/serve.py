@@ -107,7 +107,7 @@ def main(argv):
         tokenizer_path=_TOKENIZER.value,
         seed=_SEED.value,
         max_model_len=_MAX_LEN.value,
-        buckets=padding.Buckets(min_prompts=_MIN_PROMPTS.value),
+        buckets=padding.MinSizes(min_prompts=_MIN_PROMPTS.value),
         logprobs_mode=_LOGPROBS_MODE.value,
     )
     backend.enable_slots(  # compiles every program requests use, a line each on stderr

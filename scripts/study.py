@@ -111,7 +111,7 @@ def _check_for_report(folder, now: dict) -> None:
     if not path.exists():
         study.check_folder(folder, now)
         return
-    diff = study.differences(json.loads(path.read_text()), study._plain(now))
+    diff = study.differences(json.loads(path.read_text()), study.plain(now))
     report_keys = (".total_steps", ".eval.", ".seed:", ".name:")
     if any(not d.startswith("runs.") or any(k in d for k in report_keys) for d in diff):
         study.check_folder(folder, now)  # refuses, naming the differences

@@ -23,8 +23,8 @@ from flax import nnx
 
 from mmr_jax.models import attention, attention_impl, decoder, logprobs, shared_prompt
 from mmr_jax.models import config as config_lib
+from mmr_jax.models import lora as lora_lib
 from mmr_jax.step import train_step
-from mmr_jax.training import build
 
 from support import testing
 
@@ -276,7 +276,7 @@ def _train_step_text(model_kw=None, chunk=0):
         remat="full",
         **(model_kw or {}),
     )
-    policy = build.split_model(decoder.Decoder(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
+    policy = lora_lib.split_policy(decoder.Decoder(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
     b, rows_per, p, t = 2, 3, 16, 24
     rng = np.random.default_rng(0)
     cm = jnp.asarray(np.arange(t)[None] < rng.integers(5, t + 1, b * rows_per)[:, None])

@@ -49,7 +49,7 @@ def test_step_batches_are_the_trainers_prompts_in_its_order(cfg, tokenizer):
     steps = 5
     batches = job.step_batches(cfg, tokenizer, steps)
     # The trainer's draw (trainer.setup): load_prompts, then a PromptIterator on (ids, answer).
-    ids, answers, _ = problem_sets.load_prompts(cfg, tokenizer)
+    ids, answers, _ = problem_sets.load_prompts(cfg, tokenizer, problem_sets.eval_problems(cfg))
     it = data.PromptIterator(list(zip(ids, answers, strict=True)), cfg.batch.prompts, cfg.seed)
     for batch in batches:
         want = next(it)

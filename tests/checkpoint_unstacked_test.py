@@ -12,8 +12,9 @@ from flax import nnx
 
 from mmr_jax.models import config as model_config
 from mmr_jax.models import decoder
+from mmr_jax.models import lora as lora_lib
 from mmr_jax.step import train_step
-from mmr_jax.training import build, checkpoint, checkpoint_unstacked
+from mmr_jax.training import checkpoint, checkpoint_unstacked
 
 
 def _state(num_layers: int, seed: int = 0) -> dict:
@@ -27,7 +28,7 @@ def _state(num_layers: int, seed: int = 0) -> dict:
         head_dim=4,
     )
     model = decoder.Decoder(cfg, rngs=nnx.Rngs(seed))
-    params = build.split_model(model).params
+    params = lora_lib.split_policy(model).params
     opt = optax.adam(1e-2)
     opt_state = opt.init(params)
     # One update, so Adam's mu and nu are not zeros.

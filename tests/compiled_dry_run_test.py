@@ -24,7 +24,7 @@ _SCRIPT = textwrap.dedent(
     jax.config.update("jax_num_cpu_devices", 4)
     import numpy as np
     from configs import grpo
-    from mmr_jax.training import compiled_dry_run
+    from mmr_jax.training import compiled_dry_run, dry_run_programs
     from mmr_jax.config import schema
     from mmr_jax.config import checks
 
@@ -47,11 +47,11 @@ _SCRIPT = textwrap.dedent(
 
     out = {}
     for remat in ("none", "full"):
-        fn, args = compiled_dry_run.train_step_program(cfg, mesh, remat=remat)
+        fn, args = dry_run_programs.train_step_program(cfg, mesh, remat=remat)
         got = compiled_dry_run.compile_train_step(cfg, mesh, remat=remat)
         out[remat] = dict(args=got.argument_bytes, temp=got.temp_bytes, want=shard_bytes(args),
                           replicated=sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(args)))
-    fn, args = compiled_dry_run.decode_step_program(cfg, mesh)
+    fn, args = dry_run_programs.decode_step_program(cfg, mesh)
     got = compiled_dry_run.compile_decode_step(cfg, mesh)
     out["decode"] = dict(args=got.argument_bytes, want=shard_bytes(args), alias=got.alias_bytes)
 
@@ -61,7 +61,7 @@ _SCRIPT = textwrap.dedent(
 
     out["donated"] = {}
     for kind in ("train", "decode"):
-        fn, args, (arg, result) = compiled_dry_run.program(kind, cfg, mesh)
+        fn, args, (arg, result) = dry_run_programs.program(kind, cfg, mesh)
         outputs = jax.eval_shape(fn, *args)
         out["donated"][kind] = [layout(args[arg]), layout(outputs[result])]
     print("RESULT", json.dumps(out))
@@ -90,22 +90,22 @@ def test_compiled_steps_hold_the_shards_their_shardings_give(tmp_path):
 
 
 def test_program_names_are_checked():
-    from mmr_jax.training import compiled_dry_run
+    from mmr_jax.training import dry_run_programs
 
     with pytest.raises(ValueError, match="unknown program 'prefill'"):
-        compiled_dry_run.program("prefill", cfg=None, mesh=None)
+        dry_run_programs.program("prefill", cfg=None, mesh=None)
 
 
 def test_decode_program_takes_the_samplers_compute_dtype_weights(tiny_llama_dir):
-    # The sampler decodes from weights cast once to the compute dtype (sampler.sampling_weights);
-    # the dry run's decode program must be fed the same, or its figures include a cast of every
-    # weight at every step that the sampler does not do (issue 35).
+    # The sampler decodes from weights cast once to the compute dtype
+    # (sampler_weights.sampling_weights); the dry run's decode program must be fed the same, or its
+    # figures include a cast of every weight at every step that the sampler does not do (issue 35).
     import jax
     import jax.numpy as jnp
 
     from configs import grpo
     from mmr_jax.config import checks
-    from mmr_jax.training import compiled_dry_run
+    from mmr_jax.training import compiled_dry_run, dry_run_programs
 
     c = grpo.get_config("smoke")
     c.model.path = str(tiny_llama_dir)
@@ -114,7 +114,7 @@ def test_decode_program_takes_the_samplers_compute_dtype_weights(tiny_llama_dir)
     c.batch.max_prompt_len, c.batch.max_completion_len = 8, 4
     cfg = checks.from_config_dict(c)
     mesh = compiled_dry_run.config_mesh(cfg)
-    fn, args = compiled_dry_run.decode_step_program(cfg, mesh)
+    fn, args = dry_run_programs.decode_step_program(cfg, mesh)
     weights = jax.tree.leaves(args[:3])
     floating = [x for x in weights if jnp.issubdtype(x.dtype, jnp.floating)]
     assert floating and all(x.dtype == jnp.bfloat16 for x in floating)
@@ -128,6 +128,6 @@ def test_decode_program_takes_the_samplers_compute_dtype_weights(tiny_llama_dir)
         and any(f"tensor<{s}xf32>" in line and f"tensor<{s}xbf16>" in line for s in shapes)
     ]
     assert not casts, casts[:3]
-    train_fn, train_args = compiled_dry_run.train_step_program(cfg, mesh)
+    train_fn, train_args = dry_run_programs.train_step_program(cfg, mesh)
     masters = [x for x in jax.tree.leaves(train_args[0]) if jnp.issubdtype(x.dtype, jnp.floating)]
     assert any(x.dtype == jnp.float32 for x in masters)  # the train step keeps fp32 masters

@@ -12,7 +12,8 @@ from ml_collections import config_flags
 
 from mmr_jax.algorithms import advantages, losses, mismatch, mmr
 from mmr_jax.config import checks, command_line, schema
-from mmr_jax.training import build, workdir_guard
+from mmr_jax.step import train_step
+from mmr_jax.training import workdir_guard
 
 CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "configs"
 VARIANTS = [
@@ -86,7 +87,7 @@ class TestVariants:
         assert cfg.loss.importance_sampling_level == "sequence"
         assert (cfg.loss.eps_low, cfg.loss.eps_high, cfg.loss.beta) == (3e-4, 4e-4, 0.0)
         assert cfg.loss.aggregation == "seq_mean_token_mean" and cfg.loss.iterations == 2
-        step = build.step_config(cfg)  # reaches the train step
+        step = train_step.StepConfig.from_config(cfg)  # reaches the train step
         assert step.loss.importance_sampling_level == "sequence" and step.loss.eps_high == 4e-4
         with_mmr = _load("gspo", "8b,smoke", ["--config.reweight.method=mmr"])
         typed = checks.from_config_dict(with_mmr)
@@ -101,7 +102,7 @@ class TestVariants:
         assert cfg.loss.objective == "cispo" and cfg.loss.importance_sampling_level == "token"
         assert (cfg.loss.eps_low, cfg.loss.eps_high, cfg.loss.beta) == (1.0, 4.0, 0.0)
         assert cfg.loss.aggregation == "token_mean" and cfg.loss.iterations == 2
-        step = build.step_config(cfg)  # reaches the train step
+        step = train_step.StepConfig.from_config(cfg)  # reaches the train step
         assert step.loss.objective == "cispo" and step.loss.eps_high == 4.0
         typed = checks.from_config_dict(
             _load("cispo", "8b,smoke", ["--config.reweight.method=mmr"])
@@ -117,11 +118,11 @@ class TestVariants:
             "--config.reweight.method=mmr",
         ]
         cfg = checks.from_config_dict(_load("dapo", None, over))
-        step = build.step_config(cfg)
+        step = train_step.StepConfig.from_config(cfg)
         assert (step.loss.objective, step.loss.dual_clip_c) == ("ppo_clip", 3.0)
         assert (step.loss.entropy_coef, step.loss.top_entropy_quantile) == (0.001, 0.2)
         assert cfg.advantage.estimator == "rloo" and cfg.reweight.method == "mmr"
-        base = build.step_config(checks.from_config_dict(_load("grpo")))
+        base = train_step.StepConfig.from_config(checks.from_config_dict(_load("grpo")))
         assert (base.loss.objective, base.loss.dual_clip_c, base.loss.entropy_coef) == (
             "ppo_clip",
             0.0,
@@ -134,7 +135,7 @@ class TestVariants:
         cfg = checks.from_config_dict(
             _load("grpo", None, [*over, "--config.loss.tis_mask_low=0.5"])
         )
-        step = build.step_config(cfg)
+        step = train_step.StepConfig.from_config(cfg)
         assert (step.loss.tis_cap, step.loss.tis_mode, step.loss.tis_mask_low) == (
             3.0,
             "sequence_mask",
@@ -311,7 +312,7 @@ class TestBadInput:
         "overrides,match",
         [
             ({"importance_sampling_level": "sequence"}, "'cispo' .* does not combine with"),
-            ({"dual_clip_c": 3.0}, "dual_clip_c caps the 'ppo_clip' surrogate"),
+            ({"dual_clip_c": 3.0}, "caps the 'ppo_clip' surrogate only"),
             ({"eps_low": 1.5}, r"needs 0 <= loss.eps_low <= 1"),
         ],
     )

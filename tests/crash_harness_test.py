@@ -13,6 +13,7 @@ import pytest
 
 from mmr_jax.config import checks
 from mmr_jax.infra import faults, metrics
+from mmr_jax.step import train_step
 from mmr_jax.training import build, checkpoint, trainer, workdir_guard
 
 from support import crash_harness, testing
@@ -29,8 +30,8 @@ def _xla_cache():
 def _restore(workdir):
     cfg = checks.from_config_dict(workdir_guard.read_run_config(workdir))
     policy = build.load_policy(cfg)
-    optimizer, _ = build.make_optimizer(cfg)
-    state = build.init_state(cfg, policy.params, optimizer)
+    optimizer, _ = train_step.make_optimizer(cfg.optim, total_updates=cfg.total_updates)
+    state = train_step.init_state(policy.params, optimizer, seed=cfg.seed, loss=cfg.loss)
     ck = checkpoint.Checkpointer(pathlib.Path(workdir) / checkpoint.CKPT_DIR, keep=None)
     abstract = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), checkpoint.state_tree(state)

@@ -20,7 +20,7 @@ _SCRIPT = textwrap.dedent(
     assert sharding.use_cpu_cores_as_devices(2) == 2
     assert jax.device_count() == 2, jax.devices()
     import jax.numpy as jnp
-    from mmr_jax.training import build
+    from mmr_jax.training import engines
     from mmr_jax.algorithms import mmr
     from mmr_jax import models
     from mmr_jax.rollout import base, sampler
@@ -43,13 +43,13 @@ _SCRIPT = textwrap.dedent(
     model = models.from_pretrained(sys.argv[1])
     prompts = [[5, 6, 7, 8, 9], [11, 12], [20, 21, 22, 23, 24, 25, 26, 27, 28]]
     seen = []
-    generate = sampler._generate
+    generate = sampler.decode_program
 
     def spy(graphdef, state, kernels_t, tokens, *args, **kwargs):
         seen.append(tokens.sharding)
         return generate(graphdef, state, kernels_t, tokens, *args, **kwargs)
 
-    sampler._generate = spy
+    sampler.decode_program = spy
     for temperature in (0.0, 0.8):
         params = base.SamplingParams(12, temperature=temperature, n=3, seed=7)
         one = sampler.sample(model, prompts, params)
@@ -79,7 +79,7 @@ _SCRIPT = textwrap.dedent(
     class Tok:
         pad_token_id, eos_token_id = 0, 1
 
-    engine = build.make_engine(Cfg, Policy(), Tok, "/tmp", mesh)
+    engine = engines.make_engine(Cfg, Policy(), Tok, sys.argv[1], "/tmp", mesh)
     assert engine.mesh is mesh
     weight = engine.model.embed_tokens.embedding[...]
     assert weight.sharding.is_fully_replicated and len(weight.sharding.device_set) == 2
@@ -88,7 +88,7 @@ _SCRIPT = textwrap.dedent(
         6, temperature=0.0, n=2), stop_token_ids=engine.stop_token_ids)
     np.testing.assert_array_equal(got.tokens, want.tokens)
     fsdp = sharding.make_mesh(1, 2, 1)
-    assert build.make_engine(Cfg, Policy(), Tok, "/tmp", fsdp).mesh is None
+    assert engines.make_engine(Cfg, Policy(), Tok, sys.argv[1], "/tmp", fsdp).mesh is None
 
     try:
         sharding.use_cpu_cores_as_devices(4)

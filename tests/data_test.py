@@ -83,7 +83,7 @@ class TestLoadProblems:
         c.eval.source, c.eval.data_dir = "benchmarks", str(tmp_path / "d" / "eval")
         cfg = checks.from_config_dict(c)
         with pytest.raises(data.DataNotFoundError, match=re.escape(f"--out={tmp_path / 'd'}`")):
-            problem_sets.load_prompts(cfg, tokenizer)
+            problem_sets.load_prompts(cfg, tokenizer, {})  # benchmarks: nothing held out
         with pytest.raises(data.DataNotFoundError, match=r"d.eval does not exist"):
             problem_sets.eval_problems(cfg)
 

@@ -23,7 +23,7 @@ from mmr_jax import models
 from mmr_jax.kernels import decode_attention
 from mmr_jax.models import attention, decoder, kv_cache
 from mmr_jax.models import config as model_config
-from mmr_jax.rollout import base, embedded, sampler
+from mmr_jax.rollout import base, embedded, sampler, sampler_weights
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
@@ -158,7 +158,7 @@ class TestDecodeStepHlo:
 
         master, _ = _decode_step_hlo(model)  # fp32 master weights: cast at every step
         assert casts_to_bf16(master), "the check finds no cast even of fp32 master weights"
-        weights = sampler.sampling_weights(model)
+        weights = sampler_weights.sampling_weights(model)
         assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(weights))
         once, _ = _decode_step_hlo(model, weights)
         assert not casts_to_bf16(once), casts_to_bf16(once)
@@ -331,7 +331,7 @@ class TestOnGpu:
         if not _on_gpu():
             pytest.skip("JAX's default backend is not a GPU")
         model = _model(jnp.bfloat16)
-        hlo, cache = _decode_step_hlo(model, sampler.sampling_weights(model))
+        hlo, cache = _decode_step_hlo(model, sampler_weights.sampling_weights(model))
         comps = _computations(hlo)
         loop = _loop_computations(comps)
         sizes, stacked = _cache_dims(cache), {_dims(cache.k.shape), _dims(cache.v.shape)}

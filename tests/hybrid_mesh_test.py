@@ -199,7 +199,7 @@ for name, shape in (("default", None), ("written", (1, 4, 1))):
     c = grpo.get_config("smoke")
     if shape:
         c.mesh.shape = shape
-    mesh = build.make_mesh(checks.from_config_dict(c))
+    mesh = sharding.make_mesh(*c.mesh.shape, layout=c.mesh.layout)
     # A global array over the mesh, summed: the layout is one a multi-controller program runs.
     x = jax.make_array_from_callback(
         (4, 4), NamedSharding(mesh, P("data", "fsdp")),

@@ -247,10 +247,8 @@ class CispoTest(chex.TestCase):
 
     def test_refused_combinations(self):
         kw = dict(aggregation="token_mean", objective="cispo", **CLIP)
-        with pytest.raises(ValueError, match="token ratios and no dual clip"):
+        with pytest.raises(ValueError, match="token ratios"):
             losses.policy_loss(LOGPS, OLD, ADV, MASK, importance_sampling_level="sequence", **kw)
-        with pytest.raises(ValueError, match="token ratios and no dual clip"):
-            losses.policy_loss(LOGPS, OLD, ADV, MASK, dual_clip_c=3.0, **kw)
         with pytest.raises(ValueError, match="unknown objective 'gpg'"):
             losses.policy_loss(
                 LOGPS, OLD, ADV, MASK, aggregation="token_mean", objective="gpg", **CLIP
@@ -287,12 +285,6 @@ class DualClipTest(parameterized.TestCase):
             got = losses.ppo_clip_loss(jnp.exp(lp), jnp.array([[a]]), dual_clip_c=c, **CLIP)
             trl = -np.minimum(np.minimum(r, c) * a, np.clip(r, 0.8, 1.2) * a)
             np.testing.assert_allclose(got[0], trl, rtol=1e-6)
-
-    def test_bad_c_raises(self):
-        with pytest.raises(ValueError, match="dual_clip_c must be 0"):
-            losses.policy_loss(
-                LOGPS, OLD, ADV, MASK, aggregation="token_mean", dual_clip_c=1.0, **CLIP
-            )
 
 
 class EntropyTest(parameterized.TestCase):

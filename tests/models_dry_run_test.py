@@ -94,7 +94,7 @@ _POD_SCRIPT = textwrap.dedent(
             "--set", "batch.generations=2", "--set", "batch.max_prompt_len=16",
             "--set", "batch.max_completion_len=8", "--set", "loss.minibatches=1"]
     import jax
-    from mmr_jax.training import compiled_dry_run
+    from mmr_jax.training import compiled_dry_run, dry_run_programs
     from mmr_jax.config import schema
     from mmr_jax.config import command_line
     from mmr_jax.config import checks
@@ -112,7 +112,7 @@ _POD_SCRIPT = textwrap.dedent(
         command_line.set_keys(c, command_line.parse_assignments(args.set))
         cfg = checks.from_config_dict(c)
         mesh = compiled_dry_run.config_mesh(cfg, hosts=[i // 4 for i in range(8)])
-        _, targs = compiled_dry_run.train_step_program(cfg, mesh)
+        _, targs = dry_run_programs.train_step_program(cfg, mesh)
         out[layout] = dict(mesh=r["mesh"], hosts=r["hosts"], row_hosts=r["row_hosts"],
                            args=r["programs"][0].argument_bytes, want=shard_bytes(targs),
                            table=script.compiled_dry_run_table(r))

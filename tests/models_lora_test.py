@@ -145,14 +145,13 @@ def _lora_step_loss(ckpt, *, dtype, frozen_dtype):
     import optax
 
     from mmr_jax.step import train_step
-    from mmr_jax.training import build
 
     lora = lora_lib.LoraConfig(rank=4, alpha=8, dropout=0.0)
     model = models.from_pretrained(
         ckpt, dtype=dtype, lora=lora, rngs=nnx.Rngs(0), frozen_dtype=frozen_dtype
     )
     _randomise_b(model)
-    policy = build.split_model(model)
+    policy = lora_lib.split_policy(model)
     n, length, t = 4, 14, 6
     rng = np.random.default_rng(0)
     completion = jnp.asarray(np.arange(t)[None] < np.array([6, 4, 2, 5])[:, None])

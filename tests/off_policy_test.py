@@ -197,17 +197,17 @@ def _vllm_config(ckpt, steps, venv, **overrides):
 
 
 def _record_servers(monkeypatch):
-    """The `vllm_launch.ServerProcess` of every engine `build.make_engine` makes, with its pid."""
-    from mmr_jax.training import build
+    """The `vllm_launch.ServerProcess` of every engine `engines.make_engine` makes, with its pid."""
+    from mmr_jax.training import engines
 
-    servers, real = [], build.make_engine
+    servers, real = [], engines.make_engine
 
     def make_engine(*args, **kwargs):
         engine = real(*args, **kwargs)
         servers.append((engine.server, engine.server.proc.pid, engine.server.url))
         return engine
 
-    monkeypatch.setattr(build, "make_engine", make_engine)
+    monkeypatch.setattr(engines, "make_engine", make_engine)
     return servers
 
 

@@ -109,7 +109,7 @@ def test_evaluation_shares_one_server_without_reloads(tmp_path, tiny_llama_dir):
     data_dir = multihost.eval_benchmark_dir(tmp_path / "data")
     # Served under the checkpoint's path: the name evaluate.py asks for.
     backend = recording_server.RecordingBackend.from_pretrained(
-        tiny_llama_dir, model_name=str(tiny_llama_dir), buckets=padding.Buckets(min_prompts=1)
+        tiny_llama_dir, model_name=str(tiny_llama_dir), buckets=padding.MinSizes(min_prompts=1)
     )
     with server.OpenAIServer(backend) as srv:
         _evaluate(tiny_llama_dir, data_dir, tmp_path / "one", srv.url, processes=1)

@@ -79,7 +79,7 @@ class TestRandomPolicy:
 
     def test_tokenizer_has_the_architecture_vocab(self):
         cfg = _grpo_config("1.5b", **{"model.init": "random"})
-        assert len(build.load_tokenizer(cfg)) == 151936
+        assert len(random_init.byte_tokenizer_of(cfg.model.path)) == 151936
 
     def test_weights_drawn_with_the_decoder_init_and_seed(self):
         mcfg = model_config.ModelConfig(

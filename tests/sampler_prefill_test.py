@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 from mmr_jax.models import kv_cache
-from mmr_jax.rollout import base, padding, sampler
+from mmr_jax.rollout import base, padding, prefill, sampler
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
@@ -56,7 +56,8 @@ class TestSegmentIds:
 
 
 def _left_padded_prompt_cache(model, prompts, bp, p):
-    """The reference: the prefill as `_generate` ran it before packing, over [Bp, P - 1]."""
+    """The reference: the prefill as `sampler.decode_program` ran it before packing, over
+    [Bp, P - 1]."""
     tokens, mask = padding.left_pad(prompts, bp, p, 0)
     positions = np.maximum(np.cumsum(mask, axis=-1) - 1, 0).astype(np.int32)
     graphdef, state = nnx.split(model)
@@ -95,7 +96,7 @@ class TestPackedPrefill:
         packed = padding.pack_prefill(prompts, bp, p, pad_id=0)
         assert packed.tokens.shape == (4, 23)  # 23 | 18 + 4 + 1 | 12 + 6 -> 3 rows -> 4
         graphdef, state = nnx.split(model)
-        got = sampler._prefill(
+        got = prefill.prefill(
             graphdef,
             state,
             *(jnp.asarray(x) for x in (packed.tokens, packed.positions, packed.segment_ids)),

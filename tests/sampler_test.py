@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mmr_jax.rollout import base, embedded, padding, sampler, sampling
+from mmr_jax.rollout import base, decode_loop, embedded, padding, sampler, sampler_weights, sampling
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
@@ -67,10 +67,10 @@ class TestSample:
         # On CPU the decode loop runs its matmuls weight-major (a transposed copy of the kernels);
         # accelerators keep x @ W. Same samples either way, log-probs equal up to rounding.
         state = jax.tree.leaves(llama)[0]
-        assert sampler.weight_major([state])  # these tests run on CPU
+        assert sampler_weights.weight_major([state])  # these tests run on CPU
         params = base.SamplingParams(max_new_tokens=16, temperature=0.8, n=3, seed=4)
         fast = sampler.sample(llama, PROMPTS, params)
-        monkeypatch.setattr(sampler, "weight_major", lambda state: False)
+        monkeypatch.setattr(sampler_weights, "weight_major", lambda state: False)
         plain = sampler.sample(llama, PROMPTS, params)
         np.testing.assert_array_equal(fast.tokens, plain.tokens)
         np.testing.assert_allclose(fast.logprobs, plain.logprobs, atol=1e-5, rtol=1e-5)
@@ -110,9 +110,9 @@ class TestSample:
     def test_loop_exits_when_every_row_is_done(self, llama):
         # 32 new-token slots compiled; the loop must stop at max_new_tokens, and at step 1 when
         # every row's first token is a stop id.
-        buckets = padding.Buckets(min_new_tokens=32)
+        buckets = padding.MinSizes(min_new_tokens=32)
         greedy = base.SamplingParams(max_new_tokens=5, temperature=0.0, n=2)
-        stats = sampler.LoopStats()
+        stats = decode_loop.LoopStats()
         free = sampler.sample(llama, PROMPTS, greedy, buckets=buckets, stats=stats)
         assert stats.decode_steps == 5
         firsts = tuple(sorted({int(x) for x in free.tokens[:, :, 0].ravel()}))
@@ -136,7 +136,7 @@ class TestSample:
         else:  # the commonest tokens
             ids, counts = np.unique(free.tokens[:, :, 1:].ravel(), return_counts=True)
             stops = tuple(int(x) for x in ids[np.argsort(-counts)[:16]])
-        stats = sampler.LoopStats()
+        stats = decode_loop.LoopStats()
         ref = sampler.sample(
             llama, prompts, params, stop_token_ids=stops, compact=False, stats=stats
         )
@@ -153,7 +153,7 @@ class TestSample:
         np.testing.assert_allclose(out.logprobs, ref.logprobs, atol=1e-5, rtol=1e-5)
         assert stats.decode_steps == lengths.max()
         traces = sampler.trace_count()  # each loop shape compiles once
-        again = sampler.LoopStats()
+        again = decode_loop.LoopStats()
         sampler.sample(llama, prompts, params, stop_token_ids=stops, stats=again)
         assert sampler.trace_count() == traces and again.loop_rows == loops
 

@@ -21,7 +21,6 @@ from flax import nnx
 from mmr_jax.models import loading
 from mmr_jax.models import lora as lora_lib
 from mmr_jax.step import batch_layout, experience, minibatch, train_step
-from mmr_jax.training import build
 
 from support import testing
 
@@ -367,7 +366,7 @@ def test_train_step_same_metrics_and_update(ckpt, variant):
         **{k: opts.pop(k, v) for k, v in _OPTIONS_OFF.items()},
     )
     assert not opts, opts
-    policy = build.split_model(_load(ckpt, lora=lora))
+    policy = lora_lib.split_policy(_load(ckpt, lora=lora))
     groups = _groups(4, 4, seed=4)
     adv = np.random.default_rng(5).standard_normal((4, 4)).astype(np.float32)
     group = batch_layout.group_size(4, 16, cfg.loss.minibatches)

@@ -7,7 +7,6 @@ import types
 
 import pytest
 
-from mmr_jax import rollout
 from mmr_jax.rollout import base, embedded, sampler, stops
 
 from support import testing
@@ -63,27 +62,24 @@ class TestEmbeddedEngineStops:
         testing.as_hub_snapshot(tiny_llama_dir, tmp_path, "org/tiny", eos_token_ids=[2, t])
         return t, k
 
-    @pytest.mark.parametrize("how", ["make_engine", "from_pretrained"])
-    def test_hub_id_engine_stops_on_the_second_eos(self, hub_ckpt, how):
+    def test_hub_id_engine_stops_on_the_second_eos(self, hub_ckpt):
         t, k = hub_ckpt
-        if how == "make_engine":
-            engine = rollout.make_engine("embedded", model_path="org/tiny")
-        else:
-            engine = embedded.EmbeddedEngine.from_pretrained("org/tiny")
+        engine = embedded.EmbeddedEngine.from_pretrained("org/tiny")
         assert engine.stop_token_ids == tuple(sorted({TOKENIZER_EOS, t}))
         batch = engine.generate([PROMPT], base.SamplingParams(max_new_tokens=8, temperature=0.0))
         assert batch.mask[0, 0].sum() == k + 1 and batch.tokens[0, 0, k] == t
         assert batch.finish_reasons[0][0] == base.FINISH_STOP
 
     def test_trainer_engine_of_a_hub_id_stops_on_both(self, llama, hub_ckpt, tmp_path):
-        """build.make_engine (the trainer's) on `model.path` = a hub id: tokenizer EOS + t."""
+        """engines.make_engine (the trainer's) on the folder of `model.path` = a hub id (as the
+        run's builder resolves it once): tokenizer EOS + t."""
         import importlib.util
 
         import transformers
 
         from mmr_jax.config import checks
         from mmr_jax.models import hub
-        from mmr_jax.training import build
+        from mmr_jax.training import engines
 
         t, _ = hub_ckpt
         spec = importlib.util.spec_from_file_location(
@@ -94,7 +90,8 @@ class TestEmbeddedEngineStops:
         c = module.get_config()
         c.model.path = "org/tiny"
         cfg = checks.from_config_dict(c)
-        tokenizer = transformers.AutoTokenizer.from_pretrained(hub.resolve_checkpoint("org/tiny"))
+        model_dir = hub.resolve_checkpoint("org/tiny")
+        tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
         policy = types.SimpleNamespace(model=lambda: llama)
-        engine = build.make_engine(cfg, policy, tokenizer, tmp_path / "run")
+        engine = engines.make_engine(cfg, policy, tokenizer, model_dir, tmp_path / "run")
         assert engine.stop_token_ids == tuple(sorted({TOKENIZER_EOS, t}))

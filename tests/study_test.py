@@ -278,7 +278,7 @@ class TestHeldOut:
         heldout = {p.problem for p in problem_sets.eval_problems(cfg)["heldout"]}
         train_all = data.arithmetic_problems(2000, cfg.seed, max_operand=20, ops=("+",))
         assert heldout & {p.problem for p in train_all}  # the raw draws do overlap (400 sums)
-        prompts, answers, _ = problem_sets.load_prompts(cfg, tok)
+        prompts, answers, _ = problem_sets.load_prompts(cfg, tok, problem_sets.eval_problems(cfg))
         texts = {tok.decode(p) for p in prompts}
         assert not any(q in t for q in heldout for t in texts)
         assert len(prompts) == sum(p.problem not in heldout for p in train_all)

@@ -94,7 +94,8 @@ def test_training_prompts_are_the_task_training_set(tiny_llama_dir):
     c.data.source, c.eval.source, c.data.system_prompt = "task:chain3", "task", ""
     c.batch.max_prompt_len = 128
     tok = transformers.AutoTokenizer.from_pretrained(tiny_llama_dir)
-    out = problem_sets.load_prompts(checks.from_config_dict(c), tok)
+    cfg = checks.from_config_dict(c)
+    out = problem_sets.load_prompts(cfg, tok, {})  # a task's sets are disjoint already
     prompts, answers = out[0], out[1]
     want = tasks.train_problems("chain3")
     assert len(prompts) == len(want) == 1000

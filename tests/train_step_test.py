@@ -16,7 +16,6 @@ from flax import nnx
 from mmr_jax.models import loading
 from mmr_jax.models import lora as lora_lib
 from mmr_jax.step import minibatch, train_step
-from mmr_jax.training import build
 
 from support import testing
 
@@ -27,7 +26,7 @@ CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "configs"
 TEMPERATURE = 0.7
 
 
-def _policy(path, *, dropout: float | None = None) -> build.Policy:
+def _policy(path, *, dropout: float | None = None) -> lora_lib.Policy:
     lora = None if dropout is None else lora_lib.LoraConfig(rank=4, alpha=8, dropout=dropout)
     model = loading.from_pretrained(path, lora=lora, rngs=nnx.Rngs(0))
     if lora is not None:  # fresh adapters have B = 0, where dropout changes nothing: set them
@@ -36,7 +35,7 @@ def _policy(path, *, dropout: float | None = None) -> build.Policy:
                 val = var.get_value()
                 var.set_value(0.5 * jax.random.normal(jax.random.key(i), val.shape))
                 assert float(jnp.abs(var.get_value()).max()) > 0
-    return build.split_model(model)
+    return lora_lib.split_policy(model)
 
 
 def _fresh_state(params, optimizer, **extra) -> train_step.TrainState:
@@ -397,12 +396,15 @@ class TestOptionsOff:
         from mmr_jax.step import pipeline
 
         cfg = checks.from_config_dict(command_line.load_config_file(f"{CONFIGS}/{name}.py:smoke"))
-        sc = build.step_config(cfg)
+        sc = train_step.StepConfig.from_config(cfg)
         assert sc.loss.updates_per_batch == 1 and not sc.entropy_on
         assert not cfg.loss.mask_truncated_completions
         assert "overlong" not in pipeline.reward_params(cfg)
         assert pipeline.needs_old_logps(cfg) == (cfg.loss.iterations > 1)
-        assert build._init_state(cfg, {}, optax.sgd(1.0)).entropy_coef is None
+        assert (
+            train_step.init_state({}, optax.sgd(1.0), seed=cfg.seed, loss=cfg.loss).entropy_coef
+            is None
+        )
 
 
 class TestEntropyCoefficient:
@@ -454,7 +456,7 @@ class TestLoraDropout:
     def test_several_updates_train_without_dropout(self, ckpt):
         # At learning rate 0 the second update sees unchanged weights: with the dropout forward
         # its ratio against the clean old log-probs is dropout's noise alone; with the forward
-        # `build.train_graphdef` picks for several updates, exactly the same forward.
+        # `train_step.step_graphdef` picks for several updates, exactly the same forward.
         from mmr_jax.config import checks, command_line
 
         policy = _policy(ckpt, dropout=0.5)
@@ -465,10 +467,13 @@ class TestLoraDropout:
         c.loss.iterations, c.loss.updates_per_batch, c.loss.minibatches = 1, 2, 2
         cfg = checks.from_config_dict(c)
         assert any("lora.dropout" in line for line in checks.advisories(cfg))
-        graphdef = build.train_graphdef(cfg, policy)
+        graphdef = train_step.step_graphdef(policy, cfg.loss, cfg.lora.dropout)
         assert graphdef is policy.eval_graphdef
         c.loss.updates_per_batch = 1  # one update: dropout stays (its ratio is the same forward)
-        assert build.train_graphdef(checks.from_config_dict(c), policy) is policy.graphdef
+        assert (
+            train_step.step_graphdef(policy, checks.from_config_dict(c).loss, c.lora.dropout)
+            is policy.graphdef
+        )
         spread = {}
         for name, gd in (("dropout", policy.graphdef), ("clean", graphdef)):
             step_cfg = testing.step_config(

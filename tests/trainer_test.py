@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 
 import jax
 import numpy as np
@@ -737,8 +738,15 @@ class TestHeader:
     def test_stale_uncorrected_samples_warned_at_start(self, tmp_path, caplog, tis_cap, warned):
         c = grpo.get_config("smoke")
         c.rollout.off_policy_lag, c.loss.tis_cap = 1, tis_cap
+        run = types.SimpleNamespace(  # what the header reads of a `build.Run`
+            cfg=checks.from_config_dict(c),
+            workdir=str(tmp_path),
+            resume_step=None,
+            policy=types.SimpleNamespace(attention=None),
+            mesh=types.SimpleNamespace(shape={"data": 1, "fsdp": 1, "tensor": 1}),
+        )
         with caplog.at_level("WARNING"):
-            trainer._header(checks.from_config_dict(c), str(tmp_path), None, None)
+            trainer.print_header(run)
         lines = [r.getMessage() for r in caplog.records if "off_policy_lag=1" in r.getMessage()]
         assert len(lines) == (1 if warned else 0), lines
 

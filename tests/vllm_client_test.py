@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from mmr_jax.rollout import base, vllm_client, vllm_engine
-from mmr_jax.serving import server
+from mmr_jax.serving import batching, server
 
 from support import fake_server_venv
 
@@ -64,7 +64,7 @@ class FakeBackend:
 
     def start(self, prompt_ids, params, *, model, ignore_eos, n_slots):
         batch = self.generate(prompt_ids, params, model=model, ignore_eos=ignore_eos)
-        return server.Finished(batch)
+        return batching.Finished(batch)
 
     def encode(self, text, *, add_special_tokens=True):
         return [ord(c) % 50 for c in text]
@@ -211,37 +211,36 @@ class TestVllmEngineGenerate:
         assert backend.requests == [(prompts, None)]
 
 
-class TestMakeEngine:
-    def test_vllm_engine_from_make_engine(self, fake, tmp_path):
-        from mmr_jax import rollout
+class TestCheckpointEngine:
+    def test_vllm_engine_of_a_served_checkpoint(self, fake, tmp_path):
+        from mmr_jax.training import engines
 
         _, srv = fake
-        engine = rollout.make_engine(
-            "vllm", url=srv.url + "/v1", served_model_name="fake", sync_dir=tmp_path, max_retries=0
-        )
+        engine = engines.checkpoint_engine("vllm", "fake", url=srv.url + "/v1")
         assert isinstance(engine, vllm_engine.VllmEngine) and engine.client.base_url == srv.url
         assert engine.generate([[1]], base.SamplingParams(max_new_tokens=3)).tokens.shape == (
             1,
             1,
             3,
         )
-        with pytest.raises(ValueError, match="unknown rollout engine"):
-            rollout.make_engine("sglang", served_model_name="x")
+        with pytest.raises(ValueError, match="unknown engine 'sglang'"):
+            engines.checkpoint_engine("sglang", "x")
 
     def test_hub_id_engine_sends_every_eos_as_stop_ids(
         self, fake, tiny_llama_dir, tmp_path, monkeypatch
     ):
-        """model_path a hub id whose generation config lists two EOS ids (2, the tokenizer's, and
-        13, which the fake backend's completion of [1] reaches third): both go in the request."""
-        from mmr_jax import rollout
+        """A hub id whose generation config lists two EOS ids (2, the tokenizer's, and 13, which
+        the fake backend's completion of [1] reaches third): both go in the request."""
+        from mmr_jax.rollout import stops
 
         from support import testing
 
         testing.offline_hub(monkeypatch, tmp_path / "hub")
         testing.as_hub_snapshot(tiny_llama_dir, tmp_path / "hub", "org/tiny", eos_token_ids=[2, 13])
         backend, srv = fake
-        engine = rollout.make_engine(
-            "vllm", model_path="org/tiny", url=srv.url, served_model_name="fake", max_retries=0
+        client = vllm_client.VllmClient(srv.url, max_retries=0)
+        engine = vllm_engine.VllmEngine(
+            client, model="fake", eos_token_ids=stops.stop_token_ids("org/tiny")
         )
         batch = engine.generate([[1]], base.SamplingParams(max_new_tokens=6, temperature=0.0))
         assert backend.params[-1].stop_token_ids == (2, 13)
@@ -396,7 +395,7 @@ class _Scripted(http.server.BaseHTTPRequestHandler):
     replies: list = []
     seen: list = []
 
-    def _serve(self):
+    def serve(self):
         self.rfile.read(int(self.headers.get("Content-Length") or 0))
         with _SEEN_LOCK:
             i = len(self.seen)
@@ -415,7 +414,7 @@ class _Scripted(http.server.BaseHTTPRequestHandler):
         except OSError:  # the client gave up on this reply
             pass
 
-    do_GET = do_POST = _serve
+    do_GET = do_POST = serve
 
     def log_message(self, *args):
         pass
@@ -714,13 +713,13 @@ def test_real_vllm_serve_lora_sync_matches_trainer_model(tiny_llama_dir, tmp_pat
 
 @pytest.mark.slow
 def test_trainer_engine_launches_its_server_and_close_stops_it(tiny_llama_dir, tmp_path):
-    """rollout.url='' : build.make_engine starts the server from the server venv, waits for it,
+    """rollout.url='' : engines.make_engine starts the server from the server venv, waits for it,
     generates through it; engine.close() stops the whole process group (port free again)."""
     import types
 
     from mmr_jax.config import checks
     from mmr_jax.rollout import vllm_launch
-    from mmr_jax.training import build
+    from mmr_jax.training import engines
 
     venv = fake_server_venv.make(tmp_path)
     sys.path.insert(0, str(REPO / "configs"))
@@ -736,7 +735,7 @@ def test_trainer_engine_launches_its_server_and_close_stops_it(tiny_llama_dir, t
     cfg = checks.from_config_dict(c)
     policy = types.SimpleNamespace(lora=False)
     tokenizer = types.SimpleNamespace(pad_token_id=3, eos_token_id=2)
-    engine = build.make_engine(cfg, policy, tokenizer, tmp_path / "run")
+    engine = engines.make_engine(cfg, policy, tokenizer, tiny_llama_dir, tmp_path / "run")
     try:
         assert isinstance(engine.server, vllm_launch.ServerProcess) and engine.server.alive()
         batch = engine.generate([[5, 6, 7]], base.SamplingParams(max_new_tokens=4, temperature=0))

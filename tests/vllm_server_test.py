@@ -238,8 +238,10 @@ def test_sync_folder_that_vanished_is_a_named_error(engine, tmp_path):
 def test_both_engines_stop_on_every_eos_of_a_hub_checkpoint(real_server, tmp_path, monkeypatch):
     """The served checkpoint as hub id 'org/tiny', its generation config listing a second EOS t
     that the greedy completion of PROMPTS[0] reaches at position k: the vLLM and the embedded
-    engine, both from `rollout.make_engine(model_path='org/tiny')`, stop there, token for token."""
-    from mmr_jax import models, rollout
+    engine, both on `stops.stop_token_ids('org/tiny')`, stop there, token for token."""
+    from mmr_jax import models
+    from mmr_jax.rollout import embedded as embedded_lib
+    from mmr_jax.rollout import stops, vllm_client, vllm_engine
 
     from support import testing
 
@@ -251,16 +253,16 @@ def test_both_engines_stop_on_every_eos_of_a_hub_checkpoint(real_server, tmp_pat
     assert EOS[0] not in toks[: k + 1], "the random model ends early: pick another prompt"
     testing.offline_hub(monkeypatch, tmp_path / "hub")
     testing.as_hub_snapshot(ckpt, tmp_path / "hub", "org/tiny", eos_token_ids=[EOS[0], toks[k]])
-    vllm = rollout.make_engine(
-        "vllm",
-        model_path="org/tiny",
-        url=client.base_url,
-        served_model_name="tiny",
+    stop_ids = stops.stop_token_ids("org/tiny")
+    vllm = vllm_engine.VllmEngine(
+        vllm_client.VllmClient(client.base_url, timeout_s=120),
+        model="tiny",
         sync_dir=tmp_path / "sync",
-        timeout_s=120,
+        eos_token_ids=stop_ids,
+        base_model_name_or_path="org/tiny",
     )
     vllm.load_weights_dir(ckpt, version=0)  # earlier tests synced other weights
-    embedded = rollout.make_engine("embedded", model=model, model_path="org/tiny")
+    embedded = embedded_lib.EmbeddedEngine(model, stop_token_ids=stop_ids)
     assert vllm.eos_token_ids == embedded.stop_token_ids == tuple(sorted({EOS[0], toks[k]}))
     got, want = vllm.generate(PROMPTS, params), embedded.generate(PROMPTS, params)
     np.testing.assert_array_equal(got.tokens, want.tokens)

@@ -148,10 +148,10 @@ def log_importance_ratio(
     if level not in IS_LEVELS:
         raise ValueError(f"unknown importance sampling level {level!r}; known: {IS_LEVELS}")
     n_N = jnp.maximum(jnp.sum(valid, axis=-1), 1).astype(d.dtype)
-    seq_Bx1 = (jnp.sum(d, axis=-1) / n_N)[:, None]
+    seq_Nx1 = (jnp.sum(d, axis=-1) / n_N)[:, None]
     if level == "sequence_token":  # value of the sequence's, gradient of each token's log-prob
-        seq_Bx1 = jax.lax.stop_gradient(seq_Bx1) + (logps - jax.lax.stop_gradient(logps))
-    return jnp.where(valid, seq_Bx1, 0.0)
+        seq_Nx1 = jax.lax.stop_gradient(seq_Nx1) + (logps - jax.lax.stop_gradient(logps))
+    return jnp.where(valid, seq_Nx1, 0.0)
 
 
 def high_entropy_mask(entropy_NxT: jax.Array, mask_NxT: jax.Array, *, quantile: float) -> jax.Array:
@@ -262,7 +262,8 @@ def policy_loss(
         (GSPO) or 'sequence_token' (GSPO-token); the KL penalty stays per token.
       objective: one of OBJECTIVES: 'ppo_clip' (the surrogate above) or 'cispo' (its eps_low /
         eps_high bound the stop-gradient weight; token level only).
-      dual_clip_c: 0 = off, else c > 1: the 'ppo_clip' loss of A < 0 tokens is capped at -A c.
+      dual_clip_c: 0 = off, else c > 1 (`config.checks`): the 'ppo_clip' loss of A < 0 tokens
+        is capped at -A c; 'cispo' has no surrogate to cap and ignores it.
       entropy_NxT: [N, T] per-token policy entropy (gradient flows through it); needed by the
         two options below, ignored without them.
       entropy_coef: entropy bonus: loss -= coef * (entropy aggregated as the loss); a Python
@@ -289,10 +290,8 @@ def policy_loss(
         raise ValueError("beta > 0 needs ref_logps_NxT")
     if objective not in OBJECTIVES:
         raise ValueError(f"unknown objective {objective!r}; known: {OBJECTIVES}")
-    if objective == "cispo" and (importance_sampling_level != "token" or dual_clip_c):
-        raise ValueError("objective 'cispo' takes token ratios and no dual clip")
-    if dual_clip_c and not dual_clip_c > 1.0:
-        raise ValueError(f"dual_clip_c must be 0 (off) or > 1, got {dual_clip_c}")
+    if objective == "cispo" and importance_sampling_level != "token":
+        raise ValueError("objective 'cispo' takes token ratios")
     if not 0.0 < top_entropy_quantile <= 1.0:
         raise ValueError(f"top_entropy_quantile must lie in (0, 1], got {top_entropy_quantile}")
     use_entropy = top_entropy_quantile < 1.0 or not _is_zero(entropy_coef)

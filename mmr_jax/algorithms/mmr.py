@@ -34,7 +34,7 @@ def _valid_mask(rewards: jax.Array, mask: jax.Array | None) -> jax.Array:
     return jnp.ones(rewards.shape, bool) if mask is None else mask.astype(bool)
 
 
-def _gram_cosine(embeddings: jax.Array) -> tuple[jax.Array, jax.Array]:
+def gram_cosine(embeddings: jax.Array) -> tuple[jax.Array, jax.Array]:
     """[..., G, D] -> (cosines [..., G, G], squared row norms [..., G]), no scaling."""
     # Normalising the Gram matrix by its diagonal reads the [G, D] embeddings once (the matmul)
     # instead of three times; it is the same cosine up to rounding.
@@ -55,7 +55,7 @@ def cosine_similarity_scaled(embeddings: jax.Array) -> jax.Array:
     # diagonal (read as zero rows).
     amax = jnp.max(jnp.abs(embeddings), axis=-1, keepdims=True)
     embeddings = embeddings / jnp.where(amax > 0, amax, 1.0).astype(embeddings.dtype)
-    return _gram_cosine(embeddings)[0]
+    return gram_cosine(embeddings)[0]
 
 
 def cosine_similarity(embeddings: jax.Array, *, mask: jax.Array | None = None) -> jax.Array:
@@ -71,7 +71,7 @@ def cosine_similarity(embeddings: jax.Array, *, mask: jax.Array | None = None) -
     so garbage there changes no real row's cosines; their own rows and columns may then be
     non-finite, and callers must not read them (MMR and DRA never do).
     """
-    cos, sq = _gram_cosine(embeddings)
+    cos, sq = gram_cosine(embeddings)
     info = jnp.finfo(embeddings.dtype)
     # sq >= tiny / eps: the row's squares and products sum far above the subnormal range, so
     # underflowed terms move the cosine by less than one rounding. A zero row also takes the

@@ -37,16 +37,16 @@ _CHOICES = {
 }
 
 
-def _plain(value):
+def plain(value):
     """ConfigDict / FieldReference / list -> dict / scalar / tuple."""
     if hasattr(value, "to_dict"):
         value = value.to_dict()
     if hasattr(value, "get") and callable(value.get) and not isinstance(value, Mapping):
         value = value.get()  # FieldReference
     if isinstance(value, Mapping):
-        return {k: _plain(v) for k, v in value.items()}
+        return {k: plain(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
-        return tuple(_plain(v) for v in value)
+        return tuple(plain(v) for v in value)
     return value
 
 
@@ -244,19 +244,17 @@ def _validate_objective(loss: schema.LossConfig) -> None:
                 "loss.objective='cispo' weights each token by its own clipped ratio; it does not "
                 f"combine with loss.importance_sampling_level={loss.importance_sampling_level!r}"
             )
-        if loss.dual_clip_c:
-            raise schema.ConfigError(
-                "loss.dual_clip_c caps the 'ppo_clip' surrogate; loss.objective='cispo' has none"
-            )
         if not (0 <= loss.eps_low <= 1 and loss.eps_high >= 0):  # also refuses NaN
             raise schema.ConfigError(
                 f"loss.objective='cispo' clips its weight to [1 - eps_low, 1 + eps_high]: needs "
                 f"0 <= loss.eps_low <= 1 (1 = no lower bound) and loss.eps_high >= 0, got "
                 f"{loss.eps_low}, {loss.eps_high}"
             )
-    if not (loss.dual_clip_c == 0 or 1 < loss.dual_clip_c < float("inf")):  # also refuses NaN
+    c = loss.dual_clip_c
+    if not (c == 0 or (1 < c < float("inf") and loss.objective == "ppo_clip")):  # NaN refused
         raise schema.ConfigError(
-            f"loss.dual_clip_c={loss.dual_clip_c} must be 0 (off) or finite and > 1 (verl: 3)"
+            f"loss.dual_clip_c={c} must be 0 (off) or finite and > 1 (verl: 3), and it caps the "
+            f"'ppo_clip' surrogate only (loss.objective={loss.objective!r})"
         )
     if not 0 <= loss.entropy_coef < float("inf"):
         raise schema.ConfigError(f"loss.entropy_coef={loss.entropy_coef} must be finite and >= 0")
@@ -296,4 +294,4 @@ def upgrade(stored: Mapping[str, Any]) -> dict[str, Any]:
 def from_config_dict(config) -> schema.TrainConfig:
     """ConfigDict (or nested dict, also one stored by an older version: `upgrade`) -> validated
     `schema.TrainConfig`."""
-    return validate(_build(schema.TrainConfig, upgrade(_plain(config)), "<root>"))
+    return validate(_build(schema.TrainConfig, upgrade(plain(config)), "<root>"))

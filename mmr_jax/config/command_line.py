@@ -84,7 +84,7 @@ def check_argv(argv, flag_name: str = "config") -> None:
     overrides = [a[len(prefix) + 1 :].split("=", 1) for a in argv if a.startswith(prefix + ".")]
     if spec is None:
         return
-    config = checks._plain(load_config_file(spec))
+    config = checks.plain(load_config_file(spec))
     for key, *raw in overrides:
         value = _leaf(config, key)
         if raw:

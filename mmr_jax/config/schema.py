@@ -65,6 +65,14 @@ class BatchConfig:
     pack_max_len: int = 4096
     compile_price_steps: float = 1.0
 
+    @property
+    def layout(self) -> str:
+        """The train step's batch layout (`step.batch_layout.LAYOUTS`): full rows, shared
+        prompts, or shared prompts with each group's completions packed into one row."""
+        if not self.shared_prompt:
+            return "full"
+        return "packed" if self.pack_max_len else "shared"
+
 
 @dataclasses.dataclass(frozen=True)
 class RolloutConfig:
@@ -218,6 +226,11 @@ class TrainConfig:
     @property
     def rows_per_step(self) -> int:
         return self.batch.prompts * self.batch.generations
+
+    @property
+    def total_updates(self) -> int:
+        """Optimiser updates in the whole run (the learning-rate schedule's length)."""
+        return self.total_steps * self.loss.iterations * self.loss.updates_per_batch
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able dict (tuples as lists), the form stored in the run metadata."""

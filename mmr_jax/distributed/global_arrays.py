@@ -2,7 +2,7 @@
 
 Every process holds the whole step batch on the host (it gathered every share's scored groups,
 `shares.gather_rows`), bit-identical by construction. `global_batch` places it on the mesh with
-the sharding the compiled dry run uses (`compiled_dry_run.abstract_batch`): rows split over the
+the sharding the compiled dry run uses (`dry_run_programs.abstract_batch`): rows split over the
 (data, fsdp) axes (`batch_sharding`), so the program that runs is the dry run's, and the same on
 1 process x N devices as on N processes x 1 device. Each process builds only its addressable
 shards (`jax.make_array_from_callback`); with several processes the host batches are first

@@ -278,7 +278,7 @@ def format_table(rows: Sequence[dict], columns: Sequence[tuple[str, str, str]]) 
 def steady_calls(compiled, args, *, steps: int, donated: tuple[int, int] | None = None) -> Timing:
     """Seconds of `steps` calls of a compiled JAX program after one warm-up call (autotuning,
     allocation); the donated argument is replaced by the call's matching output after each call
-    (`donated`: argument index, output index; `compiled_dry_run.DONATED`)."""
+    (`donated`: argument index, output index; `dry_run_programs.DONATED`)."""
     import jax
 
     args = list(args)

@@ -17,6 +17,7 @@ cuDNN form is probed too and raises with the reason (it fails loudly, at start-u
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -92,6 +93,15 @@ def choose(
         "; ".join(reasons),
     )
     return Choice("xla", "auto: fallback (" + "; ".join(reasons) + ")")
+
+
+@functools.cache
+def choose_once(implementation: str, dtype, num_heads, num_kv_heads, head_dim, *, packed) -> Choice:
+    """`choose`, run once per process and shape: the trainer's header, run.json and a dry run
+    read the same answer."""
+    choice = choose(implementation, dtype, num_heads, num_kv_heads, head_dim, packed=packed)
+    logging.info("attention: %s (%s)", choice.implementation, choice.reason)
+    return choice
 
 
 def _probe_one(name, dtype, num_heads, num_kv_heads, head_dim, packed, attend) -> str | None:

@@ -33,6 +33,18 @@ REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_save
 ATTENTION_IMPLS = ("auto", "xla", "unfused", "cudnn", "cudnn_maskfree", "pallas_tpu")
 
 
+def config_file(path: str | os.PathLike) -> pathlib.Path:
+    """config.json of a checkpoint folder (or the file itself), else the upstream config kept as
+    third_party/hf_configs/<name>.json: a random-weights run needs only the architecture."""
+    p = pathlib.Path(path)
+    stem = p.name.lower().replace("-", "_").replace(".", "_")
+    models_dir = pathlib.Path(__file__).resolve().parents[2] / "third_party" / "hf_configs"
+    for cand in (p / "config.json", p, models_dir / f"{stem}.json"):
+        if cand.is_file():
+            return cand
+    raise FileNotFoundError(f"no config.json in {path} (nor third_party/hf_configs/{stem}.json)")
+
+
 def remat_policy_name(value) -> str:
     """The remat policy named by a config value (bools, the old form: True = full, False = none)."""
     if isinstance(value, bool):

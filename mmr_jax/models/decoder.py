@@ -24,7 +24,8 @@ from mmr_jax.models import config as config_lib
 from mmr_jax.models import lora as lora_lib
 
 
-def _split_key(key, i):
+def split_key(key, i):
+    """The dropout key of part `i` (a layer, the prompt or the completions), None without one."""
     return None if key is None else jax.random.fold_in(key, i)
 
 
@@ -61,9 +62,9 @@ class Attention(nnx.Module):
         b, t, _ = x_BxTxH.shape
         kt = kernels_t or {}
         kw = dict(disable_lora=disable_lora)
-        q = self.q_proj(x_BxTxH, dropout_key=_split_key(key, 0), kernel_t=kt.get("q_proj"), **kw)
-        k = self.k_proj(x_BxTxH, dropout_key=_split_key(key, 1), kernel_t=kt.get("k_proj"), **kw)
-        v = self.v_proj(x_BxTxH, dropout_key=_split_key(key, 2), kernel_t=kt.get("v_proj"), **kw)
+        q = self.q_proj(x_BxTxH, dropout_key=split_key(key, 0), kernel_t=kt.get("q_proj"), **kw)
+        k = self.k_proj(x_BxTxH, dropout_key=split_key(key, 1), kernel_t=kt.get("k_proj"), **kw)
+        v = self.v_proj(x_BxTxH, dropout_key=split_key(key, 2), kernel_t=kt.get("v_proj"), **kw)
         q = layers.apply_rope(q.reshape(b, t, self.num_heads, self.head_dim), cos, sin)
         k = layers.apply_rope(k.reshape(b, t, self.num_kv_heads, self.head_dim), cos, sin)
         return q, k, v.reshape(b, t, self.num_kv_heads, self.head_dim)
@@ -72,7 +73,7 @@ class Attention(nnx.Module):
         return self.o_proj(
             o_BxTxND,
             disable_lora=disable_lora,
-            dropout_key=_split_key(key, 3),
+            dropout_key=split_key(key, 3),
             kernel_t=(kernels_t or {}).get("o_proj"),
         )
 
@@ -92,11 +93,11 @@ class MLP(nnx.Module):
         kt = kernels_t or {}
         kw = dict(disable_lora=disable_lora)
         g = self.gate_proj(
-            x_BxTxH, dropout_key=_split_key(key, 4), kernel_t=kt.get("gate_proj"), **kw
+            x_BxTxH, dropout_key=split_key(key, 4), kernel_t=kt.get("gate_proj"), **kw
         )
-        u = self.up_proj(x_BxTxH, dropout_key=_split_key(key, 5), kernel_t=kt.get("up_proj"), **kw)
+        u = self.up_proj(x_BxTxH, dropout_key=split_key(key, 5), kernel_t=kt.get("up_proj"), **kw)
         return self.down_proj(
-            jax.nn.silu(g) * u, dropout_key=_split_key(key, 6), kernel_t=kt.get("down_proj"), **kw
+            jax.nn.silu(g) * u, dropout_key=split_key(key, 6), kernel_t=kt.get("down_proj"), **kw
         )
 
 
@@ -239,10 +240,10 @@ class Decoder(decoding.CachedDecoding, nnx.Module):
         impl = self.config.attention_impl
         dense = None if impl == "pallas_tpu" else mask.dense()
         cos, sin = layers.rope_cos_sin(positions_BxT, self.inv_freq)
-        key = self._dropout_key()
+        key = self.dropout_key()
 
         def layer(block, x, i, _):
-            out = block(x, cos, sin, mask, disable_lora, _split_key(key, i), impl=impl, dense=dense)
+            out = block(x, cos, sin, mask, disable_lora, split_key(key, i), impl=impl, dense=dense)
             return out, None
 
         x, _ = self.scan(layer, self.embed_tokens(tokens_BxT), remat=self.config.remat)
@@ -261,7 +262,8 @@ class Decoder(decoding.CachedDecoding, nnx.Module):
             "bth,hv->btv", h_BxTxH.astype(self.dtype), w, preferred_element_type=jnp.float32
         )
 
-    def _dropout_key(self):
+    def dropout_key(self):
+        """This call's dropout key (None when deterministic or without a dropout stream)."""
         if self.deterministic or self.dropout_rngs is None:
             return None
         return self.dropout_rngs.dropout()

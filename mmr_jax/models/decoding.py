@@ -22,7 +22,7 @@ class CachedDecoding:
     `config`, `dtype`, `inv_freq`, `embed_tokens`, `norm`, `lm_head`, `scan` and
     `logits_from_hidden`."""
 
-    def _decode_logits(self, h_BxTxH, head_t=None):
+    def decode_logits(self, h_BxTxH, head_t=None):
         """`logits_from_hidden` for a decode step (one token per row, few rows).
 
         With tied embeddings the head is h @ E^T with E [V, H] as stored; XLA:CPU's matmul packs
@@ -187,7 +187,7 @@ class CachedDecoding:
         layer_kt = None if kernels_t is None else kernels_t["layers"]
         x, (k_new, v_new) = self.scan(layer, self.embed_tokens(tokens_BxT), layer_kt)
         head_t = None if kernels_t is None else kernels_t.get("lm_head")
-        logits = self._decode_logits(self.norm(x), head_t)
+        logits = self.decode_logits(self.norm(x), head_t)
         return logits, kv_cache.write_all_layers(cache, k_new, v_new, write_index)
 
     def _decode_layers(
@@ -218,5 +218,5 @@ class CachedDecoding:
         carry = (self.embed_tokens(tokens_BxT), cache.k, cache.v)
         (x, ck, cv), _ = self.scan(layer, carry, layer_kt)
         head_t = None if kernels_t is None else kernels_t.get("lm_head")
-        logits = self._decode_logits(self.norm(x), head_t)
+        logits = self.decode_logits(self.norm(x), head_t)
         return logits, cache.replace(k=ck, v=cv)

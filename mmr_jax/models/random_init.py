@@ -71,6 +71,11 @@ def byte_tokenizer(vocab_size: int):
     return fast
 
 
+def byte_tokenizer_of(path) -> object:
+    """`byte_tokenizer` of the vocabulary size of `path`'s architecture (`config.config_file`)."""
+    return byte_tokenizer(config_lib.ModelConfig.from_hf(config_lib.config_file(path)).vocab_size)
+
+
 def random_model(
     cfg: config_lib.ModelConfig,
     *,

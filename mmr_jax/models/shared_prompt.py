@@ -84,7 +84,7 @@ def _block(block, xp, xc, rope_p, rope_c, masks, disable_lora, key, impl):
     """One decoder block over the prompts [B, P, H] and the completions [R, T, H]."""
     attn = block.self_attn
     # separate dropout draws for the two parts
-    kp, kc = decoder_lib._split_key(key, 0), decoder_lib._split_key(key, 1)
+    kp, kc = decoder_lib.split_key(key, 0), decoder_lib.split_key(key, 1)
     qp, k_p, v_p = attn.qkv(block.input_layernorm(xp), *rope_p, disable_lora=disable_lora, key=kp)
     qc, k_c, v_c = attn.qkv(block.input_layernorm(xc), *rope_c, disable_lora=disable_lora, key=kc)
     (mask_p, dense_p), (mask_c, dense_c) = masks
@@ -197,11 +197,11 @@ def _hidden(
     masks = tuple((m, None if impl == "pallas_tpu" else m.dense()) for m in (mask_p, mask_c))
     rope_p = layers.rope_cos_sin(pos_p, model.inv_freq)
     rope_c = layers.rope_cos_sin(pos_c, model.inv_freq)
-    key = model._dropout_key()
+    key = model.dropout_key()
 
     def layer(block, carry, i, _):
         xp, xc = carry
-        layer_key = decoder_lib._split_key(key, i)
+        layer_key = decoder_lib.split_key(key, i)
         args = (rope_p, rope_c, masks, disable_lora, layer_key, impl)
         return _block(block, xp, xc, *args), None
 

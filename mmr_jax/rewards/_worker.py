@@ -5,4 +5,4 @@ import sys
 from mmr_jax.rewards import grading
 
 if __name__ == "__main__":
-    grading._serve(int(sys.argv[1]) if len(sys.argv) > 1 else 5)
+    grading.serve(int(sys.argv[1]) if len(sys.argv) > 1 else 5)

@@ -125,7 +125,7 @@ def grade_one(completion: str, answer: str, *, timeout_s: int | None = 5) -> Gra
         return Grade(TIMEOUT)
 
 
-def _serve(timeout_s: int | None) -> None:
+def serve(timeout_s: int | None) -> None:
     """Worker process main: JSON lines [completion, answer] on stdin -> a status line on stdout."""
     logging.getLogger("math_verify").setLevel(logging.ERROR)
     grade_one("\\boxed{1}", "1", timeout_s=timeout_s)  # import and warm up before the clock runs

@@ -172,11 +172,12 @@ class LoopStats:
 class Chunked:
     """A decode driven from the host in chunks of steps, with compaction between them.
 
-    `start(until)` runs the first loop (`sampler._generate` with `keep_rows`) up to step `until`;
-    `resume_loop(rows, min_live, until)` runs `resume`. After each `advance`, `toks`, `logps`,
-    `stopped` and `done` ([R, N] / [R] host arrays of the original rows) hold what is decoded so
-    far and `t` the steps run; `cancel(rows)` ends rows at the next chunk (stop strings, clients
-    that left). Rows keep their keys, so the tokens do not depend on the chunk sizes.
+    `start(until)` runs the first loop (`sampler.decode_program` with `keep_rows`) up to step
+    `until`; `resume_loop(rows, min_live, until)` runs `resume`. After each `advance`, `toks`,
+    `logps`, `stopped` and `done` ([R, N] / [R] host arrays of the original rows) hold what is
+    decoded so far and `t` the steps run; `cancel(rows)` ends rows at the next chunk (stop
+    strings, clients that left). Rows keep their keys, so the tokens do not depend on the chunk
+    sizes.
     """
 
     def __init__(self, start, resume_loop, *, n: int, rows: int, num_new: int, max_new: int):

@@ -1,7 +1,7 @@
 """`EmbeddedEngine`: the in-process rollout engine over a JAX `Decoder` (CPU, TPU, or any GPU
 without a vLLM server). Generation is `sampler.sample`; weight sync is an `nnx.update`, and the
-sampler reads a copy of the weights in the compute dtype (`sampler.sampling_weights`) made on
-the first call after each sync: one cast per weight version, none per decode step."""
+sampler reads a copy of the weights in the compute dtype (`sampler_weights.sampling_weights`)
+made on the first call after each sync: one cast per weight version, none per decode step."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from mmr_jax.rollout import base, padding, sampler
+from mmr_jax.rollout import base, decode_loop, padding, sampler, sampler_weights
 
 
 def _param_state(model: nnx.Module) -> nnx.State:
@@ -39,7 +39,7 @@ class EmbeddedEngine:
       stop_token_ids: ids that always end a completion (the model's EOS ids), like vLLM's EOS.
       pad_id: written after the end of each completion.
       seed: seeds calls whose `SamplingParams.seed` is None (a new seed per call).
-      buckets: minimum padded sizes (see `padding.Buckets`).
+      buckets: minimum padded sizes (see `padding.MinSizes`).
       mesh: sample data-parallel over this mesh (see `sampler.sample`); the model's weights are
         replicated on it here, in place. None = on the weights' devices.
       compact: let the decode loop go on with only its live rows once most are done
@@ -53,13 +53,13 @@ class EmbeddedEngine:
         stop_token_ids: Sequence[int] = (),
         pad_id: int = 0,
         seed: int = 0,
-        buckets: padding.Buckets = padding.DEFAULT_BUCKETS,
+        buckets: padding.MinSizes = padding.DEFAULT_MIN_SIZES,
         mesh: jax.sharding.Mesh | None = None,
         compact: bool = True,
     ):
         self.model = model
         self.compact = compact
-        self.last_loop_stats = sampler.LoopStats()
+        self.last_loop_stats = decode_loop.LoopStats()
         self.mesh = mesh
         if mesh is not None:  # Once here, not a copy of the weights per call.
             from mmr_jax.models import sharding
@@ -70,7 +70,7 @@ class EmbeddedEngine:
         self.pad_id = pad_id
         self.buckets = buckets
         self.version = 0
-        # `sampler.sampling_weights` of the model's current arrays, and weak references to
+        # `sampler_weights.sampling_weights` of the model's current arrays, and weak references to
         # those arrays: a copy made on use and kept while the model holds the same arrays.
         self._weights, self._weights_of = None, ()
         self._rng = np.random.default_rng(seed)
@@ -95,7 +95,7 @@ class EmbeddedEngine:
         self, prompt_ids: Sequence[Sequence[int]], params: base.SamplingParams, *, first_row=0
     ) -> base.RolloutBatch:
         seed = self.next_seed()
-        self.last_loop_stats = sampler.LoopStats()  # what this call's decode loops did
+        self.last_loop_stats = decode_loop.LoopStats()  # what this call's decode loops did
         self._weights = self._sampling_weights()
         return sampler.sample(
             self.model,
@@ -122,7 +122,7 @@ class EmbeddedEngine:
             ref() is leaf for ref, leaf in zip(self._weights_of, leaves, strict=True)
         )
         if self._weights is None or not same:
-            self._weights = sampler.sampling_weights(self.model)
+            self._weights = sampler_weights.sampling_weights(self.model)
             self._weights_of = tuple(weakref.ref(leaf) for leaf in leaves)
         return self._weights
 

@@ -32,7 +32,7 @@ def length_bucket(x: int, minimum: int = 1) -> int:
 
 
 @dataclasses.dataclass(frozen=True)
-class Buckets:
+class MinSizes:
     """Smallest padded sizes; raise them to compile fewer shapes when inputs vary a lot."""
 
     min_prompts: int = 1
@@ -41,7 +41,7 @@ class Buckets:
     min_stop_ids: int = 4
 
 
-DEFAULT_BUCKETS = Buckets()
+DEFAULT_MIN_SIZES = MinSizes()
 
 
 def left_pad(prompt_ids, num_rows: int, length: int, pad_id: int):

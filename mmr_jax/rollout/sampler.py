@@ -9,9 +9,9 @@ last token is its rows' first decode input. The prefill is packed: those tokens 
 decreasing into rows of W = P - 1 (`padding.pack_prefill`; row count bucketed to a power of two),
 run
 with segment ids so each attends to its own prompt only, and their keys/values are gathered into
-the prompt cache's slots (`_prefill`, its own jit: a new row count does not recompile the decode
-loop; its logits are unused, so XLA drops the vocab projection). Left-padded, more than half the
-prefill tokens of the SmolLM2 benchmark were padding. The prompt cache is shared, not repeated:
+the prompt cache's slots (`prefill.prefill`, its own jit: a new row count does not recompile the
+decode loop; its logits are unused, so XLA drops the vocab projection). Left-padded, more than half
+the prefill tokens of the SmolLM2 benchmark were padding. The prompt cache is shared, not repeated:
 row r = b * n + i reads prompt b's slots (`Decoder.forward_cached_shared_prompt`), so a prompt's
 keys are stored and read once for its n samples. Each row has its own cache of N slots: decode
 step t feeds token x_t (x_0 = the last prompt token) into slot t and samples generated token t. A
@@ -49,7 +49,8 @@ and new tokens to 2^k or 1.5 * 2^k) and every sampling value, max_new_tokens inc
 scalar; the static choices are n, greedy or not, and whether top-k/top-p filtering is on. The
 prefill compiles per (Bp, P, packed rows).
 `trace_count()` (decode) and `prefill_trace_count()` count compiled programs (from JAX's jit
-caches) for tests; `sample(..., stats=LoopStats())` tells how many steps a call's loops ran.
+caches) for tests; `sample(..., stats=decode_loop.LoopStats())` tells how many steps a call's
+loops ran.
 """
 
 from __future__ import annotations
@@ -64,24 +65,16 @@ from flax import nnx
 from mmr_jax.models import kv_cache, sharding
 from mmr_jax.rollout import base, decode_loop, padding, prefill, sampler_weights, sampling_call
 
-LoopStats = decode_loop.LoopStats
-Sampling = sampling_call.Sampling
-sampling_weights = sampler_weights.sampling_weights
-weight_major = sampler_weights.weight_major
-_weight_major_kernels = sampler_weights.weight_major_kernels
-_prefill = prefill.prefill
-cache_sharding = prefill.cache_sharding
-
 
 def trace_count() -> int:
     """Decode-loop programs compiled in this process (JAX's jit caches of the first loop and the
     compacted ones): a repeated call with the same shapes adds none."""
-    return _generate._cache_size() + decode_loop.resume._cache_size()
+    return decode_program._cache_size() + decode_loop.resume._cache_size()
 
 
 def prefill_trace_count() -> int:
     """Packed-prefill programs compiled in this process (JAX's jit cache)."""
-    return _prefill._cache_size()
+    return prefill.prefill._cache_size()
 
 
 @functools.partial(
@@ -97,7 +90,7 @@ def prefill_trace_count() -> int:
         "keep_rows",
     ),
 )
-def _generate(
+def decode_program(
     graphdef,
     *arrays,
     n,
@@ -108,8 +101,8 @@ def _generate(
     mesh=None,
     keep_rows=False,
 ):
-    """Decodes against the prompt cache (from `_prefill`); -> tokens [R, N] int32, logps [R, N]
-    f32, stopped [R] bool (hit a stop id) and the decode steps run, [devices] int32, and with
+    """Decodes against the prompt cache (from `prefill.prefill`); -> tokens [R, N] int32, logps
+    [R, N] f32, stopped [R] bool (hit a stop id) and the decode steps run, [devices] int32, and with
     `keep_rows` the loop's `decode_loop.Rows` (to compact and continue; single device only).
 
     `arrays` are `_decode`'s, in its order: the state and the weight-major kernels (or None),
@@ -133,7 +126,7 @@ def _generate(
         if keep_rows:
             raise ValueError("keep_rows is single-device only")
         batch, whole = sharding.batch_sharding(mesh).spec, jax.sharding.PartitionSpec()
-        cache = cache_sharding(mesh).spec
+        cache = prefill.cache_sharding(mesh).spec
         per_device = decode
         decode = jax.shard_map(
             lambda *a: per_device(*a)[:4],
@@ -171,7 +164,7 @@ def _decode(
     use_filter: bool,
     logprobs_mode: str,
 ):
-    """`_generate`'s work on one device's (or all) prompts and rows; returns its outputs."""
+    """`decode_program`'s work on one device's (or all) prompts and rows; returns its outputs."""
     model = nnx.merge(graphdef, state)
     bp, _ = prompts_BxP.shape
     r = bp * n
@@ -205,7 +198,7 @@ def sample(
     *,
     mesh: jax.sharding.Mesh | None = None,
     compact: bool = True,
-    stats: LoopStats | None = None,
+    stats: decode_loop.LoopStats | None = None,
     **kwargs,
 ) -> base.RolloutBatch:
     """Samples `params.n` completions for each prompt with a `Decoder`; see the module docstring.
@@ -220,7 +213,7 @@ def sample(
         The tokens do not depend on it (same row keys), up to float rounding.
       compact: once at most half of the rows are still decoding, go on with those alone
         (module docstring, "Compaction"); single device only. The tokens do not depend on it.
-      stats: a `LoopStats` to fill with what the decode loops did (tests, benchmarks).
+      stats: a `decode_loop.LoopStats` to fill with what the decode loops did (tests, benchmarks).
       **kwargs: `start`'s (stop_token_ids, seed, pad_id, buckets, max_len, first_row, weights,
         n_slots, logprobs_mode).
     Returns:
@@ -241,7 +234,7 @@ def start(
     stop_token_ids=(),
     seed: int = 0,
     pad_id: int = 0,
-    buckets: padding.Buckets = padding.DEFAULT_BUCKETS,
+    buckets: padding.MinSizes = padding.DEFAULT_MIN_SIZES,
     max_len: int | None = None,
     mesh: jax.sharding.Mesh | None = None,
     compact: bool = True,
@@ -261,8 +254,8 @@ def start(
       max_len: positions the model supports; prompt + new tokens beyond it raise ValueError.
       first_row: row index (for the random keys) of the first prompt's first sample: a process
         sampling its share of a batch passes its offset, so it draws what one process would.
-      weights: `sampling_weights(model)`, made once per weight version by the caller; None:
-        made here, for this call.
+      weights: `sampler_weights.sampling_weights(model)`, made once per weight version by the
+        caller; None: made here, for this call.
       n_slots: rows per prompt in the compiled program (>= n; default n): a server buckets n so
         that a few programs serve every request. Rows keep the keys of b * n + i, so the tokens
         do not depend on it.
@@ -300,25 +293,25 @@ def start(
     row_ids = np.where(i_R < n, b_R * n + i_R, bp * n + b_R * slots + i_R).astype(np.int32)
     greedy = params.temperature == 0.0
     graphdef = nnx.graphdef(model)
-    state = sampling_weights(model) if weights is None else weights
+    state = sampler_weights.sampling_weights(model) if weights is None else weights
     if mesh is None:
         rows = scalar = jnp.asarray
     else:
         state = jax.device_put(state, sharding.replicated(mesh))
         rows = functools.partial(jax.device_put, device=sharding.batch_sharding(mesh))
         scalar = functools.partial(jax.device_put, device=sharding.replicated(mesh))
-    prompt_cache = _prefill(
+    prompt_cache = prefill.prefill(
         graphdef,
         state,
         rows(packed.tokens),
         rows(packed.positions),
         rows(packed.segment_ids),
         rows(packed.gather),
-        cache_sharding=None if mesh is None else cache_sharding(mesh),
+        cache_sharding=None if mesh is None else prefill.cache_sharding(mesh),
     )
     kernels_t = kernels
-    if kernels_t is None and weight_major(state):
-        kernels_t = _weight_major_kernels(graphdef, state)
+    if kernels_t is None and sampler_weights.weight_major(state):
+        kernels_t = sampler_weights.weight_major_kernels(graphdef, state)
     sampling = (
         scalar(np.float32(params.temperature if not greedy else 1.0)),
         scalar(np.int32(params.top_k)),
@@ -336,7 +329,7 @@ def start(
     seed_value = scalar(np.uint32((params.seed if params.seed is not None else seed) % 2**32))
 
     def first(until):
-        return _generate(
+        return decode_program(
             graphdef,
             state,
             kernels_t,

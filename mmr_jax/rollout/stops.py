@@ -43,7 +43,11 @@ def stop_token_ids(path_or_repo_id: str | os.PathLike, tokenizer=None) -> tuple[
       tokenizer: the checkpoint's tokenizer when the caller has it loaded already; else it is
         loaded from the checkpoint.
     """
-    folder = hub.resolve_checkpoint(path_or_repo_id)
+    return checkpoint_stop_ids(hub.resolve_checkpoint(path_or_repo_id), tokenizer)
+
+
+def checkpoint_stop_ids(folder: str | os.PathLike, tokenizer=None) -> tuple[int, ...]:
+    """`stop_token_ids` of a checkpoint folder (one `hub.resolve_checkpoint` gave)."""
     if tokenizer is None:
         import transformers
 

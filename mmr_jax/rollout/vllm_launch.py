@@ -40,8 +40,10 @@ import sys
 import time
 import urllib.parse
 
+from absl import logging
+
 from mmr_jax.infra import child_process
-from mmr_jax.rollout import vllm_client
+from mmr_jax.rollout import vllm_client, vllm_engine
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 # The server's venv: $MMR_VLLM_VENV, else <repo>/.venv-vllm (what scripts/setup_vllm_env.sh makes).
@@ -189,6 +191,47 @@ def options_from_config(config, **overrides) -> LaunchOptions:
     )
     kw.update({k: v for k, v in overrides.items() if v is not None})
     return LaunchOptions(**kw)
+
+
+def run_engine(
+    config, *, url: str, model_dir, log_path, sync_dir, lora: bool, pad_id: int, stop_ids
+) -> vllm_engine.VllmEngine:
+    """A client engine of the server at `url`, or (`url` empty) of one started here from the
+    `rollout` section of `config` over `model_dir`, logging to `log_path`, stopped by
+    engine.close() (or at exit). The engine writes its weight versions to `sync_dir`."""
+    rollout, model, server = config.rollout, config.model, None
+    if not url:
+        opts = options_from_config(config, port=free_port(), model=str(model_dir))
+        server = ServerProcess(opts, log_path)
+        logging.info("starting a vLLM server (%s) for %s", opts.backend, opts.model)
+        server.start()
+        try:
+            waited = server.wait_ready(rollout.ready_timeout_s)
+        except BaseException:
+            server.stop()
+            raise
+        logging.info("vLLM server ready at %s after %.0fs", server.url, waited)
+        url = server.url
+    try:
+        client = vllm_client.VllmClient(
+            url, timeout_s=rollout.timeout_s, max_retries=rollout.max_retries
+        )
+        engine = vllm_engine.VllmEngine(
+            client,
+            model=rollout.model_name or model.path,
+            sync_dir=sync_dir,
+            lora=lora,
+            pad_id=pad_id,
+            eos_token_ids=tuple(int(t) for t in stop_ids),
+            base_model_name_or_path=model.path,
+            wait_ready_s=rollout.ready_timeout_s,
+        )
+    except BaseException:
+        if server is not None:
+            server.stop()
+        raise
+    engine.server = server
+    return engine
 
 
 class ServerProcess:

@@ -21,7 +21,16 @@ import numpy as np
 from flax import nnx
 
 from mmr_jax.models import hub
-from mmr_jax.rollout import base, embedded, padding, sampler, sampling, sampling_call, vllm_engine
+from mmr_jax.rollout import (
+    base,
+    embedded,
+    padding,
+    sampler,
+    sampler_weights,
+    sampling,
+    sampling_call,
+    vllm_engine,
+)
 from mmr_jax.serving import prompt_logprobs, slot_engine, slot_grid
 
 _PEFT_PREFIX = "base_model.model."
@@ -192,7 +201,7 @@ class EmbeddedBackend:
         tokenizer_path: str | os.PathLike | None = None,
         seed: int = 0,
         max_model_len: int | None = None,
-        buckets=padding.DEFAULT_BUCKETS,
+        buckets=padding.DEFAULT_MIN_SIZES,
         logprobs_mode: str = "scaled_logprobs",
     ):
         tokenizer = hub.load_tokenizer(tokenizer_path or path)
@@ -261,10 +270,10 @@ class EmbeddedBackend:
         SmolLM2 a few hundred ms of every request's time to first token)."""
         if model not in self._weight_cache:
             decoder = self._decoder(model)
-            state = sampler.sampling_weights(decoder)
+            state = sampler_weights.sampling_weights(decoder)
             kernels = None
-            if sampler.weight_major(state):
-                kernels = sampler._weight_major_kernels(nnx.graphdef(decoder), state)
+            if sampler_weights.weight_major(state):
+                kernels = sampler_weights.weight_major_kernels(nnx.graphdef(decoder), state)
             self._weight_cache[model] = (state, kernels)
         return self._weight_cache[model]
 

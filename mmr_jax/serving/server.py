@@ -55,10 +55,6 @@ from mmr_jax.serving import openai_format as fmt
 
 log = logging.getLogger(__name__)
 
-HTTPError = fmt.HTTPError
-Finished = batching.Finished
-parse_completion_request = openai_params.parse_completion_request
-
 
 class Backend(Protocol):
     """What the server needs from a model host (see `embedded_backend.EmbeddedBackend`)."""
@@ -220,10 +216,10 @@ class OpenAIServer:
     def _resolve_model(self, name: Any) -> str:
         b = self.backend
         if name is not None and not isinstance(name, str):
-            raise HTTPError(400, f"model must be a string, got {name!r}"[:200], param="model")
+            raise fmt.HTTPError(400, f"model must be a string, got {name!r}"[:200], param="model")
         if name is None or name == b.model_name or name in b.adapters():
             return name or b.model_name
-        raise HTTPError(
+        raise fmt.HTTPError(
             404, f"The model `{name}` does not exist.", param="model", code="model_not_found"
         )
 
@@ -303,13 +299,13 @@ class OpenAIServer:
         each (index i), not streamed, n = 1."""
         conversations = body.get("messages")
         if not isinstance(conversations, list) or not conversations:
-            raise HTTPError(
+            raise fmt.HTTPError(
                 400, "messages must be a non-empty list of conversations", param="messages"
             )
         if body.get("stream") or (body.get("n") or 1) != 1:
-            raise HTTPError(400, "batch chat completions take neither stream nor n > 1")
+            raise fmt.HTTPError(400, "batch chat completions take neither stream nor n > 1")
         if len(conversations) > self.limits.max_num_seqs:
-            raise HTTPError(
+            raise fmt.HTTPError(
                 400, f"at most {self.limits.max_num_seqs} conversations", param="messages"
             )
         with concurrent.futures.ThreadPoolExecutor(len(conversations)) as pool:  # one batch
@@ -335,7 +331,7 @@ class OpenAIServer:
             return self._chat(body, conn)
         if "prompt" in body:
             return self._completions(body, conn)
-        raise HTTPError(
+        raise fmt.HTTPError(
             400,
             "Cannot find suitable handler for request. Expected one of: "
             "ChatCompletionRequest, CompletionRequest",
@@ -347,10 +343,10 @@ class OpenAIServer:
         """`path` if it lies inside `weights_dir` (symlinks resolved), else a 400 that says
         nothing about whether it exists."""
         if not isinstance(path, str) or not path:
-            raise HTTPError(400, f"{param} must be a path", param=param)
+            raise fmt.HTTPError(400, f"{param} must be a path", param=param)
         real = os.path.realpath(path)
         if os.path.commonpath([real, self.weights_dir]) != self.weights_dir:
-            raise HTTPError(
+            raise fmt.HTTPError(
                 400, f"{param} must lie inside the folder this server loads from", param=param
             )
         return path
@@ -361,20 +357,20 @@ class OpenAIServer:
             return load()
         except Exception:
             log.exception("loading %s from %s failed", what, path)
-            raise HTTPError(
+            raise fmt.HTTPError(
                 400, f"could not load {what} from {path!r} (see the server log)", param=param
             ) from None
 
     def _collective_rpc(self, body, conn):
         method, args, kwargs = body.get("method"), body.get("args") or [], body.get("kwargs") or {}
         if not method:
-            raise HTTPError(400, "Missing 'method' in request body")
+            raise fmt.HTTPError(400, "Missing 'method' in request body")
         if method != vllm_engine.RELOAD_METHOD:
-            raise HTTPError(400, f"unknown collective_rpc method {str(method)[:64]!r}")
+            raise fmt.HTTPError(400, f"unknown collective_rpc method {str(method)[:64]!r}")
         if not isinstance(args, list) or not isinstance(kwargs, dict) or len(args) > 1:
-            raise HTTPError(400, "args must be a list of at most one path, kwargs an object")
+            raise fmt.HTTPError(400, "args must be a list of at most one path, kwargs an object")
         if set(kwargs) - {"weights_path"} or (args and kwargs):
-            raise HTTPError(400, "reload takes one argument, weights_path")
+            raise fmt.HTTPError(400, "reload takes one argument, weights_path")
         path = self._inside(args[0] if args else kwargs.get("weights_path"), "weights_path")
         result = self._load(
             "weights",
@@ -387,9 +383,9 @@ class OpenAIServer:
     def _load_lora(self, body, conn):
         name, path = body.get("lora_name"), body.get("lora_path")
         if not name or not path or not isinstance(name, str):
-            raise HTTPError(400, "Both 'lora_name' and 'lora_path' must be provided.")
+            raise fmt.HTTPError(400, "Both 'lora_name' and 'lora_path' must be provided.")
         if name in self.backend.adapters():
-            raise HTTPError(400, f"The lora adapter '{name}' has already been loaded.")
+            raise fmt.HTTPError(400, f"The lora adapter '{name}' has already been loaded.")
         path = self._inside(path, "lora_path")
         self._load(
             "a LoRA adapter", path, "lora_path", lambda: self.backend.load_adapter(name, path)
@@ -399,6 +395,8 @@ class OpenAIServer:
     def _unload_lora(self, body, conn):
         name = body.get("lora_name")
         if not isinstance(name, str) or name not in self.backend.adapters():
-            raise HTTPError(404, f"The lora adapter '{name}' cannot be found.", param="lora_name")
+            raise fmt.HTTPError(
+                404, f"The lora adapter '{name}' cannot be found.", param="lora_name"
+            )
         self.backend.unload_adapter(name)
         return 200, None, f"Success: LoRA adapter '{name}' removed successfully."

@@ -149,7 +149,7 @@ def decode_step(
     layer_kt = None if kernels_t is None else kernels_t["layers"]
     x, (k_new, v_new) = model.scan(layer, model.embed_tokens(rows["cur"][:, None]), layer_kt)
     head_t = None if kernels_t is None else kernels_t.get("lm_head")
-    logits = model._decode_logits(model.norm(x), head_t)[:, 0]
+    logits = model.decode_logits(model.norm(x), head_t)[:, 0]
     slot = jnp.arange(r, dtype=jnp.int32)[:, None]
     cache = _scatter_columns(cache, k_new, v_new, slot, pos[:, None])
     keys = jax.vmap(

@@ -53,6 +53,8 @@ import flax.struct
 import jax
 import numpy as np
 
+from mmr_jax.config import schema
+
 LAYOUTS = ("full", "shared", "packed")  # index = the `batch/layout` metric
 
 
@@ -196,6 +198,68 @@ def pack(
         out["packed"] = pack_completions(comp, comp_mask, k, pad_id=pad_id, buckets=buckets.packed)
     out["prompt_tokens"] = np.repeat(prompt, g_all // k, axis=0)
     out["prompt_mask"] = np.repeat(prompt_mask, g_all // k, axis=0)
+    return out
+
+
+def lay_out(
+    prompt_ids,
+    tokens_BxGxT: np.ndarray,
+    mask_BxGxT: np.ndarray,
+    rows_BxG: np.ndarray,
+    advantages_BxG: np.ndarray,
+    sampler_logps_BxGxT: np.ndarray,
+    *,
+    batch: schema.BatchConfig,
+    minibatches: int,
+    pad_id: int,
+    choose_packed_length=None,
+) -> tuple[dict, dict]:
+    """Host arrays of a step's batch in `batch.layout` (`pack`, with the `batch` section's
+    buckets and whole groups in each of `minibatches`), and the layout's metrics.
+    `choose_packed_length` maps the packed row length the batch needs to the one it runs at
+    (`shape_reuse.LengthChooser.choose`; None: as needed)."""
+    b = batch
+    buckets = Buckets.geometric(
+        b.min_bucket_len, b.max_prompt_len, b.max_completion_len, b.pack_max_len
+    )
+    group = group_size(b.generations, b.prompts * b.generations, minibatches)
+    host = pack(
+        prompt_ids,
+        tokens_BxGxT,
+        mask_BxGxT,
+        rows_BxG,
+        advantages_BxG,
+        sampler_logps_BxGxT,
+        layout=b.layout,
+        buckets=buckets,
+        group=group,
+        pad_id=pad_id,
+    )
+    info = {}
+    if "packed" in host:
+        needed = host["packed"].inputs.shape[1]
+        length = choose_packed_length(needed) if choose_packed_length is not None else needed
+        if length != needed:  # a longer length the step is compiled for: same loss, no compile
+            host["packed"] = pad_packed(host["packed"], length, pad_id=pad_id)
+        info["batch/packed_len_needed"] = float(needed)
+    info.update(layout_metrics(host))
+    info["throughput/tokens"] = float(host["completion_mask"].sum())
+    return host, info
+
+
+def layout_metrics(arrays: dict) -> dict[str, float]:
+    """The layout a step ran in: `batch/layout` (index in `LAYOUTS`), the rows each stored
+    prompt serves, and the packed row length L (the compiled shapes)."""
+    name = layout_of(arrays)
+    rows = arrays["completion_mask"].shape[0]
+    out = {
+        "batch/layout": float(LAYOUTS.index(name)),
+        "batch/rows_per_prompt": float(
+            rows // arrays["prompt_tokens"].shape[0] if "prompt_tokens" in arrays else 1
+        ),
+    }
+    if name == "packed":
+        out["batch/packed_len"] = float(arrays["packed"].inputs.shape[1])
     return out
 
 

@@ -5,7 +5,7 @@
                                                   have reward variance)
     -> reweighting and advantages                 `advantages` (the lambda MMR used comes from the
                                                   reweighter itself)
-    -> layout                                     `lay_out` (`batch_layout.pack`; lays out only)
+    -> layout                                     `batch_layout.lay_out` (lays out only)
     -> reference / old log-probs                  `logprobs` (`minibatch.jit_logprobs`)
     -> `train_step.Batch`                         `make_batch` runs the three stages above
 
@@ -195,54 +195,6 @@ def reweighted_advantages(
     return np.asarray(reweighted_BxG, np.float32), adv_BxG, lam
 
 
-def lay_out(
-    cfg: schema.TrainConfig,
-    groups: experience.Groups,
-    adv_BxG: np.ndarray,
-    *,
-    pad_id: int,
-    packed_length=None,
-) -> tuple[dict, dict]:
-    """Host arrays of the step's batch in the configured layout (`batch_layout.pack`), and the
-    layout's metrics. `packed_length` maps the packed row length the batch needs to the one it
-    runs at (`shape_reuse.LengthChooser.choose`; None: as needed)."""
-    b, name, rows_BxG = cfg.batch, layout(cfg), loss_rows(cfg, groups)
-    buckets = batch_layout.Buckets.geometric(
-        b.min_bucket_len, b.max_prompt_len, b.max_completion_len, b.pack_max_len
-    )
-    group = batch_layout.group_size(b.generations, cfg.rows_per_step, cfg.loss.minibatches)
-    host = batch_layout.pack(
-        groups.prompt_ids,
-        groups.tokens,
-        groups.mask,
-        rows_BxG,
-        adv_BxG,
-        groups.sampler_logps,
-        layout=name,
-        buckets=buckets,
-        group=group,
-        pad_id=pad_id,
-    )
-    info = {}
-    if "packed" in host:
-        needed = host["packed"].inputs.shape[1]
-        length = packed_length(needed) if packed_length is not None else needed
-        if length != needed:  # a longer length the step is compiled for: same loss, no compile
-            host["packed"] = batch_layout.pad_packed(host["packed"], length, pad_id=pad_id)
-        info["batch/packed_len_needed"] = float(needed)
-    check_engine_logps(host["sampler_logps"], host["completion_mask"], cfg.rollout.engine)
-    info.update(layout_metrics(host))
-    info["throughput/tokens"] = float(host["completion_mask"].sum())
-    return host, info
-
-
-def layout(cfg: schema.TrainConfig) -> str:
-    """The configured `batch_layout.LAYOUTS` entry."""
-    if not cfg.batch.shared_prompt:
-        return "full"
-    return "packed" if cfg.batch.pack_max_len else "shared"
-
-
 def loss_rows(cfg: schema.TrainConfig, groups: experience.Groups) -> np.ndarray:
     """bool [B, G] the completions whose tokens enter the loss: valid ones outside DAPO's filler
     groups (`Groups.trained`), less the truncated
@@ -253,22 +205,6 @@ def loss_rows(cfg: schema.TrainConfig, groups: experience.Groups) -> np.ndarray:
     return groups.trained
 
 
-def layout_metrics(arrays: dict) -> dict[str, float]:
-    """The layout a step ran in: `batch/layout` (index in `batch_layout.LAYOUTS`), the rows
-    each stored prompt serves, and the packed row length L (the compiled shapes)."""
-    name = batch_layout.layout_of(arrays)
-    rows = arrays["completion_mask"].shape[0]
-    out = {
-        "batch/layout": float(batch_layout.LAYOUTS.index(name)),
-        "batch/rows_per_prompt": float(
-            rows // arrays["prompt_tokens"].shape[0] if "prompt_tokens" in arrays else 1
-        ),
-    }
-    if name == "packed":
-        out["batch/packed_len"] = float(arrays["packed"].inputs.shape[1])
-    return out
-
-
 def needs_old_logps(cfg: schema.TrainConfig) -> bool:
     """Whether the step compares with the pre-update policy: after its first optimiser update."""
     return cfg.loss.iterations * cfg.loss.updates_per_batch > 1
@@ -277,7 +213,7 @@ def needs_old_logps(cfg: schema.TrainConfig) -> bool:
 def logprobs(cfg: schema.TrainConfig, dev: dict, *, policy, params, ref_params):
     """(reference, old) log-probs [N, T] of the batch `dev` (None where the loss needs none).
 
-    `policy` is the run's `build.Policy`, `params` the trainable parameters of this step,
+    `policy` is the run's `lora.Policy`, `params` the trainable parameters of this step,
     `ref_params` the reference policy's (full fine-tune with beta > 0; else None: the base is the
     adapters switched off).
     """
@@ -320,7 +256,7 @@ def make_batch(
     ref_params,
     pad_id: int,
     timings: dict,
-    packed_length=None,
+    choose_packed_length=None,
     mesh=None,
 ) -> tuple[train_step.Batch, dict]:
     """The step's `train_step.Batch` from its groups, and its metrics: advantages -> layout ->
@@ -330,8 +266,23 @@ def make_batch(
     axes, each device holding only its rows (`distributed.global_batch`; a collective with
     several processes). None: one device.
     """
+    rows_BxG = loss_rows(cfg, groups)
+    engine_logps_NxT = groups.sampler_logps.reshape(-1, groups.sampler_logps.shape[-1])
+    loss_tokens_NxT = (groups.mask & rows_BxG[..., None]).reshape(engine_logps_NxT.shape)
+    check_engine_logps(engine_logps_NxT, loss_tokens_NxT, cfg.rollout.engine)
     adv_BxG, info = advantages(cfg, groups, timings)
-    host, layout_info = lay_out(cfg, groups, adv_BxG, pad_id=pad_id, packed_length=packed_length)
+    host, layout_info = batch_layout.lay_out(
+        groups.prompt_ids,
+        groups.tokens,
+        groups.mask,
+        rows_BxG,
+        adv_BxG,
+        groups.sampler_logps,
+        batch=cfg.batch,
+        minibatches=cfg.loss.minibatches,
+        pad_id=pad_id,
+        choose_packed_length=choose_packed_length,
+    )
     dev = distributed.global_batch(host, mesh)
     ref, old = logprobs(cfg, dev, policy=policy, params=params, ref_params=ref_params)
     batch = train_step.Batch(

@@ -32,6 +32,7 @@ import optax
 
 from mmr_jax.algorithms import entropy_control, losses, mismatch
 from mmr_jax.config import schema
+from mmr_jax.models import lora
 from mmr_jax.step import minibatch
 
 
@@ -75,6 +76,26 @@ class StepConfig:
     logprob_chunk: int = 0  # model.logprob_chunk
     entropy_control: entropy_control.Control | None = None  # adaptive coefficient (None: fixed)
 
+    @classmethod
+    def from_config(cls, cfg: schema.TrainConfig) -> StepConfig:
+        """The step's settings of a run: its loss section, and what the step reads of the rest."""
+        loss = cfg.loss
+        control = None
+        if loss.entropy_target > 0:  # the adaptive coefficient's constants; else a fixed one
+            control = entropy_control.Control(
+                target=loss.entropy_target,
+                step=loss.entropy_coef_step,
+                low=loss.entropy_coef_min,
+                high=loss.entropy_coef_max,
+            )
+        return cls(
+            loss=loss,
+            temperature=cfg.rollout.temperature,
+            max_completion_len=cfg.batch.max_completion_len,
+            logprob_chunk=cfg.model.logprob_chunk,
+            entropy_control=control,
+        )
+
     @property
     def entropy_on(self) -> bool:
         """Whether the loss carries an entropy bonus (fixed non-zero, or adaptive)."""
@@ -82,32 +103,61 @@ class StepConfig:
 
 
 def make_optimizer(
-    *,
-    lr: float,
-    total_updates: int,
-    warmup_ratio: float,
-    min_lr_ratio: float,
-    grad_clip: float,
-    b1: float = 0.9,
-    b2: float = 0.999,
-    eps: float = 1e-8,
-    weight_decay: float = 0.0,
+    optim: schema.OptimConfig, *, total_updates: int
 ) -> tuple[optax.GradientTransformation, optax.Schedule]:
-    """AdamW after global-norm clipping, linear warmup then cosine decay to lr * min_lr_ratio."""
-    warmup = int(round(warmup_ratio * total_updates))
+    """AdamW after global-norm clipping, linear warmup then cosine decay to lr * min_lr_ratio,
+    over a run's `total_updates` optimiser updates (`TrainConfig.total_updates`)."""
+    lr, warmup = optim.lr, int(round(optim.warmup_ratio * total_updates))
     if warmup > 0:
         schedule = optax.warmup_cosine_decay_schedule(
             init_value=0.0,
             peak_value=lr,
             warmup_steps=warmup,
             decay_steps=max(total_updates, warmup + 1),
-            end_value=lr * min_lr_ratio,
+            end_value=lr * optim.min_lr_ratio,
         )
     else:
-        schedule = optax.cosine_decay_schedule(lr, max(total_updates, 1), alpha=min_lr_ratio)
-    chain = [optax.clip_by_global_norm(grad_clip)] if grad_clip > 0 else []
-    chain.append(optax.adamw(schedule, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay))
+        schedule = optax.cosine_decay_schedule(lr, max(total_updates, 1), alpha=optim.min_lr_ratio)
+    chain = [optax.clip_by_global_norm(optim.grad_clip)] if optim.grad_clip > 0 else []
+    chain.append(
+        optax.adamw(
+            schedule, b1=optim.b1, b2=optim.b2, eps=optim.eps, weight_decay=optim.weight_decay
+        )
+    )
     return optax.chain(*chain), schedule
+
+
+def init_state(params, optimizer, *, seed: int, loss: schema.LossConfig, mesh=None) -> TrainState:
+    """The step-0 state. With a mesh, leaves without a sharding (step, counts, RNG) are replicated
+    on it, as the train step's outputs will be, so that the step compiles only once."""
+    state = TrainState(
+        step=jnp.zeros([], jnp.int32),
+        params=params,
+        opt_state=optimizer.init(params),
+        rng=jax.random.key_data(jax.random.key(seed)),
+        entropy_coef=jnp.float32(loss.entropy_coef) if loss.entropy_target > 0 else None,
+    )
+    if mesh is None:
+        return state
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+    def place(x):
+        on_mesh = isinstance(x.sharding, jax.sharding.NamedSharding)
+        return x if on_mesh else jax.device_put(x, replicated)
+
+    return jax.tree.map(place, state)
+
+
+def step_graphdef(policy: lora.Policy, loss: schema.LossConfig, lora_dropout: float):
+    """The train step's graphdef: LoRA dropout on, except when the step takes more than one
+    optimiser update. From the second update on the ratio divides the training forward by the
+    dropout-free old log-probs, and dropout's noise alone then moves GSPO's sequence ratio past
+    its 3e-4 band (docs/algorithms.md, benchmarks/lora_dropout_ratio.py); with one update the
+    ratio is taken against the same forward and dropout cannot enter it."""
+    several = loss.iterations * loss.updates_per_batch > 1
+    if policy.lora and lora_dropout > 0 and several:
+        return policy.eval_graphdef
+    return policy.graphdef
 
 
 def _reduce(name: str, values_M: jax.Array, tokens_M: jax.Array) -> jax.Array:

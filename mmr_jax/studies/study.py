@@ -51,7 +51,7 @@ class RunSpec:
     cfg: schema.TrainConfig
 
 
-def _plain(tree) -> Any:
+def plain(tree) -> Any:
     """ConfigDict / tuples -> JSON-normal dicts and lists (the form stored and compared)."""
     if hasattr(tree, "to_dict"):
         tree = tree.to_dict()
@@ -74,7 +74,7 @@ def train_config(study: ml_collections.ConfigDict, variant: str, seed: int):
     """The training ConfigDict of one run: `study.train` + the variant's delta + seed and name."""
     c = copy.deepcopy(study.train)
     c.unlock()
-    _merge(c, _plain(study.variants[variant]), "")
+    _merge(c, plain(study.variants[variant]), "")
     c.seed = seed
     c.name = f"{study.name}/{variant}_s{seed}"
     return c
@@ -111,7 +111,7 @@ def plan(study: ml_collections.ConfigDict) -> list[RunSpec]:
 
 def resolved(study: ml_collections.ConfigDict, specs: list[RunSpec]) -> dict:
     """What `study_config.json` stores: the study keys and every run's full training config."""
-    keys = {k: v for k, v in _plain(study).items() if k not in ("folder", "train", "variants")}
+    keys = {k: v for k, v in plain(study).items() if k not in ("folder", "train", "variants")}
     return {"study": keys, "runs": {s.name: s.cfg.to_dict() for s in specs}}
 
 
@@ -134,7 +134,7 @@ def differences(old, new, where: str = "") -> list[str]:
 def check_folder(folder, stored: dict) -> None:
     """Writes `stored` as the folder's study config, or refuses a folder holding another one."""
     path = run_paths.as_path(folder) / STUDY_FILE
-    stored = _plain(stored)
+    stored = plain(stored)
     if path.exists():
         diff = differences(json.loads(path.read_text()), stored)
         if diff:

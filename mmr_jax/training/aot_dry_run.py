@@ -105,7 +105,8 @@ def per_device_bytes(tree) -> int:
 
 def _sampler_copy_bytes(master, sampler_state) -> int:
     """Bytes a device holds of the sampler's weights that are a copy (a cast of a master leaf);
-    leaves already in the compute dtype are the model's own arrays (`sampler.sampling_weights`)."""
+    leaves already in the compute dtype are the model's own arrays
+    (`sampler_weights.sampling_weights`)."""
     masters = {x.dtype for x in jax.tree.leaves(master)}
     copied = [x for x in jax.tree.leaves(sampler_state) if x.dtype not in masters]
     if len(masters) == 1 and not copied:
@@ -161,7 +162,7 @@ def run(cfg: schema.TrainConfig, target, *, policies=None) -> dict[str, Any]:
     the target, the mesh, the attention plan and one `Row` a program."""
     devices = aot_targets.compile_only_devices(target)
     mesh = compiled_dry_run.config_mesh(cfg, devices=devices)
-    mcfg = model_config.ModelConfig.from_hf(build._hf_config(cfg.model.path))
+    mcfg = model_config.ModelConfig.from_hf(model_config.config_file(cfg.model.path))
     out = {
         "target": target.name,
         "description": target.describe(),

@@ -29,16 +29,10 @@ from flax import nnx
 from mmr_jax.config import schema
 from mmr_jax.models import config as model_config
 from mmr_jax.models import loading, sharding
+from mmr_jax.step import train_step
 from mmr_jax.training import build, dry_run_programs
 
 # The programs, built in dry_run_programs (re-exported: the benchmarks and tests import them here).
-abstract_batch = dry_run_programs.abstract_batch
-abstract_policy = dry_run_programs.abstract_policy
-train_step_program = dry_run_programs.train_step_program
-decode_step_program = dry_run_programs.decode_step_program
-program = dry_run_programs.program
-DONATED = dry_run_programs.DONATED
-
 GIB = 2.0**30
 
 
@@ -110,13 +104,13 @@ def _cost(compiled) -> dict[str, float]:
 
 def compile_train_step(cfg: schema.TrainConfig, mesh, *, remat: str | None = None):
     """The trainer's jitted train step, lowered and compiled on `mesh` for the largest batch."""
-    step, args = train_step_program(cfg, mesh, remat=remat)
+    step, args = dry_run_programs.train_step_program(cfg, mesh, remat=remat)
     return measure(f"train step (remat {remat or cfg.model.remat})", step, *args)[0]
 
 
 def compile_decode_step(cfg: schema.TrainConfig, mesh) -> Compiled:
     """One decode step of the embedded sampler's model for all B * G rows, on `mesh`."""
-    step, args = decode_step_program(cfg, mesh)
+    step, args = dry_run_programs.decode_step_program(cfg, mesh)
     return measure("decode step", step, *args)[0]
 
 
@@ -178,7 +172,9 @@ def dry_run(cfg: schema.TrainConfig) -> dict[str, Any]:
     """
     from mmr_jax.models import dry_run as model_dry_run
 
-    mcfg = model_config.ModelConfig.from_hf(build._hf_config(cfg.model.path), remat=cfg.model.remat)
+    mcfg = model_config.ModelConfig.from_hf(
+        model_config.config_file(cfg.model.path), remat=cfg.model.remat
+    )
     lora = build.lora_config(cfg)
     frozen_dtype = build.DTYPES.get(cfg.model.frozen_dtype)  # '' -> param_dtype, as a run
     abstract = loading.abstract_model(
@@ -190,7 +186,7 @@ def dry_run(cfg: schema.TrainConfig) -> dict[str, Any]:
     )
     trainable = nnx.LoRAParam if lora is not None else nnx.Param
     _, params, _, _ = nnx.split(abstract, trainable, nnx.Param, ...)
-    optimizer, _ = build.make_optimizer(cfg)
+    optimizer, _ = train_step.make_optimizer(cfg.optim, total_updates=cfg.total_updates)
     opt_state = jax.eval_shape(optimizer.init, params)
     granules = len({sharding.granule(d) for d in jax.devices()})  # hosts, or TPU slices
     mesh = model_dry_run.MeshShape(

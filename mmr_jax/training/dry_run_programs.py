@@ -9,10 +9,10 @@ compile-only devices of a TPU or GPU). Each is the run's own jitted function, fe
 - `logprob_program`: the trainer's jitted `minibatch.logprobs_fn` on that batch (the reference or
   old log-probs), when the config computes them;
 - `prefill_program`, `decode_loop_program`: the embedded sampler's packed prefill
-  (`rollout.prefill.prefill`) and its decode loop (`sampler._generate`, the first call: the
+  (`rollout.prefill.prefill`) and its decode loop (`sampler.decode_program`, the first call: the
   compacted calls after it run on fewer rows), for B prompts x G rows, the weights in the compute
-  dtype (`sampler.sampling_weights`), replicated over a data-parallel mesh as the engine puts them
-  (`build.make_engine`), else as the trainer shards them;
+  dtype (`sampler_weights.sampling_weights`), replicated over a data-parallel mesh as the engine
+  puts them (`engines.make_engine`), else as the trainer shards them;
 - `decode_step_program`: one decode step of the sampler's model (the HLO tests read it).
 
 The abstract model is built as `build.load_policy` builds the real one: dtype, param_dtype,
@@ -32,8 +32,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from mmr_jax.config import schema
+from mmr_jax.models import attention_probe, kv_cache, loading, sharding
 from mmr_jax.models import config as model_config
-from mmr_jax.models import kv_cache, loading, sharding
+from mmr_jax.models import lora as lora_lib
 from mmr_jax.rollout import padding, prefill, sampler
 from mmr_jax.step import batch_layout, minibatch, pipeline, train_step
 from mmr_jax.training import build
@@ -63,7 +64,7 @@ def abstract_policy(
     `mesh`. `unrolled`: the layers' scan fully unrolled (benchmarks/bench_compile.py).
     `attention`: the training forwards' backend (default: the one a run on this host uses)."""
     mcfg = model_config.ModelConfig.from_hf(
-        build._hf_config(cfg.model.path), remat=remat or cfg.model.remat
+        model_config.config_file(cfg.model.path), remat=remat or cfg.model.remat
     )
     if unrolled:
         mcfg = dataclasses.replace(mcfg, scan_unroll=mcfg.num_layers)
@@ -71,8 +72,15 @@ def abstract_policy(
         mcfg = dataclasses.replace(mcfg, attention_impl=attention)
     elif jax.default_backend() == "gpu":  # the backend a run would use (probed); else 'auto'
         mcfg = dataclasses.replace(mcfg, attention_impl=cfg.model.attention_impl)
-        impl = build.attention_choice(cfg, mcfg).implementation
-        mcfg = dataclasses.replace(mcfg, attention_impl=impl)
+        choice = attention_probe.choose_once(
+            cfg.model.attention_impl,
+            build.DTYPES[cfg.model.dtype],
+            mcfg.num_heads,
+            mcfg.num_kv_heads,
+            mcfg.head_dim,
+            packed=cfg.batch.layout == "packed",
+        )
+        mcfg = dataclasses.replace(mcfg, attention_impl=choice.implementation)
     abstract = loading.abstract_model(
         mcfg,
         dtype=build.DTYPES[cfg.model.dtype],
@@ -80,7 +88,7 @@ def abstract_policy(
         lora=build.lora_config(cfg),
         frozen_dtype=build.DTYPES.get(cfg.model.frozen_dtype),  # '' -> param_dtype, as a run
     )
-    policy = build.split_model(abstract)
+    policy = lora_lib.split_policy(abstract)
     parts = (policy.params, policy.frozen, policy.rest)
     return policy, mcfg, tuple(_with_shardings(s, mesh) for s in parts)
 
@@ -119,7 +127,7 @@ def _opt_state_shardings(opt_state, params, replicated):
 
 
 def abstract_state(cfg, params, mesh) -> train_step.TrainState:
-    optimizer, _ = build.make_optimizer(cfg)
+    optimizer, _ = train_step.make_optimizer(cfg.optim, total_updates=cfg.total_updates)
     replicated = NamedSharding(mesh, P())
     opt_state = jax.eval_shape(optimizer.init, params)
     return train_step.TrainState(
@@ -147,7 +155,7 @@ def packed_shape(cfg: schema.TrainConfig) -> tuple[int, int]:
 
 
 def abstract_batch(cfg: schema.TrainConfig, mesh) -> train_step.Batch:
-    """The step's largest batch in the configured layout (`pipeline.layout`), split over the
+    """The step's largest batch in the configured layout (`BatchConfig.layout`), split over the
     mesh's (data, fsdp) axes; an array whose rows do not divide is replicated, as the trainer
     places it (`distributed.row_sharding`; e.g. 8 prompts on 16 devices)."""
     from mmr_jax import distributed
@@ -158,7 +166,7 @@ def abstract_batch(cfg: schema.TrainConfig, mesh) -> train_step.Batch:
     def arr(shape, dtype):
         return jax.ShapeDtypeStruct(shape, dtype, sharding=distributed.row_sharding(shape, mesh))
 
-    kind = pipeline.layout(cfg)
+    kind = cfg.batch.layout
     width = p + t if kind == "full" else t
     prompts = n // batch_layout.group_size(b.generations, n, cfg.loss.minibatches)
     packed = None
@@ -189,12 +197,12 @@ def train_step_program(
     policy, _, (params, frozen, rest) = abstract_policy(
         cfg, mesh, remat=remat, unrolled=unrolled, attention=attention
     )
-    optimizer, schedule = build.make_optimizer(cfg)
+    optimizer, schedule = train_step.make_optimizer(cfg.optim, total_updates=cfg.total_updates)
     step = train_step.jit_train_step(
-        graphdef=build.train_graphdef(cfg, policy),
+        graphdef=train_step.step_graphdef(policy, cfg.loss, cfg.lora.dropout),
         optimizer=optimizer,
         schedule=schedule,
-        cfg=build.step_config(cfg),
+        cfg=train_step.StepConfig.from_config(cfg),
     )
     state = abstract_state(cfg, params, mesh)
     return step, (state, abstract_batch(cfg, mesh), frozen, rest)
@@ -284,7 +292,7 @@ def decode_loop_program(cfg, mesh, graphdef, state, data_parallel, prompt_cache)
         mesh=mesh if data_parallel else None,
         keep_rows=not data_parallel,  # the engine compacts off a mesh (`sampler.start`)
     )
-    fn = lambda state, *a: sampler._generate(graphdef, state, None, *a, **static)
+    fn = lambda state, *a: sampler.decode_program(graphdef, state, None, *a, **static)
     args = (
         state,
         arr((bp, p), jnp.int32),
@@ -295,7 +303,7 @@ def decode_loop_program(cfg, mesh, graphdef, state, data_parallel, prompt_cache)
         arr((), jnp.uint32, whole),
         *(arr((), dt, whole) for dt in (jnp.int32, jnp.int32, jnp.int32)),
         *(arr((), dt, whole) for dt in (jnp.float32, jnp.int32, jnp.float32)),
-        arr((padding.Buckets().min_stop_ids,), jnp.int32, whole),
+        arr((padding.MinSizes().min_stop_ids,), jnp.int32, whole),
     )
     return jax.jit(fn), args
 
@@ -304,7 +312,7 @@ def decode_step_program(cfg, mesh, *, unrolled: bool = False):
     """(one jitted decode step of the sampler's model for all B * G rows, its abstract args).
 
     The weights are fed in the compute dtype, as the sampler feeds them
-    (`sampler.sampling_weights`: a copy cast once per weight version), not the fp32 masters:
+    (`sampler_weights.sampling_weights`: a copy cast once per weight version), not the fp32 masters:
     otherwise the compiled step would cast every weight at every step, a cost the sampler does
     not pay (issue 35)."""
     policy, mcfg, master = abstract_policy(cfg, mesh, unrolled=unrolled)

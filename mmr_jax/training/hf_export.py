@@ -25,6 +25,8 @@ from etils import epath
 from mmr_jax import distributed
 from mmr_jax.config import checks, schema
 from mmr_jax.infra import console, faults, run_paths
+from mmr_jax.models import sharding
+from mmr_jax.step import train_step
 from mmr_jax.training import build, checkpoint, workdir_guard
 
 
@@ -59,10 +61,14 @@ def export_hf(cfg: schema.TrainConfig, workdir, out_dir, *, step: int | None = N
     run's mesh and joins the gather; process 0 writes."""
     run_paths.check(workdir)
     run_paths.check(out_dir, "--export_hf")
-    mesh = build.make_mesh(cfg) if jax.process_count() > 1 else None
+    mesh = (
+        sharding.make_mesh(*cfg.mesh.shape, layout=cfg.mesh.layout)
+        if jax.process_count() > 1
+        else None
+    )
     policy = build.load_policy(cfg, mesh)
-    optimizer, _ = build.make_optimizer(cfg)
-    state = build.init_state(cfg, policy.params, optimizer, mesh)
+    optimizer, _ = train_step.make_optimizer(cfg.optim, total_updates=cfg.total_updates)
+    state = train_step.init_state(policy.params, optimizer, seed=cfg.seed, loss=cfg.loss, mesh=mesh)
     ckpt = checkpoint.Checkpointer(os.path.join(os.fspath(workdir), checkpoint.CKPT_DIR), keep=None)
     restored = ckpt.restore(checkpoint.state_tree(state), step=step)
     ckpt.close()

@@ -23,21 +23,33 @@ class TrainPrompts(NamedTuple):
     dropped: int  # problems whose prompt exceeds batch.max_prompt_len (never truncated)
 
 
-def load_prompts(cfg: schema.TrainConfig, tokenizer) -> TrainPrompts:
-    """The training prompts that fit `batch.max_prompt_len`; longer ones are dropped, counted."""
+def load(cfg: schema.TrainConfig, tokenizer) -> tuple[TrainPrompts, dict[str, list[data.Problem]]]:
+    """(training prompts, held-out problems by benchmark). The held-out problems are loaded once,
+    here, when the run evaluates (`eval.every` > 0) or must keep them out of training
+    (`eval.source='arithmetic'`); else none."""
+    needed = cfg.eval.every > 0 or cfg.eval.source == ARITHMETIC
+    heldout = eval_problems(cfg) if needed else {}
+    return load_prompts(cfg, tokenizer, heldout), heldout
+
+
+def load_prompts(
+    cfg: schema.TrainConfig, tokenizer, heldout: dict[str, list[data.Problem]]
+) -> TrainPrompts:
+    """The training prompts that fit `batch.max_prompt_len`; longer ones are dropped, counted.
+    With `eval.source='arithmetic'` the held-out problems (`eval_problems`) are never trained on."""
     d = cfg.data
-    if d.source == ARITHMETIC:
+    if tasks.task_name(d.source):  # 'task:<name>': its fixed training set (issue 26)
+        problems = tasks.train_problems(tasks.task_name(d.source))
+    elif d.source == ARITHMETIC:
         problems = data.arithmetic_problems(
             2_000, cfg.seed, max_operand=d.arithmetic_max_operand, ops=d.arithmetic_ops
         )
-    elif tasks.task_name(d.source):  # 'task:<name>': its fixed training set (issue 26)
-        problems = tasks.train_problems(tasks.task_name(d.source))
     else:
         problems = data.load_problems(
             d.source, split=d.split, problem_field=d.problem_field, answer_field=d.answer_field
         )
     if cfg.eval.source == ARITHMETIC:  # the held-out set is never trained on
-        problems, removed = data.without(problems, eval_problems(cfg)["heldout"])
+        problems, removed = data.without(problems, heldout["heldout"])
         logging.info("data: %d training problems removed (in the held-out set)", removed)
     prompts, kept, dropped = data.build_prompts(
         tokenizer, problems, d.system_prompt, max_prompt_length=cfg.batch.max_prompt_len
@@ -74,12 +86,12 @@ def eval_problems(cfg: schema.TrainConfig) -> dict[str, list[data.Problem]]:
                 f"eval.source='task' needs data.source='task:<name>', got {cfg.data.source!r}"
             )
         return {"heldout": tasks.heldout_problems(name)}
-    if e.source == ARITHMETIC:
-        heldout = data.heldout_arithmetic(
-            e.arithmetic_problems,
-            e.arithmetic_seed,
-            max_operand=cfg.data.arithmetic_max_operand,
-            ops=cfg.data.arithmetic_ops,
-        )
-        return {"heldout": heldout}
-    return evaluation.load_benchmarks(e.data_dir, e.benchmarks, max_problems=e.max_problems)
+    if e.source != ARITHMETIC:
+        return evaluation.load_benchmarks(e.data_dir, e.benchmarks, max_problems=e.max_problems)
+    heldout = data.heldout_arithmetic(
+        e.arithmetic_problems,
+        e.arithmetic_seed,
+        max_operand=cfg.data.arithmetic_max_operand,
+        ops=cfg.data.arithmetic_ops,
+    )
+    return {"heldout": heldout}

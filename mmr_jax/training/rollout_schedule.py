@@ -75,6 +75,11 @@ class OnPolicyRollouts:
     def wait(self, timings: dict | None = None) -> None:
         del timings  # nothing runs in the background
 
+    def engine_params(self, engine, params):
+        """The params to sync `engine` to: the trainer's own (nothing samples beside the update)."""
+        del engine
+        return params
+
     def close(self) -> bool:
         return True
 
@@ -145,6 +150,11 @@ class OffPolicyRollouts:
         self._slot.wait()
         if timings is not None:
             timings["rollout_wait"] = time.perf_counter() - t0
+
+    def engine_params(self, engine, params):
+        """The params to sync `engine` to: a copy of its own when it keeps the arrays it is given,
+        which then outlives the next update's donation (`prefetch.own`)."""
+        return prefetch.own(engine, params)
 
     @property
     def pending(self) -> int | None:

@@ -18,6 +18,7 @@ import pathlib
 import numpy as np
 
 from mmr_jax.infra import metrics
+from mmr_jax.step import train_step
 from mmr_jax.training import build
 
 from support import multihost, testing
@@ -85,8 +86,8 @@ def restore(workdir):
 
     cfg = checks.from_config_dict(workdir_guard.read_run_config(workdir))
     policy = build.load_policy(cfg)
-    optimizer, _ = build.make_optimizer(cfg)
-    state = build.init_state(cfg, policy.params, optimizer)
+    optimizer, _ = train_step.make_optimizer(cfg.optim, total_updates=cfg.total_updates)
+    state = train_step.init_state(policy.params, optimizer, seed=cfg.seed, loss=cfg.loss)
     ck = checkpoint.Checkpointer(pathlib.Path(workdir) / checkpoint.CKPT_DIR, keep=None)
     # A checkpoint of several processes restores here only with a sharding given for every leaf.
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])

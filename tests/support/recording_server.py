@@ -47,7 +47,7 @@ class RecordingBackend(embedded_backend.EmbeddedBackend):
 def serve(checkpoint_dir):
     """(backend, url) of a server on `checkpoint_dir` under the name `MODEL_NAME`, in a thread."""
     backend = RecordingBackend.from_pretrained(
-        checkpoint_dir, model_name=MODEL_NAME, buckets=padding.Buckets(min_prompts=1)
+        checkpoint_dir, model_name=MODEL_NAME, buckets=padding.MinSizes(min_prompts=1)
     )
     with server.OpenAIServer(backend, weights_dir="/") as srv:  # the runs' sync folders
         yield backend, srv.url

@@ -152,12 +152,13 @@ def params(workdir, cfg, step=None):
     latest if None), that checkpoint's metadata)."""
     import jax
 
+    from mmr_jax.step import train_step
     from mmr_jax.training import build, checkpoint
 
     ck = checkpoint.Checkpointer(pathlib.Path(workdir) / checkpoint.CKPT_DIR, keep=None)
     policy = build.load_policy(cfg)
-    optimizer, _ = build.make_optimizer(cfg)
-    state = build.init_state(cfg, policy.params, optimizer)
+    optimizer, _ = train_step.make_optimizer(cfg.optim, total_updates=cfg.total_updates)
+    state = train_step.init_state(policy.params, optimizer, seed=cfg.seed, loss=cfg.loss)
     tree, meta = ck.restore(
         jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), checkpoint.state_tree(state)

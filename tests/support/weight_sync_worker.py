@@ -159,7 +159,6 @@ def run(*, path: str, mode: str, syncs: int, model: str, check: bool) -> dict:
     from mmr_jax.models import lora as lora_lib
     from mmr_jax.models import random_init, sharding
     from mmr_jax.rollout import embedded
-    from mmr_jax.training import build
 
     lora = mode != "full"
     if not _COMPILES:
@@ -169,7 +168,7 @@ def run(*, path: str, mode: str, syncs: int, model: str, check: bool) -> dict:
         weight_sync.local_copy = old_local_copy  # what ShareEngine.sync_weights reaches
     mesh = sharding.make_mesh(1, -1, 1)
     adapters = lora_lib.LoraConfig(rank=4, alpha=8.0, dropout=0.0) if lora else None
-    policy = build.split_model(
+    policy = lora_lib.split_policy(
         random_init.random_model(
             _model_config(model), dtype=jnp.float32, param_dtype=jnp.float32, mesh=mesh,
             lora=adapters, seed=0,
