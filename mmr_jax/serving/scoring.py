@@ -12,6 +12,7 @@ compile. Prompt log-probs use temperature 1 (vLLM's are of the raw logits).
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Callable, Sequence
 
 import jax
@@ -55,6 +56,7 @@ class Scorer:
         self._compiled: dict[tuple[str, int], Callable] = {}
 
     def compile(self, name: str, graphdef, state, log: Callable[[str], None] = print) -> None:
+        started = time.perf_counter()
         for length in self.lengths:
             tokens = jax.ShapeDtypeStruct((1, length), jnp.int32)
             mask = jax.ShapeDtypeStruct((1, length), jnp.bool_)
@@ -62,6 +64,8 @@ class Scorer:
             lowered = _score.lower(graphdef, state, tokens, mask, temperature)
             self._compiled[name, length] = lowered.compile()
             log(f"compiled scoring pass ({name}, {length} tokens)")
+        seconds = time.perf_counter() - started
+        log(f"compiled {len(self.lengths)} scoring programs in {seconds:.1f} s")
 
     def forget(self, name: str) -> None:
         self._compiled = {key: f for key, f in self._compiled.items() if key[0] != name}
