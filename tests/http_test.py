@@ -186,6 +186,27 @@ class TestStreaming:
         assert chunks[-1].choices[0].finish_reason == "stop"
 
 
+class TestTokenControls:
+    def test_allowed_ids_logit_bias_and_min_tokens_over_http(self, url):
+        """vLLM's logit_bias, allowed_token_ids and min_tokens through the continuous batch
+        (the per-token checks against a plain greedy loop: slot_scheduler_test)."""
+        conn = _conn(url)
+        body = {"model": "tiny", "prompt": [5, 6, 7], "return_token_ids": True, "seed": 1}
+        allowed = {**body, "max_tokens": 12, "temperature": 1.0, "ignore_eos": True}
+        allowed["allowed_token_ids"] = [9, 10, 11]
+        status, reply, _ = _post(conn, "/v1/completions", json.dumps(allowed).encode())
+        assert status == 200 and set(reply["choices"][0]["token_ids"]) <= {9, 10, 11}
+        forced = {**body, "max_tokens": 4, "temperature": 0, "logit_bias": {"42": 100}}
+        status, reply, _ = _post(conn, "/v1/completions", json.dumps(forced).encode())
+        assert status == 200 and reply["choices"][0]["token_ids"][0] == 42
+        bad = {**body, "max_tokens": 2, "logit_bias": {"99999999": 1.0, "x": 2.0}}
+        status, reply, _ = _post(conn, "/v1/completions", json.dumps(bad).encode())
+        assert status == 400 and "'x'" in reply["error"]["message"]
+        bad = {**body, "max_tokens": 2, "min_tokens": 3}
+        status, reply, _ = _post(conn, "/v1/completions", json.dumps(bad).encode())
+        assert status == 400 and reply["error"]["param"] == "min_tokens"
+
+
 class TestStop:
     def test_sigterm_is_a_clean_stop(self, tiny_llama_dir):
         """SIGTERM (what `kill`, systemd and container runtimes send) stops the server with exit

@@ -47,6 +47,7 @@ from mmr_jax.serving import (
     openai_stream,
     request_limits,
     slot_scheduler,
+    token_controls,
     weight_routes,
 )
 from mmr_jax.serving import openai_format as fmt
@@ -231,6 +232,9 @@ class OpenAIServer:
     def _reply(self, request: openai_params.Request, model: str, conn, *, chat: bool, body):
         """The reply of a parsed request: a JSON body, or a stream as tokens are decoded."""
         request_limits.check(request, self.limits)
+        if request.controls != token_controls.NONE and not self.batcher.takes_controls:
+            raise HTTPError(400, "logit_bias, allowed_token_ids and min_tokens need the "
+                            "continuous batch (scripts/serve.py enables it)")  # fmt: skip
         as_ids = bool(body.get("return_tokens_as_token_ids"))
         token_ids = bool(body.get("return_token_ids"))
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
