@@ -114,7 +114,27 @@ class TestKeepAlive:
         conn.endheaders(b'{"prompt": [1]}')
         resp = conn.getresponse()
         assert resp.status == 400 and resp.getheader("Connection") == "close"
-        assert json.loads(resp.read())["error"]["type"] == "invalid_request_error"
+        body = resp.read()
+        if length.isdigit():  # a number over --max_body_bytes: ours, in OpenAI's shape
+            assert json.loads(body)["error"]["code"] == "request_too_large"
+        else:  # not a number: uvicorn's own 400, as vLLM's server (uvicorn too) answers it
+            assert body == b"Invalid HTTP request received."
+
+    def test_chunked_bodies_are_read_and_bounded(self, url):
+        """A body sent in chunks (no Content-Length) is read as one, as vLLM's (uvicorn) reads
+        it; chunks that add up to more than --max_body_bytes are a 400 that closes."""
+        conn = _conn(url)
+        headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+        payload = json.dumps({"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 2}).encode()
+        parts = iter([payload[:9], payload[9:]])
+        conn.request("POST", "/v1/completions", body=parts, headers=headers, encode_chunked=True)
+        resp = conn.getresponse()
+        assert resp.status == 200 and json.loads(resp.read())["usage"]["prompt_tokens"] == 3
+        big = iter([b"x" * 40000] * 2)
+        conn.request("POST", "/v1/completions", body=big, headers=headers, encode_chunked=True)
+        resp = conn.getresponse()
+        assert resp.status == 400 and resp.getheader("Connection") == "close"
+        assert json.loads(resp.read())["error"]["code"] == "request_too_large"
 
 
 class TestApiKey:
@@ -164,6 +184,27 @@ class TestStreaming:
         cut = client.completions.create(**kw)
         assert streamed == cut.choices[0].text == text[: text.index(stop)]
         assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+class TestTokenControls:
+    def test_allowed_ids_logit_bias_and_min_tokens_over_http(self, url):
+        """vLLM's logit_bias, allowed_token_ids and min_tokens through the continuous batch
+        (the per-token checks against a plain greedy loop: slot_scheduler_test)."""
+        conn = _conn(url)
+        body = {"model": "tiny", "prompt": [5, 6, 7], "return_token_ids": True, "seed": 1}
+        allowed = {**body, "max_tokens": 12, "temperature": 1.0, "ignore_eos": True}
+        allowed["allowed_token_ids"] = [9, 10, 11]
+        status, reply, _ = _post(conn, "/v1/completions", json.dumps(allowed).encode())
+        assert status == 200 and set(reply["choices"][0]["token_ids"]) <= {9, 10, 11}
+        forced = {**body, "max_tokens": 4, "temperature": 0, "logit_bias": {"42": 100}}
+        status, reply, _ = _post(conn, "/v1/completions", json.dumps(forced).encode())
+        assert status == 200 and reply["choices"][0]["token_ids"][0] == 42
+        bad = {**body, "max_tokens": 2, "logit_bias": {"99999999": 1.0, "x": 2.0}}
+        status, reply, _ = _post(conn, "/v1/completions", json.dumps(bad).encode())
+        assert status == 400 and "'x'" in reply["error"]["message"]
+        bad = {**body, "max_tokens": 2, "min_tokens": 3}
+        status, reply, _ = _post(conn, "/v1/completions", json.dumps(bad).encode())
+        assert status == 400 and reply["error"]["param"] == "min_tokens"
 
 
 class TestStop:

@@ -259,6 +259,14 @@ class TestPromptControls:
         assert both.status_code == 400
 
 
+class TestTokenControls:
+    def test_refused_without_the_continuous_batch(self, served):
+        _, srv, _ = served  # no slot engine here: the batch-at-a-time batcher cannot apply them
+        body = {"model": "tiny", "prompt": [5], "max_tokens": 2, "logit_bias": {"5": 1.0}}
+        r = _post(srv, "/v1/completions", body)
+        assert r.status_code == 400 and "continuous batch" in r.json()["error"]["message"]
+
+
 class TestHTTPRules:
     def test_refused_bodies_and_methods(self, served):
         _, srv, _ = served

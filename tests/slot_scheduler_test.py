@@ -10,7 +10,14 @@ import numpy as np
 import pytest
 
 from mmr_jax.rollout import base, sampler
-from mmr_jax.serving import batching, embedded_backend, openai_params, slot_grid, slot_scheduler
+from mmr_jax.serving import (
+    batching,
+    embedded_backend,
+    openai_params,
+    slot_grid,
+    slot_scheduler,
+    token_controls,
+)
 from mmr_jax.serving.openai_format import HTTPError
 
 SLOTS = 4
@@ -147,3 +154,76 @@ class TestContinuousBatcher:
             _final(job)
         with pytest.raises(queue.Empty):
             gone.updates.get_nowait()
+
+
+def _controlled(batcher, prompt, body, max_new=8, temperature=0.0, seed=None, ignore_eos=True):
+    vocab = batcher.backend.vocab_size
+    controls = token_controls.parse(body, vocab_size=vocab, max_tokens=max_new)
+    params = base.SamplingParams(max_new_tokens=max_new, temperature=temperature, seed=seed)
+    request = openai_params.Request(
+        prompts=[list(prompt)], params=params, ignore_eos=ignore_eos, controls=controls
+    )
+    return batching.Job(request, "tiny")
+
+
+def _greedy_loop(model, prompt, max_new, bias_at, stops=()):
+    """Greedy decoding by full forward passes (no KV cache, no slots): argmax(logits + bias_at(t))
+    in float64 numpy, ending at a stop token."""
+    ids, out = list(prompt), []
+    for t in range(max_new):
+        logits = np.asarray(model(np.asarray([ids], np.int32)))[0, -1].astype(np.float64)
+        tok = int(np.argmax(logits + bias_at(t)))
+        out.append(tok)
+        ids.append(tok)
+        if tok in stops:
+            break
+    return out
+
+
+class TestTokenControls:
+    """vLLM's logit_bias, allowed_token_ids and min_tokens against a plain greedy loop whose
+    bias is written out here in numpy."""
+
+    def test_logit_bias_and_allowed_ids_equal_a_plain_greedy_loop(self, batcher):
+        model, vocab = batcher.backend.engine.model, batcher.backend.vocab_size
+        prompt = [5, 6, 7]
+        plain = _greedy_loop(model, prompt, 8, lambda t: 0.0)
+        # Biases of the size of the logits' spread on 300 tokens, and the plain path's first
+        # token pushed out, so the biased path is neither the plain one nor one forced token.
+        spread = float(np.std(np.asarray(model(np.asarray([prompt], np.int32)))[0, -1]))
+        rng = np.random.default_rng(0)
+        picked = rng.choice(vocab, 300, replace=False)
+        bias = {str(t): float(rng.normal(0, 2 * spread)) for t in picked}
+        bias[str(plain[0])] = -100.0
+        only_bias = np.zeros(vocab)
+        for key, value in bias.items():
+            only_bias[int(key)] = value
+        want = _greedy_loop(model, prompt, 8, lambda t: only_bias)
+        job = _controlled(batcher, prompt, {"logit_bias": bias})
+        assert _final(batcher.submit(job)).ids[0] == want and want[0] != plain[0]
+        allowed = list(range(8, 40))
+        restricted = np.full(vocab, -np.inf)
+        restricted[8:40] = only_bias[8:40]
+        want = _greedy_loop(model, prompt, 8, lambda t: restricted)
+        job = _controlled(batcher, prompt, {"logit_bias": bias, "allowed_token_ids": allowed})
+        assert _final(batcher.submit(job)).ids[0] == want
+        assert all(8 <= t < 40 for t in want) and len(set(want)) > 1
+
+    def test_min_tokens_bans_the_stop_tokens_until_reached(self, batcher):
+        model, vocab = batcher.backend.engine.model, batcher.backend.vocab_size
+        stops = tuple(batcher.backend.eos_token_ids)
+        body = {"logit_bias": {str(stops[0]): 100.0}, "min_tokens": 4}
+        update = _final(batcher.submit(_controlled(batcher, [5, 6, 7], body, ignore_eos=False)))
+        pushed = np.zeros(vocab)
+        pushed[stops[0]] = 100.0
+        banned = pushed.copy()
+        banned[list(stops)] = -np.inf
+        want = _greedy_loop(model, [5, 6, 7], 8, lambda t: banned if t < 4 else pushed, stops)
+        assert update.ids[0] == want and len(want) == 5 and want[-1] == stops[0]
+        assert update.reasons[0] == base.FINISH_STOP
+
+    def test_sampled_tokens_stay_inside_allowed_ids(self, batcher):
+        job = _controlled(batcher, [5, 6, 7], {"allowed_token_ids": [9, 10, 11]}, max_new=24,
+                          temperature=1.5, seed=3)  # fmt: skip
+        ids = _final(batcher.submit(job)).ids[0]
+        assert set(ids) <= {9, 10, 11} and len(set(ids)) > 1  # drawn, not forced

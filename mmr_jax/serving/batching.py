@@ -123,6 +123,8 @@ class Finished:
 class Batcher:
     """The decode thread over `backend` (a `server.Backend`); `submit(job)` queues a job."""
 
+    takes_controls = False  # logit_bias, allowed_token_ids, min_tokens: the slot batch's only
+
     def __init__(
         self,
         backend: Any,

@@ -9,8 +9,8 @@ Weight routes behave as vLLM's do for the rollout client:
 
 from __future__ import annotations
 
-import functools
 import json
+import logging
 import os
 import pathlib
 import threading
@@ -31,7 +31,9 @@ from mmr_jax.rollout import (
     sampling_call,
     vllm_engine,
 )
-from mmr_jax.serving import prompt_logprobs, slot_engine, slot_grid
+from mmr_jax.serving import prompt_logprobs, scoring, slot_engine, slot_grid
+
+log = logging.getLogger(__name__)
 
 _PEFT_PREFIX = "base_model.model."
 
@@ -76,7 +78,6 @@ def _adapter_value(path: tuple, tensors: dict, num_layers: int, used: set) -> np
 
 def build_lora_model(base_model, config: dict, tensors: dict[str, dict[str, np.ndarray]]):
     """A LoRA decoder sharing `base_model`'s weights, with the adapter's A and B filled in."""
-    import jax
     import jax.numpy as jnp
 
     from mmr_jax.models import loading
@@ -112,14 +113,6 @@ def build_lora_model(base_model, config: dict, tensors: dict[str, dict[str, np.n
     model = nnx.merge(graphdef, nnx.from_flat_state(flat))
     model.eval()
     return model
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef", "k"))
-def _top_k(graphdef, state, tokens_BxT, mask_BxT, temperature, *, k: int):
-    """The k most likely next tokens after each position: (ids, log-probs) [B, T, k]."""
-    logits = nnx.merge(graphdef, state)(tokens_BxT, attention_mask_BxT=mask_BxT)
-    logps, ids = jax.lax.top_k(jax.nn.log_softmax(logits / temperature, axis=-1), k)
-    return ids, logps
 
 
 class EmbeddedBackend:
@@ -159,6 +152,7 @@ class EmbeddedBackend:
         self._lock = threading.RLock()
         self._weight_cache: dict[str, tuple] = {}
         self._slots: slot_engine.SlotEngine | None = None
+        self._scorer = scoring.Scorer(self.max_model_len, engine.pad_id)
 
     # ---- continuous batching ---------------------------------------------------------------------
 
@@ -182,7 +176,12 @@ class EmbeddedBackend:
                 grid, model, self._slot_weights, logprobs_mode=self.logprobs_mode, log=log
             )
             self._slots.prepare(self.model_name)
+            self._compile_scoring(self.model_name, log)
         return grid
+
+    def _compile_scoring(self, name: str, log) -> None:
+        graphdef, state = nnx.split(self._decoder(name))
+        self._scorer.compile(name, graphdef, state, log=log)
 
     def slot_engine(self) -> slot_engine.SlotEngine | None:
         """The continuous batch's engine (`enable_slots`), or None."""
@@ -287,29 +286,27 @@ class EmbeddedBackend:
     ) -> list[tuple[np.ndarray, np.ndarray]]:
         """Per (prompt, completion): the k most likely tokens at each completion position, as
         (ids int32 [T, k], log-probs float32 [T, k]) of log softmax(logits / temperature), most
-        likely first. One teacher-forced forward pass per sequence (one at a time, so the logits
-        [1, length, V] stay small), its length bucketed as the sampler's prompts are."""
+        likely first. One teacher-forced pass per sequence (`scoring`: one at a time, so the
+        logits [1, length, V] stay small; compiled at start-up with `enable_slots`)."""
         out = []
         with self._lock:
-            graphdef, state = nnx.split(self._decoder(model))
             for prompt, completion in sequences:
                 row = list(prompt) + list(completion)
-                length = padding.length_bucket(len(row), self.engine.buckets.min_prompt_len)
-                tokens = np.full((1, length), self.engine.pad_id, np.int32)
-                tokens[0, : len(row)] = row
-                mask = np.arange(length)[None] < len(row)
-                ids, logps = _top_k(graphdef, state, tokens, mask, np.float32(temperature), k=k)
+                _, _, ids, logps = self._score(model, row, temperature)
                 at = slice(len(prompt) - 1, len(row) - 1)  # the logits that predict `completion`
-                out.append((np.asarray(ids[0, at]), np.asarray(logps[0, at])))
+                out.append((ids[at, :k], logps[at, :k]))
         return out
 
     def prompt_scores(self, prompt: Sequence[int], k: int, *, model: str):
-        """`prompt_logprobs.scores` of `prompt` (its length bucketed as the sampler's)."""
+        """`prompt_logprobs.scores` of `prompt`."""
         with self._lock:
-            length = padding.length_bucket(len(prompt), self.engine.buckets.min_prompt_len)
             return prompt_logprobs.scores(
-                self._decoder(model), prompt, k, length=length, pad_id=self.engine.pad_id
+                lambda row, temperature: self._score(model, row, temperature), prompt, k
             )
+
+    def _score(self, model: str, row: Sequence[int], temperature: float):
+        graphdef, state = nnx.split(self._decoder(model))
+        return self._scorer.score(model, graphdef, state, row, temperature)
 
     def chat_prompt(self, messages: list[dict], template_kwargs: dict | None = None) -> list[int]:
         """The prompt ids of `messages`: the chat template rendered with the assistant's
@@ -352,12 +349,14 @@ class EmbeddedBackend:
             self._weight_cache.pop(name, None)
             if self._slots is not None:  # its programs now, not at its first request
                 self._slots.prepare(name)
+                self._compile_scoring(name, lambda line: log.info("%s", line))
 
     def unload_adapter(self, name: str) -> None:
         with self._lock:
             self._adapters.pop(name)
             self._adapter_models.pop(name, None)
             self._weight_cache.pop(name, None)
+            self._scorer.forget(name)
             if self._slots is not None:
                 self._slots.forget(name)
 

@@ -15,6 +15,7 @@ import math
 from typing import Any
 
 from mmr_jax.rollout import base
+from mmr_jax.serving import token_controls
 from mmr_jax.serving.openai_format import HTTPError
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat (and vLLM's default max_logprobs)
@@ -33,14 +34,13 @@ _NEUTRAL = {
     "presence_penalty": (None, 0, 0.0),
     "frequency_penalty": (None, 0, 0.0),
     "min_p": (None, 0, 0.0),
-    "logit_bias": (None, {}),
-    "min_tokens": (None, 0),
 }
 # Keys both routes take (handled below); keys with no effect on the output are in _NO_EFFECT.
 _COMMON = {
     "model", "max_tokens", "temperature", "top_p", "top_k", "n", "seed", "stop",
     "stop_token_ids", "ignore_eos", "stream", "stream_options", "logprobs",
     "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",
+    *token_controls.KEYS,
 }  # fmt: skip
 _NO_EFFECT = {"user", "metadata", "store", "request_id", "service_tier", "priority"}
 BOTH = {
@@ -63,6 +63,7 @@ class Request:
       logprobs asks for them too).
     echo: the completion's text and log-probs start with the prompt's (completions only).
     continuous_usage: a stream's every chunk carries the usage so far.
+    controls: logit_bias, allowed_token_ids, min_tokens (`token_controls`).
     """
 
     prompts: list[list[int]]
@@ -78,6 +79,7 @@ class Request:
     ignore_eos: bool = False
     include_stop_str: bool = False
     skip_special_tokens: bool = True
+    controls: token_controls.TokenControls = token_controls.NONE
 
 
 def _check_supported(body: dict, unsupported: dict, neutral: dict, known: set) -> None:
@@ -259,10 +261,18 @@ def _request(body, backend, prompts, max_tokens, param, logprobs, echo=False) ->
     except (TypeError, ValueError) as e:
         raise HTTPError(400, f"invalid sampling parameters: {e}") from e
     _check_context(prompts, params.max_new_tokens, backend.max_model_len, param)
+    controls = token_controls.parse(
+        body, vocab_size=backend.vocab_size, max_tokens=params.max_new_tokens
+    )
+    stop = _stops(body)
+    if controls.min_tokens and stop:
+        raise HTTPError(
+            400, "min_tokens with stop strings is not supported by this server", param="stop"
+        )
     return Request(
         prompts=prompts,
         params=params,
-        stop=_stops(body),
+        stop=stop,
         logprobs=logprobs,
         stream=stream,
         include_usage=include_usage,
@@ -273,6 +283,7 @@ def _request(body, backend, prompts, max_tokens, param, logprobs, echo=False) ->
         ignore_eos=_bool(body, "ignore_eos", False),
         include_stop_str=_bool(body, "include_stop_str_in_output", False),
         skip_special_tokens=_bool(body, "skip_special_tokens", True),
+        controls=controls,
     )
 
 

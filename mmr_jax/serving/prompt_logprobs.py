@@ -1,21 +1,18 @@
 """Prompt log-probs: vLLM's `prompt_logprobs` and the prompt part of `echo` with `logprobs`.
 
-`scores` is one teacher-forced forward pass over a prompt: per prompt token after the first, its
-log-prob under the raw logits (log softmax, no temperature, as vLLM's prompt log-probs), its rank
-in the vocabulary (1: the most likely) and the k most likely tokens there. The first token has no
-log-prob (nothing predicts it): None in both outputs, as vLLM's.
+`scores` is one teacher-forced forward pass over a prompt (`scoring`, compiled at start-up): per
+prompt token after the first, its log-prob under the raw logits (log softmax, no temperature, as
+vLLM's prompt log-probs), its rank in the vocabulary (1: the most likely) and the k most likely
+tokens there. The first token has no log-prob (nothing predicts it): None in both outputs, as
+vLLM's.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable, Sequence
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,30 +27,17 @@ class PromptScores:
     top_logprobs: np.ndarray
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "k"))
-def _scores(graphdef, state, tokens_BxT, mask_BxT, *, k: int):
-    logits = nnx.merge(graphdef, state)(tokens_BxT, attention_mask_BxT=mask_BxT)
-    logps = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)
-    chosen = jnp.take_along_axis(logps, tokens_BxT[:, 1:, None], axis=-1)
-    ranks = 1 + jnp.sum(logps > chosen, axis=-1)
-    top_logps, top_ids = jax.lax.top_k(logps, k)
-    return chosen[..., 0], ranks, top_ids, top_logps
-
-
-def scores(model, prompt: Sequence[int], k: int, *, length: int, pad_id: int) -> PromptScores:
-    """The `PromptScores` of `prompt` under `model` (an NNX decoder), padded to `length`."""
-    tokens = np.full((1, length), pad_id, np.int32)
-    tokens[0, : len(prompt)] = prompt
-    mask = np.arange(length)[None] < len(prompt)
-    graphdef, state = nnx.split(model)
-    chosen, ranks, top_ids, top_logps = _scores(graphdef, state, tokens, mask, k=max(k, 1))
+def scores(score: Callable, prompt: Sequence[int], k: int) -> PromptScores:
+    """The `PromptScores` of `prompt`, from `score(row, temperature)` (`scoring.Scorer.score`
+    over the served model: next-token log-probs, ranks and top tokens of the row)."""
+    chosen, ranks, top_ids, top_logps = score(list(prompt), 1.0)
     at = slice(0, len(prompt) - 1)
     return PromptScores(
         ids=list(prompt),
-        logprobs=np.asarray(chosen[0, at]),
-        ranks=np.asarray(ranks[0, at]),
-        top_ids=np.asarray(top_ids[0, at, :k]),
-        top_logprobs=np.asarray(top_logps[0, at, :k]),
+        logprobs=chosen[at],
+        ranks=ranks[at],
+        top_ids=top_ids[at, :k],
+        top_logprobs=top_logps[at, :k],
     )
 
 

@@ -4,11 +4,8 @@ Routes (parameters, shapes and what is refused: docs/serving.md):
   GET  /health, /ping, /version, /load, /metrics (Prometheus, `metrics`), /v1/models
   POST /v1/completions, /v1/chat/completions, /v1/chat/completions/batch (vLLM's batched chat),
        /invocations (SageMaker's: a chat or completion body), /ping, /reset_prefix_cache
-  with `weights_dir` only (off by default, as vLLM's dev-mode and runtime-LoRA routes; the paths
-  they take must lie inside `weights_dir`):
-  POST /collective_rpc            {"method", "args", "kwargs"} -> {"results": [one per worker]}
-  POST /v1/load_lora_adapter      {"lora_name", "lora_path"}
-  POST /v1/unload_lora_adapter    {"lora_name"}
+  with `weights_dir` only (off by default, as vLLM's dev-mode and runtime-LoRA routes):
+  POST /collective_rpc, /v1/load_lora_adapter, /v1/unload_lora_adapter (`weight_routes`)
 Bodies and stream chunks: `openai_format`; request parsing and what is refused: `openai_params`,
 `openai_chat_params` (a request is answered as asked or refused with a 400, never answered as if
 a parameter were absent); echo and prompt log-probs: `prompt_logprobs` (one forward pass per
@@ -22,7 +19,7 @@ as they are decoded (`openai_stream`); stop strings and clients that leave end t
 early. Log-probs follow the backend's `logprobs_mode` (default: after temperature, before
 top-k/top-p); with k alternatives (k > 0) the server runs one extra forward pass over
 prompt + completion for them, under the same hold of the backend as the generation.
-HTTP: `http` (stdlib `http.server`). In-process: `OpenAIServer(backend, port=0).start()`.
+HTTP: `http` (Starlette on uvicorn, as vLLM's). In-process: `OpenAIServer(backend, port=0).start()`.
 """
 
 from __future__ import annotations
@@ -39,7 +36,7 @@ from typing import Any, Protocol
 import numpy as np
 
 import mmr_jax
-from mmr_jax.rollout import base, vllm_engine
+from mmr_jax.rollout import base
 from mmr_jax.serving import (
     batching,
     http,
@@ -50,6 +47,8 @@ from mmr_jax.serving import (
     openai_stream,
     request_limits,
     slot_scheduler,
+    token_controls,
+    weight_routes,
 )
 from mmr_jax.serving import openai_format as fmt
 
@@ -137,8 +136,6 @@ class OpenAIServer:
         self.batcher = slot_scheduler.batcher_for(
             backend, self.limits, chunk_steps=chunk_steps, gather_s=gather_s
         )
-        self._http = http.HTTPServer((host, port), http.Handler)
-        self._http.app = self
         self._thread: threading.Thread | None = None
         self.metrics = metrics.Metrics(backend.model_name)
         ok = lambda body, conn: (200, None, None)
@@ -157,13 +154,18 @@ class OpenAIServer:
             ("POST", "/reset_prefix_cache"): lambda body, conn: (200, {"success": True}, None),
         }
         if self.weights_dir is not None:
-            self.routes[("POST", "/collective_rpc")] = self._collective_rpc
-            self.routes[("POST", "/v1/load_lora_adapter")] = self._load_lora
-            self.routes[("POST", "/v1/unload_lora_adapter")] = self._unload_lora
+            self.routes.update(weight_routes.WeightRoutes(backend, self.weights_dir).routes())
+        self._http = http.HTTP(
+            self.routes,
+            host=host,
+            port=port,
+            api_key=self.api_key,
+            max_body_bytes=self.limits.max_body_bytes,
+        )
 
     @property
     def url(self) -> str:
-        host, port = self._http.server_address[:2]
+        host, port = self._http.address
         return f"http://{host}:{port}"
 
     def start(self) -> OpenAIServer:
@@ -176,14 +178,14 @@ class OpenAIServer:
 
     def stop_serving(self) -> None:
         """Makes `serve_forever` return (safe from a signal handler: it does not wait)."""
-        threading.Thread(target=self._http.shutdown, daemon=True).start()
+        self._http.stop()
 
     def shutdown(self) -> None:
-        self._http.shutdown()
-        self._http.server_close()
-        self.batcher.close()
+        self._http.stop()
         if self._thread is not None:
-            self._thread.join(timeout=5)
+            self._thread.join(timeout=10)
+        self._http.close()
+        self.batcher.close()
 
     def __enter__(self):
         return self.start()
@@ -226,6 +228,9 @@ class OpenAIServer:
     def _reply(self, request: openai_params.Request, model: str, conn, *, chat: bool, body):
         """The reply of a parsed request: a JSON body, or a stream as tokens are decoded."""
         request_limits.check(request, self.limits)
+        if request.controls != token_controls.NONE and not self.batcher.takes_controls:
+            raise fmt.HTTPError(400, "logit_bias, allowed_token_ids and min_tokens need the "
+                            "continuous batch (scripts/serve.py enables it)")  # fmt: skip
         as_ids = bool(body.get("return_tokens_as_token_ids"))
         token_ids = bool(body.get("return_token_ids"))
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
@@ -336,67 +341,3 @@ class OpenAIServer:
             "Cannot find suitable handler for request. Expected one of: "
             "ChatCompletionRequest, CompletionRequest",
         )
-
-    # ---- weight routes (with `weights_dir` only) -------------------------------------------------
-
-    def _inside(self, path: Any, param: str) -> str:
-        """`path` if it lies inside `weights_dir` (symlinks resolved), else a 400 that says
-        nothing about whether it exists."""
-        if not isinstance(path, str) or not path:
-            raise fmt.HTTPError(400, f"{param} must be a path", param=param)
-        real = os.path.realpath(path)
-        if os.path.commonpath([real, self.weights_dir]) != self.weights_dir:
-            raise fmt.HTTPError(
-                400, f"{param} must lie inside the folder this server loads from", param=param
-            )
-        return path
-
-    def _load(self, what: str, path: str, param: str, load) -> Any:
-        """`load()`, with any failure a 400 that names the path but not the cause (logged)."""
-        try:
-            return load()
-        except Exception:
-            log.exception("loading %s from %s failed", what, path)
-            raise fmt.HTTPError(
-                400, f"could not load {what} from {path!r} (see the server log)", param=param
-            ) from None
-
-    def _collective_rpc(self, body, conn):
-        method, args, kwargs = body.get("method"), body.get("args") or [], body.get("kwargs") or {}
-        if not method:
-            raise fmt.HTTPError(400, "Missing 'method' in request body")
-        if method != vllm_engine.RELOAD_METHOD:
-            raise fmt.HTTPError(400, f"unknown collective_rpc method {str(method)[:64]!r}")
-        if not isinstance(args, list) or not isinstance(kwargs, dict) or len(args) > 1:
-            raise fmt.HTTPError(400, "args must be a list of at most one path, kwargs an object")
-        if set(kwargs) - {"weights_path"} or (args and kwargs):
-            raise fmt.HTTPError(400, "reload takes one argument, weights_path")
-        path = self._inside(args[0] if args else kwargs.get("weights_path"), "weights_path")
-        result = self._load(
-            "weights",
-            path,
-            "weights_path",
-            lambda: self.backend.collective_rpc(method, [], {"weights_path": path}),
-        )
-        return 200, {"results": [result]}, None
-
-    def _load_lora(self, body, conn):
-        name, path = body.get("lora_name"), body.get("lora_path")
-        if not name or not path or not isinstance(name, str):
-            raise fmt.HTTPError(400, "Both 'lora_name' and 'lora_path' must be provided.")
-        if name in self.backend.adapters():
-            raise fmt.HTTPError(400, f"The lora adapter '{name}' has already been loaded.")
-        path = self._inside(path, "lora_path")
-        self._load(
-            "a LoRA adapter", path, "lora_path", lambda: self.backend.load_adapter(name, path)
-        )
-        return 200, None, f"Success: LoRA adapter '{name}' added successfully."
-
-    def _unload_lora(self, body, conn):
-        name = body.get("lora_name")
-        if not isinstance(name, str) or name not in self.backend.adapters():
-            raise fmt.HTTPError(
-                404, f"The lora adapter '{name}' cannot be found.", param="lora_name"
-            )
-        self.backend.unload_adapter(name)
-        return 200, None, f"Success: LoRA adapter '{name}' removed successfully."

@@ -44,6 +44,7 @@ class Grid:
     slots: int
     columns: int
     token_bytes: int
+    vocab_size: int = 0  # the decode step's bias rows [R, V] (`token_controls`)
 
     @classmethod
     def from_budget(cls, model_config, dtype, *, kv_cache_bytes, max_model_len, max_num_seqs):
@@ -58,7 +59,7 @@ class Grid:
                 f"the KV cache budget ({kv_cache_bytes / 2**30:.2f} GiB) holds no sequence of "
                 f"max_model_len {max_model_len} ({need:.2f} GiB): raise it or lower max_model_len"
             )
-        return cls(slots, columns, token_bytes)
+        return cls(slots, columns, token_bytes, int(c.vocab_size))
 
     @property
     def cache_bytes(self) -> int:
@@ -97,7 +98,7 @@ class Programs:
 
         for r in grid.decode_rows:
             for use_filter in (False, True):
-                rows = _idle_rows(r, grid.columns)
+                rows = _idle_rows(r, grid.columns, grid.vocab_size)
                 self._decode[r, use_filter] = build(
                     f"decode rows={r} filter={use_filter}",
                     slot_programs.decode_step,
@@ -135,7 +136,7 @@ class Programs:
         return self._copy(cache, src_S, dst_S)
 
 
-def _idle_rows(r: int, columns: int) -> dict:
+def _idle_rows(r: int, columns: int, vocab_size: int) -> dict:
     """`decode_step`'s rows for R idle rows (every write dropped)."""
     return {
         "cur": np.zeros(r, np.int32),
@@ -146,6 +147,7 @@ def _idle_rows(r: int, columns: int) -> dict:
         "temperature": np.zeros(r, np.float32),
         "top_k": np.zeros(r, np.int32),
         "top_p": np.ones(r, np.float32),
+        "bias": np.zeros((r, vocab_size), np.float32),
         "n_blocks": np.int32(1),
     }
 

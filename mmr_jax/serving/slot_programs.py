@@ -131,7 +131,8 @@ def decode_step(
     rows: cur [R] int32 (each row's input token), pos [R] int32 (its position: the column it is
     written to; C for an idle row, whose write is dropped), seed [R] uint32, row_id [R] int32,
     step [R] int32 (tokens generated so far), temperature, top_p [R] f32, top_k [R] int32,
-    n_blocks () int32 (`block_count` of the longest pos + 1).
+    bias [R, V] f32 (added to the logits: `token_controls`), n_blocks () int32 (`block_count`
+    of the longest pos + 1).
     Returns (cache, tokens [R] int32, log-probs [R] f32).
     """
     model = nnx.merge(graphdef, state)
@@ -156,7 +157,7 @@ def decode_step(
         lambda s, i, t: jax.random.fold_in(jax.random.fold_in(jax.random.key(s), i), t)
     )(rows["seed"], rows["row_id"], rows["step"])
     tok, logp = sample_rows(
-        logits,
+        logits + rows["bias"],  # `token_controls`, on the raw logits as vLLM's processors
         keys,
         rows["temperature"],
         rows["top_k"],
@@ -164,6 +165,8 @@ def decode_step(
         use_filter=use_filter,
         mode=logprobs_mode,
     )
+    if logprobs_mode == "raw_logprobs":  # before any processing, the bias too
+        logp = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), tok[:, None], -1)[:, 0]
     return cache, tok, logp
 
 

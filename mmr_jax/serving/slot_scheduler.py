@@ -25,7 +25,7 @@ import threading
 import numpy as np
 
 from mmr_jax.rollout import base
-from mmr_jax.serving import batching, slot_grid
+from mmr_jax.serving import batching, slot_grid, token_controls
 from mmr_jax.serving.openai_format import HTTPError
 
 log = logging.getLogger(__name__)
@@ -54,6 +54,8 @@ class ContinuousBatcher:
     """The decode thread over `backend` (a `embedded_backend.EmbeddedBackend`, whose
     `slot_engine()` gives the grid, cache and programs); `submit(job)` queues a job."""
 
+    takes_controls = True  # `token_controls`: a bias row per slot, added to its logits
+
     def __init__(self, backend, *, chunk_steps: int = 8):
         self.backend, self.chunk_steps = backend, chunk_steps
         self.engine = backend.slot_engine()
@@ -67,6 +69,7 @@ class ContinuousBatcher:
         self._temperature = np.zeros(s, np.float32)
         self._top_k = np.zeros(s, np.int32)
         self._top_p = np.ones(s, np.float32)
+        self._bias = np.zeros((s, backend.vocab_size), np.float32)  # `token_controls`
         self._model: str | None = None
         self._waiting: collections.deque = collections.deque()
         self._prefills: list[_Prefill] = []
@@ -178,6 +181,7 @@ class ContinuousBatcher:
                 self._seed[slot], self._row_id[slot] = np.uint32(seed % 2**32), r
                 self._temperature[slot] = p.temperature
                 self._top_k[slot], self._top_p[slot] = p.top_k, p.top_p
+                self._set_bias(slot, job.request.controls, stops)
             for b, prompt in enumerate(job.request.prompts):
                 task = _Prefill(job, job.slots[b * n : (b + 1) * n], list(prompt[:-1]))
                 if task.ids:
@@ -244,6 +248,7 @@ class ContinuousBatcher:
             "temperature": np.where(idle, 0.0, self._temperature[:rows_n]).astype(np.float32),
             "top_k": np.where(idle, 0, self._top_k[:rows_n]).astype(np.int32),
             "top_p": np.where(idle, 1.0, self._top_p[:rows_n]).astype(np.float32),
+            "bias": self._bias[:rows_n],
             "n_blocks": np.int32(slot_grid.slot_programs.block_count(int(pos[live].max()) + 1)),
         }
         use_filter = bool(
@@ -258,6 +263,8 @@ class ContinuousBatcher:
             row.logps.append(float(logp[s]))
             self._cur[s], self._pos[s] = tok[s], self._pos[s] + 1
             job = row.job
+            if len(row.ids) == job.request.controls.min_tokens:  # its stop tokens allowed again
+                self._set_bias(s, job.request.controls, ())
             if tok[s] in row.stops:
                 row.reason = base.FINISH_STOP
             elif len(row.ids) >= row.max_new:
@@ -270,10 +277,20 @@ class ContinuousBatcher:
         for job in touched.values():
             self._update(job)
 
+    def _set_bias(self, slot: int, controls, stops) -> None:
+        """The slot's bias row: `controls`' base bias, its stops banned under min_tokens."""
+        if controls == token_controls.NONE:
+            self._bias[slot] = 0.0
+            return
+        self._bias[slot] = token_controls.base_bias(controls, self.backend.vocab_size)
+        if controls.min_tokens and stops:
+            self._bias[slot, sorted(stops)] = -np.inf
+
     def _free(self, slot: int) -> None:
         row = self._rows[slot]
         self._rows[slot] = None
         self._pos[slot] = self.grid.columns
+        self._bias[slot] = 0.0
         row.job.done_rows[row.index] = row
 
     def _update(self, job) -> None:
