@@ -47,18 +47,18 @@ from mmr_jax.infra import compile_cache, console, run_paths, user_errors
 from mmr_jax.models import hub, sharding
 from mmr_jax.problems import evaluation
 from mmr_jax.rewards import grading
-from mmr_jax.training import hf_export, problem_sets
+from mmr_jax.training import checkpoint, hf_export, problem_sets
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Evaluation config.", lock_config=True)
 _PROCESSES = distributed.define_flags()
 
 
-def make_engine(config, checkpoint: str):
-    """The rollout engine that samples from `checkpoint`.
+def make_engine(config, folder: str):
+    """The rollout engine that samples from the checkpoint `folder`.
 
     'embedded': the JAX sampler on the checkpoint (EOS ids from its generation config),
     data-parallel over the default devices when there are several (CPU: `config.cpu_devices`).
-    'vllm': a server at `config.url` that already serves `checkpoint` under that name (one server
+    'vllm': a server at `config.url` that already serves `folder` under that name (one server
     per checkpoint, so a run sweep with vLLM needs the server restarted between steps); with
     several processes, `config.url` may list one server per process (`distributed.rollout_url`).
     With several processes each samples its share of every prompt batch (`ShareEngine`).
@@ -68,13 +68,13 @@ def make_engine(config, checkpoint: str):
 
         mesh = sharding.data_parallel_mesh(jax.local_devices())  # this process's devices
         engine = embedded.EmbeddedEngine.from_pretrained(
-            checkpoint, seed=config.seed, mesh=mesh if mesh.size > 1 else None
+            folder, seed=config.seed, mesh=mesh if mesh.size > 1 else None
         )
     elif config.engine == "vllm":
         from mmr_jax.rollout import vllm_engine
 
         url = distributed.rollout_url(config.url, jax.process_count(), jax.process_index())
-        engine = vllm_engine.VllmEngine(url, model=checkpoint)
+        engine = vllm_engine.VllmEngine(url, model=folder)
     else:
         raise ValueError(f"unknown engine {config.engine!r}; expected 'embedded' or 'vllm'")
     return distributed.ShareEngine(engine) if jax.process_count() > 1 else engine
@@ -105,11 +105,11 @@ def eval_settings(config, train_cfg) -> tuple[dict, dict]:
 
 
 def evaluate_checkpoint(
-    config, checkpoint: str, problems, grader, settings
+    config, folder: str, problems, grader, settings
 ) -> evaluation.EvalResult:
-    tokenizer = hub.load_tokenizer(checkpoint, "--config.checkpoint")
+    tokenizer = hub.load_tokenizer(folder, "--config.checkpoint")
     return evaluation.evaluate(
-        make_engine(config, checkpoint),
+        make_engine(config, folder),
         tokenizer,
         problems,
         seed=config.seed,
@@ -136,11 +136,11 @@ def run_checkpoints(config, local_run: str) -> list[tuple[int, object]]:
     `run_paths.shadow_steps`), else its Orbax checkpoints; only `config.step` when set; with
     `config.with_base`, the initial weights as step 0."""
     exports = evaluation.find_checkpoints(local_run)
-    found = exports or [(s, s) for s in hf_export.checkpoint_steps(config.run_dir)]
+    found = exports or [(s, s) for s in checkpoint.saved_steps(config.run_dir)]
     if config.step:
         found = [(s, c) for s, c in found if s == config.step]
         if not found:
-            steps = [s for s, _ in exports] + hf_export.checkpoint_steps(config.run_dir)
+            steps = [s for s, _ in exports] + checkpoint.saved_steps(config.run_dir)
             raise app.UsageError(
                 f"--config.step={config.step}: {config.run_dir} has no checkpoint of that step "
                 f"(its steps: {sorted(set(steps)) or 'none'})"

@@ -292,7 +292,7 @@ def smoke_config(
     checkpoint `ckpt`: arithmetic problems, no system prompt, the hashing encoder, short rows, a
     reward a tiny random model gets varied values of (`test_target`, registered by the tests
     that use it), a checkpoint every step; then the dotted `overrides`. -> the ConfigDict."""
-    from mmr_jax.config import config_overrides
+    from mmr_jax.config import command_line
     from mmr_jax.training import problem_sets
 
     c = module.get_config("smoke")
@@ -311,7 +311,7 @@ def smoke_config(
     c.dynamic_sampling.filter_reward = "test_target"
     c.checkpoint.every = 1
     c.logging.samples = 0
-    return config_overrides.set_keys(c, overrides)
+    return command_line.set_keys(c, overrides)
 
 
 def step_config(*, temperature, max_completion_len, logprob_chunk=0, entropy_control=None, **loss):
