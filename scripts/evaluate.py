@@ -104,9 +104,7 @@ def eval_settings(config, train_cfg) -> tuple[dict, dict]:
     return problems, kwargs
 
 
-def evaluate_checkpoint(
-    config, folder: str, problems, grader, settings
-) -> evaluation.EvalResult:
+def evaluate_checkpoint(config, folder: str, problems, grader, settings) -> evaluation.EvalResult:
     tokenizer = hub.load_tokenizer(folder, "--config.checkpoint")
     return evaluation.evaluate(
         make_engine(config, folder),
