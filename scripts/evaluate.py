@@ -126,6 +126,8 @@ def _check_inputs(config) -> None:
             raise user_errors.UserError(
                 f"--config.run_dir={config.run_dir!r} is not a folder; give a run's folder"
             )
+        if config.source == "run" or not evaluation.find_checkpoints(config.run_dir):
+            hf_export.run_config(config.run_dir)  # its run.json: `NotARunError` without one
 
 
 def run_checkpoints(config, local_run: str) -> list[tuple[int, object]]:

@@ -151,14 +151,16 @@ class TestPrepareDataScript:
         src = tmp_path / "src"
         proc = _prepare(f"--from_dir={src}", f"--out={tmp_path / 'out'}")
         assert proc.returncode != 0
-        assert "DataNotFoundError" in proc.stderr and f"{src / 'eval'}" in proc.stderr
+        assert proc.stderr.startswith("FATAL: problem file: ") and f"{src / 'eval'}" in proc.stderr
+        assert len(proc.stderr.splitlines()) == 1, proc.stderr
         data_sources.write_jsonl(
             [{"id": 1, "problem": "p", "answer": "1"}], src / "eval/amc23.jsonl"
         )
         proc = _prepare(
             f"--from_dir={src}", f"--out={tmp_path / 'out'}", "--files=eval/amc23.jsonl"
         )
-        assert "SourceMismatchError" in proc.stderr and "1 records, expected 40" in proc.stderr
+        want = f"FATAL: {src}/eval/amc23.jsonl: 1 records, expected 40"
+        assert proc.stderr.splitlines() == [want], proc.stderr
         assert not (tmp_path / "out").exists()
 
     def test_no_hub_says_so(self, tmp_path):
