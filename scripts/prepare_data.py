@@ -44,6 +44,10 @@ def main(argv):
     unknown = sorted(set(files) - set(names))
     if unknown:
         raise app.UsageError(f"unknown files {unknown}; known: {names}")
+    if _FROM_DIR.value:  # its loading of local files: one line per file is ours, no bars
+        import datasets
+
+        datasets.disable_progress_bars()
     for i, path in enumerate(files, 1):
         t0 = time.monotonic()
         if _FROM_DIR.value:
