@@ -126,8 +126,6 @@ def _check_inputs(config) -> None:
             raise user_errors.UserError(
                 f"--config.run_dir={config.run_dir!r} is not a folder; give a run's folder"
             )
-        if config.source == "run" or not evaluation.find_checkpoints(config.run_dir):
-            hf_export.run_config(config.run_dir)  # its run.json: `NotARunError` without one
 
 
 def run_checkpoints(config, local_run: str) -> list[tuple[int, object]]:
@@ -190,11 +188,8 @@ def main(argv):
     for what, path in (("checkpoint", config.checkpoint), ("run_dir", config.run_dir)):
         run_paths.check(path or ".", f"--config.{what}")
     run_paths.check(out_dir, "--config.output_dir")
-    _check_inputs(config)  # before anything is written: a wrong path creates no folder
-    written = run_paths.open_run(out_dir).local  # out_dir itself, or a bucket's staging folder
-    log_name = "evaluate.log" if primary else f"evaluate.process{jax.process_index()}.log"
-    log_file = console.setup(os.path.join(out_dir, log_name), stdout=primary)
-    logging.info("XLA compilation cache: %s", compile_cache.enable())
+    _check_inputs(config)  # before anything is written: a wrong path creates no folder,
+    # nor does a folder without run.json or missing benchmarks (one FATAL line each)
     train_cfg, local_run = None, None
     if config.run_dir:
         local_run = run_paths.shadow_steps(config.run_dir)  # a bucket's exports: step by step
@@ -203,6 +198,10 @@ def main(argv):
     elif config.source == "run":
         raise app.UsageError("--config.source=run needs --config.run_dir (the run's config)")
     problems, settings = eval_settings(config, train_cfg)  # a missing file: one FATAL line
+    written = run_paths.open_run(out_dir).local  # out_dir itself, or a bucket's staging folder
+    log_name = "evaluate.log" if primary else f"evaluate.process{jax.process_index()}.log"
+    log_file = console.setup(os.path.join(out_dir, log_name), stdout=primary)
+    logging.info("XLA compilation cache: %s", compile_cache.enable())
     console.info(
         "evaluate %s | %s | n=%d | engine %s | log %s",
         config.checkpoint or config.run_dir,

@@ -283,6 +283,19 @@ class TestEveryEntryPoint:
         assert "notarun is not a training run (no run.json)" in line
         assert list((tmp_path / "notarun").iterdir()) == []  # no eval/evaluate.log
 
+    def test_evaluate_without_the_benchmarks_creates_nothing(self, tmp_path):
+        (tmp_path / "ckpt").mkdir()  # a folder: the data is checked before the model loads
+        args = (
+            f"--config={REPO}/configs/eval.py",
+            "--config.checkpoint=ckpt",
+            "--config.data_dir=nodata",
+            "--config.output_dir=out",
+        )
+        line = _fatal(*_script("evaluate.py", *args, cwd=tmp_path)[::2])
+        assert f"benchmark folder: {tmp_path}/nodata does not exist" in line
+        assert "scripts/prepare_data.py" in line
+        assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]  # no out/evaluate.log
+
     def test_plot_a_run_that_is_not_there(self, tmp_path):
         line = _fatal(*_script("plot_run.py", "runs/nope", f"--out={tmp_path}/x.png")[::2])
         assert "no metrics file at runs/nope; give a run folder" in line
