@@ -35,7 +35,8 @@ def resolve_checkpoint(
     A string of the form 'org/name' that is not a local folder is downloaded with
     `huggingface_hub.snapshot_download` (safetensors, config and tokenizer files only); with
     HF_HUB_OFFLINE=1 only the local cache is used. Anything else raises
-    `CheckpointNotFoundError` naming `what`.
+    `CheckpointNotFoundError` naming `what`; one the repository builds (`BUILT_HERE`, the CPU
+    default's SmolLM2) and that is not there, `CheckpointNotBuiltError` naming the command.
     """
     path = pathlib.Path(path_or_repo_id).expanduser()
     if path.is_dir():
