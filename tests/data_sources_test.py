@@ -169,9 +169,10 @@ class TestPrepareDataScript:
                "HF_DATASETS_CACHE": hf}  # fmt: skip
         proc = _prepare(f"--out={tmp_path}", "--files=eval/aime24.jsonl", env=env)
         assert proc.returncode == 1, proc.stderr[-2000:]
-        last = proc.stderr.strip().splitlines()[-1]
-        assert last.startswith("prepare_data: Couldn't reach 'HuggingFaceH4/aime_2024'")
-        assert last.endswith("--from_dir") and not (tmp_path / "eval").exists()
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1, lines
+        assert lines[0].startswith("FATAL: Couldn't reach 'HuggingFaceH4/aime_2024'")
+        assert lines[0].endswith("--from_dir=<folder>") and not (tmp_path / "eval").exists()
 
     def test_unknown_file(self, tmp_path):
         proc = _prepare(f"--out={tmp_path}", "--files=eval/nope.jsonl")
