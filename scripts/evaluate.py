@@ -47,7 +47,7 @@ from mmr_jax.infra import compile_cache, console, run_paths, user_errors
 from mmr_jax.models import hub, sharding
 from mmr_jax.problems import evaluation
 from mmr_jax.rewards import grading
-from mmr_jax.training import engines, hf_export, problem_sets
+from mmr_jax.training import checkpoint, engines, hf_export, problem_sets
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Evaluation config.", lock_config=True)
 _PROCESSES = distributed.define_flags()
@@ -77,12 +77,10 @@ def eval_settings(config, train_cfg) -> tuple[dict, dict]:
     return problems, kwargs
 
 
-def evaluate_checkpoint(
-    config, checkpoint: str, problems, grader, settings
-) -> evaluation.EvalResult:
-    tokenizer = hub.load_tokenizer(checkpoint, "--config.checkpoint")
+def evaluate_checkpoint(config, folder: str, problems, grader, settings) -> evaluation.EvalResult:
+    tokenizer = hub.load_tokenizer(folder, "--config.checkpoint")
     return evaluation.evaluate(
-        engines.checkpoint_engine(config.engine, checkpoint, url=config.url, seed=config.seed),
+        engines.checkpoint_engine(config.engine, folder, url=config.url, seed=config.seed),
         tokenizer,
         problems,
         seed=config.seed,
@@ -109,11 +107,11 @@ def run_checkpoints(config, local_run: str) -> list[tuple[int, object]]:
     `run_paths.shadow_steps`), else its Orbax checkpoints; only `config.step` when set; with
     `config.with_base`, the initial weights as step 0."""
     exports = evaluation.find_checkpoints(local_run)
-    found = exports or [(s, s) for s in hf_export.checkpoint_steps(config.run_dir)]
+    found = exports or [(s, s) for s in checkpoint.saved_steps(config.run_dir)]
     if config.step:
         found = [(s, c) for s, c in found if s == config.step]
         if not found:
-            steps = [s for s, _ in exports] + hf_export.checkpoint_steps(config.run_dir)
+            steps = [s for s, _ in exports] + checkpoint.saved_steps(config.run_dir)
             raise app.UsageError(
                 f"--config.step={config.step}: {config.run_dir} has no checkpoint of that step "
                 f"(its steps: {sorted(set(steps)) or 'none'})"
@@ -163,11 +161,8 @@ def main(argv):
     for what, path in (("checkpoint", config.checkpoint), ("run_dir", config.run_dir)):
         run_paths.check(path or ".", f"--config.{what}")
     run_paths.check(out_dir, "--config.output_dir")
-    _check_inputs(config)  # before anything is written: a wrong path creates no folder
-    written = run_paths.open_run(out_dir).local  # out_dir itself, or a bucket's staging folder
-    log_name = "evaluate.log" if primary else f"evaluate.process{jax.process_index()}.log"
-    log_file = console.setup(os.path.join(out_dir, log_name), stdout=primary)
-    logging.info("XLA compilation cache: %s", compile_cache.enable())
+    _check_inputs(config)  # before anything is written: a wrong path creates no folder,
+    # nor does a folder without run.json or missing benchmarks (one FATAL line each)
     train_cfg, local_run = None, None
     if config.run_dir:
         local_run = run_paths.shadow_steps(config.run_dir)  # a bucket's exports: step by step
@@ -176,6 +171,10 @@ def main(argv):
     elif config.source == "run":
         raise app.UsageError("--config.source=run needs --config.run_dir (the run's config)")
     problems, settings = eval_settings(config, train_cfg)  # a missing file: one FATAL line
+    written = run_paths.open_run(out_dir).local  # out_dir itself, or a bucket's staging folder
+    log_name = "evaluate.log" if primary else f"evaluate.process{jax.process_index()}.log"
+    log_file = console.setup(os.path.join(out_dir, log_name), stdout=primary)
+    logging.info("XLA compilation cache: %s", compile_cache.enable())
     console.info(
         "evaluate %s | %s | n=%d | engine %s | log %s",
         config.checkpoint or config.run_dir,

@@ -18,10 +18,10 @@ import os
 import pathlib
 import sys
 
-from absl import app, flags
+from absl import flags
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from mmr_jax.infra import compile_cache, console
+from mmr_jax.infra import compile_cache, console, run_paths, user_errors
 from mmr_jax.problems import data, evaluation
 from mmr_jax.studies import design
 
@@ -49,23 +49,22 @@ def _write_jsonl_atomic(path: pathlib.Path, rows) -> None:
 
 def main(argv):
     del argv
-    import transformers
-
     from mmr_jax.models import hub
     from mmr_jax.rollout import embedded
 
     out = pathlib.Path(_OUT.value)
+    run_paths.check(out.parent if out.is_file() else out, "--out")  # a file there: replaced
+    problems = data.load_problems(_SOURCE.value)  # the inputs before anything is written
+    if _MAX_PROBLEMS.value:
+        problems = problems[: _MAX_PROBLEMS.value]
+    path = hub.resolve_checkpoint(_CHECKPOINT.value, "--checkpoint")
     out.parent.mkdir(parents=True, exist_ok=True)
     console.setup(str(out.parent / "filter_prompts.log"))
     compile_cache.enable()
-    problems = data.load_problems(_SOURCE.value)
-    if _MAX_PROBLEMS.value:
-        problems = problems[: _MAX_PROBLEMS.value]
-    path = hub.resolve_checkpoint(_CHECKPOINT.value)
     console.info("sampling %d x %d completions from %s", len(problems), _N.value, path)
     result = evaluation.evaluate(
         embedded.EmbeddedEngine.from_pretrained(path, seed=_SEED.value),
-        transformers.AutoTokenizer.from_pretrained(path),
+        hub.load_tokenizer(path, "--checkpoint"),
         {"train": problems},
         n=_N.value,
         ks=(1,),
@@ -99,4 +98,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    user_errors.run(main)

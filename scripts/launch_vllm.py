@@ -42,6 +42,8 @@ from ml_collections import config_flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from mmr_jax.config import command_line
+from mmr_jax.infra import user_errors
 from mmr_jax.rollout import vllm_launch
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "training config file", lock_config=True)
@@ -91,4 +93,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    user_errors.run(main, argv_checks=(command_line.check_argv,))

@@ -22,6 +22,7 @@ from absl import app, flags
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from mmr_jax.infra import metrics as metrics_lib
+from mmr_jax.infra import user_errors
 
 _OUT = flags.DEFINE_string("out", "curves.png", "PNG file to write.")
 _METRICS = flags.DEFINE_list("metrics", [], "Metrics to draw (default: the standard set present).")
@@ -48,13 +49,31 @@ DEFAULT_METRICS = (
 )
 
 
+class NoMetricsError(user_errors.UserError, FileNotFoundError):
+    """A run folder (or file) without metrics."""
+
+
+class PlotArgumentError(user_errors.UserError, ValueError):
+    """--labels or --metrics that do not fit the runs."""
+
+
+def _none_present(wanted, runs) -> str:
+    present = sorted({k for rows in runs for row in rows for k in row if k != "step"})
+    return (
+        f"none of the metrics {list(wanted)} is in the runs; they log: {present} "
+        "(--metrics=<name>,<name>)"
+    )
+
+
 def load_run(path) -> list[dict]:
     """Rows of a run's metrics (a workdir or a metrics.jsonl), the last row per step kept."""
     path = pathlib.Path(path)
     if path.is_dir():
         path = path / metrics_lib.METRICS_FILE
     if not path.exists():
-        raise FileNotFoundError(f"no metrics file at {path}")
+        raise NoMetricsError(
+            f"no metrics file at {path}; give a run folder (a --workdir) or its metrics.jsonl"
+        )
     by_step = {}
     for row in metrics_lib.read_jsonl(path):
         by_step.setdefault(row["step"], {}).update(row)
@@ -103,10 +122,12 @@ def plot(run_paths, out, *, metrics=(), labels=(), smooth: float = 0.0) -> list[
     runs = [load_run(p) for p in run_paths]
     labels = list(labels) or [os.path.basename(os.path.normpath(str(p))) for p in run_paths]
     if len(labels) != len(runs):
-        raise ValueError(f"{len(labels)} labels for {len(runs)} runs")
+        raise PlotArgumentError(
+            f"--labels gives {len(labels)} labels for {len(runs)} runs; give one per run"
+        )
     names = select_metrics(runs, metrics or DEFAULT_METRICS)
     if not names:
-        raise ValueError(f"none of the metrics {list(metrics or DEFAULT_METRICS)} is in the runs")
+        raise PlotArgumentError(_none_present(metrics or DEFAULT_METRICS, runs))
     cols = min(3, len(names))
     rows = math.ceil(len(names) / cols)
     fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.2 * rows), squeeze=False)
@@ -156,13 +177,15 @@ def plot_bands(run_paths, labels, out, *, metrics=("eval/average/pass@1",)) -> l
     import matplotlib.pyplot as plt
 
     if len(labels) != len(run_paths):
-        raise ValueError(f"{len(labels)} labels for {len(run_paths)} runs")
+        raise PlotArgumentError(
+            f"--labels gives {len(labels)} labels for {len(run_paths)} runs; give one per run"
+        )
     groups: dict[str, list] = {}
     for path, label in zip(run_paths, labels, strict=True):
         groups.setdefault(label, []).append(load_run(path))
     names = select_metrics([r for g in groups.values() for r in g], metrics)
     if not names:
-        raise ValueError(f"none of the metrics {list(metrics)} is in the runs")
+        raise PlotArgumentError(_none_present(metrics, [r for g in groups.values() for r in g]))
     fig, axes = plt.subplots(1, len(names), figsize=(6 * len(names), 4), squeeze=False)
     for ax, name in zip(axes.flat, names, strict=True):
         for i, (label, runs) in enumerate(groups.items()):
@@ -197,4 +220,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    user_errors.run(main)

@@ -19,6 +19,7 @@ import time
 from absl import app, flags
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from mmr_jax.infra import user_errors
 from mmr_jax.problems import data, data_sources
 
 _REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -43,6 +44,10 @@ def main(argv):
     unknown = sorted(set(files) - set(names))
     if unknown:
         raise app.UsageError(f"unknown files {unknown}; known: {names}")
+    if _FROM_DIR.value:  # its loading of local files: one line per file is ours, no bars
+        import datasets
+
+        datasets.disable_progress_bars()
     for i, path in enumerate(files, 1):
         t0 = time.monotonic()
         if _FROM_DIR.value:
@@ -57,7 +62,9 @@ def main(argv):
             try:
                 rows = data_sources.load_hub_rows(source)
             except ConnectionError as e:
-                sys.exit(f"prepare_data: {e}. Without the hub, copy an offline folder: --from_dir")
+                raise user_errors.UserError(
+                    f"{e}; without the hub, copy an offline data folder: --from_dir=<folder>"
+                ) from e
             records = data_sources.build(path, rows)
             data_sources.write_jsonl(records, out / path)
             count, origin = len(records), source.hub
@@ -71,4 +78,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    user_errors.run(main)

@@ -27,7 +27,7 @@ import os
 import pathlib
 import sys
 
-from absl import app, flags, logging
+from absl import flags, logging
 from ml_collections import config_flags
 
 _ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -36,7 +36,8 @@ sys.path.insert(0, str(_ROOT / "scripts"))
 import plot_run  # noqa: E402
 
 from mmr_jax import distributed  # noqa: E402
-from mmr_jax.infra import compile_cache, console, metrics, run_paths  # noqa: E402
+from mmr_jax.config import command_line  # noqa: E402
+from mmr_jax.infra import compile_cache, console, metrics, run_paths, user_errors  # noqa: E402
 from mmr_jax.problems import evaluation  # noqa: E402
 from mmr_jax.studies import on_hosts, reporting, run_curves, study  # noqa: E402
 from mmr_jax.training import own_process  # noqa: E402
@@ -217,4 +218,4 @@ def _one_process(config, specs, log_file) -> None:
 
 if __name__ == "__main__":
     flags.mark_flag_as_required("config")
-    app.run(main)
+    user_errors.run(main, argv_checks=(command_line.check_argv,))

@@ -190,7 +190,8 @@ def _error_exit(e: Exception, log_file: str) -> tuple[int, str | None]:
         return distributed.failures.EXIT_PEER_LOST, f"ERROR: PeerLostError: {e}"
     if isinstance(e, distributed.DistributedError):
         return 1, f"ERROR: {type(e).__name__}: {e}"
-    if isinstance(e, hub.CheckpointNotFoundError):  # the weights: say the ways forward
+    weights = isinstance(e, hub.CheckpointNotFoundError)
+    if weights and not isinstance(e, hub.CheckpointNotBuiltError):  # say the ways forward
         return 1, user_errors.report(e, then=_without_weights())
     if isinstance(e, user_errors.UserError):
         return 1, user_errors.report(e)

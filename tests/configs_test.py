@@ -171,6 +171,20 @@ class TestBadInput:
             command_line.check_override_keys(argv)
         command_line.check_override_keys([*argv[:2], "--config.reweight.lam=0.5"])
 
+    @pytest.mark.parametrize("raw", ["+,-", "+ -"])
+    def test_a_tuple_absl_cannot_parse_names_the_quoted_form(self, raw):
+        argv = [
+            "prog",
+            f"--config={CONFIGS / 'cpu_smollm2.py'}",
+            f"--config.data.arithmetic_ops={raw}",
+        ]
+        with pytest.raises(command_line.ConfigValueError) as e:
+            command_line.check_argv(argv)
+        assert "data.arithmetic_ops takes a tuple" in str(e.value)
+        assert str(e.value).endswith("""e.g. --config.data.arithmetic_ops="('+',)\"""")
+        for fine in ("+", "('+', '-')", "'+','-'"):  # the shell's words absl parses
+            command_line.check_argv([*argv[:2], f"--config.data.arithmetic_ops={fine}"])
+
     def test_unknown_key_in_dict(self):
         cfg = _load("grpo").to_dict()
         cfg["loss"]["bogus"] = 1
@@ -218,6 +232,10 @@ class TestBadInput:
             (("loss", "entropy_coef", float("nan")), "entropy_coef=nan"),
             (("rewards", "overlong_cache_len", 4000), r"overlong_cache_len=4000 must lie in"),
             (("rewards", "overlong_max_len", -1), "overlong_max_len=-1"),
+            # Issue 55: an operator outside + - * ended in eval's SyntaxError at data loading.
+            (("data", "arithmetic_ops", ("x",)), r"data.arithmetic_ops=\('x',\); expected"),
+            (("data", "arithmetic_ops", ("+", "/")), r"among \('\+', '-', '\*'\), e.g. --config"),
+            (("data", "arithmetic_ops", ()), r"data.arithmetic_ops=\(\)"),
         ],
     )
     def test_invalid_values(self, override, match):

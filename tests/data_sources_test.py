@@ -151,14 +151,16 @@ class TestPrepareDataScript:
         src = tmp_path / "src"
         proc = _prepare(f"--from_dir={src}", f"--out={tmp_path / 'out'}")
         assert proc.returncode != 0
-        assert "DataNotFoundError" in proc.stderr and f"{src / 'eval'}" in proc.stderr
+        assert proc.stderr.startswith("FATAL: problem file: ") and f"{src / 'eval'}" in proc.stderr
+        assert len(proc.stderr.splitlines()) == 1, proc.stderr
         data_sources.write_jsonl(
             [{"id": 1, "problem": "p", "answer": "1"}], src / "eval/amc23.jsonl"
         )
         proc = _prepare(
             f"--from_dir={src}", f"--out={tmp_path / 'out'}", "--files=eval/amc23.jsonl"
         )
-        assert "SourceMismatchError" in proc.stderr and "1 records, expected 40" in proc.stderr
+        want = f"FATAL: {src}/eval/amc23.jsonl: 1 records, expected 40"
+        assert proc.stderr.splitlines() == [want], proc.stderr
         assert not (tmp_path / "out").exists()
 
     def test_no_hub_says_so(self, tmp_path):
@@ -167,9 +169,10 @@ class TestPrepareDataScript:
                "HF_DATASETS_CACHE": hf}  # fmt: skip
         proc = _prepare(f"--out={tmp_path}", "--files=eval/aime24.jsonl", env=env)
         assert proc.returncode == 1, proc.stderr[-2000:]
-        last = proc.stderr.strip().splitlines()[-1]
-        assert last.startswith("prepare_data: Couldn't reach 'HuggingFaceH4/aime_2024'")
-        assert last.endswith("--from_dir") and not (tmp_path / "eval").exists()
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1, lines
+        assert lines[0].startswith("FATAL: Couldn't reach 'HuggingFaceH4/aime_2024'")
+        assert lines[0].endswith("--from_dir=<folder>") and not (tmp_path / "eval").exists()
 
     def test_unknown_file(self, tmp_path):
         proc = _prepare(f"--out={tmp_path}", "--files=eval/nope.jsonl")

@@ -11,7 +11,7 @@ import pytest
 
 from mmr_jax import rewards
 from mmr_jax.config import checks
-from mmr_jax.training import hf_export, trainer
+from mmr_jax.training import checkpoint, hf_export, trainer
 
 from support import testing
 
@@ -56,7 +56,7 @@ def test_orbax_checkpoints_evaluate_as_their_export(tmp_path, tiny_llama_dir):
     c.eval.n, c.eval.max_new_tokens, c.eval.system_prompt = 2, 8, ""
     cfg = checks.from_config_dict(c)
     trainer.train(cfg, run)
-    assert hf_export.checkpoint_steps(run) == [1, 2] and not list(run.glob("step_*"))
+    assert checkpoint.saved_steps(run) == [1, 2] and not list(run.glob("step_*"))
 
     stdout = _evaluate(run, tmp_path / "orbax")
     assert "== step_0 (initial weights)" in stdout and "== step_2" in stdout, stdout
@@ -72,4 +72,4 @@ def test_orbax_checkpoints_evaluate_as_their_export(tmp_path, tiny_llama_dir):
 def test_a_folder_without_a_run_is_named(tmp_path):
     with pytest.raises(FileNotFoundError, match="is not a training run"):
         hf_export.run_config(tmp_path)
-    assert hf_export.checkpoint_steps(tmp_path) == []
+    assert checkpoint.saved_steps(tmp_path) == []

@@ -248,3 +248,109 @@ print("restored", meta["step"])
         assert len(lines) == 1, lines[:20]
         assert "checkpoint step 2 is unreadable" in lines[0] and "2/state/d/" in lines[0]
         assert "Event loop" not in out.stderr and "tensorstore_spec" not in out.stderr
+
+
+class TestEveryEntryPoint:
+    """The other scripts answer a mistake the way train.py does: one FATAL line, nothing made."""
+
+    def test_arithmetic_operators_outside_the_generator(self, tmp_path):
+        args = (CONFIG, f"--workdir={tmp_path}/run", "--config.data.arithmetic_ops=x")
+        line = _fatal(*_script("train.py", *args)[::2])
+        assert "data.arithmetic_ops=('x',); expected operators among ('+', '-', '*')" in line
+        assert """e.g. --config.data.arithmetic_ops="('+', '-')\"""" in line
+        assert list(tmp_path.iterdir()) == []
+
+    def test_a_tuple_typed_without_quotes(self, tmp_path):
+        args = (CONFIG, f"--workdir={tmp_path}/run", "--config.data.arithmetic_ops=+,-")
+        line = _fatal(*_script("train.py", *args)[::2])
+        assert "data.arithmetic_ops takes a tuple" in line and "e.g. --config.data" in line
+        assert list(tmp_path.iterdir()) == []
+
+    def test_the_cpu_default_without_its_checkpoint_names_the_command_that_builds_it(
+        self, tmp_path
+    ):
+        # Run from a folder without checkpoints/: the CPU default's model.path is relative.
+        args = (f"--config={REPO}/configs/cpu_smollm2.py", f"--workdir={tmp_path}/run")
+        line = _fatal(*_script("train.py", *args, cwd=tmp_path)[::2])
+        assert "model.path 'checkpoints/smollm2-135m-instruct' does not exist" in line
+        assert "build it with `python scripts/prepare_smollm2.py`" in line
+        assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["train.log"]  # no claim
+
+    def test_evaluate_a_folder_that_is_not_a_run(self, tmp_path):
+        (tmp_path / "notarun").mkdir()
+        args = (f"--config={REPO}/configs/eval.py:run", "--config.run_dir=notarun")
+        line = _fatal(*_script("evaluate.py", *args, cwd=tmp_path)[::2])
+        assert "notarun is not a training run (no run.json)" in line
+        assert list((tmp_path / "notarun").iterdir()) == []  # no eval/evaluate.log
+
+    def test_evaluate_without_the_benchmarks_creates_nothing(self, tmp_path):
+        (tmp_path / "ckpt").mkdir()  # a folder: the data is checked before the model loads
+        args = (
+            f"--config={REPO}/configs/eval.py",
+            "--config.checkpoint=ckpt",
+            "--config.data_dir=nodata",
+            "--config.output_dir=out",
+        )
+        line = _fatal(*_script("evaluate.py", *args, cwd=tmp_path)[::2])
+        assert f"benchmark folder: {tmp_path}/nodata does not exist" in line
+        assert "scripts/prepare_data.py" in line
+        assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]  # no out/evaluate.log
+
+    def test_plot_a_run_that_is_not_there(self, tmp_path):
+        line = _fatal(*_script("plot_run.py", "runs/nope", f"--out={tmp_path}/x.png")[::2])
+        assert "no metrics file at runs/nope; give a run folder" in line
+        assert list(tmp_path.iterdir()) == []
+
+    def test_plot_a_metric_the_run_did_not_log_names_those_it_did(self, tmp_path):
+        (tmp_path / "metrics.jsonl").write_text('{"step": 1, "reward/mean": 0.5}\n')
+        args = (tmp_path, "--metrics=rewrd/mean", f"--out={tmp_path}/x.png")
+        line = _fatal(*_script("plot_run.py", *args)[::2])
+        assert (
+            "none of the metrics ['rewrd/mean'] is in the runs; they log: ['reward/mean']" in line
+        )
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]
+
+    @pytest.mark.parametrize(
+        "args,want",
+        [
+            (("--config=configs/nope.py",), "config file 'configs/nope.py' not found"),
+            (
+                ("--config=configs/study.py", "--config.foldr=x"),
+                "unknown config key 'foldr'",
+            ),
+            (
+                ("--config=configs/study.py", "--config.folder={tmp}/f/study", "--report_only"),
+                "--config.folder='{tmp}/f/study' lies under {tmp}/f, a file",
+            ),
+        ],
+    )
+    def test_study_mistakes(self, tmp_path, args, want):
+        (tmp_path / "f").write_text("x")
+        args = [a.format(tmp=tmp_path) for a in args]
+        line = _fatal(*_script("study.py", *args)[::2])
+        assert want.format(tmp=tmp_path) in line, line
+        assert [p.name for p in tmp_path.iterdir()] == ["f"]
+
+    def test_filter_prompts_checks_its_inputs_before_writing(self, tmp_path):
+        args = (
+            f"--checkpoint={tmp_path}/nope",
+            f"--source={tmp_path}/nope.jsonl",
+            f"--out={tmp_path}/out/kept.jsonl",
+        )
+        line = _fatal(*_script("filter_prompts.py", *args)[::2])
+        assert f"problem file: {tmp_path}/nope.jsonl does not exist" in line
+        assert list(tmp_path.iterdir()) == []  # no out/, no filter_prompts.log
+
+    def test_filter_prompts_without_its_flags(self):
+        line = _fatal(*_script("filter_prompts.py")[::2])
+        assert "--checkpoint must have a value" in line and "--helpshort" in line
+
+    def test_prepare_data_of_a_file_it_does_not_know(self, tmp_path):
+        args = ("--files=eval/nope.jsonl", f"--out={tmp_path}/data")
+        line = _fatal(*_script("prepare_data.py", *args)[::2])
+        assert "unknown files ['eval/nope.jsonl']; known: ['eval/math500.jsonl'" in line
+        assert list(tmp_path.iterdir()) == []
+
+    def test_launch_vllm_without_a_config(self):
+        line = _fatal(*_script("launch_vllm.py", "--dry_run")[::2])
+        assert line == "FATAL: --config is required (--helpshort lists the flags)"

@@ -35,6 +35,7 @@ _CHOICES = {
     ("eval", "source"): ("benchmarks", "arithmetic", "task"),
     ("mesh", "layout"): ("hybrid", "flat"),
 }
+ARITHMETIC_OPS = ("+", "-", "*")  # the operators `problems.data.arithmetic_problems` draws
 
 
 def plain(value):
@@ -101,6 +102,12 @@ def validate(cfg: schema.TrainConfig) -> schema.TrainConfig:
         value = getattr(getattr(cfg, section), key)
         if value not in choices:
             raise schema.ConfigError(f"config {section}.{key}={value!r}; expected one of {choices}")
+    ops = cfg.data.arithmetic_ops
+    if not ops or not set(ops) <= set(ARITHMETIC_OPS):
+        raise schema.ConfigError(
+            f"config data.arithmetic_ops={tuple(ops)!r}; expected operators among "
+            f"{ARITHMETIC_OPS}, e.g. --config.data.arithmetic_ops=\"('+', '-')\""
+        )
     rw = cfg.reweight
     if rw.lam is not None and not 0.0 <= rw.lam <= 1.0:
         raise schema.ConfigError(f"reweight.lam={rw.lam} must lie in [0, 1] (or None for adaptive)")

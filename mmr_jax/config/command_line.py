@@ -112,21 +112,29 @@ def _check_type(key: str, raw: str, value: Any, config_file: str) -> None:
     uses for the flag) refuses `raw`."""
     from absl import flags
 
+    example = value
     if isinstance(value, bool):
         kind, parser = "True or False", flags.BooleanParser()
     elif isinstance(value, int):
         kind, parser = "an int", flags.IntegerParser()
     elif isinstance(value, float):
         kind, parser = "a float", flags.FloatParser()
+    elif isinstance(value, tuple):  # ml_collections' parser: `+,-` is refused, `"'+','-'"` not
+        from ml_collections.config_flags import tuple_parser
+
+        kind, parser = "a tuple", tuple_parser.TupleParser()
+        example = '"' + repr(value).replace('"', '\\"') + '"'  # as typed in a shell
     else:
         return
     try:
         parser.parse(raw)
     except (ValueError, TypeError) as e:
         detail = " ".join(str(a) for a in e.args) if isinstance(e.args, tuple) else str(e)
+        if isinstance(value, tuple):
+            detail = "not a Python tuple: quote each element"
         raise ConfigValueError(
             f"--config.{key}={raw}: {key} takes {kind} ({config_file} sets {value!r}), not "
-            f"{raw!r} ({detail}); e.g. --config.{key}={value}"
+            f"{raw!r} ({detail}); e.g. --config.{key}={example}"
         ) from e
 
 

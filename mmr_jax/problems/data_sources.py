@@ -21,6 +21,7 @@ import shutil
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+from mmr_jax.infra import user_errors
 from mmr_jax.problems import data
 
 # Files of the offline folder that no public hub dataset reproduces (docs/data.md says why).
@@ -31,7 +32,7 @@ OFFLINE_ONLY = {
 }
 
 
-class SourceMismatchError(ValueError):
+class SourceMismatchError(user_errors.UserError, ValueError):
     """A hub dataset or a folder's file does not have the rows or fields the data folder needs."""
 
 

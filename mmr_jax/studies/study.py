@@ -29,7 +29,7 @@ import jax
 import ml_collections
 
 from mmr_jax.config import checks, schema
-from mmr_jax.infra import console, metrics, run_paths
+from mmr_jax.infra import console, metrics, run_paths, user_errors
 from mmr_jax.training import checkpoint, workdir_guard
 
 STUDY_FILE = "study_config.json"
@@ -37,7 +37,7 @@ RUN_FILE = "study_run.json"
 EVAL_METRIC = "eval/average/pass@1"
 
 
-class StudyMismatchError(ValueError):
+class StudyMismatchError(user_errors.UserError, ValueError):
     """The study folder holds a study of another config."""
 
 

@@ -7,7 +7,7 @@
 redoes the one a run killed after its checkpoint never finished, and `export_hf` writes a
 checkpoint of a workdir after the run (scripts/train.py --export_hf). `export_model` is the
 folder's writing itself: local or a bucket, never leaving a half-written `step_N`.
-`run_config` and `checkpoint_steps` let scripts/evaluate.py export a run's Orbax checkpoints
+`run_config` lets scripts/evaluate.py export a run's Orbax checkpoints (`checkpoint.saved_steps`)
 itself (with the config the run was trained with, from its run.json).
 """
 
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import pathlib
-import re
 import tempfile
 
 import jax
@@ -24,7 +23,7 @@ from etils import epath
 
 from mmr_jax import distributed
 from mmr_jax.config import checks, schema
-from mmr_jax.infra import console, faults, run_paths
+from mmr_jax.infra import console, faults, run_paths, user_errors
 from mmr_jax.models import sharding
 from mmr_jax.step import train_step
 from mmr_jax.training import build, checkpoint, workdir_guard
@@ -78,25 +77,18 @@ def export_hf(cfg: schema.TrainConfig, workdir, out_dir, *, step: int | None = N
     return os.fspath(out_dir)
 
 
+class NotARunError(user_errors.UserError, FileNotFoundError):
+    """A folder given as a run's workdir holds no run.json."""
+
+
 def run_config(workdir) -> schema.TrainConfig:
     """The config `workdir`'s run was trained with (its run.json): what restores its checkpoints."""
     if not (run_paths.as_path(workdir) / workdir_guard.RUN_FILE).exists():
-        raise FileNotFoundError(
+        raise NotARunError(
             f"{workdir} is not a training run (no {workdir_guard.RUN_FILE}); "
             "pass the workdir of scripts/train.py"
         )
     return checks.from_config_dict(workdir_guard.read_run_config(workdir))
-
-
-def checkpoint_steps(workdir) -> list[int]:
-    """The steps of `workdir`'s complete Orbax checkpoints (`<workdir>/checkpoints/<N>`), sorted.
-
-    Orbax writes a step under a temporary name and renames it when complete; a checkpoint moved
-    aside as unreadable is `<N>.unreadable`. Neither is a bare number."""
-    folder = run_paths.as_path(workdir) / checkpoint.CKPT_DIR
-    if not folder.exists():
-        return []
-    return sorted(int(p.name) for p in folder.iterdir() if re.fullmatch(r"\d+", p.name))
 
 
 def export_model(
