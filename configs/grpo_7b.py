@@ -13,9 +13,7 @@ import grpo
 
 
 def get_config(arg=None):
-    c = grpo.get_config(",".join(filter(None, ["7b", arg])))
-    # The frozen base stored in the compute dtype (bf16; fp32 under :smoke), so its values at
-    # use are unchanged: in fp32 it was 28.4 of the 7B step's 30.2 GiB of arguments. The
-    # adapters stay fp32 master weights.
-    c.model.frozen_dtype = c.model.dtype
-    return c
+    # The frozen base is stored in the compute dtype (bf16; fp32 under :smoke), as for every
+    # LoRA size (configs/base.py `apply_arg`): in fp32 it was 28.4 of the 7B step's 30.2 GiB of
+    # arguments. The adapters stay fp32 master weights.
+    return grpo.get_config(",".join(filter(None, ["7b", arg])))
