@@ -73,7 +73,9 @@ def test_a_loop_body_counts_once(compile_cost):
     # flops: the scan's are one matmul's (and the tanh); unrolled, eight
     assert scanned["flops"] == pytest.approx(one_matmul, rel=0.01)
     assert unrolled["flops"] == pytest.approx(8 * one_matmul, rel=0.01)
-    assert unrolled["optimal_seconds"] > 4 * scanned["optimal_seconds"] > 0
+    # time: counted 8 times the scan would cost about what the unrolled program does; counted
+    # once, an eighth of it and the loop's own overhead (3.7x less at N = 1024, 6.2x at 4096)
+    assert 0 < scanned["optimal_seconds"] < unrolled["optimal_seconds"] / 3
 
 
 def _scatter_adds(compile_cost, count: int, *, add: bool = True):
