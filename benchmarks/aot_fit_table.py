@@ -7,10 +7,11 @@ Each (config, target) is one child process, `scripts/train.py --config=C --dry_r
 --dry_run_target=T --dry_run_json=...`, run with the target's compile-only venv
 (`--gpu_python`, `--tpu_python`: .venv-aot-gpu / .venv-aot-tpu, built by scripts/setup_aot_env.sh).
 A row: whether every program the run compiles fits (`fits`), the largest per-device total of
-any program with what the run keeps beside it (GiB), the train step's compile seconds, and on a
-TPU the compiler's `optimal_seconds` of the train step (its cost model, which counts a loop's
-body once: with the layers scanned, not the step's time; docs/performance.md). Then, per config,
-the smallest target of the grid (fewest devices, then least memory) where it fits.
+any program with what the run keeps beside it (GiB), the train step's compile seconds, on a TPU
+the compiler's raw `optimal_seconds` of the train step (its cost model: a loop's body counted
+once, -2 s for each additive scatter, so not the step's time; docs/performance.md), and the load
+average before and after (compile seconds compare only at like loads). Then, per config, the
+smallest target of the grid (fewest devices, then least memory) where it fits.
 """
 
 from __future__ import annotations
