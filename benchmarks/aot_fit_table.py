@@ -7,10 +7,11 @@ Each (config, target) is one child process, `scripts/train.py --config=C --dry_r
 --dry_run_target=T --dry_run_json=...`, run with the target's compile-only venv
 (`--gpu_python`, `--tpu_python`: .venv-aot-gpu / .venv-aot-tpu, built by scripts/setup_aot_env.sh).
 A row: whether every program the run compiles fits (`fits`), the largest per-device total of
-any program with what the run keeps beside it (GiB), the train step's compile seconds, and on a
-TPU the compiler's `optimal_seconds` of the train step (its cost model, which counts a loop's
-body once: with the layers scanned, not the step's time; docs/performance.md). Then, per config,
-the smallest target of the grid (fewest devices, then least memory) where it fits.
+any program with what the run keeps beside it (GiB), the train step's compile seconds, on a TPU
+the compiler's raw `optimal_seconds` of the train step (its cost model: a loop's body counted
+once, -2 s for each additive scatter, so not the step's time; docs/performance.md), and the load
+average before and after (compile seconds compare only at like loads). Then, per config, the
+smallest target of the grid (fewest devices, then least memory) where it fits.
 """
 
 from __future__ import annotations
@@ -49,11 +50,15 @@ def one(config: str, target: str, args) -> dict:
         argv += [f"--dry_run_target={target}", f"--dry_run_json={out}"]
         argv += [f"--config.{o}" for o in args.overrides]
         argv += [f"--dry_run_remat={args.remat}"] if args.remat else []
+        # Compile seconds are only comparable on an idle machine: the load beside each one.
+        load_before = os.getloadavg()[0]
         child = bench_harness.run_child(argv, timeout_s=args.timeout_s, echo_stderr=False)
+        load = {"load_before": load_before, "load_after": os.getloadavg()[0]}
         if not os.path.exists(out):
-            return {"config": config, "target": target, "error": child.get("error", "no report")}
+            error = child.get("error", "no report")
+            return {"config": config, "target": target, "error": error, **load}
         report = json.loads(pathlib.Path(out).read_text())
-    return row(config, target, t, report)
+    return {**row(config, target, t, report), "overrides": list(args.overrides), **load}
 
 
 def row(config: str, target: str, t, report: dict) -> dict:
@@ -73,7 +78,8 @@ def row(config: str, target: str, t, report: dict) -> dict:
         "peak_gib": worst["total_bytes"] / GIB if worst else None,
         "worst_program": worst["name"] if worst else None,
         "train_compile_s": max((r["compile_s"] for r in train), default=None),
-        "tpu_optimal_s": max((r["optimal_seconds"] or 0 for r in train), default=None)
+        # libtpu's raw figure: -2 s for each additive scatter, a loop's body counted once
+        "tpu_optimal_s": [r.get("optimal_seconds_raw") for r in train]
         if t.platform == "tpu"
         else None,
         "failures": report["failures"],
@@ -100,7 +106,8 @@ COLUMNS = [
     ("memory_gib", "of GiB", ".1f"),
     ("worst_program", "largest program", ""),
     ("train_compile_s", "train compile s", ".0f"),
-    ("tpu_optimal_s", "TPU optimal_s", ".3f"),
+    ("tpu_optimal_s", "TPU optimal_s (raw)", ""),
+    ("load_before", "load", ".1f"),
 ]
 
 

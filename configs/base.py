@@ -273,6 +273,13 @@ def apply_arg(c: ml_collections.ConfigDict, arg: str | None) -> ml_collections.C
         set_model(c, size)
     if smoke:
         shrink_for_cpu(c)
+    if size is not None and c.lora.enabled:
+        # The LoRA sizes (7B, 8B) store their frozen base in the compute dtype (bf16; fp32 under
+        # :smoke), so its values at use are unchanged. With the base in fp32 the 8B did not fit
+        # one H100: 94.6 GiB a device (the `xla` fallback's train step, the sampler's bf16 copy
+        # of the base beside it); in bf16 63.2 (32.4 with cuDNN attention), the compile-only
+        # dry run for h100:1 (docs/performance.md, "Will it fit?").
+        c.model.frozen_dtype = c.model.dtype
     if arg:
         c.name = f"{c.name}:{arg}"
     return c

@@ -53,6 +53,17 @@ class TestVariants:
         cfg = checks.from_config_dict(_load("grpo", size))
         assert cfg.lora.enabled == lora
         assert cfg.lora.rank == 64 and cfg.lora.alpha == 128 and cfg.lora.dropout == 0.05
+        # the LoRA sizes keep their frozen base in the compute dtype (what fits one H100)
+        assert cfg.model.frozen_dtype == ("bfloat16" if lora else "")
+
+    @pytest.mark.parametrize("name", ["base", "grpo", "dr_grpo", "dapo", "dapo_nods", "gspo"])
+    def test_lora_sizes_store_the_frozen_base_in_the_compute_dtype(self, name):
+        for arg, want in (("7b", "bfloat16"), ("8b", "bfloat16"), ("8b,smoke", "float32")):
+            cfg = checks.from_config_dict(_load(name, arg))
+            assert cfg.model.frozen_dtype == want == cfg.model.dtype, (name, arg)
+        assert checks.from_config_dict(_load(name, "1.5b")).model.frozen_dtype == ""
+        assert checks.from_config_dict(_load("grpo_7b")).model.frozen_dtype == "bfloat16"
+        assert checks.from_config_dict(_load("grpo_7b", "smoke")).model.frozen_dtype == "float32"
 
     def test_paper_shared_hyperparameters(self):
         cfg = checks.from_config_dict(_load("grpo"))

@@ -243,6 +243,14 @@ def format_report(result: dict[str, Any]) -> str:
         )
     for impl, why in result["attention"]:
         lines.append(f"attention {impl}: {why}")
+    if any(
+        r.figures is not None and r.figures.optimal_seconds_raw is not None for r in result["rows"]
+    ):
+        lines.append(
+            "est. s: the TPU compiler's cost model (optimal_seconds), a loop's body counted once "
+            "(the scanned layers, the minibatches, the decode loop): not the program's time; '-' "
+            "where it is <= 0 (libtpu scores an additive scatter as -2 s)"
+        )
     for row in result["rows"]:
         if row.figures is not None and not row.required and row.total_bytes > memory:
             lines.append(f"(informational) {row.name} would not fit")

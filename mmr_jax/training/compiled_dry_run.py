@@ -49,9 +49,14 @@ class Compiled:
     alias_bytes: int
     temp_bytes: int
     # The compiler's cost model (`compiled.cost_analysis()`): flops and, on a TPU, its own
-    # estimate of the program's run time (None where the backend gives none).
+    # estimate of the program's run time (None where the backend gives none, or gives <= 0). Both
+    # count a loop's body once, whatever its trip count (the scanned layers, the minibatches, the
+    # decode loop), so neither is the program's total; libtpu scores an additive scatter into two
+    # indexed dimensions (the gradient of the log-prob's gather) as -2 s, so a train step's raw
+    # figure (`optimal_seconds_raw`) is negative (tests/tpu_cost_model_test.py).
     flops: float | None = None
     optimal_seconds: float | None = None
+    optimal_seconds_raw: float | None = None
 
     @property
     def peak_bytes(self) -> int:
@@ -76,6 +81,7 @@ def measure(name: str, jitted, *args) -> tuple[Compiled, Any]:
     t3 = time.perf_counter()
     mem = compiled.memory_analysis()
     cost = _cost(compiled)
+    estimate = cost.get("optimal_seconds")
     figures = Compiled(
         name=name,
         trace_s=t1 - t0,
@@ -86,7 +92,8 @@ def measure(name: str, jitted, *args) -> tuple[Compiled, Any]:
         alias_bytes=int(mem.alias_size_in_bytes),
         temp_bytes=int(mem.temp_size_in_bytes),
         flops=cost.get("flops"),
-        optimal_seconds=cost.get("optimal_seconds"),
+        optimal_seconds=estimate if estimate is not None and estimate > 0 else None,
+        optimal_seconds_raw=estimate,
     )
     return figures, compiled
 
