@@ -26,7 +26,7 @@ import sys
 import tempfile
 import time
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[1]  # --repo runs another tree's train.py
 CLOCK_PREFIXES = ("time/", "throughput/")  # seconds and rates: differ from run to run
 
 
@@ -122,12 +122,17 @@ def compare(before: dict, after: dict) -> list[str]:
 
 
 def main(argv=None) -> int:
+    global REPO
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="JSON file of the figures")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--cases", default="", help="comma-separated names (default: all)")
     parser.add_argument("--compare", default="", help="a JSON of this script to compare with")
+    parser.add_argument(
+        "--repo", default=str(REPO), help="the tree whose scripts/train.py runs (default: this one)"
+    )
     args = parser.parse_args(argv)
+    REPO = pathlib.Path(args.repo).resolve()
     table = cases()
     names = [n for n in args.cases.split(",") if n] or list(table)
     result = {}
