@@ -197,8 +197,8 @@ if [[ "$RUNS" == *A* ]]; then
 
   # The GPU-only parity tests (skipped on CPU, so they run only here).
   step gpu_tests "$L_TESTS" "$PY" -m pytest -m gpu -q -p no:cacheprovider -o addopts="" \
-    "${TESTS_MODE[@]}" tests/attention_impl_test.py tests/attention_probe_test.py \
-    tests/decode_inplace_test.py
+    "${TESTS_MODE[@]}" tests/models/attention_impl_test.py tests/models/attention_probe_test.py \
+    tests/rollout/decode_inplace_test.py
 
   step peer_1024 "$L_PEER" "$PY" benchmarks/peer_step.py "${PEER[@]}" \
     --set=batch.max_completion_len="$T1024" --sides=torch,ours --side_timeouts="$TIMEOUTS_A" \

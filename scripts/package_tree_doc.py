@@ -33,9 +33,11 @@ differ. What may import what is stated in each `__init__.py` and checked by the 
                          launch_vllm, model_dry_run, filter_prompts, package_tree_doc,
                          step_fingerprint; setup_*.sh, gpu_check.sh
     benchmarks/          one short file per benchmark over infra/bench_harness.py; the PyTorch peer
-    tests/               pytest + chex, a test module per subject (`<module>_test.py` for most of
-                         the math and step modules; the trainer's behaviours in trainer_test,
-                         off_policy_test, ...); support/ holds the test tooling (`support`)
+    tests/               pytest + chex, laid out as the code: tests/<sub>/<module>_test.py tests
+                         mmr_jax/<sub>/<module>.py (other names there: one behaviour across the
+                         subpackage's modules; config/ also the config files); tests/scripts
+                         and tests/benchmarks mirror those folders; tests/end_to_end holds whole
+                         runs; support/ the test tooling
     third_party/         upstream HF configs, the vLLM server's pins (sources and licences inside)
     docs/                one page per subject (docs/README.md)
 """

@@ -1,6 +1,8 @@
 """Shared pytest setup: slow/gpu markers and session-wide tiny checkpoints."""
 
 import os
+import pathlib
+import sys
 
 # Nothing in the tests may reach the hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -9,9 +11,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Compiles dominate these tests (tiny models, many shapes), so XLA is asked to compile cheaply:
 # the CPU backend's older loop emitters instead of its MLIR fusion emitters, at LLVM level 1 (as
 # the scripts compile). Against level 0 with the fusion emitters (used here before), on 2 cores
-# (2026-11-26): tests/shared_prompt_test.py + sampler_test.py took 196 s before, and 147 s now
-# with advantages_test.py added. Not level 0 with the loop emitters (the two files in 89 s): that
-# pair computes NaN for a gradient that is 0 under every other setting tried (advantages_test's
+# (2026-11-26): tests/models/shared_prompt_test.py + sampler_test.py took 196 s before, and 147 s
+# now with advantages_test.py added. Not level 0 with the loop emitters (the two files in 89 s):
+# that pair computes NaN for a gradient that is 0 under every other setting tried (advantages_test's
 # degenerate groups). The scripts keep XLA's emitters: their train step runs 12% slower without
 # them (`benchmarks/bench_compile.py --compare_options=...`, README). The tests' tolerances hold
 # either way.
@@ -20,6 +22,11 @@ os.environ.setdefault(
 )
 # The scripts the tests start keep no compilation cache in ~/.cache (compile_cache_test sets one).
 os.environ.setdefault("MMR_JAX_COMPILE_CACHE", "off")
+
+# tests/ is a package, its folders mirroring the code (docs/testing.md), so pytest puts the repo
+# root on sys.path, not tests/: appended here for `from support import ...`. Appended: no test
+# folder (models/, distributed/, ...) may hide an installed package of that name.
+sys.path.append(str(pathlib.Path(__file__).resolve().parent))
 
 import jax
 import pytest
@@ -30,9 +37,10 @@ from hypothesis import HealthCheck, settings
 # single file only if it set it, so a test could pass alone and fail in the whole run.
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
-# Property-based tests (tests/*_fuzz_test.py). 'ci', the default, is reproducible: derandomised
-# (the same cases every run) with no example database. 'deep' draws 10x more cases, fresh each run:
-# HYPOTHESIS_PROFILE=deep pytest tests -k fuzz. deadline=None: the first case of a shape compiles.
+# Property-based tests (tests/algorithms/*_fuzz_test.py). 'ci', the default, is reproducible:
+# derandomised (the same cases every run) with no example database. 'deep' draws 10x more cases,
+# fresh each run: HYPOTHESIS_PROFILE=deep pytest tests -k fuzz. deadline=None: the first case of a
+# shape compiles.
 settings.register_profile(
     "ci",
     max_examples=100,

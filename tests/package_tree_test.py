@@ -146,3 +146,17 @@ def test_docs_layout_is_the_generated_one():
         cwd=REPO,
     )
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_tests_mirror_the_code():
+    """Each test module sits in the folder of what it tests (docs/testing.md)."""
+    tests = REPO / "tests"
+    code = {p.name for p in (REPO / "mmr_jax").iterdir() if (p / "__init__.py").exists()}
+    folders = code | {"scripts", "benchmarks", "end_to_end", "support"}
+    top = sorted(p.name for p in tests.glob("*_test.py"))
+    assert top == ["global_state_test.py", "package_tree_test.py"], top
+    for path in tests.rglob("*_test.py"):
+        folder = path.relative_to(tests).parts[0]
+        if path.parent != tests:
+            assert folder in folders, f"{path.relative_to(REPO)}: tests/{folder}/ mirrors no code"
+            assert (path.parent / "__init__.py").exists(), f"{path.parent}: not a package"

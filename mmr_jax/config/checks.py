@@ -273,8 +273,8 @@ def _validate_objective(loss: schema.LossConfig) -> None:
 
 def key_defaults() -> dict[str, Any]:
     """{'section.key': default} of every keyed field with a default (configs/base.py's values:
-    `tests/configs_test.py` holds the two equal). A run stored before a key existed ran as its
-    default, so a resume may take the key as absent-equals-default
+    `tests/config/variants_test.py` holds the two equal). A run stored before a key existed ran as
+    its default, so a resume may take the key as absent-equals-default
     (`workdir_guard.prepare_workdir`).
     """
     out = {}

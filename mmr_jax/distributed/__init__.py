@@ -22,8 +22,8 @@ Every process runs the same code on one global mesh (`jax.devices()` spans all p
   - `errors`: the named errors.
 
 On CPU, local processes with a localhost coordinator and gloo collectives are a real cluster
-(tests/multihost_test.py). Everything here is a no-op with one process. The names below are the
-package's API; callers import the package (`from mmr_jax import distributed`).
+(tests/end_to_end/multihost_test.py). Everything here is a no-op with one process. The names below
+are the package's API; callers import the package (`from mmr_jax import distributed`).
 
 May import: `rollout.base` (the engine interface its shares wrap), nothing above.
 """

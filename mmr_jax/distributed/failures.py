@@ -17,8 +17,8 @@ failing process
 
 The key-value store is reached through JAX's distributed client, which JAX does not export
 (`jax._src.distributed.global_state.client`); `kv_client` is the one place that touches it, and
-tests/fail_fast_test.py fails if its name or methods change. Without it the run still stops in
-bounded time; only the peers' messages lose the cause.
+tests/distributed/failures_test.py fails if its name or methods change. Without it the run still
+stops in bounded time; only the peers' messages lose the cause.
 """
 
 from __future__ import annotations

@@ -5,8 +5,8 @@ module, and the backend (XLA) compile. `CompileClock` sums them as they are repo
 training loop can log how much of each step went to compilation (`time/compile`) and a benchmark
 can compare compilation against the steps it delays. A program loaded from the
 persistent cache is reported as a backend compile too, with the load's duration (JAX emits the
-event around the load; `tests/bench_compile_test.py` checks it in a subprocess): with a warm cache
-`backend` is mostly load time, and tracing and lowering are paid either way.
+event around the load; `tests/benchmarks/bench_compile_test.py` checks it in a subprocess): with a
+warm cache `backend` is mostly load time, and tracing and lowering are paid either way.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """Deterministic faults for the crash-and-resume harness (tests/support/crash_harness.py, run by
-tests/crash_harness_test.py) and the fail-fast tests (tests/fail_fast_test.py).
+tests/end_to_end/crash_harness_test.py) and the fail-fast tests
+(tests/distributed/failures_test.py).
 
 `MMR_JAX_KILL_AT=<phase>:<step>` makes the process SIGKILL itself when the training loop reaches
 `point(phase, step)`; `MMR_JAX_RAISE_AT=<phase>:<step>` makes it raise `InjectedFault` there (an

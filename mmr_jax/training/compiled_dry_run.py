@@ -53,7 +53,7 @@ class Compiled:
     # count a loop's body once, whatever its trip count (the scanned layers, the minibatches, the
     # decode loop), so neither is the program's total; libtpu scores an additive scatter into two
     # indexed dimensions (the gradient of the log-prob's gather) as -2 s, so a train step's raw
-    # figure (`optimal_seconds_raw`) is negative (tests/tpu_cost_model_test.py).
+    # figure (`optimal_seconds_raw`) is negative (tests/training/tpu_cost_model_test.py).
     flops: float | None = None
     optimal_seconds: float | None = None
     optimal_seconds_raw: float | None = None

@@ -5,8 +5,9 @@ Without a target's plugin a test is skipped with the reason, except where the en
 variable MMR_JAX_AOT_PLATFORMS names the platform ("tpu", "cuda" or both, comma-separated): .ci/run
 sets it when it runs the compile-only tests inside .venv-aot-tpu / .venv-aot-gpu
 (scripts/setup_aot_env.sh builds them), so that a venv without its plugin fails there. The slow
-tests that start those venvs' python themselves (tests/aot_dry_run_test.py) fail under CI=true
-when the venv is missing, as tests/vllm_server_test.py does for the vLLM server's."""
+tests that start those venvs' python themselves (tests/training/aot_dry_run_test.py) fail under
+CI=true when the venv is missing, as tests/rollout/vllm_server_test.py does for the vLLM
+server's."""
 
 from __future__ import annotations
 

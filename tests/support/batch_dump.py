@@ -1,5 +1,5 @@
 """`multihost.worker` that also saves each step's batch as every process built it, for the
-N-processes-equal-1-process contract on the CPU default (tests/multihost_batch_test.py).
+N-processes-equal-1-process contract on the CPU default (tests/end_to_end/multihost_batch_test.py).
 
     procs = batch_dump.launch(config_dict, workdir, processes=2, devices=1)
     multihost.wait(procs, timeout)

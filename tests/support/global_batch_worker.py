@@ -1,5 +1,5 @@
-"""One process of tests/global_batch_test.py: places a host batch with `distributed.global_batch`
-and prints what each of its devices received, as one JSON line.
+"""One process of tests/distributed/global_arrays_test.py: places a host batch with
+`distributed.global_batch` and prints what each of its devices received, as one JSON line.
 
     python global_batch_worker.py MODE [COORDINATOR PROCESSES ID]
 

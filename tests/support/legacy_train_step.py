@@ -1,5 +1,5 @@
 """The train step's update loop as it was before `updates_per_batch` (commit 6dd19a4), kept
-verbatim as the reference that `tests/train_step_test.py` holds the U = 1 step to, bit for bit.
+verbatim as the reference that `tests/step/train_step_test.py` holds the U = 1 step to, bit for bit.
 Only the minibatch loss is called where it now lives (`minibatch`, moved unchanged), and the
 loss settings are read from `StepConfig.loss` (issue 53)."""
 

@@ -81,7 +81,8 @@ def launch(
     env = dict(os.environ, JAX_PLATFORMS="cpu", **(extra_env or {}))
     # The device count alone, not the tests' XLA_FLAGS (tests/conftest.py) with it: with those,
     # a 2-process run resumed after a kill is not bit for bit the uninterrupted one (Adam's nu of
-    # the replicated norm weights differs; tests/multihost_test.py TestFaults, 2026-11-26).
+    # the replicated norm weights differs; tests/end_to_end/multihost_test.py TestFaults,
+    # 2026-11-26).
     env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
     if cache_dir:  # XLA's persistent cache: its key holds the flags, so the tests' never load
         env.update(JAX_COMPILATION_CACHE_DIR=str(cache_dir))
@@ -194,7 +195,8 @@ def _register_test_reward() -> None:
 
     @rewards.register("test_target")
     def _target(completions, answers, *, lengths=None):
-        """Pays for the share of digit characters (as tests/trainer_test.py's test reward)."""
+        """Pays for the share of digit characters (as tests/training/trainer_test.py's test
+        reward)."""
         del answers, lengths
         return np.array([share(c) for c in completions], np.float32)
 

@@ -1,6 +1,6 @@
 """One study process of a study on several "hosts" (local processes, a real JAX cluster), whose
 runs' children run a small body of this file instead of a training: `on_hosts.start`, then
-`on_hosts.run`, as scripts/study.py does. tests/on_hosts_test.py launches it.
+`on_hosts.run`, as scripts/study.py does. tests/studies/on_hosts_test.py launches it.
 
     python tests/support/study_hosts_worker.py --folder=F --body=joins_cluster \\
         --coordinator_address=localhost:PORT --num_processes=2 --process_id=I [--lr=0.002]

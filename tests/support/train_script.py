@@ -1,6 +1,7 @@
 """scripts/train.py itself on several local CPU processes (the real entry point, its exit paths
-included), for tests/fail_fast_test.py; and one process's command line and checkpoint reader, for
-the resume tests (tests/trainer_test.py, tests/remote_workdir_test.py).
+included), for tests/distributed/failures_test.py; and one process's command line and checkpoint
+reader, for the resume tests (tests/training/trainer_test.py,
+tests/end_to_end/remote_workdir_test.py).
 
     procs = train_script.launch(config_dict, workdir, processes=2, per_process_env=[{}, {...}])
     subprocess.run(train_script.train_cmd(workdir, ckpt, steps=3), ...)

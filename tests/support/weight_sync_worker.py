@@ -1,5 +1,6 @@
-"""One process of tests/weight_sync_test.py and benchmarks/weight_sync.py: the weight hand-over of
-a multi-process run (`ShareEngine.sync_weights` into an `EmbeddedEngine`), timed and checked.
+"""One process of tests/distributed/weight_sync_test.py and benchmarks/weight_sync.py: the weight
+hand-over of a multi-process run (`ShareEngine.sync_weights` into an `EmbeddedEngine`), timed and
+checked.
 
     python weight_sync_worker.py --coordinator=localhost:PORT --processes=2 --process_id=I \
         --path=new --modes=full,lora --syncs=3 --model=tiny --check=1

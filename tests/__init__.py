@@ -1,0 +1,1 @@
+"""Tests of mmr_jax, laid out as the code (docs/testing.md)."""

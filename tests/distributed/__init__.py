@@ -1,0 +1,1 @@
+"""Tests of mmr_jax/distributed/."""

@@ -1,0 +1,1 @@
+"""Whole runs through scripts/train.py whose subject is no one subpackage."""

@@ -1,0 +1,1 @@
+"""Tests of scripts/*.py, run as scripts."""
