@@ -61,7 +61,7 @@ def run(
     if cfg.model.init == "random":  # no checkpoint: a tokenizer built in memory, no download
         model_dir, tokenizer = None, random_init.byte_tokenizer_of(cfg.model.path)
     else:  # a hub id is fetched once, here; the config keeps the id, as vLLM serves it so
-        model_dir = hub.resolve_checkpoint(cfg.model.path)
+        model_dir = hub.resolve_checkpoint(cfg.model.path, "model.path")
         tokenizer = hub.load_tokenizer(model_dir, "model.path")
     mesh = sharding.make_mesh(*cfg.mesh.shape, layout=cfg.mesh.layout)
     policy = load_policy(cfg, mesh)
