@@ -48,6 +48,10 @@ class Metrics:
         )
         self._load, self._lock = 0, threading.Lock()
         self.running.labels(model_name).set(0)
+        # The token counters are exported at 0 from the start, as vLLM's are: a scrape before the
+        # first request sees `vllm:generation_tokens_total 0.0`, not a missing series.
+        self.prompt_tokens.labels(model_name)
+        self.generation_tokens.labels(model_name)
 
     @property
     def load(self) -> int:
