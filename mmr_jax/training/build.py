@@ -11,6 +11,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from absl import logging
 from flax import nnx
 
 from mmr_jax import distributed
@@ -64,6 +65,12 @@ def run(
         model_dir = hub.resolve_checkpoint(cfg.model.path, "model.path")
         tokenizer = hub.load_tokenizer(model_dir, "model.path")
     mesh = sharding.make_mesh(*cfg.mesh.shape, layout=cfg.mesh.layout)
+    logging.info(
+        "mesh %s (layout %s, %d process(es))",
+        dict(mesh.shape),
+        cfg.mesh.layout,
+        jax.process_count(),
+    )
     policy = load_policy(cfg, mesh)
     train, heldout = problem_sets.load(cfg, tokenizer)
     prompts = data.PromptIterator(

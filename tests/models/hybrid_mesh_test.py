@@ -187,9 +187,7 @@ distributed.initialize(distributed.options_from_flags(
 import jax.numpy as jnp, numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 from configs import grpo
-from mmr_jax.training import build
-from mmr_jax.config import schema
-from mmr_jax.config import checks
+from mmr_jax.models import sharding
 
 def hosts_of(mesh):
     return np.vectorize(lambda d: d.process_index)(mesh.devices).tolist()
