@@ -38,6 +38,19 @@ def _venv(root) -> pathlib.Path:
     return venv
 
 
+def _wait_asleep_as_the_server(pid: int, timeout_s: float = 30.0) -> None:
+    """Until `pid` has made its last exec (taskset -> prelude -> the server's argv) and sleeps:
+    only then is its resident size steady, so the group's sum can be compared with its own."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        argv = pathlib.Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        stat = pathlib.Path(f"/proc/{pid}/stat").read_text()
+        if b"-m" in argv and b"-c" not in argv and stat[stat.rindex(")") + 2] == "S":
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"process {pid} never slept as the server: {argv}")
+
+
 def test_cpu_count_of_taskset_lists():
     assert [vllm_launch.cpu_count(c) for c in ("0", "1", "0,2", "0-3,6", "2-3")] == [1, 1, 2, 5, 2]
     for bad in ("", "a", "0-", "1,,2"):
@@ -81,6 +94,7 @@ def test_pinned_server_process_runs_on_its_cpus_and_its_group_rss_is_measured(tm
             time.sleep(0.1)  # taskset sets it before it execs the interpreter
         assert os.sched_getaffinity(pid) == {mine[-1]}
         assert os.sched_getaffinity(free.proc.pid) == set(mine)  # unpinned: the parent's
+        _wait_asleep_as_the_server(pid)
         rss = pinned_server.GroupRss(pid, every_s=0.05)
         own = int(pathlib.Path(f"/proc/{pid}/statm").read_text().split()[1])
         assert rss.sample() >= own * os.sysconf("SC_PAGE_SIZE") > 0
