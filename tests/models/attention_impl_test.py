@@ -328,6 +328,31 @@ class LayoutTrafficTest(parameterized.TestCase):
         self.assertLess(counts["pad"][1], score_bytes // 16, counts)
 
 
+class MaskInProgramTest(parameterized.TestCase):
+    @parameterized.parameters((16, 15), (0, 15), (0, 1))
+    def test_offset_causal_mask_is_computed_not_a_constant(self, p, t):
+        """The (prompt-then-)causal pattern is built from iotas in the program, with the values
+        of the host pattern; no [T, P + T] constant is baked in (a 16 MB one at the 1.5B's
+        shapes). A pattern that is not offset-causal still is a constant, so the test sees one."""
+        valid = np.random.default_rng(0).random((2, p + t)) < 0.8
+        make = attention_impl.causal if p == 0 else attention_impl.prompt_then_causal
+        split = (lambda v: (v,)) if p == 0 else (lambda v: (v[:, :p], v[:, p:]))
+
+        def dense(v):
+            return make(*split(v)).dense()
+
+        got = np.asarray(jax.jit(dense)(valid))
+        want = np.concatenate([np.ones((t, p), bool), np.tril(np.ones((t, t), bool))], 1)
+        np.testing.assert_array_equal(got, want[None] & valid[:, None, :])
+        text = jax.jit(dense).lower(valid).as_text()
+        constants = [x for x in text.splitlines() if "stablehlo.constant dense<" in x]
+        self.assertFalse([x for x in constants if f"tensor<{t}x{p + t}xi1>" in x], constants)
+
+        other = attention_impl.Mask(~want, jnp.asarray(valid))  # not offset-causal
+        text = jax.jit(lambda: other.dense()).lower().as_text()
+        self.assertTrue(any(f"tensor<{t}x{p + t}xi1>" in x for x in text.splitlines()))
+
+
 class OtherBackendsTest(parameterized.TestCase):
     """Splash (Pallas TPU kernel; Pallas' interpret mode off TPU) and cuDNN against XLA."""
 

@@ -80,7 +80,10 @@ _SCRIPT = textwrap.dedent(
 )
 
 
-@pytest.fixture(scope="module")
+# Session scope: under --dist loadgroup a worker may run other modules' tests between this
+# group's, which tears a module-scoped fixture down and builds it again (two setups of 85-94 s
+# in one CI run, 2026-11-29).
+@pytest.fixture(scope="session")
 def figures(tmp_path_factory):
     ckpt = testing.make_tiny_checkpoint(
         tmp_path_factory.mktemp("ckpt"), tokenizer=False, vocab_size=384
