@@ -56,7 +56,7 @@ def _build(cls, values: Mapping[str, Any], where: str):
     unknown = sorted(set(values) - set(fields))
     missing = sorted(n for n, f in fields.items() if n not in values and _required(f))
     if unknown or missing:
-        raise ValueError(
+        raise schema.ConfigError(
             f"config section {where!r}: unknown keys {unknown}, missing keys {missing}; "
             f"valid keys: {sorted(fields)}"
         )

@@ -52,7 +52,7 @@ def parse_assignments(items) -> dict[str, Any]:
     for item in items:
         name, sep, raw = (part.strip() for part in item.partition("="))
         if not sep or not name:
-            raise ValueError(f"expected name=value, got {item!r}")
+            raise ConfigValueError(f"expected name=value, got {item!r} (e.g. batch.prompts=4)")
         if raw.lower() in ("true", "false"):
             parsed[name] = raw.lower() == "true"
             continue
@@ -64,11 +64,15 @@ def parse_assignments(items) -> dict[str, Any]:
 
 
 def set_keys(config, values: Mapping[str, Any]):
-    """Sets dotted keys ('checkpoint.every') of a ConfigDict in place; returns it."""
+    """Sets dotted keys ('checkpoint.every') of a ConfigDict in place; returns it. A section that
+    does not exist is an `UnknownKeyError` naming the valid keys (an unknown leaf is refused
+    when the config is checked, `checks.from_config_dict`)."""
     for key, value in values.items():
         *sections, leaf = key.split(".")
         node = config
-        for section in sections:
+        for i, section in enumerate(sections):
+            if section not in node:
+                _leaf(node, ".".join(sections[i:]), walked=sections[:i], full=key)
             node = node[section]
         node[leaf] = value
     return config
@@ -94,14 +98,16 @@ def check_argv(argv, flag_name: str = "config") -> None:
 check_override_keys = check_argv  # the name scripts used before the values were checked too
 
 
-def _leaf(config: Mapping[str, Any], path: str) -> Any:
-    node, walked = config, []
+def _leaf(config: Mapping[str, Any], path: str, *, walked=(), full: str | None = None) -> Any:
+    """The value at dotted `path` under `config` (reached by the keys `walked`, of the key
+    `full`); `UnknownKeyError` naming the valid keys where a key is missing."""
+    node, walked, full = config, list(walked), full or path
     for key in path.split("."):
-        if not isinstance(node, Mapping) or key not in node:
+        if not hasattr(node, "keys") or key not in node:
             where = ".".join(walked) or "<root>"
-            valid = sorted(node) if isinstance(node, Mapping) else []
+            valid = sorted(node.keys()) if hasattr(node, "keys") else []
             raise UnknownKeyError(
-                f"unknown config key {path!r}: {where!r} has no key {key!r}; valid keys: {valid}"
+                f"unknown config key {full!r}: {where!r} has no key {key!r}; valid keys: {valid}"
             )
         node, walked = node[key], [*walked, key]
     return node

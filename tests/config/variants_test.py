@@ -199,8 +199,21 @@ class TestBadInput:
     def test_unknown_key_in_dict(self):
         cfg = _load("grpo").to_dict()
         cfg["loss"]["bogus"] = 1
-        with pytest.raises(ValueError, match=r"unknown keys \['bogus'\].*valid keys"):
-            checks.from_config_dict(cfg)
+        with pytest.raises(schema.ConfigError, match=r"unknown keys \['bogus'\].*valid keys"):
+            checks.from_config_dict(cfg)  # a UserError (one FATAL line) and still a ValueError
+
+    def test_set_keys_names_the_valid_keys_of_a_missing_section(self):
+        c = _load("grpo")
+        with pytest.raises(command_line.UnknownKeyError) as e:
+            command_line.set_keys(c, {"loss.kll.beta": 0.1})
+        assert str(e.value).startswith("unknown config key 'loss.kll.beta': 'loss' has no key")
+        assert "'kl_estimator'" in str(e.value) and isinstance(e.value, KeyError)
+        command_line.set_keys(c, {"loss.beta": 0.5})  # a key that exists is set
+        assert c.loss.beta == 0.5
+
+    def test_an_assignment_without_equals_is_a_config_value_error(self):
+        with pytest.raises(command_line.ConfigValueError, match="expected name=value"):
+            command_line.parse_assignments(["batch.prompts"])
 
     def test_bad_arg(self):
         with pytest.raises(Exception, match="unknown config argument"):
