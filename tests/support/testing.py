@@ -314,14 +314,35 @@ def smoke_config(
     return command_line.set_keys(c, overrides)
 
 
+@functools.cache
+def _base_loss() -> tuple:
+    from mmr_jax.config import checks, command_line
+
+    config = command_line.load_config_file(str(REPO / "configs" / "base.py"))
+    return tuple(checks.plain(config.loss).items())
+
+
+def loss_section(**keys):
+    """configs/base.py's `loss` section with `keys` replaced, as the typed `schema.LossConfig`
+    (not checked: the loss math's tests give it values the config checks refuse)."""
+    from mmr_jax.config import schema
+
+    return schema.LossConfig(**{**dict(_base_loss()), **keys})
+
+
+def loss_settings(**keys):
+    """The `settings` of a `losses.policy_loss` call in the loss math's tests: `loss_section` with
+    the KL term off (beta 0) unless `keys` set it, then `keys`."""
+    return loss_section(**{"beta": 0.0, **keys})
+
+
 def step_config(*, temperature, max_completion_len, logprob_chunk=0, entropy_control=None, **loss):
     """`train_step.StepConfig` with the loss keys `loss` (`schema.LossConfig`'s names; the
-    rest at their defaults), as `build.step_config` makes it of a run's config."""
-    from mmr_jax.config import schema
+    rest configs/base.py's, `loss_section`), as `build.step_config` makes it of a run's config."""
     from mmr_jax.step import train_step
 
     return train_step.StepConfig(
-        loss=schema.LossConfig(**loss),
+        loss=loss_section(**loss),
         temperature=temperature,
         max_completion_len=max_completion_len,
         logprob_chunk=logprob_chunk,
