@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Mapping
 from typing import Any
 
@@ -54,7 +53,7 @@ def plain(value):
 def _build(cls, values: Mapping[str, Any], where: str):
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(values) - set(fields))
-    missing = sorted(n for n, f in fields.items() if n not in values and _required(f))
+    missing = sorted(set(fields) - set(values))
     if unknown or missing:
         raise ValueError(
             f"config section {where!r}: unknown keys {unknown}, missing keys {missing}; "
@@ -71,10 +70,6 @@ def _build(cls, values: Mapping[str, Any], where: str):
             value = {str(k): float(v) for k, v in value.items()}
         kwargs[name] = value
     return cls(**kwargs)
-
-
-def _required(f: dataclasses.Field) -> bool:
-    return f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
 
 
 _SECTIONS = {
@@ -269,20 +264,6 @@ def _validate_objective(loss: schema.LossConfig) -> None:
         raise schema.ConfigError(
             f"loss.top_entropy_quantile={loss.top_entropy_quantile} must lie in (0, 1] (1 = off)"
         )
-
-
-def key_defaults() -> dict[str, Any]:
-    """{'section.key': default} of every keyed field with a default (configs/base.py's values:
-    `tests/config/variants_test.py` holds the two equal). A run stored before a key existed ran as
-    its default, so a resume may take the key as absent-equals-default
-    (`workdir_guard.prepare_workdir`).
-    """
-    out = {}
-    for name, section in _SECTIONS.items():
-        for f in dataclasses.fields(section):
-            if f.default is not dataclasses.MISSING:
-                out[f"{name}.{f.name}"] = json.loads(json.dumps(f.default, default=list))
-    return out
 
 
 def upgrade(stored: Mapping[str, Any]) -> dict[str, Any]:

@@ -292,19 +292,29 @@ class TestBadInput:
             names = [n.target.id for n in cls.body if isinstance(n, ast.AnnAssign)]
             assert sorted(k for k in set(names) if names.count(k) > 1) == [], cls.name
 
-    def test_dataclass_defaults_are_the_base_config(self):
-        # One default per key: a dataclass default that differs from configs/base.py is a twin
-        # that a run built without the base (tests, scripts) would silently get instead.
-        cfg = checks.from_config_dict(command_line.load_config_file(str(CONFIGS / "base.py")))
+    def test_each_default_is_written_once_in_the_base_config(self):
+        # The typed config holds no default: a second one would be a twin that a run built
+        # without the base (tests, scripts) silently gets instead. configs/base.py's are the ones.
         for name, section in checks._SECTIONS.items():
             for f in dataclasses.fields(section):
-                if (
-                    f.default in (dataclasses.MISSING, "", ())
-                    or f.default_factory is not dataclasses.MISSING
-                ):
-                    continue  # no default: an empty placeholder that the config always sets
-                got = getattr(getattr(cfg, name), f.name)
-                assert got == f.default, f"{name}.{f.name}: base {got!r}, dataclass {f.default!r}"
+                assert f.default is dataclasses.MISSING, f"{name}.{f.name} = {f.default!r}"
+                assert f.default_factory is dataclasses.MISSING, f"{name}.{f.name}"
+        with pytest.raises(ValueError, match=r"'loss': unknown keys \[\], missing keys \['beta'\]"):
+            stored = _load("grpo").to_dict()
+            del stored["loss"]["beta"]
+            checks.from_config_dict(stored)  # a config, unlike a stored run, names every key
+
+    def test_a_stored_run_takes_keys_added_since_at_their_base_default(self):
+        stored = _load("grpo", "smoke").to_dict()
+        del stored["loss"]["dual_clip_c"], stored["loss"]["top_entropy_quantile"]
+        del stored["rewards"]["overlong_max_len"]
+        stored["rewards"]["weights"] = {"accuracy": 1.0}  # one key, not merged with the base's
+        today = command_line.stored_config(stored)
+        assert (today["loss"]["dual_clip_c"], today["loss"]["top_entropy_quantile"]) == (0.0, 1.0)
+        assert today["rewards"]["overlong_max_len"] == 0
+        assert today["rewards"]["weights"] == {"accuracy": 1.0}
+        assert today["batch"] == stored["batch"]  # the stored values, not the base's
+        assert checks.from_config_dict(today).loss.dual_clip_c == 0.0
 
     @pytest.mark.parametrize(
         "loss",

@@ -314,20 +314,22 @@ def smoke_config(
     return command_line.set_keys(c, overrides)
 
 
-@functools.cache
-def _base_loss() -> tuple:
-    from mmr_jax.config import checks, command_line
+def base_section(name: str, **keys):
+    """configs/base.py's section `name` ('loss', 'reweight', ...) with `keys` replaced, as its
+    typed dataclass (`schema.LossConfig`, ...; not checked: the math tests give it values the
+    config checks refuse). The dataclasses hold no defaults: configs/base.py's are the ones."""
+    import dataclasses
 
-    config = command_line.load_config_file(str(REPO / "configs" / "base.py"))
-    return tuple(checks.plain(config.loss).items())
+    from mmr_jax.config import checks, command_line, schema
+
+    types = {f.name: f.type for f in dataclasses.fields(schema.TrainConfig)}
+    section = checks.plain(command_line.base_config()[name])
+    return getattr(schema, types[name])(**{**section, **keys})
 
 
 def loss_section(**keys):
-    """configs/base.py's `loss` section with `keys` replaced, as the typed `schema.LossConfig`
-    (not checked: the loss math's tests give it values the config checks refuse)."""
-    from mmr_jax.config import schema
-
-    return schema.LossConfig(**{**dict(_base_loss()), **keys})
+    """`base_section('loss', **keys)`."""
+    return base_section("loss", **keys)
 
 
 def loss_settings(**keys):
