@@ -92,7 +92,7 @@ def check_argv(argv, flag_name: str = "config") -> None:
         return
     config = checks.plain(load_config_file(spec))
     for key, *raw in overrides:
-        value = _leaf(config, key)
+        value = _leaf(config, key, flag_name)
         if raw:
             _check_type(key, raw[0], value, spec.partition(":")[0])
 
@@ -100,14 +100,17 @@ def check_argv(argv, flag_name: str = "config") -> None:
 check_override_keys = check_argv  # the name scripts used before the values were checked too
 
 
-def _leaf(config: Mapping[str, Any], path: str) -> Any:
+def _leaf(config: Mapping[str, Any], path: str, flag: str = "config") -> Any:
     node, walked = config, []
     for key in path.split("."):
         if not isinstance(node, Mapping) or key not in node:
             where = ".".join(walked) or "<root>"
             valid = sorted(node) if isinstance(node, Mapping) else []
+            renamed = checks.RENAMED.get(path)
+            now = f" ({path} is now {renamed}: --{flag}.{renamed}=...)" if renamed else ""
             raise UnknownKeyError(
-                f"unknown config key {path!r}: {where!r} has no key {key!r}; valid keys: {valid}"
+                f"unknown config key {path!r}: {where!r} has no key {key!r}; valid keys: "
+                f"{valid}{now}"
             )
         node, walked = node[key], [*walked, key]
     return node

@@ -201,7 +201,7 @@ class LoggingConfig:
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
     shape: tuple[int, ...]
-    layout: str
+    over_hosts: str
 
 
 @dataclasses.dataclass(frozen=True)

@@ -61,7 +61,7 @@ def export_hf(cfg: schema.TrainConfig, workdir, out_dir, *, step: int | None = N
     run_paths.check(workdir)
     run_paths.check(out_dir, "--export_hf")
     mesh = (
-        sharding.make_mesh(*cfg.mesh.shape, layout=cfg.mesh.layout)
+        sharding.make_mesh(*cfg.mesh.shape, over_hosts=cfg.mesh.over_hosts)
         if jax.process_count() > 1
         else None
     )
