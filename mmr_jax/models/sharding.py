@@ -1,10 +1,10 @@
 """Device mesh with data / fsdp / tensor axes and partition rules for the decoder's parameters.
 
 Rules are keyed on the parameter's state path (kernels are stored [in, out]):
-  embedding [V, H]                     -> (tensor, fsdp)
-  q/k/v/gate/up kernel [H, out]        -> (fsdp, tensor)   column-parallel
-  o/down kernel [in, H]                -> (tensor, fsdp)   row-parallel
-  lm_head kernel [H, V]                -> (fsdp, tensor)
+  embedding [V, E]                     -> (tensor, fsdp)
+  q/k/v/gate/up kernel [E, out]        -> (fsdp, tensor)   column-parallel
+  o/down kernel [in, E]                -> (tensor, fsdp)   row-parallel
+  lm_head kernel [E, V]                -> (fsdp, tensor)
   q/k/v bias [out]                     -> (tensor,)
   lora_a [in, r] / lora_b [r, out]     -> the kernel's in / out axis, rank replicated
   norms, other biases, RNG state       -> replicated
@@ -237,7 +237,7 @@ def named_sharding(path: tuple, shape: tuple[int, ...], mesh: Mesh) -> NamedShar
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
-    """Sharding of [B, ...] host batches: B over (data, fsdp)."""
+    """Sharding of [N, ...] host batches: N over (data, fsdp)."""
     return NamedSharding(mesh, P(("data", "fsdp")))
 
 

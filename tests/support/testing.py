@@ -340,7 +340,8 @@ def loss_settings(**keys):
 
 def step_config(*, temperature, max_completion_len, logprob_chunk=0, entropy_control=None, **loss):
     """`train_step.StepConfig` with the loss keys `loss` (`schema.LossConfig`'s names; the
-    rest configs/base.py's, `loss_section`), as `build.step_config` makes it of a run's config."""
+    rest configs/base.py's, `loss_section`), as `StepConfig.from_config` makes it of a run's
+    config."""
     from mmr_jax.step import train_step
 
     return train_step.StepConfig(
