@@ -70,8 +70,11 @@ def parse_assignments(items) -> dict[str, Any]:
 
 
 def set_keys(config, values: Mapping[str, Any]):
-    """Sets dotted keys ('checkpoint.every') of a ConfigDict in place; returns it."""
+    """Sets dotted keys ('checkpoint.every') of a ConfigDict in place; returns it. A renamed key
+    (`checks.RENAMED`) is refused naming its new name."""
     for key, value in values.items():
+        if key in checks.RENAMED:
+            _leaf(checks.plain(config), key)
         *sections, leaf = key.split(".")
         node = config
         for section in sections:
@@ -92,7 +95,7 @@ def check_argv(argv, flag_name: str = "config") -> None:
         return
     config = checks.plain(load_config_file(spec))
     for key, *raw in overrides:
-        value = _leaf(config, key, flag_name)
+        value = _leaf(config, key)
         if raw:
             _check_type(key, raw[0], value, spec.partition(":")[0])
 
@@ -100,14 +103,14 @@ def check_argv(argv, flag_name: str = "config") -> None:
 check_override_keys = check_argv  # the name scripts used before the values were checked too
 
 
-def _leaf(config: Mapping[str, Any], path: str, flag: str = "config") -> Any:
+def _leaf(config: Mapping[str, Any], path: str) -> Any:
     node, walked = config, []
     for key in path.split("."):
         if not isinstance(node, Mapping) or key not in node:
             where = ".".join(walked) or "<root>"
             valid = sorted(node) if isinstance(node, Mapping) else []
             renamed = checks.RENAMED.get(path)
-            now = f" ({path} is now {renamed}: --{flag}.{renamed}=...)" if renamed else ""
+            now = f" ({path} is now {renamed})" if renamed else ""
             raise UnknownKeyError(
                 f"unknown config key {path!r}: {where!r} has no key {key!r}; valid keys: "
                 f"{valid}{now}"

@@ -189,10 +189,13 @@ class TestBadInput:
         with pytest.raises(command_line.UnknownKeyError) as e:
             command_line.check_argv(argv)
         assert "unknown config key 'mesh.layout'" in str(e.value) and "\n" not in str(e.value)
-        assert str(e.value).endswith(
-            "(mesh.layout is now mesh.over_hosts: --config.mesh.over_hosts=...)"
-        )
+        assert str(e.value).endswith("(mesh.layout is now mesh.over_hosts)")
         command_line.check_argv([*argv[:2], "--config.mesh.over_hosts=flat"])
+        c = command_line.load_config_file(f"{CONFIGS / 'grpo.py'}:smoke")
+        with pytest.raises(command_line.UnknownKeyError, match="is now mesh.over_hosts"):
+            command_line.set_keys(c, {"mesh.layout": "flat"})  # scripts' --set, load_config
+        flat = command_line.set_keys(c, {"mesh.over_hosts": "flat"})
+        assert checks.from_config_dict(flat).mesh.over_hosts == "flat"
 
     @pytest.mark.parametrize("raw", ["+,-", "+ -"])
     def test_a_tuple_absl_cannot_parse_names_the_quoted_form(self, raw):
