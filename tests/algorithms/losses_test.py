@@ -361,3 +361,22 @@ class GspoTest(chex.TestCase):
         g_tok = jax.grad(f)(lp, "token")
         for level in ("sequence", "sequence_token"):
             np.testing.assert_allclose(jax.grad(f)(lp, level), g_tok, rtol=1e-6, atol=1e-9)
+
+
+class DescribeTest(parameterized.TestCase):
+    def test_the_options_on_are_named_in_order(self):
+        words = losses.describe(
+            _settings(aggregation="token_mean", beta=0.04, dual_clip_c=3.0, eps_high=0.28)
+        )
+        assert words == [
+            "objective clipped surrogate, token ratio, clip [0.8, 1.28]",
+            "loss token_mean",
+            "KL k3 beta 0.04",
+            "dual clip c 3",
+        ]
+        assert losses.describe(_settings(top_entropy_quantile=0.2))[-1] == "top 0.2 entropy tokens"
+
+    @parameterized.product(objective=losses.OBJECTIVES, level=losses.IS_LEVELS)
+    def test_every_choice_has_words(self, objective, level):
+        words = losses.describe(_settings(objective=objective, importance_sampling_level=level))
+        assert words[0].startswith("objective ") and len(words) == 2  # beta 0: no option on
