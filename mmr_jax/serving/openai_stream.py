@@ -91,7 +91,7 @@ def _advance(backend, job, row: _Row, update, parts, *, as_ids) -> Iterator[dict
             finished, out = True, cut
     ready = len(out.ids)
     if not finished:
-        if out.text.endswith("\ufffd"):
+        if out.held:
             ready = row.sent
         elif request.stop:
             hold, end = max(len(s) for s in request.stop) - 1, 0
