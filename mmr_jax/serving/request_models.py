@@ -185,6 +185,14 @@ class Message(pydantic.BaseModel):
         return self.content
 
 
+class KVTransferParams(_Body):
+    """vLLM's `kv_transfer_params`, of which this server takes the decode-side token reuse only:
+    the prompt's ids as a prefill stage tokenized them, used verbatim instead of the messages.
+    Its other keys (disaggregated prefill) are refused."""
+
+    prompt_token_ids: TokenIds | None = None
+
+
 def _template_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
     reserved = sorted(set(kwargs) & TEMPLATE_RESERVED)
     if reserved:
@@ -213,6 +221,7 @@ class ChatCompletionRequest(_Common):
     chat_template_kwargs: Annotated[dict[str, Any], AfterValidator(_template_kwargs)] | None = None
     add_generation_prompt: bool | None = None
     continue_final_message: bool | None = None
+    kv_transfer_params: KVTransferParams | None = None
 
     @pydantic.model_validator(mode="after")
     def _chat_consistent(self):
@@ -246,6 +255,9 @@ _MESSAGES = {
     "min_tokens": "min_tokens must be an integer >= 0, got {input!r}",
     "truncation_side": "truncation_side must be 'left' or 'right'",
     "chat_template_kwargs": "chat_template_kwargs must be an object",
+    ("kv_transfer_params", "extra_forbidden"): "kv_transfer_params takes only prompt_token_ids "
+    "on this server (no disaggregated prefill)",
+    "kv_transfer_params": "kv_transfer_params.prompt_token_ids must be a list of integer token ids",
 }
 _TYPES = {
     "bool_type": "a boolean",

@@ -307,6 +307,14 @@ class OpenAIServer:
             raise fmt.HTTPError(
                 400, "messages must be a non-empty list of conversations", param="messages"
             )
+        reuse = body.get("kv_transfer_params")
+        if isinstance(reuse, dict) and reuse.get("prompt_token_ids") is not None:
+            raise fmt.HTTPError(
+                400,
+                "Batch chat completions do not support `kv_transfer_params['prompt_token_ids']`: "
+                "one pre-tokenized prompt cannot serve several conversations.",
+                param="kv_transfer_params.prompt_token_ids",
+            )
         if body.get("stream") or (body.get("n") or 1) != 1:
             raise fmt.HTTPError(400, "batch chat completions take neither stream nor n > 1")
         if len(conversations) > self.limits.max_num_seqs:

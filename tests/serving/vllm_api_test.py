@@ -258,6 +258,31 @@ class TestPromptControls:
         both = _post(srv, "/v1/chat/completions", {**body, "add_generation_prompt": True})
         assert both.status_code == 400
 
+    def test_kv_transfer_prompt_token_ids_are_the_prompt(self, served):
+        """vLLM's decode-side reuse: the ids a prefill stage tokenized are the prompt, verbatim,
+        whatever the messages; streamed or not; refused by the batched chat, as vLLM's."""
+        _, srv, _ = served
+        body = dict(model="tiny", max_tokens=6, temperature=0, return_token_ids=True)
+        first = _post(srv, "/v1/chat/completions", {**body, "messages": CHAT}).json()
+        ids = first["prompt_token_ids"]
+        reuse = {**body, "messages": [{"role": "user", "content": "unrelated"}]}
+        reuse["kv_transfer_params"] = {"prompt_token_ids": ids}
+        again = _post(srv, "/v1/chat/completions", reuse).json()
+        assert again["prompt_token_ids"] == ids
+        assert again["choices"][0]["token_ids"] == first["choices"][0]["token_ids"]
+        assert again["choices"][0]["message"] == first["choices"][0]["message"]
+        streamed = _post(srv, "/v1/chat/completions", {**reuse, "stream": True}, stream=True)
+        chunks = [json.loads(line[6:]) for line in streamed.iter_lines() if line[6:7] == b"{"]
+        text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
+        assert text == first["choices"][0]["message"]["content"]
+        for bad, word in [({"prompt_token_ids": [10**7]}, "out of vocabulary"),
+                          ({"do_remote_prefill": True}, "only prompt_token_ids")]:  # fmt: skip
+            r = _post(srv, "/v1/chat/completions", {**reuse, "kv_transfer_params": bad})
+            assert r.status_code == 400 and word in r.json()["error"]["message"]
+        batch = {**reuse, "messages": [CHAT, CHAT]}
+        r = _post(srv, "/v1/chat/completions/batch", batch)
+        assert r.json()["error"]["param"] == "kv_transfer_params.prompt_token_ids"
+
 
 class TestTokenControls:
     def test_refused_without_the_continuous_batch(self, served):
