@@ -264,7 +264,7 @@ class OpenAIServer:
             head = {"id": rid, "object": kind, "created": meta["created"], "model": model}
             chunks = openai_stream.stream(
                 self.backend, job, conn.client_gone, head=head, chat=chat, as_ids=as_ids,
-                prompt_info=info,
+                prompt_info=info, token_ids=token_ids,
                 on_finish=lambda outs: self.metrics.finished(meta["prompt_tokens"], outs),
             )  # fmt: skip
 

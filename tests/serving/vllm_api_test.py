@@ -258,6 +258,29 @@ class TestPromptControls:
         both = _post(srv, "/v1/chat/completions", {**body, "add_generation_prompt": True})
         assert both.status_code == 400
 
+    def test_streamed_token_ids_equal_the_reply(self, served):
+        """return_token_ids streamed, as vLLM's: each chunk's token ids, joined, are the
+        reply's; the prompt's ids come once per choice (completions: in the choice; chat:
+        beside the choices, in the first chunk only)."""
+        _, srv, _ = served
+        body = dict(model="tiny", max_tokens=7, temperature=0, return_token_ids=True)
+        for route, extra in [("/v1/completions", {"prompt": PROMPT, "n": 2, "seed": 3,
+                                                  "temperature": 1.0}),
+                             ("/v1/chat/completions", {"messages": CHAT})]:  # fmt: skip
+            whole = _post(srv, route, {**body, **extra}).json()
+            r = _post(srv, route, {**body, **extra, "stream": True}, stream=True)
+            chunks = [json.loads(line[6:]) for line in r.iter_lines() if line[6:7] == b"{"]
+            for c in whole["choices"]:
+                mine = [k for k in chunks if k["choices"][0]["index"] == c["index"]]
+                got = [t for k in mine for t in k["choices"][0].get("token_ids") or []]
+                assert got == c["token_ids"], route
+                if route == "/v1/completions":
+                    prompts = [k["choices"][0].get("prompt_token_ids") for k in mine]
+                    assert prompts == [c["prompt_token_ids"]] + [None] * (len(mine) - 1)
+            if route == "/v1/chat/completions":
+                prompts = [k.get("prompt_token_ids") for k in chunks]
+                assert prompts == [whole["prompt_token_ids"]] + [None] * (len(chunks) - 1)
+
     def test_kv_transfer_prompt_token_ids_are_the_prompt(self, served):
         """vLLM's decode-side reuse: the ids a prefill stage tokenized are the prompt, verbatim,
         whatever the messages; streamed or not; refused by the batched chat, as vLLM's."""
