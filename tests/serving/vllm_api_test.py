@@ -169,6 +169,18 @@ class TestStreamUsage:
         chunks = _sse(_post(srv, "/v1/completions", body, stream=True))
         assert all(ch["usage"] is None for ch in chunks[:-1])
 
+    def test_force_include_usage_streams_usage_unasked(self, served):
+        """vLLM's --enable-force-include-usage: every stream as if it asked for continuous
+        usage; the chunks count up to the non-streamed reply's usage."""
+        backend, _, _ = served
+        body = dict(model="tiny", prompt=[5, 6, 7], max_tokens=6, ignore_eos=True)
+        with server.OpenAIServer(backend, force_include_usage=True) as forced:
+            whole = _post(forced, "/v1/completions", body).json()
+            chunks = _sse(_post(forced, "/v1/completions", {**body, "stream": True}, stream=True))
+        counts = [ch["usage"]["completion_tokens"] for ch in chunks]
+        assert counts == sorted(counts) and counts[0] == 1
+        assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == whole["usage"]
+
 
 class TestRoutes:
     def test_version_ping_load_metrics(self, served):
