@@ -88,7 +88,9 @@ def _require(path: pathlib.Path, what: str, build: str) -> pathlib.Path:
 @pytest.fixture(scope="module")
 def lm_eval_bin():
     venv = pathlib.Path(os.environ.get("MMR_LMEVAL_VENV", REPO / ".venv-lmeval"))
-    return _require(venv / "bin" / "lm_eval", "lm-eval venv", "bash scripts/setup_lmeval_env.sh")
+    return _require(
+        venv / "bin" / "lm_eval", "lm-eval venv's lm_eval", "bash scripts/setup_lmeval_env.sh"
+    )
 
 
 @pytest.fixture(scope="module")
