@@ -42,11 +42,12 @@ def _xla_cache():
 
 def _config(ckpt, steps, lag=None, **overrides):
     c = testing.smoke_config(grpo, ckpt, steps=steps)
-    if lag is None:
-        del c.rollout.off_policy_lag  # the key absent: the dataclass default
-    else:
-        c.rollout.off_policy_lag = lag
     c = command_line.set_keys(c, {"checkpoint.keep": 10, **overrides})
+    if lag is None:  # the key absent, as a run stored before it existed: configs/base.py's default
+        stored = checks.plain(c)
+        del stored["rollout"]["off_policy_lag"]
+        return checks.from_config_dict(command_line.stored_config(stored))
+    c.rollout.off_policy_lag = lag
     return checks.from_config_dict(c)
 
 
