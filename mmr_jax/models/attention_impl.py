@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mmr_jax.kernels import compile_platform
-from mmr_jax.models import attention
+from mmr_jax.models import attention, sharding
 from mmr_jax.models import config as config_lib
 
 IMPLEMENTATIONS = config_lib.ATTENTION_IMPLS
@@ -267,21 +267,29 @@ def _splash(q_BxTxNxD, k_BxSxKxD, v_BxSxKxD, mask: Mask):
     blocks, q_multiple, kv_multiple = _splash_blocks()
     static = splash_padded_mask(mask.static_TxS, q_multiple, kv_multiple)
     tp, sp = static.shape
-    heads_mask = splash.MultiHeadMask([splash.NumpyMask(static)] * (n // kh))
+    layout = splash_layout(jax.sharding.get_abstract_mesh(), b, kh, n // kh)
+    bp = -(-b // layout.row_multiple) * layout.row_multiple  # rows padded to split evenly
 
-    def pad(x, to):  # zeros after the sequence axis (1)
-        return jnp.pad(x, ((0, 0), (0, to - x.shape[1])) + ((0, 0),) * (x.ndim - 2))
+    def pad(x, to, value=0, axis=1):  # `value` after `axis`
+        widths = [(0, 0)] * x.ndim
+        widths[axis] = (0, to - x.shape[axis])
+        return jnp.pad(x, widths, constant_values=value)
+
+    def rows(x, value=0):
+        return pad(x, bp, value, axis=0)
 
     q = (pad(q_BxTxNxD, tp) * jnp.asarray(d**-0.5, q_BxTxNxD.dtype)).reshape(b, tp, kh, n // kh, d)
-    q_BxKxGxTxD = jnp.transpose(q, (0, 2, 3, 1, 4))
-    k_BxKxSxD = jnp.swapaxes(pad(k_BxSxKxD, sp), 1, 2)
-    v_BxKxSxD = jnp.swapaxes(pad(v_BxSxKxD, sp), 1, 2)
+    q_BxKxGxTxD = rows(jnp.transpose(q, (0, 2, 3, 1, 4)))
+    k_BxKxSxD = rows(jnp.swapaxes(pad(k_BxSxKxD, sp), 1, 2))
+    v_BxKxSxD = rows(jnp.swapaxes(pad(v_BxSxKxD, sp), 1, 2))
+    # padded rows' keys are all valid (segment 0): zeros attended, never a row that sees nothing
+    kv_valid = rows(pad(mask.kv_valid_BxS, sp), True)
     seg = splash.SegmentIds(
-        q=jnp.zeros((b, tp), jnp.int32),
-        kv=jnp.where(pad(mask.kv_valid_BxS, sp), 0, 1).astype(jnp.int32),
+        q=jnp.zeros((bp, tp), jnp.int32), kv=jnp.where(kv_valid, 0, 1).astype(jnp.int32)
     )
 
-    def attend(interpret, q, k, v, seg):  # q [B, K, G, T', D], k/v [B, K, S', D]
+    def attend(interpret, q, k, v, seg):  # q [B, K, G, T', D], k/v [B, K, S', D] (a device's)
+        heads_mask = splash.MultiHeadMask([splash.NumpyMask(static)] * q.shape[2])
         kernel = splash.make_splash_mqa_single_device(
             heads_mask, block_sizes=blocks, interpret=interpret
         )
@@ -291,15 +299,59 @@ def _splash(q_BxTxNxD, k_BxSxKxD, v_BxSxKxD, mask: Mask):
 
         return jax.vmap(one)(q, k, v, seg)
 
-    # The kernel through Mosaic where the program is lowered for a TPU (also compile-only TPU
-    # devices on a CPU host, where the default backend is not 'tpu'), Pallas' interpreter
-    # elsewhere; only the branch of the lowering platform is compiled.
-    o = jax.lax.platform_dependent(
-        q_BxKxGxTxD,
-        k_BxKxSxD,
-        v_BxKxSxD,
-        seg,
-        tpu=functools.partial(attend, False),
-        default=functools.partial(attend, True),
-    )  # [B, K, G, T', D]
+    def per_device(q, k, v, seg):
+        # The kernel through Mosaic where the program is lowered for a TPU (also compile-only TPU
+        # devices on a CPU host, where the default backend is not 'tpu'), Pallas' interpreter
+        # elsewhere; only the branch of the lowering platform is compiled.
+        return jax.lax.platform_dependent(
+            q,
+            k,
+            v,
+            seg,
+            tpu=functools.partial(attend, False),
+            default=functools.partial(attend, True),
+        )
+
+    if layout.mesh is not None:
+        # A Mosaic call is not partitioned by XLA ("wrap the call in a shard_map"): each device
+        # runs the kernel on its own rows and heads, which attention never mixes.
+        q_spec, kv_spec, seg_spec = layout.specs
+        per_device = jax.shard_map(
+            per_device,
+            mesh=layout.mesh,
+            in_specs=(q_spec, kv_spec, kv_spec, splash.SegmentIds(q=seg_spec, kv=seg_spec)),
+            out_specs=q_spec,
+            check_vma=False,  # pallas_call's outputs carry no varying-axes type
+        )
+    o = per_device(q_BxKxGxTxD, k_BxKxSxD, v_BxKxSxD, seg)[:b]  # [B, K, G, T', D]
     return jnp.transpose(o[:, :, :, :t], (0, 3, 1, 2, 4)).astype(v_BxSxKxD.dtype)
+
+
+class SplashLayout(NamedTuple):
+    """How splash's operands split over the trace's mesh: `mesh` None (no mesh, or one device:
+    the plain call); else the PartitionSpecs of q [B, K, G, T', D], k/v [B, K, S', D] and the
+    segment ids [B, L], and the multiple the rows are padded to (1 when not split)."""
+
+    mesh: jax.sharding.AbstractMesh | None
+    specs: tuple = ()
+    row_multiple: int = 1
+
+
+def splash_layout(mesh, rows: int, kv_heads: int, group: int) -> SplashLayout:
+    """Rows over the mesh's batch axes (`sharding.BATCH_AXES`, as the activations are), heads
+    over its `tensor` axis: the kv heads when they divide (each device keeps its query heads'
+    kv heads), else the query heads of a group (kv heads then whole on every device), else
+    none; sequences whole. Rows that do not divide are padded (`row_multiple`)."""
+    if mesh is None or mesh.empty or mesh.size == 1:
+        return SplashLayout(None)
+    from jax.sharding import PartitionSpec as P
+
+    batch = tuple(a for a in sharding.BATCH_AXES if a in mesh.axis_names and mesh.shape[a] > 1)
+    row_multiple = math.prod(mesh.shape[a] for a in batch)
+    heads = sharding.TENSOR_AXIS if sharding.TENSOR_AXIS in mesh.axis_names else None
+    ways = mesh.shape[heads] if heads else 1
+    on_kv = heads if ways > 1 and kv_heads % ways == 0 else None
+    on_group = heads if ways > 1 and on_kv is None and group % ways == 0 else None
+    b = batch or None
+    specs = (P(b, on_kv, on_group, None, None), P(b, on_kv, None, None), P(b, None))
+    return SplashLayout(mesh, specs, row_multiple)

@@ -29,6 +29,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 AXES = ("data", "fsdp", "tensor")
+BATCH_AXES = ("data", "fsdp")  # a batch's rows split over these (`batch_sharding`)
+TENSOR_AXIS = "tensor"  # attention heads and the projections' outputs
 # `mesh.layout`: 'hybrid' keeps fsdp and tensor within a host, 'flat' lays the shape over the
 # devices in order (fsdp may span hosts). One host: the same mesh either way.
 LAYOUTS = ("hybrid", "flat")
@@ -237,7 +239,7 @@ def named_sharding(path: tuple, shape: tuple[int, ...], mesh: Mesh) -> NamedShar
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
     """Sharding of [B, ...] host batches: B over (data, fsdp)."""
-    return NamedSharding(mesh, P(("data", "fsdp")))
+    return NamedSharding(mesh, P(BATCH_AXES))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
