@@ -19,7 +19,8 @@ between the projections and the attention, and no score matrix is written by our
                 keys); on CPU they measured a few % faster than 'xla' (docs/attention.md).
   'auto'        resolved once at start-up, outside any trace, by `attention_probe.choose`:
                 on a GPU in bf16/fp16 the first cuDNN form that compiles, runs and matches
-                'xla' on the run's attention structure, else 'xla'; elsewhere 'unfused'.
+                'xla' on the run's attention structure, else 'xla'; on a TPU 'pallas_tpu'
+                unless the completions are packed (`auto_off_gpu`); elsewhere 'unfused'.
 
 Which keys a query sees is a `Mask`: a static [T, S] pattern (causal, or prompt-then-causal),
 a per-row validity of the keys [B, S] (padding), and optionally a per-row [B, T, S] extra
@@ -103,8 +104,9 @@ def prompt_then_causal(pvalid_BxP, own_valid_BxT, extra_BxTxT=None) -> Mask:
     return Mask(static, valid, extra)
 
 
-def resolve(implementation: str, dtype, head_dim: int) -> str:
-    """The backend `implementation` names here ('auto': by platform, dtype and head dim)."""
+def resolve(implementation: str, dtype, head_dim: int, *, packed: bool = False) -> str:
+    """The backend `implementation` names here ('auto': by platform, dtype, head dim and whether
+    the masks carry packed segments, which splash cannot take: `auto_off_gpu`)."""
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(
             f"unknown attention implementation {implementation!r}; expected one of "
@@ -114,8 +116,22 @@ def resolve(implementation: str, dtype, head_dim: int) -> str:
         return implementation
     # Never an unprobed cuDNN: `attention_probe.choose` resolves 'auto' before any trace; an
     # 'auto' left in a config (a test, a script that skipped it) gets the safe default.
-    on_gpu = compile_platform.current() == "gpu"
-    return "xla" if on_gpu and cudnn_eligible(dtype, head_dim) else "unfused"
+    platform = compile_platform.current()
+    if platform == "gpu":
+        return "xla" if cudnn_eligible(dtype, head_dim) else "unfused"
+    return auto_off_gpu(platform, packed)[0]
+
+
+def auto_off_gpu(platform: str, packed: bool) -> tuple[str, str]:
+    """(backend, why) of 'auto' off a GPU: on a TPU splash (it compiles through Mosaic, on any
+    mesh under `shard_map`), unless the completions are packed: splash's segment ids cannot let
+    every packed completion see its prompt's keys as well as its own, so those runs keep
+    'unfused'; elsewhere 'unfused' (a few % faster than 'xla' on CPU, docs/attention.md)."""
+    if platform != "tpu":
+        return "unfused", f"auto: no GPU or TPU ({platform})"
+    if packed:
+        return "unfused", "auto on a TPU: splash takes no packed completions (batch.pack_max_len)"
+    return "pallas_tpu", "auto on a TPU: splash"
 
 
 def cudnn_eligible(dtype, head_dim: int) -> bool:
@@ -132,7 +148,7 @@ def dot_product(
     here when None. Fully masked queries (left padding) get a uniform softmax, not NaN.
     """
     b, t, n, d = q_BxTxNxD.shape
-    impl = resolve(implementation, q_BxTxNxD.dtype, d)
+    impl = resolve(implementation, q_BxTxNxD.dtype, d, packed=mask.extra_BxTxS is not None)
     if impl == "pallas_tpu":
         o = _splash(q_BxTxNxD, k_BxSxKxD, v_BxSxKxD, mask)
     elif impl == "cudnn_maskfree":
