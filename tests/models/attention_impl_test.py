@@ -504,3 +504,32 @@ def test_splash_on_a_mesh_equals_one_device_and_xla():
     proc = testing.run_in_fresh_jax(_SPLASH_ON_A_MESH)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("MESH") == 6, proc.stdout
+
+
+def test_splash_layout_splits_rows_and_heads():
+    """Hand-worked layouts: rows over the batch axes of size > 1 (padded to their product),
+    heads over tensor (kv heads when they divide, else a group's query heads, else none)."""
+    from jax.sharding import AbstractMesh
+    from jax.sharding import PartitionSpec as P
+
+    def layout(shape, kv_heads, group, rows=6):
+        mesh = AbstractMesh(shape, ("data", "fsdp", "tensor"))
+        return attention_impl.splash_layout(mesh, rows, kv_heads, group)
+
+    got = layout((2, 2, 2), kv_heads=2, group=6)
+    assert got.row_multiple == 4
+    assert got.specs == (
+        P(("data", "fsdp"), "tensor", None, None, None),
+        P(("data", "fsdp"), "tensor", None, None),
+        P(("data", "fsdp"), None),
+    )
+    got = layout((1, 4, 2), kv_heads=1, group=6)  # one kv head: the group's 6 query heads split
+    assert got.row_multiple == 4
+    assert got.specs[:2] == (
+        P(("fsdp",), None, "tensor", None, None),
+        P(("fsdp",), None, None, None),
+    )
+    got = layout((1, 1, 4), kv_heads=2, group=3)  # neither divides 4: heads whole, rows whole
+    assert got.row_multiple == 1 and got.specs[0] == P(None, None, None, None, None)
+    assert layout((1, 1, 1), kv_heads=2, group=6).mesh is None  # one device: the plain call
+    assert attention_impl.splash_layout(None, 6, 2, 6).mesh is None
