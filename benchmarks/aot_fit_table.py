@@ -128,4 +128,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    bench_harness.run(main)

@@ -149,4 +149,4 @@ def report(results: dict) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    harness.run(main)

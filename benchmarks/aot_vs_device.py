@@ -117,4 +117,4 @@ def _ratio(a: float, b: float):
 
 
 if __name__ == "__main__":
-    main()
+    harness.run(main)

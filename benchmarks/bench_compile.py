@@ -208,4 +208,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    harness.run(main)

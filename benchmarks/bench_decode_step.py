@@ -48,12 +48,14 @@ _REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(_REPO))
 sys.path.insert(0, str(_REPO / "tests"))  # test tooling (`support`): tiny checkpoints, shared data
 from mmr_jax.infra import bench_harness as harness  # noqa: E402
+from mmr_jax.infra import user_errors  # noqa: E402
 
 _MODEL = flags.DEFINE_enum("model", "smollm2", ["smollm2", "tiny"], "which model")
 _SMOL = flags.DEFINE_string(
     "smollm2_path", str(_REPO / "checkpoints" / "smollm2-135m-instruct"), "SmolLM2 checkpoint"
 )
 _PROMPTS = flags.DEFINE_list("prompts", ["8"], "prompt counts")
+harness.counts_flag("prompts")
 _N = flags.DEFINE_integer("n", 4, "samples per prompt")
 _PROMPT_SLOTS = flags.DEFINE_integer("prompt_slots", 192, "prompt cache slots (padded prompt)")
 _PROMPT_FILL = flags.DEFINE_float("prompt_fill", 0.45, "fraction of prompt slots holding tokens")
@@ -176,4 +178,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    user_errors.run(main)

@@ -31,11 +31,12 @@ import pathlib
 import sys
 
 import gpu_flops  # benchmarks/, beside this file
-from absl import app, flags
+from absl import flags
 
 _REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(_REPO))
 from mmr_jax.infra import bench_harness as harness  # noqa: E402
+from mmr_jax.infra import user_errors  # noqa: E402
 
 _CONFIGS = flags.DEFINE_list(
     "configs", ["configs/grpo.py:1.5b", "configs/grpo_7b.py"], "config files (path[:arg])"
@@ -209,4 +210,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    user_errors.run(main)

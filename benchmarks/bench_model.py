@@ -103,7 +103,7 @@ def _model_paths(names, tmp):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(
+    ap = harness.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--models", default="tiny,smollm2")
@@ -157,4 +157,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    harness.run(main)

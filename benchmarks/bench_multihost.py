@@ -20,13 +20,13 @@ import sys
 import tempfile
 import time
 
-from absl import app, flags
+from absl import flags
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "tests")]
 from mmr_jax.config import command_line  # noqa: E402
 from mmr_jax.infra import bench_harness as harness  # noqa: E402
-from mmr_jax.infra import metrics  # noqa: E402
+from mmr_jax.infra import metrics, user_errors  # noqa: E402
 
 from support import multihost  # noqa: E402
 
@@ -89,4 +89,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    user_errors.run(main)

@@ -25,10 +25,11 @@ import statistics
 import sys
 import time
 
-from absl import app, flags
+from absl import flags
 
 _REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(_REPO))
+from mmr_jax.infra import user_errors  # noqa: E402
 
 _CONFIG = flags.DEFINE_string("config", "configs/cpu_smollm2.py", "training config")
 _BATCHES = flags.DEFINE_integer("batches", 6, "rollout batches (trainer steps) to time")
@@ -126,4 +127,4 @@ def main(argv) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    user_errors.run(main)

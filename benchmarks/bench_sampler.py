@@ -43,9 +43,11 @@ _REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(_REPO))
 sys.path.insert(0, str(_REPO / "tests"))  # test tooling (`support`): tiny checkpoints, shared data
 from mmr_jax.infra import bench_harness as harness  # noqa: E402
+from mmr_jax.infra import user_errors  # noqa: E402
 
 _JSON = flags.DEFINE_string("json", None, "also write the results to this JSON file")
 _PROMPTS = flags.DEFINE_list("prompts", ["8", "32"], "prompt counts")
+harness.counts_flag("prompts")
 _N = flags.DEFINE_integer("n", 4, "completions per prompt")
 _NEW = flags.DEFINE_integer("new_tokens", 128, "new tokens per completion")
 _TEMP = flags.DEFINE_float("temperature", 0.7, "sampling temperature (both engines)")
@@ -223,4 +225,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    user_errors.run(main)

@@ -35,15 +35,17 @@ import sys
 import tempfile
 import time
 
-from absl import app, flags
+from absl import flags
 
 _REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(_REPO))
 from mmr_jax.infra import bench_harness as harness  # noqa: E402
+from mmr_jax.infra import user_errors  # noqa: E402
 
 _MODEL = flags.DEFINE_string("model", "checkpoints/smollm2-135m-instruct", "HF checkpoint")
 _SERVERS = flags.DEFINE_list("servers", ["ours", "vllm"], "which servers: ours, vllm")
 _CLIENTS = flags.DEFINE_list("clients", ["1", "4", "16"], "concurrent clients per level")
+harness.counts_flag("clients")
 _ROUNDS = flags.DEFINE_integer("rounds", 2, "requests per client at each level")
 _MAX_TOKENS = flags.DEFINE_integer("max_tokens", 64, "tokens generated per request")
 _JSON = flags.DEFINE_string("json", None, "also write the results to this JSON file")
@@ -273,18 +275,15 @@ def main(argv):
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request otherwise
     os.chdir(_REPO)
+    if not (pathlib.Path(_MODEL.value) / "config.json").is_file():
+        raise user_errors.UserError(f"--model={_MODEL.value}: no checkpoint there (config.json); "
+                                    "scripts/prepare_smollm2.py builds the default")  # fmt: skip
     rows = [row for server in _SERVERS.value for row in bench(server)]
-    result = {
-        "model": _MODEL.value,
-        "max_tokens": _MAX_TOKENS.value,
-        "rounds": _ROUNDS.value,
-        "cold": _COLD.value,
-        "kv_cache_gib": _KV_GIB.value,
-        "cpus": os.cpu_count(),
-        "load_average": os.getloadavg(),
-        "rows": rows,
-        "goals": goals(rows),
-    }
+    result = dict(
+        model=_MODEL.value, max_tokens=_MAX_TOKENS.value, rounds=_ROUNDS.value, cold=_COLD.value,
+        kv_cache_gib=_KV_GIB.value, cpus=os.cpu_count(), load_average=os.getloadavg(),
+        rows=rows, goals=goals(rows),
+    )  # fmt: skip
     print(harness.format_table([r for r in rows if "clients" in r], COLUMNS))
     for r in rows:
         if "clients" not in r:
@@ -296,4 +295,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    user_errors.run(main)

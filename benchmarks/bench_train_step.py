@@ -37,12 +37,13 @@ import typing
 
 import numpy as np
 import train_step_batches  # benchmarks/, beside this file
-from absl import app, flags
+from absl import flags
 
 _REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(_REPO))
 sys.path.insert(0, str(_REPO / "tests"))  # test tooling (`support`): tiny checkpoints, shared data
 from mmr_jax.infra import bench_harness as harness  # noqa: E402
+from mmr_jax.infra import user_errors  # noqa: E402
 
 _MODEL = flags.DEFINE_enum("model", "smollm2", ["smollm2", "tiny"], "which model")
 _SMOL = flags.DEFINE_string(
@@ -195,4 +196,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    user_errors.run(main)

@@ -84,7 +84,7 @@ def decode_loop(
     return run
 
 
-def pass_q_through(q_RxTxNxD, *unused):
+def pass_q_through(q_NxTxHxD, *unused):
     """Stands in for the attention over the cache: q itself, heads merged ([R, T, N * D])."""
     del unused
-    return q_RxTxNxD.reshape(q_RxTxNxD.shape[0], q_RxTxNxD.shape[1], -1)
+    return q_NxTxHxD.reshape(q_NxTxHxD.shape[0], q_NxTxHxD.shape[1], -1)

@@ -16,8 +16,8 @@ the training-mode forward without masks (d ~ 1e-7: fp32 rounding). Prints a tabl
 
 from __future__ import annotations
 
-import argparse
 import json
+import os
 import pathlib
 import sys
 
@@ -28,8 +28,10 @@ from flax import nnx
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from mmr_jax.infra import bench_harness, user_errors  # noqa: E402
 from mmr_jax.models import loading  # noqa: E402
 from mmr_jax.models import lora as lora_lib  # noqa: E402
+from mmr_jax.problems import data  # noqa: E402
 from mmr_jax.step import minibatch  # noqa: E402
 
 GSPO_BAND = (1 - 3e-4, 1 + 4e-4)
@@ -93,15 +95,20 @@ def measure(model_path, tokens, attn, comp, *, dropout, scale, keys, temperature
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = bench_harness.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=str(REPO / "checkpoints" / "smollm2-135m-instruct"))
-    ap.add_argument("--data", default=str(REPO.parent / "shared/data/train/gsm8k_train.jsonl"))
+    shared = os.environ.get(data.DATA_ENV, str(REPO.parent / "shared" / "data"))
+    ap.add_argument("--data", default=os.path.join(shared, "train", "gsm8k_train.jsonl"))
     ap.add_argument("--rows", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=128, help="completion tokens per row (cut)")
     ap.add_argument("--scales", default="0.0003,0.001,0.003", help="std of the adapters' B")
     ap.add_argument("--keys", type=int, default=2, help="dropout draws per setting")
     ap.add_argument("--json", default="")
     a = ap.parse_args()
+    if not (pathlib.Path(a.model) / "config.json").is_file():  # one line, not a traceback
+        raise user_errors.UserError(f"--model={a.model}: no checkpoint there (config.json)")
+    if not pathlib.Path(a.data).is_file():
+        raise data.DataNotFoundError(f"--data: {data.missing_data_message(a.data)}")
     import transformers
 
     tok = transformers.AutoTokenizer.from_pretrained(a.model)
@@ -125,4 +132,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    bench_harness.run(main)

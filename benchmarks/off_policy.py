@@ -172,4 +172,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    harness.run(main)

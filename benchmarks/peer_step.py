@@ -152,7 +152,7 @@ def side_timeouts(spec: str, default: float) -> dict[str, float]:
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = harness.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--config", default="configs/grpo.py:1.5b", help="config file (path[:arg])")
     p.add_argument("--set", action="append", default=[], help="dotted override key=value")
     p.add_argument("--sides", default=",".join(SIDES), help=f"comma-separated of {SIDES}")
@@ -235,4 +235,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    harness.run(main)

@@ -103,7 +103,7 @@ def report(args, rows: list[dict], rc) -> dict:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = harness.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--config", default="configs/grpo.py:1.5b")
     p.add_argument("--set", action="append", default=[], help="config override key=value")
     p.add_argument("--steps", type=int, default=2)
@@ -143,4 +143,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    harness.run(main)

@@ -20,11 +20,12 @@ gather (old: the whole model on every device).
 import pathlib
 import sys
 
-from absl import app, flags
+from absl import flags
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "tests")]
 from mmr_jax.infra import bench_harness as harness  # noqa: E402
+from mmr_jax.infra import user_errors  # noqa: E402
 
 from support import weight_sync_worker  # noqa: E402
 
@@ -32,6 +33,7 @@ _MODELS = flags.DEFINE_list(
     "models", ["tiny", "smollm2_135m_instruct"], "tiny, or third_party/hf_configs/<name>.json."
 )
 _DEVICES = flags.DEFINE_list("devices", ["2"], "CPU devices per process, one row set each.")
+harness.counts_flag("devices")
 _MODES = flags.DEFINE_list("modes", ["full", "lora"], f"Of {weight_sync_worker.MODES}.")
 _SYNCS = flags.DEFINE_integer("syncs", 5, "Syncs per row (the first apart, then the median).")
 _OUT = flags.DEFINE_string("out", None, "Also write the rows here as JSON.")
@@ -94,4 +96,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    user_errors.run(main)

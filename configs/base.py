@@ -244,7 +244,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # Several hosts: 'hybrid' = each host's devices one block of data rows, fsdp/tensor within a
     # host, a -1 on fsdp/tensor fills one host ((1,-1,1) on 2x8 = (2,8,1)); 'flat' = the shape
     # over all devices in order (fsdp may span hosts). One host: the same (docs/multihost.md).
-    c.mesh.layout = "hybrid"
+    c.mesh.over_hosts = "hybrid"
 
     apply_arg(c, arg)
     return c

@@ -3,14 +3,15 @@
 # each, one JSON per measurement in $OUT written as it goes, one summary.json, going on after a
 # failure. docs/performance.md ("The prepared GPU check").
 #
-#   bash scripts/gpu_check.sh --fetch_wheels   # HERE, once: the 4 wheels the lent image lacks -> .whl/
-#   bash scripts/gpu_check.sh --run=A          # ON THE DEVICE (carry .whl), then --run=B
+#   bash scripts/gpu_check.sh --fetch_wheels   # HERE, once: the 4 wheels the GPU image lacks -> .whl/
+#   bash scripts/gpu_check.sh --run=A          # ON THE GPU MACHINE (with .whl/), then --run=B
 #   bash scripts/gpu_check.sh --run=B --only=rl_step       # some steps of a run
 #   bash scripts/gpu_check.sh --cpu_smoke      # here: both runs' steps at tiny shapes on CPU
 #
-# The two device calls (the machine's start comes on top of the first, ~2-3 min of the 15):
-#   run(command="bash scripts/gpu_check.sh --run=A", carry=[".whl"], timeout_s=300)
-#   run(command="bash scripts/gpu_check.sh --run=B", carry=[".whl"], timeout_s=300)
+# The two device calls, each a copy of this checkout with its .whl/ folder on the GPU machine, $OUT
+# set to an empty results folder, and a 300-s limit (a machine's start-up comes on top):
+#   bash scripts/gpu_check.sh --run=A    # limit 300 s
+#   bash scripts/gpu_check.sh --run=B    # limit 300 s
 # Each run's steps have limits that add up to at most 270 s of its TOTAL_S=285 s (the wheels'
 # install, ~5 s, counts in it; 15 s are left before the call's 300 s for the summary); a step
 # gets min(its limit, what is left), and one with under 20 s left is skipped.
@@ -39,7 +40,7 @@
 #                     rl_step and peer_3584 leave (its compile took 251 s on 2026-11-26's code,
 #                     so it finishes only if those end early; its JSON keeps the compile time
 #                     and XLA's memory as soon as they are known). Alone: --run=B --only=lora_7b.
-# Files in $OUT (the device tool returns 8 at most): A: gpu_check.log, summary.json,
+# Files in $OUT (at most 8 a call, so that all of them come back): A: gpu_check.log, summary.json,
 # aot_vs_device.json, peer_1024.json, profile.json, decode.json; B: gpu_check.log, summary.json, rl_step.json,
 # peer_3584.json, lora_7b.json.
 set -uo pipefail
@@ -77,7 +78,7 @@ if [ "$SMOKE" = 1 ]; then
   RUNS="${RUN:-AB}"
   export JAX_PLATFORMS=cpu
 else
-  : "${OUT:?set OUT (the device tool sets it)}"
+  : "${OUT:?set OUT to an empty results folder}"
   PY="${PYTHON:-python3}"
   TOTAL_S="${TOTAL_S:-285}"
   RUNS="$RUN"
@@ -85,7 +86,7 @@ else
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
       --target /tmp/site .whl/*.whl || echo "wheel install failed" >&2
   else
-    echo "no .whl/ (bash scripts/gpu_check.sh --fetch_wheels here, then carry .whl)" >&2
+    echo "no .whl/ (bash scripts/gpu_check.sh --fetch_wheels first, and copy .whl/ along)" >&2
   fi
   export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
 fi

@@ -12,7 +12,7 @@ is on that pod (hybrid by default: data across hosts, fsdp and tensor within one
 shardings and XLA's per-device memory are those of the pod's (on the CPU backend):
 
     python scripts/model_dry_run.py --train_config configs/grpo_7b.py --hosts 2 \\
-        --devices_per_host 8 [--set mesh.layout=flat ...]
+        --devices_per_host 8 [--set mesh.over_hosts=flat ...]
 """
 
 from __future__ import annotations
@@ -53,7 +53,9 @@ def _parser() -> argparse.ArgumentParser:
         default=0,
         help="devices per host (default: the --mesh sizes' product on one host)",
     )
-    ap.add_argument("--layout", default="hybrid", choices=["hybrid", "flat"], help="mesh.layout")
+    ap.add_argument(
+        "--over_hosts", default="hybrid", choices=["hybrid", "flat"], help="mesh.over_hosts"
+    )
     ap.add_argument(
         "--lora", action="store_true", help="LoRA r=64, alpha=128 on q/k/v/o/gate/up/down"
     )
@@ -115,7 +117,7 @@ def main(argv=None) -> None:
         if not per_host:
             raise SystemExit("--hosts or a -1 in --mesh needs --devices_per_host")
         mesh = dry_run.pod_mesh_shape(
-            shape, hosts=args.hosts, devices_per_host=per_host, layout=args.layout
+            shape, hosts=args.hosts, devices_per_host=per_host, over_hosts=args.over_hosts
         )
     else:
         mesh = dry_run.MeshShape(*shape)

@@ -80,6 +80,12 @@ _LOGPROBS_MODE = flags.DEFINE_enum(
     "reported log-probs: after temperature (default), also after top-k/top-p renormalised "
     "(vLLM's processed_logprobs), or of the raw logits (vLLM's raw_logprobs)",
 )
+_FORCE_USAGE = flags.DEFINE_bool(
+    "enable_force_include_usage",
+    False,
+    "every streamed reply carries the usage in every chunk, as if the client had asked "
+    "stream_options include_usage and continuous_usage_stats (vLLM's flag of the same name)",
+)
 _CHUNK_STEPS = flags.DEFINE_integer("stream_chunk_steps", 8, "decode steps between stream chunks")
 _BATCH_WAIT_MS = flags.DEFINE_float(
     "batch_wait_ms", 20, "once a request arrives, wait this long for others to batch with it"
@@ -130,6 +136,7 @@ def main(argv):
         weights_dir=_WEIGHTS_DIR.value,
         chunk_steps=_CHUNK_STEPS.value,
         gather_s=_BATCH_WAIT_MS.value / 1000,
+        force_include_usage=_FORCE_USAGE.value,
     )
     signal.signal(signal.SIGTERM, lambda signum, frame: srv.stop_serving())
     ready = time.perf_counter() - started

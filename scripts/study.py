@@ -106,15 +106,20 @@ def write_report(config, specs) -> dict:
 
 def _check_for_report(folder, now: dict) -> None:
     """A report reads the runs' metrics, not their training configs: training keys the code has
-    changed since the study ran (defaults added or renamed) are logged, not refused; the study's
-    own keys, the run grid, steps and evaluation must still match."""
+    changed since the study ran (defaults added or renamed) and the data folder's path are
+    logged, not refused; the study's own keys, the run grid, steps and evaluation must still
+    match."""
     path = run_paths.as_path(folder) / study.STUDY_FILE
     if not path.exists():
         study.check_folder(folder, now)
         return
     diff = study.differences(json.loads(path.read_text()), study.plain(now))
     report_keys = (".total_steps", ".eval.", ".seed:", ".name:")
-    if any(not d.startswith("runs.") or any(k in d for k in report_keys) for d in diff):
+    where = ".eval.data_dir:"  # the data folder's path on the machine the study ran: not a setting
+    if any(
+        not d.startswith("runs.") or (any(k in d for k in report_keys) and where not in d)
+        for d in diff
+    ):
         study.check_folder(folder, now)  # refuses, naming the differences
     if diff:
         console.info("report of the stored study; training keys changed since: %s", diff)

@@ -1,8 +1,10 @@
 """The package tree as the architecture (issue 48): which subpackage may import which, no import
-circles between modules, pure math with no I/O, and docs/package_tree.md generated from the tree."""
+circles between modules, pure math with no I/O, docs/package_tree.md generated from the tree, and
+every repository path the docs name present in it."""
 
 import ast
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -160,3 +162,54 @@ def test_tests_mirror_the_code():
         if path.parent != tests:
             assert folder in folders, f"{path.relative_to(REPO)}: tests/{folder}/ mirrors no code"
             assert (path.parent / "__init__.py").exists(), f"{path.parent}: not a package"
+
+
+# Paths the docs name on purpose that are not in the tree: a mistake's example, a file said not to
+# exist, a placeholder.
+NOT_PATHS = {"configs/nope.py", "configs/rloo.py", "configs/x.py"}
+SUBPACKAGES = "|".join(sorted(p.parent.name for p in PACKAGE.glob("*/__init__.py")))
+DOC_PATH = re.compile(
+    r"(?<![\w/.<-])((?:mmr_jax|scripts|configs|tests|benchmarks)/[\w./-]*\w"
+    rf"|(?:{SUBPACKAGES})/\w+\.py)"
+)
+
+
+def doc_paths_missing(repo: pathlib.Path) -> list[str]:
+    """'page:line: path' for each repository path (`mmr_jax/...`, `scripts/...`, `configs/...`,
+    `tests/...`, `benchmarks/...`, or a module as `training/build.py`) a docs page or the README
+    names that is not in the tree, as a file or folder from the repository root, the page's
+    folder, `mmr_jax/` or `tests/` (a `::test` suffix is not part of it; a placeholder with `<`,
+    `*` or `{` is not a path)."""
+    pages = sorted(repo.glob("docs/**/*.md")) + [repo / "README.md"]
+    missing = []
+    for page in pages:
+        for number, line in enumerate(page.read_text().splitlines(), 1):
+            for match in DOC_PATH.finditer(line):
+                path, after = match.group(1), line[match.end() : match.end() + 1]
+                if after in "<*{" and after or path in NOT_PATHS:
+                    continue
+                places = (repo, page.parent, repo / "mmr_jax", repo / "tests")
+                if not any((place / path).exists() for place in places):
+                    missing.append(f"{page.relative_to(repo)}:{number}: {path}")
+    return missing
+
+
+def test_docs_name_only_paths_that_exist():
+    missing = doc_paths_missing(REPO)
+    assert not missing, "\n".join(missing)
+
+
+def test_the_docs_path_check_finds_a_missing_path(tmp_path):
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "scripts").mkdir()
+    (tmp_path / "scripts" / "train.py").write_text("")
+    (tmp_path / "docs" / "a.md").write_text(
+        "Run `scripts/train.py`, then scripts/trian.py; see tests/<sub>/x_test.py, "
+        "configs/nope.py and step/pipline.py.\n"
+    )
+    (tmp_path / "README.md").write_text("`python benchmarks/gone.py --json=x`\n")
+    assert doc_paths_missing(tmp_path) == [
+        "docs/a.md:1: scripts/trian.py",
+        "docs/a.md:1: step/pipline.py",
+        "README.md:1: benchmarks/gone.py",
+    ]

@@ -60,6 +60,8 @@ The rollout/trainer mismatch (the engine's log-probs against the trainer's) is m
 corrected in `mismatch`; its importance weights enter `policy_loss` as `is_weights_NxT`.
 """
 
+from typing import Protocol
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -68,6 +70,22 @@ AGGREGATIONS = ("seq_mean_token_mean", "token_mean", "seq_mean_token_sum_norm")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 IS_LEVELS = ("token", "sequence", "sequence_token")
 OBJECTIVES = ("ppo_clip", "cispo")
+
+
+class LossSettings(Protocol):
+    """What `policy_loss` reads of a run's loss section (`config.schema.LossConfig` is one; its
+    defaults are configs/base.py's). Passed whole, so that a new option is read where it is used,
+    not copied key by key through each caller."""
+
+    eps_low: float  # ratio clip 1 - eps_low ('cispo': its weight's lower bound)
+    eps_high: float  # ratio clip 1 + eps_high (DAPO clip-higher)
+    aggregation: str  # one of AGGREGATIONS
+    beta: float  # KL coefficient (0 = no KL term)
+    kl_estimator: str  # one of KL_ESTIMATORS
+    importance_sampling_level: str  # one of IS_LEVELS
+    objective: str  # one of OBJECTIVES
+    dual_clip_c: float  # 0 = off, else c > 1: 'ppo_clip' loss of A < 0 tokens capped at -A c
+    top_entropy_quantile: float  # in (0, 1]: the policy-gradient term's share of tokens
 
 
 def kl_divergence(logps: jax.Array, ref_logps: jax.Array, *, estimator: str = "k3") -> jax.Array:
@@ -183,7 +201,7 @@ def high_entropy_mask(entropy_NxT: jax.Array, mask_NxT: jax.Array, *, quantile: 
     return valid & (h >= threshold)
 
 
-def ppo_clip_loss(ratio_NxT, adv_Nx1, *, eps_low: float, eps_high: float, dual_clip_c: float = 0.0):
+def ppo_clip_loss(ratio_NxT, adv_Nx1, *, eps_low: float, eps_high: float, dual_clip_c: float):
     """Per-token -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A); with `dual_clip_c` = c > 1,
     capped at -A c where A < 0 (verl `compute_policy_loss_vanilla`)."""
     clipped = jnp.clip(ratio_NxT, 1.0 - eps_low, 1.0 + eps_high)
@@ -218,24 +236,16 @@ def policy_loss(
     advantages_N: jax.Array,
     mask_NxT: jax.Array,
     *,
-    eps_low: float,
-    eps_high: float,
-    aggregation: str,
+    settings: LossSettings,
     ref_logps_NxT: jax.Array | None = None,
-    beta: float = 0.0,
-    kl_estimator: str = "k3",
     max_completion_len: int | None = None,
     normaliser: jax.Array | float | None = None,
     is_weights_NxT: jax.Array | None = None,
-    importance_sampling_level: str = "token",
-    objective: str = "ppo_clip",
-    dual_clip_c: float = 0.0,
     entropy_NxT: jax.Array | None = None,
     entropy_coef: float | jax.Array = 0.0,
-    top_entropy_quantile: float = 1.0,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Clipped surrogate (PPO / GRPO / DAPO) or CISPO, with KL penalty and entropy options,
-    aggregated as `aggregation` says.
+    aggregated as `settings.aggregation` says.
 
     The ratio is taken against `old_logps_NxT` (the policy that sampled, or the pre-update policy
     when iterations > 1). On the first pass pass `jax.lax.stop_gradient(logps_NxT)`: the ratio is
@@ -247,29 +257,19 @@ def policy_loss(
       old_logps_NxT: [N, T] log-probs under the sampling (old) policy; no gradient flows into it.
       advantages_N: [N] per-sequence advantages.
       mask_NxT: [N, T] bool or {0, 1}, True = a completion token that counts.
-      eps_low: lower clip range, ratio >= 1 - eps_low (GRPO/Dr.GRPO/DAPO 0.2).
-      eps_high: upper clip range, ratio <= 1 + eps_high (GRPO/Dr.GRPO 0.2, DAPO 0.28).
-      aggregation: one of AGGREGATIONS (module docstring).
-      ref_logps_NxT: [N, T] reference-policy log-probs; required when beta > 0.
-      beta: KL coefficient.
-      kl_estimator: 'k1', 'k2' or 'k3'.
+      settings: the run's loss section whole (`LossSettings`: what each of its keys does is
+        there; configs/base.py holds their defaults).
+      ref_logps_NxT: [N, T] reference-policy log-probs; required when `settings.beta` > 0.
       max_completion_len: Dr.GRPO's constant length; defaults to T.
       normaliser: global denominator for exact gradient accumulation (module docstring).
       is_weights_NxT: [N, T] rollout/trainer importance weights (`mismatch.tis_weights`), no
         gradient; they multiply the clipped policy-gradient term only, not the KL penalty (as
         verl's TIS, whose KL loss is a separate term). None = no correction (loss unchanged).
-      importance_sampling_level: one of IS_LEVELS: 'token' (the surrogate above), 'sequence'
-        (GSPO) or 'sequence_token' (GSPO-token); the KL penalty stays per token.
-      objective: one of OBJECTIVES: 'ppo_clip' (the surrogate above) or 'cispo' (its eps_low /
-        eps_high bound the stop-gradient weight; token level only).
-      dual_clip_c: 0 = off, else c > 1 (`config.checks`): the 'ppo_clip' loss of A < 0 tokens
-        is capped at -A c; 'cispo' has no surrogate to cap and ignores it.
-      entropy_NxT: [N, T] per-token policy entropy (gradient flows through it); needed by the
-        two options below, ignored without them.
-      entropy_coef: entropy bonus: loss -= coef * (entropy aggregated as the loss); a Python
-        number (0 = off, the graph is then unchanged) or a 0-d array (may be traced).
-      top_entropy_quantile: in (0, 1]; below 1 the policy-gradient term counts only on
-        `high_entropy_mask(entropy_NxT, mask_NxT)` tokens (module docstring).
+      entropy_NxT: [N, T] per-token policy entropy (gradient flows through it); needed by an
+        entropy bonus or `settings.top_entropy_quantile` < 1, ignored without them.
+      entropy_coef: this call's entropy bonus: loss -= coef * (entropy aggregated as the loss); a
+        Python number (0 = off, the graph is then unchanged) or a 0-d array (may be traced: the
+        adaptive coefficient). `settings.entropy_coef` is only its start value and is not read.
 
     Returns:
       (loss, metrics): scalar loss = numerator / (normaliser or denominator); metrics hold
@@ -284,13 +284,16 @@ def policy_loss(
     n, t = logps_NxT.shape
     chex.assert_shape([old_logps_NxT, mask_NxT], (n, t))
     chex.assert_shape(advantages_N, (n,))
+    aggregation, objective = settings.aggregation, settings.objective
+    eps_low, eps_high, dual_clip_c = settings.eps_low, settings.eps_high, settings.dual_clip_c
+    top_entropy_quantile = settings.top_entropy_quantile
     if aggregation not in AGGREGATIONS:
         raise ValueError(f"unknown aggregation {aggregation!r}; known: {AGGREGATIONS}")
-    if beta != 0.0 and ref_logps_NxT is None:
+    if settings.beta != 0.0 and ref_logps_NxT is None:
         raise ValueError("beta > 0 needs ref_logps_NxT")
     if objective not in OBJECTIVES:
         raise ValueError(f"unknown objective {objective!r}; known: {OBJECTIVES}")
-    if objective == "cispo" and importance_sampling_level != "token":
+    if objective == "cispo" and settings.importance_sampling_level != "token":
         raise ValueError("objective 'cispo' takes token ratios")
     if not 0.0 < top_entropy_quantile <= 1.0:
         raise ValueError(f"top_entropy_quantile must lie in (0, 1], got {top_entropy_quantile}")
@@ -303,7 +306,8 @@ def policy_loss(
     old = jnp.where(valid, jax.lax.stop_gradient(old_logps_NxT), 0.0)
     adv = advantages_N[:, None]
 
-    ratio = jnp.exp(log_importance_ratio(logps, old, valid, level=importance_sampling_level))
+    level = settings.importance_sampling_level
+    ratio = jnp.exp(log_importance_ratio(logps, old, valid, level=level))
     clip = dict(eps_low=eps_low, eps_high=eps_high)
     if objective == "cispo":
         loss_NxT = cispo_loss(logps, ratio, adv, **clip)
@@ -324,8 +328,8 @@ def policy_loss(
     if ref_logps_NxT is not None:
         chex.assert_shape(ref_logps_NxT, (n, t))
         ref = jnp.where(valid, jax.lax.stop_gradient(ref_logps_NxT), 0.0)
-        kl = kl_divergence(logps, ref, estimator=kl_estimator)
-        loss_NxT = loss_NxT + beta * kl
+        kl = kl_divergence(logps, ref, estimator=settings.kl_estimator)
+        loss_NxT = loss_NxT + settings.beta * kl
     if not _is_zero(entropy_coef):
         loss_NxT = loss_NxT - jnp.asarray(entropy_coef, loss_NxT.dtype) * entropy
 
@@ -356,3 +360,24 @@ def policy_loss(
         **extra,
     }
     return loss, metrics
+
+
+_OBJECTIVE_WORDS = {"ppo_clip": "clipped surrogate", "cispo": "CISPO"}
+_LEVEL_WORDS = {"token": "token", "sequence": "sequence (GSPO)", "sequence_token": "GSPO-token"}
+
+
+def describe(settings: LossSettings) -> list[str]:
+    """`settings` in words (a run's console header): the objective with its ratio level and clip
+    range, the aggregation, then each option that changes the loss, when it is on."""
+    s = settings
+    level = _LEVEL_WORDS[s.importance_sampling_level]
+    clip = f"clip [{1 - s.eps_low:g}, {1 + s.eps_high:g}]"
+    out = [f"objective {_OBJECTIVE_WORDS[s.objective]}, {level} ratio, {clip}"]
+    out.append(f"loss {s.aggregation}")
+    if s.beta > 0:
+        out.append(f"KL {s.kl_estimator} beta {s.beta:g}")
+    if s.dual_clip_c > 0:
+        out.append(f"dual clip c {s.dual_clip_c:g}")
+    if s.top_entropy_quantile < 1:
+        out.append(f"top {s.top_entropy_quantile:g} entropy tokens")
+    return out

@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Mapping
 from typing import Any
 
@@ -33,7 +32,7 @@ _CHOICES = {
     ("reweight", "scope"): ("group", "batch"),
     ("rewards", "cosine_form"): ("tokens", "released"),
     ("eval", "source"): ("benchmarks", "arithmetic", "task"),
-    ("mesh", "layout"): ("hybrid", "flat"),
+    ("mesh", "over_hosts"): ("hybrid", "flat"),
 }
 ARITHMETIC_OPS = ("+", "-", "*")  # the operators `problems.data.arithmetic_problems` draws
 
@@ -54,9 +53,9 @@ def plain(value):
 def _build(cls, values: Mapping[str, Any], where: str):
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(values) - set(fields))
-    missing = sorted(n for n, f in fields.items() if n not in values and _required(f))
+    missing = sorted(set(fields) - set(values))
     if unknown or missing:
-        raise ValueError(
+        raise schema.ConfigError(
             f"config section {where!r}: unknown keys {unknown}, missing keys {missing}; "
             f"valid keys: {sorted(fields)}"
         )
@@ -71,10 +70,6 @@ def _build(cls, values: Mapping[str, Any], where: str):
             value = {str(k): float(v) for k, v in value.items()}
         kwargs[name] = value
     return cls(**kwargs)
-
-
-def _required(f: dataclasses.Field) -> bool:
-    return f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
 
 
 _SECTIONS = {
@@ -272,28 +267,24 @@ def _validate_objective(loss: schema.LossConfig) -> None:
         )
 
 
-def key_defaults() -> dict[str, Any]:
-    """{'section.key': default} of every keyed field with a default (configs/base.py's values:
-    `tests/config/variants_test.py` holds the two equal). A run stored before a key existed ran as
-    its default, so a resume may take the key as absent-equals-default
-    (`workdir_guard.prepare_workdir`).
-    """
-    out = {}
-    for name, section in _SECTIONS.items():
-        for f in dataclasses.fields(section):
-            if f.default is not dataclasses.MISSING:
-                out[f"{name}.{f.name}"] = json.loads(json.dumps(f.default, default=list))
-    return out
+# Keys renamed since runs were stored, old dotted name -> new: a stored run resumes under the new
+# name (`upgrade`), and a command line that names the old one is told the new (`command_line`).
+RENAMED = {"mesh.layout": "mesh.over_hosts"}  # issue 53: "layout" is the train step's batch's
 
 
 def upgrade(stored: Mapping[str, Any]) -> dict[str, Any]:
-    """A config dict stored before the `reweight` section (a run.json written by an older
-    version) in today's keys: `mmr.enabled` -> `reweight.method='mmr'`, `dra.enabled` ->
-    `reweight.method='dra'`, and the other `mmr.*` keys -> `reweight.*`. Others unchanged."""
-    if "mmr" not in stored and "dra" not in stored:
-        return dict(stored)
-    out = {k: v for k, v in stored.items() if k not in ("mmr", "dra")}
-    mmr, dra = dict(stored.get("mmr", {})), dict(stored.get("dra", {}))
+    """A config dict stored by an older version (a run.json) in today's keys: each `RENAMED` key
+    under its new name; and, stored before the `reweight` section, `mmr.enabled` ->
+    `reweight.method='mmr'`, `dra.enabled` -> `reweight.method='dra'`, the other `mmr.*` keys ->
+    `reweight.*`. Others unchanged; `stored` is not modified."""
+    out = {k: dict(v) if isinstance(v, Mapping) else v for k, v in stored.items()}
+    for old, new in RENAMED.items():
+        (section, key), (new_section, new_key) = old.split("."), new.split(".")
+        if isinstance(out.get(section), dict) and key in out[section]:
+            out.setdefault(new_section, {})[new_key] = out[section].pop(key)
+    if "mmr" not in out and "dra" not in out:
+        return out
+    mmr, dra = dict(out.pop("mmr", {})), dict(out.pop("dra", {}))
     on = mmr.pop("enabled", False), dra.pop("enabled", False)
     out["reweight"] = {"method": "mmr" if on[0] else "dra" if on[1] else "none", **mmr}
     return out

@@ -1,16 +1,23 @@
 """Config files and command-line overrides: `configs/x.py:arg` loading, `--config.a.b=v`
 checks of the file, the keys (naming the valid ones) and the values' types, each a one-line
-`UserError` (`check_argv`); dotted assignments; `load_config` for benchmarks and tests.
+`UserError` (`check_argv`); dotted assignments; `load_config` for benchmarks and tests;
+`stored_config`, a run's stored config in today's keys.
 """
 
 from __future__ import annotations
 
 import ast
+import functools
+import pathlib
 from collections.abc import Mapping
 from typing import Any
 
 from mmr_jax.config import checks, schema
 from mmr_jax.infra import user_errors
+
+# Every key with its default, written once (the typed config holds none: `schema`). The package is
+# installed editable from the checkout, as for third_party/ (`models.config`).
+BASE_CONFIG = pathlib.Path(__file__).resolve().parents[2] / "configs" / "base.py"
 
 
 class UnknownKeyError(user_errors.UserError, KeyError):
@@ -31,7 +38,6 @@ class ConfigValueError(user_errors.UserError, ValueError):
 def load_config_file(spec: str):
     """'configs/grpo.py:7b,smoke' -> that file's `get_config('7b,smoke')` (a ConfigDict)."""
     import importlib.util
-    import pathlib
 
     path, _, arg = spec.partition(":")
     module_spec = importlib.util.spec_from_file_location(pathlib.Path(path).stem, path)
@@ -52,7 +58,7 @@ def parse_assignments(items) -> dict[str, Any]:
     for item in items:
         name, sep, raw = (part.strip() for part in item.partition("="))
         if not sep or not name:
-            raise ValueError(f"expected name=value, got {item!r}")
+            raise ConfigValueError(f"expected name=value, got {item!r} (e.g. batch.prompts=4)")
         if raw.lower() in ("true", "false"):
             parsed[name] = raw.lower() == "true"
             continue
@@ -64,11 +70,18 @@ def parse_assignments(items) -> dict[str, Any]:
 
 
 def set_keys(config, values: Mapping[str, Any]):
-    """Sets dotted keys ('checkpoint.every') of a ConfigDict in place; returns it."""
+    """Sets dotted keys ('checkpoint.every') of a ConfigDict in place; returns it. A section that
+    does not exist is an `UnknownKeyError` naming the valid keys (an unknown leaf is refused
+    when the config is checked, `checks.from_config_dict`); a renamed key (`checks.RENAMED`) is
+    refused naming its new name."""
     for key, value in values.items():
+        if key in checks.RENAMED:
+            _leaf(checks.plain(config), key)
         *sections, leaf = key.split(".")
         node = config
-        for section in sections:
+        for i, section in enumerate(sections):
+            if section not in node:
+                _leaf(node, ".".join(sections[i:]), walked=sections[:i], full=key)
             node = node[section]
         node[leaf] = value
     return config
@@ -94,14 +107,19 @@ def check_argv(argv, flag_name: str = "config") -> None:
 check_override_keys = check_argv  # the name scripts used before the values were checked too
 
 
-def _leaf(config: Mapping[str, Any], path: str) -> Any:
-    node, walked = config, []
+def _leaf(config: Mapping[str, Any], path: str, *, walked=(), full: str | None = None) -> Any:
+    """The value at dotted `path` under `config` (reached by the keys `walked`, of the key
+    `full`); `UnknownKeyError` naming the valid keys where a key is missing."""
+    node, walked, full = config, list(walked), full or path
     for key in path.split("."):
-        if not isinstance(node, Mapping) or key not in node:
+        if not hasattr(node, "keys") or key not in node:
             where = ".".join(walked) or "<root>"
-            valid = sorted(node) if isinstance(node, Mapping) else []
+            valid = sorted(node.keys()) if hasattr(node, "keys") else []
+            renamed = checks.RENAMED.get(full)
+            now = f" ({full} is now {renamed})" if renamed else ""
             raise UnknownKeyError(
-                f"unknown config key {path!r}: {where!r} has no key {key!r}; valid keys: {valid}"
+                f"unknown config key {full!r}: {where!r} has no key {key!r}; valid keys: "
+                f"{valid}{now}"
             )
         node, walked = node[key], [*walked, key]
     return node
@@ -142,3 +160,30 @@ def load_config(path: str, overrides: Mapping[str, Any] | None = None) -> schema
     """A config file ('configs/x.py[:arg]') with dotted `overrides` -> the validated TrainConfig."""
     config = load_config_file(path)
     return checks.from_config_dict(set_keys(config, overrides or {}))
+
+
+@functools.cache
+def _base_text() -> str:
+    import json
+
+    return json.dumps(checks.plain(load_config_file(str(BASE_CONFIG))))
+
+
+def base_config() -> dict[str, Any]:
+    """configs/base.py's config as a plain dict: every key at its default."""
+    import json
+
+    return json.loads(_base_text())
+
+
+def stored_config(stored: Mapping[str, Any]) -> dict[str, Any]:
+    """A config dict a run stored (its run.json), in today's keys: old names mapped to new ones
+    (`checks.upgrade`), and each key added since taken at its default in configs/base.py, which
+    is how the run ran (a key is added with the default that keeps what runs did before it)."""
+    out = checks.upgrade(stored)
+    for name, default in base_config().items():
+        if name not in out:
+            out[name] = default
+        elif isinstance(default, dict) and isinstance(out[name], Mapping):
+            out[name] = {**default, **out[name]}  # a section's keys (rewards.weights: one key)
+    return out

@@ -16,7 +16,11 @@ runs it. The pieces:
   step_summary      median, min and max of a run's step times after its warm-up steps.
   write_json        the rows, written whole (a file that exists is complete).
   format_table      rows as an aligned text table from (key, header, format) columns.
-  parse_args        a benchmark's command line from a table of flags (name: default, help).
+  parse_args        a benchmark's command line from a table of flags (name: default, help); a
+                    bad flag or value ends it with one `FATAL:` line (`infra.user_errors`), as
+                    any `ArgumentParser` of this module does.
+  run(main)         `main()`, a `UserError` it raises (a config file that is not there, a
+                    misspelt `--set` key) told in one `FATAL:` line, exit code 1.
   (compile_stats.ProgramSeconds and CacheLoads: JAX's compile events, XLA cache loads.)
 
 No JAX or torch import at module level: a torch-only child imports this too.
@@ -24,6 +28,7 @@ No JAX or torch import at module level: a torch-only child imports this too.
 
 from __future__ import annotations
 
+import argparse
 import collections
 import dataclasses
 import importlib.util
@@ -38,7 +43,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from mmr_jax.infra import child_process
+from mmr_jax.infra import child_process, user_errors
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 BENCHMARKS = REPO / "benchmarks"
@@ -323,13 +328,20 @@ def jax_peak_bytes() -> int | None:
     return stats.get("peak_bytes_in_use")
 
 
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser whose errors (an unknown flag, a value of the wrong type or outside its
+    choices) are one `FATAL:` line and exit code 1, not the usage text and exit code 2."""
+
+    def error(self, message):
+        then = f"{self.prog} --help lists the flags"
+        sys.exit(user_errors.fatal_line(user_errors.UserError(message), then))
+
+
 def parse_args(doc: str, flags: dict[str, tuple], argv=None):
     """(args, parser) of a command line given as {name: (default, help[, choices])}: the type is
     the default's (False: a switch; None: a string; a list: repeatable, each use appended),
-    `--json` (a path to write) always there."""
-    import argparse
-
-    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawTextHelpFormatter)
+    `--json` (a path to write) always there. A bad flag or value exits with one `FATAL:` line."""
+    ap = ArgumentParser(description=doc, formatter_class=argparse.RawTextHelpFormatter)
     flags = {"json": (None, "write the results here"), **flags}
     for name, (default, text, *choices) in flags.items():
         if default is False:
@@ -342,3 +354,23 @@ def parse_args(doc: str, flags: dict[str, tuple], argv=None):
         choices = choices[0] if choices else None
         ap.add_argument(f"--{name}", type=kind, default=default, help=text, choices=choices)
     return ap.parse_args(argv), ap
+
+
+def counts_flag(name: str, flag_values=None) -> None:
+    """Makes the absl list flag `name` (`--prompts=8,32`) take only whole numbers: another value
+    is refused when the flags are parsed, in one line (`user_errors.run`)."""
+    from absl import flags
+
+    message = f"--{name} takes whole numbers, comma-separated"
+    valid = lambda v: all(x.isdigit() for x in v or ())
+    flags.register_validator(name, valid, message, flag_values=flag_values or flags.FLAGS)
+
+
+def run(main: Callable[[], Any]) -> None:
+    """Runs a benchmark's `main()`; a `UserError` (a config file that is not there, a misspelt
+    `--set` key, a value of the wrong type) ends it with one `FATAL:` line and exit code 1, the
+    way `scripts/` tell them. Any other exception is a bug and keeps its traceback."""
+    try:
+        main()
+    except user_errors.UserError as e:
+        sys.exit(user_errors.fatal_line(e))

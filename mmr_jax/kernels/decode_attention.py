@@ -112,22 +112,22 @@ def available() -> bool:
 
 
 def attend_shared_prompt(
-    q_RxTxNxD, pk_LxBxKxDxP, pv_LxBxKxPxD, k_LxRxKxDxS, v_LxRxKxSxD, pmask, own_len, layer
+    q_NxTxHxD, pk_LxBxKxDxP, pv_LxBxKxPxD, k_LxNxKxDxS, v_LxNxKxSxD, pmask, own_len, layer
 ):
     """`attention.attend_shared_prompt` of layer `layer` of the stacked caches, with own slots
     [0, own_len) valid; CPU, fp32, T = 1 only.
 
     own_len (in [1, S]) and layer (in [0, L)) are traced int32 scalars: the kernel reads that
     layer of the stacked buffers where they lie, so the decoder's scan over layers passes its
-    carried cache without a per-layer copy. Returns [R, 1, N*D] fp32.
+    carried cache without a per-layer copy. Returns [N, 1, H*D] fp32.
     """
-    r, t, nh, d = q_RxTxNxD.shape
+    r, t, nh, d = q_NxTxHxD.shape
     out = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((r, t, nh, d), jnp.float32))(
-        q_RxTxNxD.astype(jnp.float32),
+        q_NxTxHxD.astype(jnp.float32),
         pk_LxBxKxDxP,
         pv_LxBxKxPxD,
-        k_LxRxKxDxS,
-        v_LxRxKxSxD,
+        k_LxNxKxDxS,
+        v_LxNxKxSxD,
         pmask.astype(jnp.bool_),
         jnp.asarray(own_len, jnp.int32).reshape(1),
         jnp.asarray(layer, jnp.int32).reshape(1),

@@ -1,7 +1,7 @@
 """Training-forward attention through one fused call, with the backend named in the config.
 
-`dot_product` is grouped-query attention in `jax.nn.dot_product_attention`'s [B, T, N, D] layout
-(keys/values [B, S, K, D], K < N heads natively), so that no transpose of q, k or v sits
+`dot_product` is grouped-query attention in `jax.nn.dot_product_attention`'s [N, T, H, D] layout
+(keys/values [N, S, K, D], K < H heads natively), so that no transpose of q, k or v sits
 between the projections and the attention, and no score matrix is written by our code:
 
   'xla'         jax.nn.dot_product_attention(implementation='xla'): the CPU default and the
@@ -23,11 +23,12 @@ between the projections and the attention, and no score matrix is written by our
                 unless the completions are packed (`auto_off_gpu`); elsewhere 'unfused'.
 
 Which keys a query sees is a `Mask`: a static [T, S] pattern (causal, or prompt-then-causal),
-a per-row validity of the keys [B, S] (padding), and optionally a per-row [B, T, S] extra
+a per-row validity of the keys [N, S] (padding), and optionally a per-row [N, T, S] extra
 condition (packed completions' segments). XLA and cuDNN get the dense mask; splash gets the
 static pattern and the validity as segment ids (it takes no dense mask).
 
-Legend: B rows, T queries, S keys, N heads, K kv heads, G = N / K, D head dim.
+Shape legend (docs/design.md): N rows, T queries, S keys, H heads, K kv heads, R = H / K, D head
+dim.
 """
 
 from __future__ import annotations
@@ -51,13 +52,13 @@ class Mask(NamedTuple):
     """Query t of row b sees key s iff static[t, s] and kv_valid[b, s] (and extra[b, t, s])."""
 
     static_TxS: np.ndarray  # bool, a host constant (splash compiles it into its kernel)
-    kv_valid_BxS: jax.Array  # bool
-    extra_BxTxS: jax.Array | None = None  # bool, or None
+    kv_valid_NxS: jax.Array  # bool
+    extra_NxTxS: jax.Array | None = None  # bool, or None
 
     def dense(self) -> jax.Array:
-        """The [B, T, S] bool mask."""
-        m = self._static_in_program()[None] & self.kv_valid_BxS[:, None, :]
-        return m if self.extra_BxTxS is None else m & self.extra_BxTxS
+        """The [N, T, S] bool mask."""
+        m = self._static_in_program()[None] & self.kv_valid_NxS[:, None, :]
+        return m if self.extra_NxTxS is None else m & self.extra_NxTxS
 
     def _static_in_program(self) -> jax.Array:
         """`static_TxS` as the program computes it: the (prompt-then-)causal pattern from two
@@ -85,22 +86,22 @@ def is_offset_causal(static_TxS: np.ndarray) -> bool:
     return t <= s and bool(np.array_equal(static_TxS, np.tril(np.ones((s, s), bool))[s - t :]))
 
 
-def causal(kv_valid_BxT: jax.Array) -> Mask:
-    """Self-attention of T tokens: causal, over the keys where `kv_valid_BxT` holds."""
-    t = kv_valid_BxT.shape[1]
-    return Mask(np.tril(np.ones((t, t), bool)), kv_valid_BxT.astype(jnp.bool_))
+def causal(kv_valid_NxT: jax.Array) -> Mask:
+    """Self-attention of T tokens: causal, over the keys where `kv_valid_NxT` holds."""
+    t = kv_valid_NxT.shape[1]
+    return Mask(np.tril(np.ones((t, t), bool)), kv_valid_NxT.astype(jnp.bool_))
 
 
-def prompt_then_causal(pvalid_BxP, own_valid_BxT, extra_BxTxT=None) -> Mask:
+def prompt_then_causal(pvalid_NxP, own_valid_NxT, extra_NxTxT=None) -> Mask:
     """T completion queries over keys [P prompt ; T own]: every valid prompt key, and the own
-    keys causally (where `extra_BxTxT` holds too, when given); keys [B, P + T]."""
-    p, t = pvalid_BxP.shape[1], own_valid_BxT.shape[1]
+    keys causally (where `extra_NxTxT` holds too, when given); keys [N, P + T]."""
+    p, t = pvalid_NxP.shape[1], own_valid_NxT.shape[1]
     static = np.concatenate([np.ones((t, p), bool), np.tril(np.ones((t, t), bool))], axis=1)
-    valid = jnp.concatenate([pvalid_BxP.astype(jnp.bool_), own_valid_BxT.astype(jnp.bool_)], 1)
+    valid = jnp.concatenate([pvalid_NxP.astype(jnp.bool_), own_valid_NxT.astype(jnp.bool_)], 1)
     extra = None
-    if extra_BxTxT is not None:
-        b = extra_BxTxT.shape[0]
-        extra = jnp.concatenate([jnp.ones((b, t, p), jnp.bool_), extra_BxTxT], axis=2)
+    if extra_NxTxT is not None:
+        b = extra_NxTxT.shape[0]
+        extra = jnp.concatenate([jnp.ones((b, t, p), jnp.bool_), extra_NxTxT], axis=2)
     return Mask(static, valid, extra)
 
 
@@ -140,26 +141,26 @@ def cudnn_eligible(dtype, head_dim: int) -> bool:
 
 
 def dot_product(
-    q_BxTxNxD, k_BxSxKxD, v_BxSxKxD, mask: Mask, *, implementation: str = "xla", dense=None
+    q_NxTxHxD, k_NxSxKxD, v_NxSxKxD, mask: Mask, *, implementation: str = "xla", dense=None
 ):
-    """softmax(q k^T / sqrt(D) where mask) v per head; returns [B, T, N*D] in v's dtype.
+    """softmax(q k^T / sqrt(D) where mask) v per head; returns [N, T, H*D] in v's dtype.
 
     `dense`: `mask.dense()` computed once by the caller (e.g. outside the layer scan); made
     here when None. Fully masked queries (left padding) get a uniform softmax, not NaN.
     """
-    b, t, n, d = q_BxTxNxD.shape
-    impl = resolve(implementation, q_BxTxNxD.dtype, d, packed=mask.extra_BxTxS is not None)
+    b, t, n, d = q_NxTxHxD.shape
+    impl = resolve(implementation, q_NxTxHxD.dtype, d, packed=mask.extra_NxTxS is not None)
     if impl == "pallas_tpu":
-        o = _splash(q_BxTxNxD, k_BxSxKxD, v_BxSxKxD, mask)
+        o = _splash(q_NxTxHxD, k_NxSxKxD, v_NxSxKxD, mask)
     elif impl == "cudnn_maskfree":
-        o = _maskfree(q_BxTxNxD, k_BxSxKxD, v_BxSxKxD, mask, "cudnn")
+        o = _maskfree(q_NxTxHxD, k_NxSxKxD, v_NxSxKxD, mask, "cudnn")
     elif impl == "unfused":
         return attention.attend(
-            q_BxTxNxD, k_BxSxKxD, v_BxSxKxD, mask.dense() if dense is None else dense
+            q_NxTxHxD, k_NxSxKxD, v_NxSxKxD, mask.dense() if dense is None else dense
         )
     else:
         dense = mask.dense() if dense is None else dense
-        q, k, v = q_BxTxNxD, k_BxSxKxD, v_BxSxKxD
+        q, k, v = q_NxTxHxD, k_NxSxKxD, v_NxSxKxD
         if impl == "cudnn":
             q, k, v, dense = _even_lengths(q, k, v, dense)
         o = jax.nn.dot_product_attention(
@@ -174,25 +175,25 @@ def dot_product(
     return o.reshape(b, t, n * d)
 
 
-def _even_lengths(q_BxTxNxD, k_BxSxKxD, v_BxSxKxD, dense_BxTxS):
+def _even_lengths(q_NxTxHxD, k_NxSxKxD, v_NxSxKxD, dense_NxTxS):
     """Pads T and S to even lengths (cuDNN's training kernels with a mask require it; the
     completions' T = bucket - 1 is odd): a query that sees key 0 (its output is dropped) and a
     key nobody sees. One token of q, k and v, and only when a length is odd."""
-    t, s = q_BxTxNxD.shape[1], k_BxSxKxD.shape[1]
+    t, s = q_NxTxHxD.shape[1], k_NxSxKxD.shape[1]
     pt, ps = t % 2, s % 2
     if not (pt or ps):
-        return q_BxTxNxD, k_BxSxKxD, v_BxSxKxD, dense_BxTxS
+        return q_NxTxHxD, k_NxSxKxD, v_NxSxKxD, dense_NxTxS
 
     def pad(x, n):
         return jnp.pad(x, ((0, 0), (0, n)) + ((0, 0),) * (x.ndim - 2))
 
-    dense = jnp.pad(dense_BxTxS, ((0, 0), (0, pt), (0, ps)))
+    dense = jnp.pad(dense_NxTxS, ((0, 0), (0, pt), (0, ps)))
     if pt:
         dense = dense.at[:, t, 0].set(True)
-    return pad(q_BxTxNxD, pt), pad(k_BxSxKxD, ps), pad(v_BxSxKxD, ps), dense
+    return pad(q_NxTxHxD, pt), pad(k_NxSxKxD, ps), pad(v_NxSxKxD, ps), dense
 
 
-def _maskfree(q_BxTxNxD, k_BxSxKxD, v_BxSxKxD, mask: Mask, backend: str):
+def _maskfree(q_NxTxHxD, k_NxSxKxD, v_NxSxKxD, mask: Mask, backend: str):
     """`dot_product` with no mask array: `is_causal` plus sequence lengths (cuDNN's
     PADDING_CAUSAL, which needs no bias, so no bias gradient and no even-length rule).
 
@@ -203,28 +204,28 @@ def _maskfree(q_BxTxNxD, k_BxSxKxD, v_BxSxKxD, mask: Mask, backend: str):
     t then sees, causally, exactly the valid keys s <= S - T + t. Packed segments (`extra`) are
     not expressible so. `backend` 'xla' runs the same form on any platform (the CPU tests).
     """
-    b, t, n, d = q_BxTxNxD.shape
-    s = k_BxSxKxD.shape[1]
-    if mask.extra_BxTxS is not None:
+    b, t, n, d = q_NxTxHxD.shape
+    s = k_NxSxKxD.shape[1]
+    if mask.extra_NxTxS is not None:
         raise NotImplementedError(
             "the mask-free cuDNN form takes causal and prompt-then-causal masks with padding; "
             "packed segments need the dense mask ('cudnn' or 'xla')"
         )
     if not is_offset_causal(mask.static_TxS):
         raise NotImplementedError("the mask-free cuDNN form needs a (prompt-then-)causal pattern")
-    valid = mask.kv_valid_BxS
+    valid = mask.kv_valid_NxS
     # order[b, j]: the key at compacted position j (valid keys first, each group in order)
     order = jnp.argsort(~valid, axis=1, stable=True).astype(jnp.int32)
     lengths = jnp.sum(valid, axis=1, dtype=jnp.int32)
-    q_full = jnp.pad(q_BxTxNxD, ((0, 0), (s - t, 0), (0, 0), (0, 0)))
+    q_full = jnp.pad(q_NxTxHxD, ((0, 0), (s - t, 0), (0, 0), (0, 0)))
 
     def gather(x):
         return jnp.take_along_axis(x, order[:, :, None, None], axis=1)
 
     o = jax.nn.dot_product_attention(
         gather(q_full),
-        gather(k_BxSxKxD),
-        gather(v_BxSxKxD),
+        gather(k_NxSxKxD),
+        gather(v_NxSxKxD),
         is_causal=True,
         query_seq_lengths=lengths,
         key_value_seq_lengths=lengths,
@@ -260,7 +261,7 @@ def splash_padded_mask(static_TxS: np.ndarray, q_multiple: int, kv_multiple: int
     return out
 
 
-def _splash(q_BxTxNxD, k_BxSxKxD, v_BxSxKxD, mask: Mask):
+def _splash(q_NxTxHxD, k_NxSxKxD, v_NxSxKxD, mask: Mask):
     """`dot_product` through Pallas splash attention (one MQA kernel per kv head and row).
 
     Splash takes no dense mask: the static pattern is compiled into the kernel and padding
@@ -271,15 +272,15 @@ def _splash(q_BxTxNxD, k_BxSxKxD, v_BxSxKxD, mask: Mask):
     those of the unpadded problem. Lowered for anything but a TPU it runs in Pallas' interpret
     mode (slow; for tests).
     """
-    if mask.extra_BxTxS is not None:
+    if mask.extra_NxTxS is not None:
         raise NotImplementedError(
             "attention_impl='pallas_tpu' takes a static pattern and key padding only; the "
             "packed-completion layout (per-row segments) needs 'xla' or 'cudnn'"
         )
     from jax.experimental.pallas.ops.tpu import splash_attention as splash
 
-    b, t, n, d = q_BxTxNxD.shape
-    kh = k_BxSxKxD.shape[2]
+    b, t, n, d = q_NxTxHxD.shape
+    kh = k_NxSxKxD.shape[2]
     blocks, q_multiple, kv_multiple = _splash_blocks()
     static = splash_padded_mask(mask.static_TxS, q_multiple, kv_multiple)
     tp, sp = static.shape
@@ -294,17 +295,17 @@ def _splash(q_BxTxNxD, k_BxSxKxD, v_BxSxKxD, mask: Mask):
     def rows(x, value=0):
         return pad(x, bp, value, axis=0)
 
-    q = (pad(q_BxTxNxD, tp) * jnp.asarray(d**-0.5, q_BxTxNxD.dtype)).reshape(b, tp, kh, n // kh, d)
-    q_BxKxGxTxD = rows(jnp.transpose(q, (0, 2, 3, 1, 4)))
-    k_BxKxSxD = rows(jnp.swapaxes(pad(k_BxSxKxD, sp), 1, 2))
-    v_BxKxSxD = rows(jnp.swapaxes(pad(v_BxSxKxD, sp), 1, 2))
+    q = (pad(q_NxTxHxD, tp) * jnp.asarray(d**-0.5, q_NxTxHxD.dtype)).reshape(b, tp, kh, n // kh, d)
+    q_NxKxRxTxD = rows(jnp.transpose(q, (0, 2, 3, 1, 4)))
+    k_NxKxSxD = rows(jnp.swapaxes(pad(k_NxSxKxD, sp), 1, 2))
+    v_NxKxSxD = rows(jnp.swapaxes(pad(v_NxSxKxD, sp), 1, 2))
     # padded rows' keys are all valid (segment 0): zeros attended, never a row that sees nothing
-    kv_valid = rows(pad(mask.kv_valid_BxS, sp), True)
+    kv_valid = rows(pad(mask.kv_valid_NxS, sp), True)
     seg = splash.SegmentIds(
         q=jnp.zeros((bp, tp), jnp.int32), kv=jnp.where(kv_valid, 0, 1).astype(jnp.int32)
     )
 
-    def attend(interpret, q, k, v, seg):  # q [B, K, G, T', D], k/v [B, K, S', D] (a device's)
+    def attend(interpret, q, k, v, seg):  # q [N, K, R, T', D], k/v [N, K, S', D] (a device's)
         heads_mask = splash.MultiHeadMask([splash.NumpyMask(static)] * q.shape[2])
         kernel = splash.make_splash_mqa_single_device(
             heads_mask, block_sizes=blocks, interpret=interpret
@@ -339,14 +340,14 @@ def _splash(q_BxTxNxD, k_BxSxKxD, v_BxSxKxD, mask: Mask):
             out_specs=q_spec,
             check_vma=False,  # pallas_call's outputs carry no varying-axes type
         )
-    o = per_device(q_BxKxGxTxD, k_BxKxSxD, v_BxKxSxD, seg)[:b]  # [B, K, G, T', D]
-    return jnp.transpose(o[:, :, :, :t], (0, 3, 1, 2, 4)).astype(v_BxSxKxD.dtype)
+    o = per_device(q_NxKxRxTxD, k_NxKxSxD, v_NxKxSxD, seg)[:b]  # [N, K, R, T', D]
+    return jnp.transpose(o[:, :, :, :t], (0, 3, 1, 2, 4)).astype(v_NxSxKxD.dtype)
 
 
 class SplashLayout(NamedTuple):
     """How splash's operands split over the trace's mesh: `mesh` None (no mesh, or one device:
-    the plain call); else the PartitionSpecs of q [B, K, G, T', D], k/v [B, K, S', D] and the
-    segment ids [B, L], and the multiple the rows are padded to (1 when not split)."""
+    the plain call); else the PartitionSpecs of q [N, K, R, T', D], k/v [N, K, S', D] and the
+    segment ids [N, L], and the multiple the rows are padded to (1 when not split)."""
 
     mesh: jax.sharding.AbstractMesh | None
     specs: tuple = ()

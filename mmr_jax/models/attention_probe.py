@@ -164,7 +164,7 @@ def _query_weight(q, mask):
     """Loss weights on the queries whose own position is valid (padding's outputs differ
     between backends and nothing uses them)."""
     t = q.shape[1]
-    seen = mask.kv_valid_BxS[:, -t:] & jnp.any(mask.dense(), axis=-1)
+    seen = mask.kv_valid_NxS[:, -t:] & jnp.any(mask.dense(), axis=-1)
     w = jax.random.normal(jax.random.key(1), q.shape[:2] + (q.shape[2] * q.shape[3],))
     return w * seen[..., None]
 
@@ -178,8 +178,8 @@ def _value_and_grads(attend, name, q, k, v, mask, weight):
 
     @jax.jit
     def run(q, k, v, valid, extra):  # the static pattern stays a host constant
-        m = mask._replace(kv_valid_BxS=valid, extra_BxTxS=extra)
+        m = mask._replace(kv_valid_NxS=valid, extra_NxTxS=extra)
         (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v, m)
         return (out, *grads)
 
-    return jax.block_until_ready(run(q, k, v, mask.kv_valid_BxS, mask.extra_BxTxS))
+    return jax.block_until_ready(run(q, k, v, mask.kv_valid_NxS, mask.extra_NxTxS))

@@ -8,8 +8,8 @@ scores, softmax and logits are fp32.
 Dropout (LoRA only) runs when the model is in train mode (`model.train()`); a new model is in eval
 mode (`model.eval()`), so sampling and log-probs are deterministic by default.
 
-Legend: B batch, T new tokens, S key/cache slots, H hidden, N heads, K kv heads, D head dim,
-V vocab.
+Shape legend (docs/design.md): N rows, T new tokens, S key/cache slots, E hidden width, H heads,
+K kv heads, D head dim, V vocab.
 """
 
 from __future__ import annotations
@@ -57,21 +57,21 @@ class Attention(nnx.Module):
         self.o_proj = _dense("o_proj", cfg.num_heads * d, h, cfg.o_proj_bias, index=3, **kw)
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
 
-    def qkv(self, x_BxTxH, cos, sin, *, disable_lora, key, kernels_t=None):
-        """Rotated q [B,T,N,D], k [B,T,K,D] and v [B,T,K,D]. `kernels_t`: see `Decoder`."""
-        b, t, _ = x_BxTxH.shape
+    def qkv(self, x_NxTxE, cos, sin, *, disable_lora, key, kernels_t=None):
+        """Rotated q [N,T,H,D], k [N,T,K,D] and v [N,T,K,D]. `kernels_t`: see `Decoder`."""
+        b, t, _ = x_NxTxE.shape
         kt = kernels_t or {}
         kw = dict(disable_lora=disable_lora)
-        q = self.q_proj(x_BxTxH, dropout_key=split_key(key, 0), kernel_t=kt.get("q_proj"), **kw)
-        k = self.k_proj(x_BxTxH, dropout_key=split_key(key, 1), kernel_t=kt.get("k_proj"), **kw)
-        v = self.v_proj(x_BxTxH, dropout_key=split_key(key, 2), kernel_t=kt.get("v_proj"), **kw)
+        q = self.q_proj(x_NxTxE, dropout_key=split_key(key, 0), kernel_t=kt.get("q_proj"), **kw)
+        k = self.k_proj(x_NxTxE, dropout_key=split_key(key, 1), kernel_t=kt.get("k_proj"), **kw)
+        v = self.v_proj(x_NxTxE, dropout_key=split_key(key, 2), kernel_t=kt.get("v_proj"), **kw)
         q = layers.apply_rope(q.reshape(b, t, self.num_heads, self.head_dim), cos, sin)
         k = layers.apply_rope(k.reshape(b, t, self.num_kv_heads, self.head_dim), cos, sin)
         return q, k, v.reshape(b, t, self.num_kv_heads, self.head_dim)
 
-    def out(self, o_BxTxND, *, disable_lora, key, kernels_t=None):
+    def out(self, o_NxTxHD, *, disable_lora, key, kernels_t=None):
         return self.o_proj(
-            o_BxTxND,
+            o_NxTxHD,
             disable_lora=disable_lora,
             dropout_key=split_key(key, 3),
             kernel_t=(kernels_t or {}).get("o_proj"),
@@ -89,13 +89,13 @@ class MLP(nnx.Module):
         self.up_proj = _dense("up_proj", h, i, False, index=5, **kw)
         self.down_proj = _dense("down_proj", i, h, False, index=6, **kw)
 
-    def __call__(self, x_BxTxH, *, disable_lora=False, key=None, kernels_t=None):
+    def __call__(self, x_NxTxE, *, disable_lora=False, key=None, kernels_t=None):
         kt = kernels_t or {}
         kw = dict(disable_lora=disable_lora)
         g = self.gate_proj(
-            x_BxTxH, dropout_key=split_key(key, 4), kernel_t=kt.get("gate_proj"), **kw
+            x_NxTxE, dropout_key=split_key(key, 4), kernel_t=kt.get("gate_proj"), **kw
         )
-        u = self.up_proj(x_BxTxH, dropout_key=split_key(key, 5), kernel_t=kt.get("up_proj"), **kw)
+        u = self.up_proj(x_NxTxE, dropout_key=split_key(key, 5), kernel_t=kt.get("up_proj"), **kw)
         return self.down_proj(
             jax.nn.silu(g) * u, dropout_key=split_key(key, 6), kernel_t=kt.get("down_proj"), **kw
         )
@@ -111,13 +111,13 @@ class Block(nnx.Module):
         self.post_attention_layernorm = layers.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, **kw)
         self.mlp = MLP(cfg, lora=lora, key=key, frozen_dtype=frozen_dtype, **kw)
 
-    def __call__(self, x_BxTxH, cos, sin, mask, disable_lora, key, *, impl="xla", dense=None):
+    def __call__(self, x_NxTxE, cos, sin, mask, disable_lora, key, *, impl="xla", dense=None):
         """Full-sequence block (keys = the T tokens themselves): `mask` an `attention_impl.Mask`
-        (`dense` its [B, T, T] form, made once outside the layer scan), `impl` the backend."""
-        h = self.input_layernorm(x_BxTxH)
+        (`dense` its [N, T, T] form, made once outside the layer scan), `impl` the backend."""
+        h = self.input_layernorm(x_NxTxE)
         q, k, v = self.self_attn.qkv(h, cos, sin, disable_lora=disable_lora, key=key)
         o = attention_impl.dot_product(q, k, v, mask, implementation=impl, dense=dense)
-        x = x_BxTxH + self.self_attn.out(o, disable_lora=disable_lora, key=key)
+        x = x_NxTxE + self.self_attn.out(o, disable_lora=disable_lora, key=key)
         return x + self.mlp(self.post_attention_layernorm(x), disable_lora=disable_lora, key=key)
 
 
@@ -155,7 +155,7 @@ def scan_layers(layers_module, fn, carry, xs=None, *, remat="none", unroll=1):
 
 
 class Decoder(decoding.CachedDecoding, nnx.Module):
-    """Causal LM: tokens [B, T] -> fp32 logits [B, T, V]; its KV-cache decoding methods
+    """Causal LM: tokens [N, T] -> fp32 logits [N, T, V]; its KV-cache decoding methods
     (`init_cache`, `forward_cached`, `forward_cached_shared_prompt`, ...) are in
     `decoding.CachedDecoding`.
 
@@ -214,52 +214,52 @@ class Decoder(decoding.CachedDecoding, nnx.Module):
     # ----- full-sequence forward -------------------------------------------------------------
 
     def __call__(
-        self, tokens_BxT, *, positions_BxT=None, attention_mask_BxT=None, disable_lora=False
+        self, tokens_NxT, *, positions_NxT=None, attention_mask_NxT=None, disable_lora=False
     ):
-        """fp32 logits [B, T, V]; attention is causal and ignores keys where the mask is 0."""
+        """fp32 logits [N, T, V]; attention is causal and ignores keys where the mask is 0."""
         h = self.hidden(
-            tokens_BxT,
-            positions_BxT=positions_BxT,
-            attention_mask_BxT=attention_mask_BxT,
+            tokens_NxT,
+            positions_NxT=positions_NxT,
+            attention_mask_NxT=attention_mask_NxT,
             disable_lora=disable_lora,
         )
         return self.logits_from_hidden(h)
 
     def hidden(
-        self, tokens_BxT, *, positions_BxT=None, attention_mask_BxT=None, disable_lora=False
+        self, tokens_NxT, *, positions_NxT=None, attention_mask_NxT=None, disable_lora=False
     ):
-        """Final-normed hidden states [B, T, H] in the compute dtype."""
-        chex.assert_rank(tokens_BxT, 2)
-        b, t = tokens_BxT.shape
-        if attention_mask_BxT is None:
-            attention_mask_BxT = jnp.ones((b, t), jnp.bool_)
-        attention_mask_BxT = attention_mask_BxT.astype(jnp.bool_)
-        if positions_BxT is None:
-            positions_BxT = jnp.maximum(jnp.cumsum(attention_mask_BxT, axis=-1) - 1, 0)
-        mask = attention_impl.causal(attention_mask_BxT)
+        """Final-normed hidden states [N, T, E] in the compute dtype."""
+        chex.assert_rank(tokens_NxT, 2)
+        b, t = tokens_NxT.shape
+        if attention_mask_NxT is None:
+            attention_mask_NxT = jnp.ones((b, t), jnp.bool_)
+        attention_mask_NxT = attention_mask_NxT.astype(jnp.bool_)
+        if positions_NxT is None:
+            positions_NxT = jnp.maximum(jnp.cumsum(attention_mask_NxT, axis=-1) - 1, 0)
+        mask = attention_impl.causal(attention_mask_NxT)
         impl = self.config.attention_impl
         dense = None if impl == "pallas_tpu" else mask.dense()
-        cos, sin = layers.rope_cos_sin(positions_BxT, self.inv_freq)
+        cos, sin = layers.rope_cos_sin(positions_NxT, self.inv_freq)
         key = self.dropout_key()
 
         def layer(block, x, i, _):
             out = block(x, cos, sin, mask, disable_lora, split_key(key, i), impl=impl, dense=dense)
             return out, None
 
-        x, _ = self.scan(layer, self.embed_tokens(tokens_BxT), remat=self.config.remat)
+        x, _ = self.scan(layer, self.embed_tokens(tokens_NxT), remat=self.config.remat)
         return self.norm(x)
 
     def scan(self, fn, carry, xs=None, *, remat="none"):
         """`scan_layers` over this model's layers (`config.scan_unroll` applies)."""
         return scan_layers(self.layers, fn, carry, xs, remat=remat, unroll=self.config.scan_unroll)
 
-    def logits_from_hidden(self, h_BxTxH):
-        """fp32 logits [B, T, V] from final-normed hidden states."""
+    def logits_from_hidden(self, h_NxTxE):
+        """fp32 logits [N, T, V] from final-normed hidden states."""
         if self.lm_head is None:
-            return self.embed_tokens.attend(h_BxTxH)
+            return self.embed_tokens.attend(h_NxTxE)
         w = self.lm_head.kernel[...].astype(self.dtype)
         return jnp.einsum(
-            "bth,hv->btv", h_BxTxH.astype(self.dtype), w, preferred_element_type=jnp.float32
+            "bth,hv->btv", h_NxTxE.astype(self.dtype), w, preferred_element_type=jnp.float32
         )
 
     def dropout_key(self):

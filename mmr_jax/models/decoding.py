@@ -3,8 +3,9 @@
 (`attention`, the CPU kernel of `mmr_jax.kernels.decode_attention`) and the weight-major
 matmuls of a decode step (`layers.weight_major_matmul`).
 
-Legend: B batch, T new tokens, S key/cache slots, P prompt slots, R rows, H hidden, K kv heads,
-D head dim, V vocab, L layers.
+Shape legend (docs/design.md): N rows, T new tokens, S key/cache slots, B prompts of P slots (a
+shared prompt cache: G = N / B rows each), E hidden width, K kv heads, D head dim, V vocab, L
+layers.
 """
 
 from __future__ import annotations
@@ -22,23 +23,24 @@ class CachedDecoding:
     `config`, `dtype`, `inv_freq`, `embed_tokens`, `norm`, `lm_head`, `scan` and
     `logits_from_hidden`."""
 
-    def decode_logits(self, h_BxTxH, head_t=None):
+    def decode_logits(self, h_NxTxE, head_t=None):
         """`logits_from_hidden` for a decode step (one token per row, few rows).
 
-        With tied embeddings the head is h @ E^T with E [V, H] as stored; XLA:CPU's matmul packs
-        (transposes) all of E on every call for that, while E @ h^T reads E as it lies (SmolLM2,
-        32 rows: 20 -> 14 ms a step, same values; `layers.weight_major_matmul`). An untied head
-        does the same with `head_t` ([V, H], from `weight_major_kernels`), else the plain h @ W.
+        With tied embeddings the head is h @ W^T with the embedding W [V, E] as stored; XLA:CPU's
+        matmul packs (transposes) all of W on every call for that, while W @ h^T reads W as it lies
+        (SmolLM2, 32 rows: 20 -> 14 ms a step, same values; `layers.weight_major_matmul`). An
+        untied head does the same with `head_t` ([V, E], from `weight_major_kernels`), else the
+        plain h @ W.
         """
-        if h_BxTxH.shape[1] > 1:  # several tokens a row (prefill): keep the plain form
-            return self.logits_from_hidden(h_BxTxH)
+        if h_NxTxE.shape[1] > 1:  # several tokens a row (prefill): keep the plain form
+            return self.logits_from_hidden(h_NxTxE)
         if self.lm_head is not None:
             if head_t is None:
-                return self.logits_from_hidden(h_BxTxH)
-            w = head_t.astype(self.dtype)  # [V, H]: the untied head, weight-major
+                return self.logits_from_hidden(h_NxTxE)
+            w = head_t.astype(self.dtype)  # [V, E]: the untied head, weight-major
         else:
             w = self.embed_tokens.embedding[...].astype(self.dtype)
-        h = h_BxTxH.astype(self.dtype)
+        h = h_NxTxE.astype(self.dtype)
         return layers.weight_major_matmul(h, w, preferred_element_type=jnp.float32)
 
     def init_cache(self, batch: int, max_len: int, dtype=None) -> kv_cache.KVCache:
@@ -50,36 +52,36 @@ class CachedDecoding:
 
     def forward_cached(
         self,
-        tokens_BxT,
-        positions_BxT,
+        tokens_NxT,
+        positions_NxT,
         cache: kv_cache.KVCache,
         *,
         write_index,
-        kv_mask_BxS,
-        segment_ids_BxS=None,
+        kv_mask_NxS,
+        segment_ids_NxS=None,
         disable_lora=False,
     ):
-        """Runs T new tokens against the cache; returns (fp32 logits [B, T, V], updated cache).
+        """Runs T new tokens against the cache; returns (fp32 logits [N, T, V], updated cache).
 
         The new keys/values go to slots [write_index, write_index + T); query i attends to slot s
-        iff `kv_mask_BxS[b, s] and s <= write_index + i`. `write_index` may be a traced int32.
-        With `segment_ids_BxS` (int, -1 = none), query i must also share slot s's segment id,
+        iff `kv_mask_NxS[b, s] and s <= write_index + i`. `write_index` may be a traced int32.
+        With `segment_ids_NxS` (int, -1 = none), query i must also share slot s's segment id,
         that of its own slot write_index + i, and that id must be >= 0: several sequences packed
         into one row then attend each to itself alone (packed prefill).
         """
-        chex.assert_rank([tokens_BxT, positions_BxT, kv_mask_BxS], 2)
-        chex.assert_equal_shape([tokens_BxT, positions_BxT])
-        t = tokens_BxT.shape[1]
+        chex.assert_rank([tokens_NxT, positions_NxT, kv_mask_NxS], 2)
+        chex.assert_equal_shape([tokens_NxT, positions_NxT])
+        t = tokens_NxT.shape[1]
         write_index = jnp.asarray(write_index, jnp.int32)
         slots = jnp.arange(cache.max_len, dtype=jnp.int32)
         limit = write_index + jnp.arange(t, dtype=jnp.int32)
-        mask = (slots[None, :] <= limit[:, None])[None] & kv_mask_BxS.astype(jnp.bool_)[:, None, :]
-        if segment_ids_BxS is not None:
-            chex.assert_rank(segment_ids_BxS, 2)
-            seg_BxS = jnp.asarray(segment_ids_BxS, jnp.int32)
-            seg_BxT = jax.lax.dynamic_slice_in_dim(seg_BxS, write_index, t, axis=1)
-            same = seg_BxT[:, :, None] == seg_BxS[:, None, :]
-            mask = mask & same & (seg_BxT >= 0)[:, :, None]
+        mask = (slots[None, :] <= limit[:, None])[None] & kv_mask_NxS.astype(jnp.bool_)[:, None, :]
+        if segment_ids_NxS is not None:
+            chex.assert_rank(segment_ids_NxS, 2)
+            seg_NxS = jnp.asarray(segment_ids_NxS, jnp.int32)
+            seg_NxT = jax.lax.dynamic_slice_in_dim(seg_NxS, write_index, t, axis=1)
+            same = seg_NxT[:, :, None] == seg_NxS[:, None, :]
+            mask = mask & same & (seg_NxT >= 0)[:, :, None]
         attend_layer = attention.attend_split if cache.is_split else attention.attend
 
         def attend(q, ck, cv, i):
@@ -87,13 +89,13 @@ class CachedDecoding:
             return attend_layer(q, k.astype(q.dtype), v.astype(q.dtype), mask)
 
         return self._decode_layers(
-            tokens_BxT, positions_BxT, cache, write_index, attend, disable_lora=disable_lora
+            tokens_NxT, positions_NxT, cache, write_index, attend, disable_lora=disable_lora
         )
 
     def forward_cached_shared_prompt(
         self,
-        tokens_Rx1,
-        positions_Rx1,
+        tokens_Nx1,
+        positions_Nx1,
         prompt_cache: kv_cache.KVCache,
         cache: kv_cache.KVCache,
         *,
@@ -104,8 +106,8 @@ class CachedDecoding:
     ):
         """One new token per row, whose rows share their prompts' cache; -> (logits, new cache).
 
-        `prompt_cache` (split, B prompts, P slots) is read only: rows r = b * n + i (n = R // B)
-        attend to prompt b's slots where `prompt_mask_BxP[b]` holds. `cache` (split, R rows, S
+        `prompt_cache` (split, B prompts, P slots) is read only: rows r = b * G + i (G = N // B)
+        attend to prompt b's slots where `prompt_mask_BxP[b]` holds. `cache` (split, N rows, S
         slots) is the rows' own: the new key/value go to slot `write_index` (may be traced) and
         row r attends to its slots <= write_index. Equals `forward_cached` on the cache that
         repeats each prompt's slots n times ahead of the rows' own
@@ -116,9 +118,9 @@ class CachedDecoding:
         after it (`_decode_step_layers`), so a donated or loop-carried cache is updated in place;
         with fp32 on CPU the C++ attention kernel, which reads the new slot from the cache, runs
         instead with the write inside the scan (in place on XLA:CPU).
-        Returns fp32 logits [R, 1, V] and the updated `cache`.
+        Returns fp32 logits [N, 1, V] and the updated `cache`.
         """
-        chex.assert_shape([tokens_Rx1, positions_Rx1], (None, 1))
+        chex.assert_shape([tokens_Nx1, positions_Nx1], (None, 1))
         if not (prompt_cache.is_split and cache.is_split):
             raise ValueError("forward_cached_shared_prompt takes split caches (kv_cache.split)")
         write_index = jnp.asarray(write_index, jnp.int32)
@@ -133,7 +135,7 @@ class CachedDecoding:
                     q, prompt_cache.k, prompt_cache.v, ck, cv, pmask, write_index, i
                 )
 
-            return self._decode_layers(tokens_Rx1, positions_Rx1, cache, write_index, attend, **kw)
+            return self._decode_layers(tokens_Nx1, positions_Nx1, cache, write_index, attend, **kw)
 
         def attend_step(q, k_new, v_new, i):
             return attention.attend_shared_prompt_step_decode(
@@ -142,13 +144,13 @@ class CachedDecoding:
             )  # fmt: skip
 
         return self._decode_step_layers(
-            tokens_Rx1, positions_Rx1, cache, write_index, attend_step, **kw
+            tokens_Nx1, positions_Nx1, cache, write_index, attend_step, **kw
         )
 
     def weight_major_kernels(self) -> dict:
         """Each matmul's kernel transposed to [out, in], for `forward_cached_shared_prompt`.
 
-        {"layers": {"q_proj": [L, N*D, H], ..., "down_proj": [L, H, I]}, "lm_head": [V, H]
+        {"layers": {"q_proj": [L, H*D, E], ..., "down_proj": [L, E, I]}, "lm_head": [V, E]
         (untied heads only)}. Call it outside the jit that decodes and pass the result in: only a
         jit's outputs are sure to be laid out [out, in] in memory (inside one, XLA may make the
         transpose a change of layout instead of a copy). It is a copy of the weights.
@@ -163,15 +165,15 @@ class CachedDecoding:
         return out
 
     def _decode_step_layers(
-        self, tokens_BxT, positions_BxT, cache, write_index, attend, *, disable_lora, kernels_t=None
+        self, tokens_NxT, positions_NxT, cache, write_index, attend, *, disable_lora, kernels_t=None
     ):
         """The scanned layers over new tokens with the cache read only: layer i's new k/v come
-        out of the scan (its ys, [L, B, T, K, D]: a token's worth) and one write after the scan
+        out of the scan (its ys, [L, N, T, K, D]: a token's worth) and one write after the scan
         puts every layer's in slot `write_index` (`kv_cache.write_all_layers`). A scan that
         carried the stacked cache and wrote into it per layer made XLA copy or convert the whole
         stacked cache at every layer (the H200 profile's concatenations, issue 35).
         `attend(q, k_new, v_new, i)` attends layer i's cache plus the new key/value."""
-        cos, sin = layers.rope_cos_sin(positions_BxT, self.inv_freq)
+        cos, sin = layers.rope_cos_sin(positions_NxT, self.inv_freq)
 
         def layer(block, x, i, kt):
             h = block.input_layernorm(x)
@@ -185,19 +187,19 @@ class CachedDecoding:
             return x, (k, v)
 
         layer_kt = None if kernels_t is None else kernels_t["layers"]
-        x, (k_new, v_new) = self.scan(layer, self.embed_tokens(tokens_BxT), layer_kt)
+        x, (k_new, v_new) = self.scan(layer, self.embed_tokens(tokens_NxT), layer_kt)
         head_t = None if kernels_t is None else kernels_t.get("lm_head")
         logits = self.decode_logits(self.norm(x), head_t)
         return logits, kv_cache.write_all_layers(cache, k_new, v_new, write_index)
 
     def _decode_layers(
-        self, tokens_BxT, positions_BxT, cache, write_index, attend, *, disable_lora, kernels_t=None
+        self, tokens_NxT, positions_NxT, cache, write_index, attend, *, disable_lora, kernels_t=None
     ):
         """The scanned layers over new tokens: layer i writes its k/v into the stacked `cache` at
         `write_index` (in place: the cache is the scan's carry), then
         `attend(q, cache_k, cache_v, i)` gives the attention output (it reads layer i).
         `kernels_t`: see `forward_cached_shared_prompt`."""
-        cos, sin = layers.rope_cos_sin(positions_BxT, self.inv_freq)
+        cos, sin = layers.rope_cos_sin(positions_NxT, self.inv_freq)
         split = cache.is_split
 
         def layer(block, carry, i, kt):
@@ -215,7 +217,7 @@ class CachedDecoding:
             return (x, ck, cv), None
 
         layer_kt = None if kernels_t is None else kernels_t["layers"]
-        carry = (self.embed_tokens(tokens_BxT), cache.k, cache.v)
+        carry = (self.embed_tokens(tokens_NxT), cache.k, cache.v)
         (x, ck, cv), _ = self.scan(layer, carry, layer_kt)
         head_t = None if kernels_t is None else kernels_t.get("lm_head")
         logits = self.decode_logits(self.norm(x), head_t)

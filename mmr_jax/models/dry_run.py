@@ -41,12 +41,12 @@ def pod_hosts(hosts: int, devices_per_host: int) -> list[int]:
 
 
 def pod_mesh_shape(
-    shape, *, hosts: int = 1, devices_per_host: int = 1, layout: str = "hybrid"
+    shape, *, hosts: int = 1, devices_per_host: int = 1, over_hosts: str = "hybrid"
 ) -> MeshShape:
     """`shape` (data, fsdp, tensor; one size may be -1) laid on the pod as `sharding.make_mesh`
     lays it (`sharding.device_grid`)."""
     sizes = sharding.mesh_sizes(
-        shape, hosts=hosts, devices_per_host=devices_per_host, layout=layout
+        shape, hosts=hosts, devices_per_host=devices_per_host, over_hosts=over_hosts
     )
     return MeshShape(**sizes)
 

@@ -5,7 +5,7 @@ and layer i writes its new keys/values into slice i in place and reads slice i b
 sampler's decode step the scan only reads the cache; every layer's new key/value comes out of
 the scan and one write puts them all in place (`write_all_layers`): no copy of the cache a step.
 
-Legend: L layers, B batch, S cache slots, K kv heads, D head dim.
+Shape legend (docs/design.md): L layers, N rows, S cache slots, K kv heads, D head dim.
 """
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ from flax import struct
 
 @struct.dataclass
 class KVCache:
-    """k, v: [L, B, S, K, D]; slot s of row b holds what `forward_cached` wrote there.
+    """k, v: [L, N, S, K, D]; slot s of row b holds what `forward_cached` wrote there.
 
-    `split` (static) marks the decode-loop form: k as [L, B, K, D, S] and v as [L, B, K, S, D].
+    `split` (static) marks the decode-loop form: k as [L, N, K, D, S] and v as [L, N, K, S, D].
     The batch dims (b, k) lead (no transposed copy of the cache per step), and the long axis S is
     the one the decode attention vectorises over: q.k sums over d with s contiguous, p.v sums
-    over s with d contiguous, both streaming the cache once (keys as [B, K, S, D] would make q.k
+    over s with d contiguous, both streaming the cache once (keys as [N, K, S, D] would make q.k
     a horizontal sum per slot, about 4x slower on CPU). `forward_cached` takes either form and
     returns the form it was given.
     """
@@ -47,7 +47,7 @@ class KVCache:
 def init(
     num_layers: int, batch: int, max_len: int, num_kv_heads: int, head_dim: int, dtype
 ) -> KVCache:
-    """A zero cache of shape [L, B, S, K, D] for k and v."""
+    """A zero cache of shape [L, N, S, K, D] for k and v."""
     shape = (num_layers, batch, max_len, num_kv_heads, head_dim)
     return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
 
@@ -57,37 +57,37 @@ def layer(stacked_LxX, index):
     return jax.lax.dynamic_index_in_dim(stacked_LxX, index, axis=0, keepdims=False)
 
 
-def write(cache_LxBxSxKxD, layer_index, new_BxTxKxD, write_index):
-    """Writes new [B, T, K, D] at slots [write_index, write_index + T) of layer `layer_index`."""
+def write(cache_LxNxSxKxD, layer_index, new_NxTxKxD, write_index):
+    """Writes new [N, T, K, D] at slots [write_index, write_index + T) of layer `layer_index`."""
     zero = jnp.zeros((), jnp.int32)
     start = (jnp.asarray(layer_index, jnp.int32), zero, jnp.asarray(write_index, jnp.int32))
     return jax.lax.dynamic_update_slice(
-        cache_LxBxSxKxD, new_BxTxKxD[None].astype(cache_LxBxSxKxD.dtype), (*start, zero, zero)
+        cache_LxNxSxKxD, new_NxTxKxD[None].astype(cache_LxNxSxKxD.dtype), (*start, zero, zero)
     )
 
 
-def write_keys(k, layer_index, new_BxTxKxD, write_index, *, split: bool):
-    """Writes new keys [B, T, K, D] of one layer into a stacked k of either form."""
+def write_keys(k, layer_index, new_NxTxKxD, write_index, *, split: bool):
+    """Writes new keys [N, T, K, D] of one layer into a stacked k of either form."""
     if not split:
-        return write(k, layer_index, new_BxTxKxD, write_index)
+        return write(k, layer_index, new_NxTxKxD, write_index)
     zero = jnp.zeros((), jnp.int32)
     start = (jnp.asarray(layer_index, jnp.int32), zero, zero, zero)
-    new = jnp.transpose(new_BxTxKxD, (0, 2, 3, 1))[None].astype(k.dtype)  # [1, B, K, D, T]
+    new = jnp.transpose(new_NxTxKxD, (0, 2, 3, 1))[None].astype(k.dtype)  # [1, N, K, D, T]
     return jax.lax.dynamic_update_slice(k, new, (*start, jnp.asarray(write_index, jnp.int32)))
 
 
-def write_values(v, layer_index, new_BxTxKxD, write_index, *, split: bool):
-    """Writes new values [B, T, K, D] of one layer into a stacked v of either form."""
+def write_values(v, layer_index, new_NxTxKxD, write_index, *, split: bool):
+    """Writes new values [N, T, K, D] of one layer into a stacked v of either form."""
     if not split:
-        return write(v, layer_index, new_BxTxKxD, write_index)
+        return write(v, layer_index, new_NxTxKxD, write_index)
     zero = jnp.zeros((), jnp.int32)
     start = (jnp.asarray(layer_index, jnp.int32), zero, zero, jnp.asarray(write_index, jnp.int32))
-    new = jnp.swapaxes(new_BxTxKxD, 1, 2)[None].astype(v.dtype)  # [1, B, K, T, D]
+    new = jnp.swapaxes(new_NxTxKxD, 1, 2)[None].astype(v.dtype)  # [1, N, K, T, D]
     return jax.lax.dynamic_update_slice(v, new, (*start, zero))
 
 
-def write_all_layers(cache: KVCache, k_new_LxBxTxKxD, v_new_LxBxTxKxD, write_index) -> KVCache:
-    """Every layer's new keys/values [L, B, T, K, D] written at slots [write_index, + T).
+def write_all_layers(cache: KVCache, k_new_LxNxTxKxD, v_new_LxNxTxKxD, write_index) -> KVCache:
+    """Every layer's new keys/values [L, N, T, K, D] written at slots [write_index, + T).
 
     One dynamic-update-slice per k and v over all L layers: a decode step whose layer scan only
     reads the cache writes its new token this way once, after the scan, so the stacked cache (a
@@ -95,11 +95,11 @@ def write_all_layers(cache: KVCache, k_new_LxBxTxKxD, v_new_LxBxTxKxD, write_ind
     """
     w, zero = jnp.asarray(write_index, jnp.int32), jnp.zeros((), jnp.int32)
     if cache.is_split:
-        k_new = jnp.transpose(k_new_LxBxTxKxD, (0, 1, 3, 4, 2))  # [L, B, K, D, T]
-        v_new = jnp.swapaxes(v_new_LxBxTxKxD, 2, 3)  # [L, B, K, T, D]
+        k_new = jnp.transpose(k_new_LxNxTxKxD, (0, 1, 3, 4, 2))  # [L, N, K, D, T]
+        v_new = jnp.swapaxes(v_new_LxNxTxKxD, 2, 3)  # [L, N, K, T, D]
         k_start, v_start = (zero, zero, zero, zero, w), (zero, zero, zero, w, zero)
     else:
-        k_new, v_new = k_new_LxBxTxKxD, v_new_LxBxTxKxD
+        k_new, v_new = k_new_LxNxTxKxD, v_new_LxNxTxKxD
         k_start = v_start = (zero, zero, w, zero, zero)
     return cache.replace(
         k=jax.lax.dynamic_update_slice(cache.k, k_new.astype(cache.k.dtype), k_start),
@@ -108,7 +108,7 @@ def write_all_layers(cache: KVCache, k_new_LxBxTxKxD, v_new_LxBxTxKxD, write_ind
 
 
 def split(cache: KVCache) -> KVCache:
-    """[L, B, S, K, D] -> k [L, B, K, D, S] and v [L, B, K, S, D] (see `KVCache`)."""
+    """[L, N, S, K, D] -> k [L, N, K, D, S] and v [L, N, K, S, D] (see `KVCache`)."""
     if cache.is_split:
         return cache
     return KVCache(
@@ -117,7 +117,7 @@ def split(cache: KVCache) -> KVCache:
 
 
 def stack(cache: KVCache) -> KVCache:
-    """The inverse of `split`: the decode-loop form -> [L, B, S, K, D]."""
+    """The inverse of `split`: the decode-loop form -> [L, N, S, K, D]."""
     if not cache.is_split:
         return cache
     return KVCache(k=jnp.transpose(cache.k, (0, 1, 4, 2, 3)), v=jnp.swapaxes(cache.v, 2, 3))

@@ -4,7 +4,8 @@ Parameters are stored in `param_dtype` (fp32 master weights) and cast to the com
 they are used. Attribute names follow the Hugging Face module names (`q_proj`, `input_layernorm`,
 ...) so that the safetensors name table in `loading.py` stays a plain rename.
 
-Legend: B batch, T tokens, H hidden size, D head dim, V vocab, r LoRA rank.
+Shape legend (docs/design.md): N rows, T tokens, E hidden width, H heads, D head dim, V vocab,
+r LoRA rank.
 """
 
 from __future__ import annotations
@@ -115,20 +116,20 @@ class RMSNorm(nnx.Module):
 
 
 class Embed(nnx.Module):
-    """Token embedding [V, H]; `attend` gives tied-head logits in fp32."""
+    """Token embedding [V, E]; `attend` gives tied-head logits in fp32."""
 
     def __init__(self, vocab: int, dim: int, *, dtype, param_dtype, key: jax.Array):
         init = jax.nn.initializers.normal(0.02)
         self.embedding = nnx.Param(init(key, (vocab, dim), param_dtype))
         self.dtype = dtype
 
-    def __call__(self, tokens_BxT):
-        return jnp.take(self.embedding[...], tokens_BxT, axis=0).astype(self.dtype)
+    def __call__(self, tokens_NxT):
+        return jnp.take(self.embedding[...], tokens_NxT, axis=0).astype(self.dtype)
 
-    def attend(self, h_BxTxH):
+    def attend(self, h_NxTxE):
         w = self.embedding[...].astype(self.dtype)
         return jnp.einsum(
-            "bth,vh->btv", h_BxTxH.astype(self.dtype), w, preferred_element_type=jnp.float32
+            "bth,vh->btv", h_NxTxE.astype(self.dtype), w, preferred_element_type=jnp.float32
         )
 
 
@@ -149,26 +150,26 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> np.ndarr
     return np.where(medium, smoothed, inv_l).astype(np.float32)
 
 
-def rope_cos_sin(positions_BxT, inv_freq):
-    """cos, sin [B, T, D] (fp32) for rotate-half RoPE at integer positions."""
-    freqs = positions_BxT.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)[None, None, :]
+def rope_cos_sin(positions_NxT, inv_freq):
+    """cos, sin [N, T, D] (fp32) for rotate-half RoPE at integer positions."""
+    freqs = positions_NxT.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)[None, None, :]
     b, t, half = freqs.shape
     emb = jnp.broadcast_to(freqs[:, :, None, :], (b, t, 2, half)).reshape(b, t, 2 * half)
     return jnp.cos(emb), jnp.sin(emb)
 
 
-def apply_rope(x_BxTxNxD, cos, sin):
+def apply_rope(x_NxTxHxD, cos, sin):
     """Rotates x (HF `rotate_half` layout) in fp32 and casts back to x's dtype.
 
     rotate_half(x) = [-x2, x1] is taken as x viewed [..., 2, D/2], halves reversed, first
     negated: elementwise work that fuses, where concatenating slices made the backward pad.
     """
-    x = x_BxTxNxD.astype(jnp.float32)
+    x = x_NxTxHxD.astype(jnp.float32)
     *lead, d = x.shape
     sign = jnp.asarray([-1.0, 1.0], jnp.float32).reshape((1,) * len(lead) + (2, 1))
     rotated = (jnp.flip(x.reshape(*lead, 2, d // 2), axis=-2) * sign).reshape(x.shape)
     out = x * cos[:, :, None, :] + rotated * sin[:, :, None, :]
-    return out.astype(x_BxTxNxD.dtype)
+    return out.astype(x_NxTxHxD.dtype)
 
 
 def merged_params(model: nnx.Module) -> list[tuple[tuple, jax.Array]]:

@@ -6,7 +6,7 @@ placed straight into its target dtype and sharding with `jax.make_array_from_cal
 device only touches its own slice and no full host copy of the model is ever made.
 
 Name/layout table (our state path -> HF tensor name; kernels are HF Linear weights transposed):
-  embed_tokens/embedding                 model.embed_tokens.weight            [V, H]
+  embed_tokens/embedding                 model.embed_tokens.weight            [V, E]
   layers/self_attn/{q,k,v,o}_proj/kernel     model.layers.N.self_attn.*.weight   transposed
   layers/self_attn/{q,k,v,o}_proj/bias       model.layers.N.self_attn.*.bias
   layers/mlp/{gate,up,down}_proj/kernel      model.layers.N.mlp.*.weight         transposed

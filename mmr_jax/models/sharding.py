@@ -1,20 +1,20 @@
 """Device mesh with data / fsdp / tensor axes and partition rules for the decoder's parameters.
 
-Rules are keyed on the parameter's state path (our layout: kernels are [in, out]):
-  embedding [V, H]                     -> (tensor, fsdp)
-  q/k/v/gate/up kernel [H, out]        -> (fsdp, tensor)   column-parallel
-  o/down kernel [in, H]                -> (tensor, fsdp)   row-parallel
-  lm_head kernel [H, V]                -> (fsdp, tensor)
+Rules are keyed on the parameter's state path (kernels are stored [in, out]):
+  embedding [V, E]                     -> (tensor, fsdp)
+  q/k/v/gate/up kernel [E, out]        -> (fsdp, tensor)   column-parallel
+  o/down kernel [in, E]                -> (tensor, fsdp)   row-parallel
+  lm_head kernel [E, V]                -> (fsdp, tensor)
   q/k/v bias [out]                     -> (tensor,)
   lora_a [in, r] / lora_b [r, out]     -> the kernel's in / out axis, rank replicated
   norms, other biases, RNG state       -> replicated
 Stacked layer parameters ([L, ...]) keep the layer axis unsharded and follow these rules after it.
 A dimension not divisible by its axis size is replicated instead. Batches shard over (data, fsdp).
 
-On several hosts (processes) a run's default layout (`mesh.layout`) is hybrid, as MaxText's and
-JAX's `mesh_utils.create_hybrid_device_mesh` (processes as granules): each host's devices form
-one contiguous block of `data` rows, so fsdp's and tensor's collectives stay within a host and
-only the data-parallel gradient reduction crosses hosts (`device_grid`).
+On several hosts (processes) a run's mesh is by default hybrid over them (`mesh.over_hosts`), as
+MaxText's and JAX's `mesh_utils.create_hybrid_device_mesh` (processes as granules): each host's
+devices form one contiguous block of `data` rows, so fsdp's and tensor's collectives stay within
+a host and only the data-parallel gradient reduction crosses hosts (`device_grid`).
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ from jax.sharding import PartitionSpec as P
 AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")  # a batch's rows split over these (`batch_sharding`)
 TENSOR_AXIS = "tensor"  # attention heads and the projections' outputs
-# `mesh.layout`: 'hybrid' keeps fsdp and tensor within a host, 'flat' lays the shape over the
+# `mesh.over_hosts`: 'hybrid' keeps fsdp and tensor within a host, 'flat' lays the shape over the
 # devices in order (fsdp may span hosts). One host: the same mesh either way.
-LAYOUTS = ("hybrid", "flat")
+OVER_HOSTS = ("hybrid", "flat")
 _COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "lm_head")
 _ROW = ("o_proj", "down_proj")
 
@@ -63,7 +63,7 @@ def batch_size(mesh: Mesh | None) -> int:
     return 1 if mesh is None else mesh.shape["data"] * mesh.shape["fsdp"]
 
 
-class MeshLayoutError(ValueError):
+class MeshShapeError(ValueError):
     """A mesh shape that does not fit the devices, or the hosts, it is laid over."""
 
 
@@ -86,26 +86,27 @@ def make_mesh(
     tensor: int = 1,
     *,
     devices=None,
-    layout: str = "flat",
+    over_hosts: str = "flat",
     hosts: Sequence[int] | None = None,
 ) -> Mesh:
     """A Mesh of shape (data, fsdp, tensor) over `devices` (default: all); one size may be -1.
 
-    `layout` 'flat' (the default here: `devices` in order, reshaped) or 'hybrid' (what a run
-    uses by default, `mesh.layout` in configs/base.py: hosts along data); `hosts[i]`: the host of
-    `devices[i]` (default: its `granule`, the TPU slice or else the process). See `device_grid`.
+    `over_hosts` 'flat' (the default here: `devices` in order, reshaped) or 'hybrid' (what a
+    run uses by default, `mesh.over_hosts` in configs/base.py: hosts along data); `hosts[i]`: the
+    host of `devices[i]` (default: its `granule`, the TPU slice or else the process). See
+    `device_grid`.
     """
     devices = list(jax.devices() if devices is None else devices)
     hosts = [granule(d) for d in devices] if hosts is None else list(hosts)
-    return Mesh(device_grid((data, fsdp, tensor), devices, hosts, layout=layout), AXES)
+    return Mesh(device_grid((data, fsdp, tensor), devices, hosts, over_hosts=over_hosts), AXES)
 
 
 def device_grid(
-    shape: Sequence[int], devices: Sequence, hosts: Sequence[int], *, layout: str = "hybrid"
+    shape: Sequence[int], devices: Sequence, hosts: Sequence[int], *, over_hosts: str = "hybrid"
 ) -> np.ndarray:
     """`devices` as a [data, fsdp, tensor] array; `hosts[i]` is the host of `devices[i]`.
 
-    One host, or layout 'flat': `devices` in order, reshaped; -1 takes the remaining devices.
+    One host, or over_hosts 'flat': `devices` in order, reshaped; -1 takes the remaining devices.
     'hybrid' on H hosts of k devices each: host h (in host order) fills data rows
     [h * d, (h + 1) * d) with its devices in order, reshaped (d, fsdp, tensor). A -1 on fsdp or
     tensor makes `shape` one host's mesh (-1: the rest of its k devices) and the hosts multiply
@@ -113,21 +114,21 @@ def device_grid(
     remaining devices) and its data must split over the hosts; a shape written in full whose data
     does not, e.g. (1, 2, 1) on 2 hosts x 1, is laid flat as written (fsdp across hosts, asked
     for explicitly). Anything else that would put fsdp or tensor across hosts raises
-    `MeshLayoutError`.
+    `MeshShapeError`.
     """
-    if layout not in LAYOUTS:
-        raise MeshLayoutError(f"mesh layout {layout!r}; expected one of {LAYOUTS}")
+    if over_hosts not in OVER_HOSTS:
+        raise MeshShapeError(f"mesh over_hosts={over_hosts!r}; expected one of {OVER_HOSTS}")
     if len(hosts) != len(devices):
-        raise MeshLayoutError(f"{len(hosts)} host ids for {len(devices)} devices")
+        raise MeshShapeError(f"{len(hosts)} host ids for {len(devices)} devices")
     shape = [int(s) for s in shape]
     if len(shape) != len(AXES) or shape.count(-1) > 1 or any(s < 1 and s != -1 for s in shape):
-        raise MeshLayoutError(
+        raise MeshShapeError(
             f"mesh shape {tuple(shape)}: (data, fsdp, tensor) sizes >= 1, at most one -1"
         )
     groups: dict[int, list] = {}
     for device, host in zip(devices, hosts, strict=True):
         groups.setdefault(host, []).append(device)
-    if layout == "flat" or len(groups) == 1:
+    if over_hosts == "flat" or len(groups) == 1:
         return _flat(shape, devices)
     return _hybrid(shape, [groups[h] for h in sorted(groups)])
 
@@ -136,13 +137,13 @@ def _resolve(shape: list[int], count: int, where: str = "") -> list[int]:
     """`shape` with its -1 filled from `count` devices; raises unless it uses exactly those."""
     known = math.prod(s for s in shape if s != -1)
     if -1 in shape and count % known:
-        raise MeshLayoutError(
+        raise MeshShapeError(
             f"mesh {tuple(shape)}: the sizes given ({known} devices) do not divide the {count} "
             f"devices{where}"
         )
     sizes = [count // known if s == -1 else s for s in shape]
     if math.prod(sizes) != count:
-        raise MeshLayoutError(
+        raise MeshShapeError(
             f"mesh {dict(zip(AXES, sizes, strict=True))} needs {math.prod(sizes)} "
             f"devices, have {count}"
         )
@@ -160,9 +161,9 @@ def _hybrid(shape: list[int], groups: list[list]) -> np.ndarray:
     if any(len(g) != k for g in groups):
         if written:
             return _flat(shape, [d for g in groups for d in g])
-        raise MeshLayoutError(
+        raise MeshShapeError(
             f"hosts hold {[len(g) for g in groups]} devices: a hybrid mesh needs the same count "
-            "on each; write every mesh size, or set mesh.layout='flat'"
+            "on each; write every mesh size, or set mesh.over_hosts='flat'"
         )
     if -1 in shape[1:]:
         per_host = _resolve(shape, k, " of one host (a -1 on fsdp or tensor fills one host)")
@@ -171,10 +172,10 @@ def _hybrid(shape: list[int], groups: list[list]) -> np.ndarray:
         if sizes[0] % h:
             if written:  # fsdp / tensor across hosts, as written
                 return _flat(sizes, [d for g in groups for d in g])
-            raise MeshLayoutError(
+            raise MeshShapeError(
                 f"mesh {tuple(sizes)}: data={sizes[0]} does not split over {h} hosts, so fsdp "
                 "or tensor would span hosts; write every mesh size to ask for that, or set "
-                "mesh.layout='flat'"
+                "mesh.over_hosts='flat'"
             )
         per_host = [sizes[0] // h, *sizes[1:]]
     blocks = [np.asarray(g, dtype=object).reshape(per_host) for g in groups]
@@ -182,13 +183,13 @@ def _hybrid(shape: list[int], groups: list[list]) -> np.ndarray:
 
 
 def mesh_sizes(
-    shape: Sequence[int], *, hosts: int, devices_per_host: int, layout: str = "hybrid"
+    shape: Sequence[int], *, hosts: int, devices_per_host: int, over_hosts: str = "hybrid"
 ) -> dict[str, int]:
     """The (data, fsdp, tensor) sizes `device_grid` gives `shape` on `hosts` x `devices_per_host`
     devices (host i // devices_per_host), without any device."""
     n = hosts * devices_per_host
     grid = device_grid(
-        shape, list(range(n)), [i // devices_per_host for i in range(n)], layout=layout
+        shape, list(range(n)), [i // devices_per_host for i in range(n)], over_hosts=over_hosts
     )
     return dict(zip(AXES, grid.shape, strict=True))
 
@@ -239,7 +240,7 @@ def named_sharding(path: tuple, shape: tuple[int, ...], mesh: Mesh) -> NamedShar
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
-    """Sharding of [B, ...] host batches: B over (data, fsdp)."""
+    """Sharding of [N, ...] host batches: N over (data, fsdp)."""
     return NamedSharding(mesh, P(BATCH_AXES))
 
 

@@ -35,8 +35,8 @@ def prefill(
         positions_RxW,
         packed,
         write_index=0,
-        kv_mask_BxS=segment_ids_RxW >= 0,
-        segment_ids_BxS=segment_ids_RxW,
+        kv_mask_NxS=segment_ids_RxW >= 0,
+        segment_ids_NxS=segment_ids_RxW,
     )
 
     def gather_keys(k_LxRxKxDxW):

@@ -5,8 +5,10 @@
 (continuous batching over a KV cache of slots sized by one memory budget: `slot_grid`, its
 programs compiled at start-up, `slot_programs`, `slot_engine`), `batching` (jobs, updates,
 and whole batches for backends that generate them whole), `embedded_backend` (the sampler,
-weights and adapters behind it) and the OpenAI formats: `openai_params` (every accepted
-parameter honoured or refused by name), `openai_choices`, `openai_format`, `openai_stream`
+weights and adapters behind it) and the OpenAI formats: `request_models` (the completion and
+chat bodies as pydantic models: every accepted parameter typed, the others refused by name),
+`openai_params` (a validated body against the model served -> a request), `openai_choices`,
+`openai_format`, `openai_stream`
 (chunks sent as they decode). It serves a checkpoint for evaluation and lets the tests run the
 vLLM client over real HTTP.
 

@@ -23,6 +23,7 @@ class _Output:
     finish_reason: str
     stop_reason: int | str | None
     pieces: list[str] | None
+    held: bool = False  # the text's last character is unfinished: held back (`generated_text`)
 
 
 def decoder(backend, request: openai_params.Request):
@@ -39,12 +40,13 @@ def output(backend, ids, logprobs, reason, *, with_pieces: bool, decode=None) ->
     if reason == base.FINISH_STOP and ids:
         text_ids = ids[:-1]
         stop_reason = ids[-1] if ids[-1] not in set(backend.eos_token_ids) else None
-    text = decode(text_ids)
+    whole = decode(text_ids)
+    text = fmt.generated_text(decode, text_ids, whole)
     pieces = None
     if with_pieces:
         pieces = fmt.text_pieces(decode, text_ids, text)
         pieces += [""] * (len(ids) - len(text_ids))
-    return _Output(ids, logprobs, text, reason, stop_reason, pieces)
+    return _Output(ids, logprobs, text, reason, stop_reason, pieces, held=text != whole)
 
 
 def cut_at_stop(out: _Output, stops, *, include: bool = False) -> _Output:

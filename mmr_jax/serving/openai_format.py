@@ -108,6 +108,14 @@ def text_pieces(decode: Callable[[Sequence[int]], str], ids: Sequence[int], text
     those pieces do not join to `text` (a tokenizer whose decode is not prefix-stable), each piece
     is instead where decode(ids[:k + 1]) stops agreeing with `text`: exact, in O(len(ids)^2).
     """
+    pieces = _incremental_pieces(decode, ids)
+    if "".join(pieces) == text:
+        return pieces
+    return _pieces_by_prefix([decode(ids[: k + 1]) for k in range(len(ids))], text)
+
+
+def _incremental_pieces(decode: Callable[[Sequence[int]], str], ids: Sequence[int]) -> list[str]:
+    """vLLM's incremental detokenizer: each token's new text, "" while it ends in U+FFFD."""
     pieces, start, read = [], 0, 0
     for k in range(len(ids)):
         before, now = decode(ids[start:read]), decode(ids[start : k + 1])
@@ -116,9 +124,17 @@ def text_pieces(decode: Callable[[Sequence[int]], str], ids: Sequence[int], text
             start, read = read, k + 1
         else:
             pieces.append("")
-    if "".join(pieces) == text:
-        return pieces
-    return _pieces_by_prefix([decode(ids[: k + 1]) for k in range(len(ids))], text)
+    return pieces
+
+
+def generated_text(decode: Callable[[Sequence[int]], str], ids: Sequence[int], text: str) -> str:
+    """The text of generated `ids` as vLLM's detokenizer gives it: `text` (= decode(ids)) less
+    a last character left unfinished (the bytes of a character the generation ended inside,
+    U+FFFD in the decode), which vLLM holds back as it streams and never sends."""
+    if not text.endswith("\ufffd"):
+        return text
+    joined = "".join(_incremental_pieces(decode, ids))
+    return joined if text.startswith(joined) else text
 
 
 def _pieces_by_prefix(prefix_texts: Sequence[str], text: str) -> list[str]:

@@ -74,10 +74,11 @@ class _Row:
     def __init__(self, index: int, prompt, echo=None):
         self.index, self.prompt, self.sent, self.ended = index, prompt, 0, False
         self.out, self.echo = None, echo
+        self.prompt_sent = False  # its prompt_token_ids (return_token_ids) went out
 
 
-def _advance(backend, job, row: _Row, update, parts, *, as_ids) -> Iterator[dict]:
-    """Chunk entries for what `update` adds to `row`."""
+def _advance(backend, job, row: _Row, update, parts, *, as_ids) -> Iterator[tuple[dict, list]]:
+    """Chunk entries for what `update` adds to `row`, each with the token ids it sends."""
     request, r = job.request, row.index
     finished = update.finished[r] or update.final
     reason = update.reasons[r] if finished else base.FINISH_LENGTH
@@ -91,7 +92,7 @@ def _advance(backend, job, row: _Row, update, parts, *, as_ids) -> Iterator[dict
             finished, out = True, cut
     ready = len(out.ids)
     if not finished:
-        if out.text.endswith("\ufffd"):
+        if out.held:
             ready = row.sent
         elif request.stop:
             hold, end = max(len(s) for s in request.stop) - 1, 0
@@ -118,10 +119,10 @@ def _advance(backend, job, row: _Row, update, parts, *, as_ids) -> Iterator[dict
             ending = last(c)
             entry = {**entry, "finish_reason": ending["finish_reason"]}
             entry["stop_reason"] = ending["stop_reason"]
-        yield entry
+        yield entry, [c.token_ids[t]]
     if finished and not row.ended:  # nothing left to send: the finish alone
         row.ended, row.out = True, c
-        yield last(c)
+        yield last(c), []
 
 
 def stream(
@@ -133,12 +134,15 @@ def stream(
     chat: bool,
     as_ids: bool,
     prompt_info=None,
+    token_ids: bool = False,
     on_finish=lambda choices: None,
 ) -> Iterator[dict]:
     """The stream chunks of `job` as its updates arrive (`head`: id, object, created, model;
     `prompt_info`: `build_choices`'). With include_usage the last chunk has the usage; with
-    continuous_usage_stats every chunk has the usage of its choice so far (as vLLM's).
-    `on_finish(choices)` runs once every choice has ended."""
+    continuous_usage_stats every chunk has the usage of its choice so far (as vLLM's). With
+    `token_ids` (vLLM's return_token_ids) each token's chunk has its `token_ids`, and a choice's
+    first chunk its prompt's (`prompt_token_ids`: in the choice for completions, beside the
+    choices for chat, as vLLM's). `on_finish(choices)` runs once every choice has ended."""
     request = job.request
     logprobs = request.logprobs is not None
     parts = (fmt.chat_stream_parts if chat else fmt.completion_stream_parts)(logprobs=logprobs)
@@ -148,13 +152,22 @@ def stream(
     ]
     rows = [_Row(r, request.prompts[r // n], echoes[r // n]) for r in range(job.rows)]
 
-    def chunk(row, entry):
+    def chunk(row, entry, ids=None):
+        top = head
+        if token_ids:
+            entry = entry if ids is None else {**entry, "token_ids": ids}
+            if not row.prompt_sent:
+                row.prompt_sent = True
+                if chat:
+                    top = {**head, "prompt_token_ids": list(row.prompt)}
+                else:
+                    entry = {**entry, "prompt_token_ids": list(row.prompt)}
         if not request.include_usage:
-            return {**head, "choices": [entry]}
+            return {**top, "choices": [entry]}
         use = None
         if request.continuous_usage:
             use = fmt.usage(len(row.prompt), row.sent if not row.ended else len(row.out.token_ids))
-        return {**head, "choices": [entry], "usage": use}
+        return {**top, "choices": [entry], "usage": use}
 
     for row in rows:
         opening = parts[0](fmt.Choice(row.index, [], [], [], [], "", "", echo=row.echo))
@@ -164,8 +177,8 @@ def stream(
         for row in rows:
             if row.ended:
                 continue
-            for entry in _advance(backend, job, row, update, parts, as_ids=as_ids):
-                yield chunk(row, entry)
+            for entry, ids in _advance(backend, job, row, update, parts, as_ids=as_ids):
+                yield chunk(row, entry, ids)
     on_finish([row.out for row in rows])
     if request.include_usage:
         prompt_tokens = sum(len(p) for p in request.prompts)

@@ -31,7 +31,7 @@ MIN_LENGTH = 64  # shorter rows are padded to it: their passes cost about the sa
 def _score(graphdef, state, tokens_1xT, mask_1xT, temperature):
     """(log-prob [1, T-1] and rank [1, T-1] of each next token, top ids and log-probs
     [1, T, K_MAX]) under log softmax(logits / temperature)."""
-    logits = nnx.merge(graphdef, state)(tokens_1xT, attention_mask_BxT=mask_1xT)
+    logits = nnx.merge(graphdef, state)(tokens_1xT, attention_mask_NxT=mask_1xT)
     logps = jax.nn.log_softmax(logits.astype(jnp.float32) / temperature, axis=-1)
     chosen = jnp.take_along_axis(logps[:, :-1], tokens_1xT[:, 1:, None], axis=-1)
     ranks = 1 + jnp.sum(logps[:, :-1] > chosen, axis=-1)

@@ -25,6 +25,7 @@ HTTP: `http` (Starlette on uvicorn, as vLLM's). In-process: `OpenAIServer(backen
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import logging
 import os
 import threading
@@ -115,6 +116,8 @@ class OpenAIServer:
         (None: those routes answer 404).
       chunk_steps: decode steps between the batcher's hand-overs (stream chunks, early ends).
       gather_s: how long the batcher waits, once a request arrives, for others to join it.
+      force_include_usage: every stream carries the usage in every chunk (vLLM's
+        --enable-force-include-usage).
     """
 
     def __init__(
@@ -129,9 +132,11 @@ class OpenAIServer:
         weights_dir: str | os.PathLike | None = None,
         chunk_steps: int = 8,
         gather_s: float = 0.02,
+        force_include_usage: bool = False,
     ):
         self.backend, self.default_max_tokens = backend, default_max_tokens
         self.limits, self.api_key = limits or request_limits.Limits(), api_key or None
+        self.force_include_usage = force_include_usage
         self.weights_dir = None if weights_dir is None else os.path.realpath(weights_dir)
         self.batcher = slot_scheduler.batcher_for(
             backend, self.limits, chunk_steps=chunk_steps, gather_s=gather_s
@@ -228,6 +233,8 @@ class OpenAIServer:
     def _reply(self, request: openai_params.Request, model: str, conn, *, chat: bool, body):
         """The reply of a parsed request: a JSON body, or a stream as tokens are decoded."""
         request_limits.check(request, self.limits)
+        if self.force_include_usage and request.stream:  # vLLM's --enable-force-include-usage
+            request = dataclasses.replace(request, include_usage=True, continuous_usage=True)
         if request.controls != token_controls.NONE and not self.batcher.takes_controls:
             raise fmt.HTTPError(400, "logit_bias, allowed_token_ids and min_tokens need the "
                             "continuous batch (scripts/serve.py enables it)")  # fmt: skip
@@ -264,7 +271,7 @@ class OpenAIServer:
             head = {"id": rid, "object": kind, "created": meta["created"], "model": model}
             chunks = openai_stream.stream(
                 self.backend, job, conn.client_gone, head=head, chat=chat, as_ids=as_ids,
-                prompt_info=info,
+                prompt_info=info, token_ids=token_ids,
                 on_finish=lambda outs: self.metrics.finished(meta["prompt_tokens"], outs),
             )  # fmt: skip
 
@@ -306,6 +313,14 @@ class OpenAIServer:
         if not isinstance(conversations, list) or not conversations:
             raise fmt.HTTPError(
                 400, "messages must be a non-empty list of conversations", param="messages"
+            )
+        reuse = body.get("kv_transfer_params")
+        if isinstance(reuse, dict) and reuse.get("prompt_token_ids") is not None:
+            raise fmt.HTTPError(
+                400,
+                "Batch chat completions do not support `kv_transfer_params['prompt_token_ids']`: "
+                "one pre-tokenized prompt cannot serve several conversations.",
+                param="kv_transfer_params.prompt_token_ids",
             )
         if body.get("stream") or (body.get("n") or 1) != 1:
             raise fmt.HTTPError(400, "batch chat completions take neither stream nor n > 1")

@@ -183,8 +183,8 @@ def prefill(graphdef, state, cache, tokens_RxW, positions_RxW, segments_RxW, slo
         positions_RxW,
         scratch,
         write_index=0,
-        kv_mask_BxS=segments_RxW >= 0,
-        segment_ids_BxS=segments_RxW,
+        kv_mask_NxS=segments_RxW >= 0,
+        segment_ids_NxS=segments_RxW,
     )
     k = jnp.transpose(scratch.k, (0, 1, 4, 2, 3))  # [L, R, W, K, D]
     v = jnp.transpose(scratch.v, (0, 1, 3, 2, 4))
@@ -208,7 +208,7 @@ def prefill_more(graphdef, state, cache, tokens_1xW, start, length, slot):
         (start + jnp.arange(w, dtype=jnp.int32))[None],
         row,
         write_index=start,
-        kv_mask_BxS=(jnp.arange(c) < start + length)[None],
+        kv_mask_NxS=(jnp.arange(c) < start + length)[None],
     )
     k = jax.lax.dynamic_update_slice(cache.k, row.k, (zero, slot, zero, zero, zero))
     v = jax.lax.dynamic_update_slice(cache.v, row.v, (zero, slot, zero, zero, zero))

@@ -171,21 +171,13 @@ def minibatch_loss(
         ratio_ref,
         mb.advantages,
         mb.completion_mask,
+        settings=cfg.loss,
         ref_logps_NxT=mb.ref_logps,
-        eps_low=cfg.loss.eps_low,
-        eps_high=cfg.loss.eps_high,
-        aggregation=cfg.loss.aggregation,
-        beta=cfg.loss.beta,
-        kl_estimator=cfg.loss.kl_estimator,
         max_completion_len=cfg.max_completion_len,
         normaliser=normaliser,
         is_weights_NxT=tis,
-        importance_sampling_level=cfg.loss.importance_sampling_level,
-        objective=cfg.loss.objective,
-        dual_clip_c=cfg.loss.dual_clip_c,
         entropy_NxT=entropy,
         entropy_coef=entropy_coef if cfg.entropy_on else 0.0,  # 0: the graph has no bonus term
-        top_entropy_quantile=cfg.loss.top_entropy_quantile,
     )
     mask = mb.completion_mask
     tokens = jnp.maximum(mask.sum(), 1)

@@ -64,11 +64,11 @@ def run(
     else:  # a hub id is fetched once, here; the config keeps the id, as vLLM serves it so
         model_dir = hub.resolve_checkpoint(cfg.model.path, "model.path")
         tokenizer = hub.load_tokenizer(model_dir, "model.path")
-    mesh = sharding.make_mesh(*cfg.mesh.shape, layout=cfg.mesh.layout)
+    mesh = sharding.make_mesh(*cfg.mesh.shape, over_hosts=cfg.mesh.over_hosts)
     logging.info(
-        "mesh %s (layout %s, %d process(es))",
+        "mesh %s (over hosts %s, %d process(es))",
         dict(mesh.shape),
-        cfg.mesh.layout,
+        cfg.mesh.over_hosts,
         jax.process_count(),
     )
     policy = load_policy(cfg, mesh)

@@ -67,7 +67,9 @@ class Compiled:
 def config_mesh(cfg: schema.TrainConfig, devices=None, hosts=None) -> jax.sharding.Mesh:
     """The config's (data, fsdp, tensor) mesh over `devices` (default: all); `hosts[i]`, the host
     of device i, lays it as on that many hosts (virtual devices grouped as a pod's hosts)."""
-    return sharding.make_mesh(*cfg.mesh.shape, devices=devices, layout=cfg.mesh.layout, hosts=hosts)
+    return sharding.make_mesh(
+        *cfg.mesh.shape, devices=devices, over_hosts=cfg.mesh.over_hosts, hosts=hosts
+    )
 
 
 def measure(name: str, jitted, *args) -> tuple[Compiled, Any]:
@@ -168,7 +170,7 @@ def dry_run_mesh_sizes(
     if -1 not in shape:
         return dict(zip(sharding.AXES, shape, strict=True))
     return sharding.mesh_sizes(
-        shape, hosts=hosts, devices_per_host=devices_per_host, layout=cfg.mesh.layout
+        shape, hosts=hosts, devices_per_host=devices_per_host, over_hosts=cfg.mesh.over_hosts
     )
 
 

@@ -22,7 +22,7 @@ from absl import logging
 from etils import epath
 
 from mmr_jax import distributed
-from mmr_jax.config import checks, schema
+from mmr_jax.config import checks, command_line, schema
 from mmr_jax.infra import console, faults, run_paths, user_errors
 from mmr_jax.models import sharding
 from mmr_jax.step import train_step
@@ -61,7 +61,7 @@ def export_hf(cfg: schema.TrainConfig, workdir, out_dir, *, step: int | None = N
     run_paths.check(workdir)
     run_paths.check(out_dir, "--export_hf")
     mesh = (
-        sharding.make_mesh(*cfg.mesh.shape, layout=cfg.mesh.layout)
+        sharding.make_mesh(*cfg.mesh.shape, over_hosts=cfg.mesh.over_hosts)
         if jax.process_count() > 1
         else None
     )
@@ -88,7 +88,8 @@ def run_config(workdir) -> schema.TrainConfig:
             f"{workdir} is not a training run (no {workdir_guard.RUN_FILE}); "
             "pass the workdir of scripts/train.py"
         )
-    return checks.from_config_dict(workdir_guard.read_run_config(workdir))
+    stored = workdir_guard.read_run_config(workdir)
+    return checks.from_config_dict(command_line.stored_config(stored))
 
 
 def export_model(

@@ -1,14 +1,16 @@
 """The console header's method line: what a run's config trains, in words.
 
 One line naming the reweighting (MMR with its scope and lambda, DRA, or none), the advantage
-estimator, the objective with its ratio level and clip range, the loss aggregation, and each
-option that changes the update when it is on (KL, dual clip, entropy bonus, top-entropy tokens,
-the mismatch correction, DAPO dynamic sampling, off-policy rollouts, LoRA). A CISPO + RLOO + MMR
-run reads as such, not as plain CISPO.
+estimator, the loss in the words of the module that computes it (`losses.describe`: the objective
+with its ratio level and clip range, the aggregation, KL, dual clip, top-entropy tokens), and each
+other option that changes the update when it is on (entropy bonus, the mismatch correction,
+passes and updates, DAPO dynamic sampling, off-policy rollouts, LoRA). A CISPO + RLOO + MMR run
+reads as such, not as plain CISPO.
 """
 
 from __future__ import annotations
 
+from mmr_jax.algorithms import losses
 from mmr_jax.config import schema
 
 _ESTIMATORS = {
@@ -17,8 +19,6 @@ _ESTIMATORS = {
     "rloo": "RLOO r - mean of the others",
     "batch_std": "(r - group mean) / batch std",
 }
-_OBJECTIVES = {"ppo_clip": "clipped surrogate", "cispo": "CISPO"}
-_RATIO_LEVELS = {"token": "token", "sequence": "sequence (GSPO)", "sequence_token": "GSPO-token"}
 
 
 def _reweighting(cfg: schema.TrainConfig) -> str:
@@ -30,18 +30,12 @@ def _reweighting(cfg: schema.TrainConfig) -> str:
     return "none"
 
 
-def _loss_options(loss: schema.LossConfig) -> list[str]:
-    """The options that change the update, each when it is on."""
+def _update_options(loss: schema.LossConfig) -> list[str]:
+    """The options of the update outside the loss's own (`losses.describe`), each when it is on."""
     out = []
-    if loss.beta > 0:
-        out.append(f"KL {loss.kl_estimator} beta {loss.beta:g}")
-    if loss.dual_clip_c > 0:
-        out.append(f"dual clip c {loss.dual_clip_c:g}")
     if loss.entropy_coef > 0:
         target = f", adaptive to {loss.entropy_target:g} nats" if loss.entropy_target > 0 else ""
         out.append(f"entropy bonus {loss.entropy_coef:g}{target}")
-    if loss.top_entropy_quantile < 1:
-        out.append(f"top {loss.top_entropy_quantile:g} entropy tokens")
     if loss.tis_cap > 0:
         out.append(f"mismatch {loss.tis_mode} cap {loss.tis_cap:g}")
     if loss.iterations > 1 or loss.updates_per_batch > 1:
@@ -51,19 +45,12 @@ def _loss_options(loss: schema.LossConfig) -> list[str]:
 
 def method_line(cfg: schema.TrainConfig) -> str:
     """'reweighting ... | advantages ... | objective ... | loss ...[ | options]' of `cfg`."""
-    loss = cfg.loss
-    objective = (
-        f"{_OBJECTIVES.get(loss.objective, loss.objective)}, "
-        f"{_RATIO_LEVELS.get(loss.importance_sampling_level, loss.importance_sampling_level)} "
-        f"ratio, clip [{1 - loss.eps_low:g}, {1 + loss.eps_high:g}]"
-    )
     parts = [
         f"reweighting {_reweighting(cfg)}",
         f"advantages {_ESTIMATORS.get(cfg.advantage.estimator, cfg.advantage.estimator)}",
-        f"objective {objective}",
-        f"loss {loss.aggregation}",
+        *losses.describe(cfg.loss),  # objective, aggregation, the loss's options
     ]
-    options = _loss_options(loss)
+    options = _update_options(cfg.loss)
     if cfg.reweight.uniform_group_guard:
         options.append("uniform-group guard")
     if cfg.dynamic_sampling.enabled:

@@ -18,7 +18,7 @@ from typing import Any
 from absl import logging
 from etils import epath
 
-from mmr_jax.config import checks
+from mmr_jax.config import checks, command_line
 from mmr_jax.infra import run_paths, user_errors
 from mmr_jax.training import checkpoint
 
@@ -46,11 +46,12 @@ def _flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def _differences(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[str]:
-    """The keys whose values differ, as 'key: old -> new'. A key the stored run lacks (added to
-    the config since) counts as its default there: the run ran with it."""
+    """The keys whose values differ, as 'key: old -> new'. The stored config is read in today's
+    keys (`command_line.stored_config`): a key it lacks (added to the config since) counts as its
+    default there, as the run ran with it."""
     a, b = _flatten(checks.upgrade(old)), _flatten(new)
-    added = {k: v for k, v in checks.key_defaults().items() if k not in a and k in b}
-    a.update(added)
+    today = _flatten(command_line.stored_config(old))
+    a.update({k: v for k, v in today.items() if k not in a and k in b})
     diffs = []
     for key in sorted(set(a) | set(b)):
         if key in RESUMABLE_KEYS or key.split(".")[0] in RESUMABLE_KEYS:

@@ -211,8 +211,9 @@ class BatchStdAdvantagesTest(chex.TestCase):
     def test_the_trainer_passes_its_std_convention(self):
         # pipeline.reweighted_advantages (the whole step's groups, after MMR) gives batch_std
         # the configured ddof and eps, as grpo.
-        from mmr_jax.config import schema
         from mmr_jax.step import pipeline
+
+        from support import testing
 
         r, mask = _ragged_batch(7)
         emb = np.random.default_rng(0).normal(size=(*r.shape, 4)).astype(np.float32)
@@ -222,8 +223,10 @@ class BatchStdAdvantagesTest(chex.TestCase):
                 r,
                 emb,
                 mask,
-                reweight=schema.ReweightConfig(method="mmr"),
-                advantage=schema.AdvantageConfig("batch_std", std_ddof=ddof, eps=eps),
+                reweight=testing.base_section("reweight", method="mmr"),
+                advantage=testing.base_section(
+                    "advantage", estimator="batch_std", std_ddof=ddof, eps=eps
+                ),
             )
             want = advantages.batch_std_advantages(
                 jnp.asarray(reweighted), mask=jnp.asarray(mask), ddof=ddof, eps=eps

@@ -20,13 +20,14 @@ from hypothesis import strategies as st
 from mmr_jax.algorithms import losses
 from mmr_jax.step import minibatch
 
-from support import fuzz_cases
+from support import fuzz_cases, testing
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
 B, T = 8, 12
 KLS = (None, "k1", "k2", "k3")
 BETA = 0.1
+_settings = testing.loss_settings  # the loss section policy_loss reads
 
 
 # (aggregation, KL estimator, importance sampling level): every token-level variant, and GSPO
@@ -53,15 +54,17 @@ def _loss_grad_all(logps, old, adv, mask, ref, eps_low, eps_high, mcl, normalise
                 old,
                 adv,
                 mask,
-                eps_low=eps_low,
-                eps_high=eps_high,
-                aggregation=aggregation,
+                settings=_settings(
+                    eps_low=eps_low,
+                    eps_high=eps_high,
+                    aggregation=aggregation,
+                    beta=0.0 if kl is None else BETA,
+                    kl_estimator=kl or "k3",
+                    importance_sampling_level=level,
+                ),
                 ref_logps_NxT=None if kl is None else ref,
-                beta=0.0 if kl is None else BETA,
-                kl_estimator=kl or "k3",
                 max_completion_len=mcl,
                 normaliser=normaliser,
-                importance_sampling_level=level,
             )
 
         (loss, metrics), grad = jax.value_and_grad(f, has_aux=True)(logps)

@@ -16,6 +16,8 @@ from absl.testing import parameterized
 
 from mmr_jax.algorithms import losses
 
+from support import testing
+
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
 # The two sequences of losses_test: seq 0 A = +1, ratios [1, 1.5, (masked)]; seq 1 A = -2,
@@ -25,6 +27,7 @@ LOGPS = OLD + jnp.log(jnp.array([[1.0, 1.5, 7.0], [1.0, 0.5, 1.1]]))
 ADV = jnp.array([1.0, -2.0])
 MASK = jnp.array([[True, True, False], [True, True, True]])
 CLIP = dict(eps_low=0.2, eps_high=0.2)
+_settings = testing.loss_settings  # the loss section policy_loss reads
 
 
 def _reference(lp, old, adv, mask, ent, *, aggregation, max_len, eps_low, eps_high, objective,
@@ -123,6 +126,7 @@ class ReferenceTest(parameterized.TestCase):
             dual_c=opts.get("dual_clip_c", 0.0), w=w, keep=keep,
             coef=opts.get("entropy_coef", 0.0), beta=beta, ref=x["ref"], **clip,
         )  # fmt: skip
+        loss_keys = {k: v for k, v in opts.items() if k != "entropy_coef"}  # the call's own
         with jax.enable_x64(True):
 
             def f(lp, ent):
@@ -131,14 +135,12 @@ class ReferenceTest(parameterized.TestCase):
                     jnp.asarray(x["old"]),
                     jnp.asarray(x["adv"]),
                     jnp.asarray(x["mask"]),
-                    aggregation=aggregation,
+                    settings=_settings(aggregation=aggregation, beta=beta, **clip, **loss_keys),
                     max_completion_len=9,
                     is_weights_NxT=jnp.asarray(w) if tis else None,
-                    beta=beta,
                     ref_logps_NxT=jnp.asarray(x["ref"]),
                     entropy_NxT=ent,
-                    **clip,
-                    **opts,
+                    entropy_coef=opts.get("entropy_coef", 0.0),
                 )
 
             (loss, metrics), (g_lp, g_ent) = jax.jit(
@@ -161,13 +163,21 @@ class ReferenceTest(parameterized.TestCase):
         # the graph of before this change: the same bits of loss, metrics and gradient.
         x = {k: jnp.asarray(v, jnp.float32) for k, v in _batch(5).items()}
         x["mask"] = x["mask"].astype(bool)
-        base = dict(aggregation=aggregation, beta=0.04, ref_logps_NxT=x["ref"], **CLIP)
+        base = dict(aggregation=aggregation, beta=0.04, **CLIP)
 
-        def run(**opts):
+        def run(entropy_NxT=None, entropy_coef=0.0, **loss_keys):
             fn = jax.jit(
                 jax.value_and_grad(
                     lambda lp: losses.policy_loss(
-                        lp, x["old"], x["adv"], x["mask"], is_weights_NxT=x["w"], **base, **opts
+                        lp,
+                        x["old"],
+                        x["adv"],
+                        x["mask"],
+                        settings=_settings(**base, **loss_keys),
+                        ref_logps_NxT=x["ref"],
+                        is_weights_NxT=x["w"],
+                        entropy_NxT=entropy_NxT,
+                        entropy_coef=entropy_coef,
                     ),
                     has_aux=True,
                 )
@@ -198,15 +208,12 @@ class CispoTest(chex.TestCase):
         # No lower bound (eps_low = 1), cap 1 + 0.2: weights [1, 1.2 | 1, 0.5, 1.1]. Loss per
         # token -w A logp; gradient -w A / 5 (token mean), clipped tokens included, unlike PPO
         # whose clip zeroes seq 0 token 1 and seq 1 token 1.
+        settings = _settings(aggregation="token_mean", objective="cispo", eps_low=1.0, eps_high=0.2)
         fn = self.variant(
             jax.value_and_grad(
-                lambda lp: losses.policy_loss(
-                    lp, OLD, ADV, MASK, aggregation="token_mean", objective="cispo",
-                    eps_low=1.0, eps_high=0.2,
-                ),
-                has_aux=True,
+                lambda lp: losses.policy_loss(lp, OLD, ADV, MASK, settings=settings), has_aux=True
             )
-        )  # fmt: skip
+        )
         (loss, metrics), grad = fn(LOGPS)
         w = np.array([[1.0, 1.2, 0.0], [1.0, 0.5, 1.1]])
         lp = np.where(MASK, np.asarray(LOGPS, np.float64), 0.0)
@@ -220,7 +227,11 @@ class CispoTest(chex.TestCase):
         # eps_low = 0.2: the r = 0.5 token of seq 1 (A < 0) gets weight 0.8, still a gradient.
         grad = jax.grad(
             lambda lp: losses.policy_loss(
-                lp, OLD, ADV, MASK, aggregation="token_mean", objective="cispo", **CLIP
+                lp,
+                OLD,
+                ADV,
+                MASK,
+                settings=_settings(aggregation="token_mean", objective="cispo", **CLIP),
             )[0]
         )(LOGPS)
         np.testing.assert_allclose(grad[1], [0.4, 2 * 0.8 / 5, 0.44], rtol=1e-6)
@@ -236,9 +247,7 @@ class CispoTest(chex.TestCase):
                 jax.lax.stop_gradient(lp),
                 x["adv"],
                 x["mask"].astype(bool),
-                aggregation=aggregation,
-                objective=objective,
-                **CLIP,
+                settings=_settings(aggregation=aggregation, objective=objective, **CLIP),
             )[0]
 
         np.testing.assert_allclose(
@@ -248,10 +257,20 @@ class CispoTest(chex.TestCase):
     def test_refused_combinations(self):
         kw = dict(aggregation="token_mean", objective="cispo", **CLIP)
         with pytest.raises(ValueError, match="token ratios"):
-            losses.policy_loss(LOGPS, OLD, ADV, MASK, importance_sampling_level="sequence", **kw)
+            losses.policy_loss(
+                LOGPS,
+                OLD,
+                ADV,
+                MASK,
+                settings=_settings(importance_sampling_level="sequence", **kw),
+            )
         with pytest.raises(ValueError, match="unknown objective 'gpg'"):
             losses.policy_loss(
-                LOGPS, OLD, ADV, MASK, aggregation="token_mean", objective="gpg", **CLIP
+                LOGPS,
+                OLD,
+                ADV,
+                MASK,
+                settings=_settings(aggregation="token_mean", objective="gpg", **CLIP),
             )
 
 
@@ -262,7 +281,9 @@ class DualClipTest(parameterized.TestCase):
 
     def _run(self, **kw):
         return jax.value_and_grad(
-            lambda lp: losses.policy_loss(lp, OLD, ADV, MASK, aggregation="token_mean", **kw),
+            lambda lp: losses.policy_loss(
+                lp, OLD, ADV, MASK, settings=_settings(aggregation="token_mean", **kw)
+            ),
             has_aux=True,
         )(self.LP)
 
@@ -328,10 +349,10 @@ class EntropyTest(parameterized.TestCase):
         lp = jnp.full((3, 3), -1.0)
 
         def f(coef):
+            settings = _settings(aggregation="seq_mean_token_mean", **CLIP)
             return losses.policy_loss(
-                lp, lp, jnp.zeros(3), mask, aggregation="seq_mean_token_mean",
-                entropy_NxT=ent, entropy_coef=coef, **CLIP,
-            )[0]  # fmt: skip
+                lp, lp, jnp.zeros(3), mask, settings=settings, entropy_NxT=ent, entropy_coef=coef
+            )[0]
 
         want = -0.02 * (0.2 + 0.5) / 2
         np.testing.assert_allclose(f(0.02), want, rtol=1e-6)
@@ -340,11 +361,15 @@ class EntropyTest(parameterized.TestCase):
     def test_missing_entropy_raises(self):
         kw = dict(aggregation="token_mean", **CLIP)
         with pytest.raises(ValueError, match="need entropy_NxT"):
-            losses.policy_loss(LOGPS, OLD, ADV, MASK, entropy_coef=0.1, **kw)
+            losses.policy_loss(LOGPS, OLD, ADV, MASK, settings=_settings(**kw), entropy_coef=0.1)
         with pytest.raises(ValueError, match="need entropy_NxT"):
-            losses.policy_loss(LOGPS, OLD, ADV, MASK, top_entropy_quantile=0.2, **kw)
+            losses.policy_loss(
+                LOGPS, OLD, ADV, MASK, settings=_settings(top_entropy_quantile=0.2, **kw)
+            )
         with pytest.raises(ValueError, match=r"top_entropy_quantile must lie in \(0, 1\]"):
-            losses.policy_loss(LOGPS, OLD, ADV, MASK, top_entropy_quantile=0.0, **kw)
+            losses.policy_loss(
+                LOGPS, OLD, ADV, MASK, settings=_settings(top_entropy_quantile=0.0, **kw)
+            )
 
 
 def _loop_gspo_grad(lp, old, adv, mask, w, *, level, eps_low, eps_high, aggregation, max_len):
@@ -397,11 +422,15 @@ class GspoTokenWeightsTest(parameterized.TestCase):
                 grads[level] = jax.jit(
                     jax.grad(
                         lambda x, level=level: losses.policy_loss(
-                            x, old, adv, mask, importance_sampling_level=level,
-                            is_weights_NxT=jnp.asarray(w), **kw,
+                            x,
+                            old,
+                            adv,
+                            mask,
+                            settings=_settings(importance_sampling_level=level, **kw),
+                            is_weights_NxT=jnp.asarray(w),
                         )[0]
                     )
-                )(jnp.asarray(lp))  # fmt: skip
+                )(jnp.asarray(lp))
             np.testing.assert_allclose(grads[level], want, rtol=1e-12, atol=1e-15, err_msg=level)
         # They differ (the issue measured 21-61%); with weights constant per sequence they agree.
         diff = np.abs(grads["sequence"] - grads["sequence_token"]).max()

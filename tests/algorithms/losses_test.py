@@ -11,6 +11,8 @@ from absl.testing import parameterized
 
 from mmr_jax.algorithms import losses
 
+from support import testing
+
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
 # Two sequences, T = 3, eps_low = eps_high = 0.2.
@@ -27,6 +29,7 @@ LOGPS = OLD + jnp.log(jnp.array([[1.0, 1.5, 7.0], [1.0, 0.5, 1.1]]))
 ADV = jnp.array([1.0, -2.0])
 MASK = jnp.array([[True, True, False], [True, True, True]])
 CLIP = dict(eps_low=0.2, eps_high=0.2)
+_settings = testing.loss_settings  # the loss section policy_loss reads
 
 
 class PolicyLossTest(chex.TestCase):
@@ -39,7 +42,12 @@ class PolicyLossTest(chex.TestCase):
     def test_hand_worked(self, aggregation, want):
         fn = self.variant(
             lambda lp, old, a, m: losses.policy_loss(
-                lp, old, a, m, aggregation=aggregation, max_completion_len=4, **CLIP
+                lp,
+                old,
+                a,
+                m,
+                settings=_settings(aggregation=aggregation, **CLIP),
+                max_completion_len=4,
             )
         )
         loss, metrics = fn(LOGPS, OLD, ADV, MASK)
@@ -54,7 +62,9 @@ class PolicyLossTest(chex.TestCase):
 
     def test_aggregations_differ_as_their_formulas_say(self):
         def run(agg):
-            return losses.policy_loss(LOGPS, OLD, ADV, MASK, aggregation=agg, **CLIP)[1]
+            return losses.policy_loss(
+                LOGPS, OLD, ADV, MASK, settings=_settings(aggregation=agg, **CLIP)
+            )[1]
 
         tm, sn, sm = run("token_mean"), run("seq_mean_token_sum_norm"), run("seq_mean_token_mean")
         # Same numerator (sum of masked token losses), different denominators: 5 tokens vs B*T=6.
@@ -69,7 +79,9 @@ class PolicyLossTest(chex.TestCase):
         bad = LOGPS.at[0, 2].set(jnp.inf)  # garbage at the masked position must not leak
 
         def loss(lp):
-            return losses.policy_loss(lp, OLD, ADV, MASK, aggregation="token_mean", **CLIP)[0]
+            return losses.policy_loss(
+                lp, OLD, ADV, MASK, settings=_settings(aggregation="token_mean", **CLIP)
+            )[0]
 
         grad = jax.jit(jax.grad(loss))(bad)
         # d/dlogp of -ratio * A / 5 where unclipped: seq 0 t0: -1 * 1 / 5; seq 1 t0: 1 * 2 / 5;
@@ -88,9 +100,7 @@ class PolicyLossTest(chex.TestCase):
                 jax.lax.stop_gradient(x),
                 adv,
                 mask,
-                aggregation="token_mean",
-                eps_low=0.2,
-                eps_high=0.28,
+                settings=_settings(aggregation="token_mean", eps_low=0.2, eps_high=0.28),
             )
 
         (loss, metrics), grad = jax.jit(jax.value_and_grad(f, has_aux=True))(lp)
@@ -118,11 +128,8 @@ class PolicyLossTest(chex.TestCase):
             lp,
             jnp.zeros(1),
             jnp.ones((1, 2), bool),
-            aggregation="token_mean",
+            settings=_settings(aggregation="token_mean", beta=0.1, kl_estimator=estimator, **CLIP),
             ref_logps_NxT=ref,
-            beta=0.1,
-            kl_estimator=estimator,
-            **CLIP,
         )
         np.testing.assert_allclose(loss, 0.1 * want, rtol=1e-6)
         np.testing.assert_allclose(metrics["kl"], want, rtol=1e-6)
@@ -137,13 +144,20 @@ class PolicyLossTest(chex.TestCase):
             ref = old + jnp.asarray(rng.normal(size=(b, t)) * 0.1)
             adv = jnp.asarray(rng.normal(size=b))
             mask = jnp.asarray(rng.random((b, t)) < np.linspace(0.2, 0.95, b)[:, None])
-            kw = dict(aggregation=aggregation, beta=0.05, max_completion_len=9, **CLIP)
+            settings = _settings(aggregation=aggregation, beta=0.05, **CLIP)
 
             @jax.jit
             @jax.value_and_grad
             def f(x, old, adv, mask, ref, norm):
                 return losses.policy_loss(
-                    x, old, adv, mask, ref_logps_NxT=ref, normaliser=norm, **kw
+                    x,
+                    old,
+                    adv,
+                    mask,
+                    settings=settings,
+                    ref_logps_NxT=ref,
+                    normaliser=norm,
+                    max_completion_len=9,
                 )[0]
 
             full, full_grad = f(lp, old, adv, mask, ref, None)
@@ -162,13 +176,21 @@ class PolicyLossTest(chex.TestCase):
 
     def test_bad_arguments_raise(self):
         with pytest.raises(ValueError, match="aggregation"):
-            losses.policy_loss(LOGPS, OLD, ADV, MASK, aggregation="sum", **CLIP)
+            losses.policy_loss(LOGPS, OLD, ADV, MASK, settings=_settings(aggregation="sum", **CLIP))
         with pytest.raises(ValueError, match="ref_logps"):
-            losses.policy_loss(LOGPS, OLD, ADV, MASK, aggregation="token_mean", beta=0.1, **CLIP)
+            losses.policy_loss(
+                LOGPS,
+                OLD,
+                ADV,
+                MASK,
+                settings=_settings(aggregation="token_mean", beta=0.1, **CLIP),
+            )
         with pytest.raises(ValueError, match="KL estimator"):
             losses.kl_divergence(LOGPS, OLD, estimator="k4")
         with pytest.raises(AssertionError):
-            losses.policy_loss(LOGPS, OLD, ADV[:1], MASK, aggregation="token_mean", **CLIP)
+            losses.policy_loss(
+                LOGPS, OLD, ADV[:1], MASK, settings=_settings(aggregation="token_mean", **CLIP)
+            )
 
 
 # GSPO on the same two sequences, eps 0.2. Sequence ratio s = exp(mean of the valid log-ratios):
@@ -217,7 +239,13 @@ class GspoTest(chex.TestCase):
         for level in ("sequence", "sequence_token"):
             fn = self.variant(
                 lambda lp, old, a, m, level=level: losses.policy_loss(
-                    lp, old, a, m, aggregation=aggregation, importance_sampling_level=level, **CLIP
+                    lp,
+                    old,
+                    a,
+                    m,
+                    settings=_settings(
+                        aggregation=aggregation, importance_sampling_level=level, **CLIP
+                    ),
                 )
             )
             loss, metrics = fn(LOGPS, OLD, ADV, MASK)
@@ -253,7 +281,11 @@ class GspoTest(chex.TestCase):
                 grad = jax.jit(
                     jax.grad(
                         lambda x, level=level: losses.policy_loss(
-                            x, old, adv, mask, importance_sampling_level=level, **kw
+                            x,
+                            old,
+                            adv,
+                            mask,
+                            settings=_settings(importance_sampling_level=level, **kw),
                         )[0]
                     )
                 )(jnp.asarray(lp))
@@ -271,7 +303,11 @@ class GspoTest(chex.TestCase):
 
         def f(x, lvl):
             return losses.policy_loss(
-                x, old, adv, mask, aggregation="token_mean", importance_sampling_level=lvl, **CLIP
+                x,
+                old,
+                adv,
+                mask,
+                settings=_settings(aggregation="token_mean", importance_sampling_level=lvl, **CLIP),
             )
 
         (tok, tok_m), g_tok = jax.value_and_grad(f, has_aux=True)(lp, "token")
@@ -292,9 +328,9 @@ class GspoTest(chex.TestCase):
                 OLD,
                 ADV,
                 MASK,
-                aggregation="token_mean",
-                importance_sampling_level=level,
-                **CLIP,
+                settings=_settings(
+                    aggregation="token_mean", importance_sampling_level=level, **CLIP
+                ),
             )[0]
 
         value, grad = jax.jit(jax.value_and_grad(loss))(bad)
@@ -317,11 +353,30 @@ class GspoTest(chex.TestCase):
                 jax.lax.stop_gradient(x),
                 adv,
                 mask,
-                aggregation=aggregation,
-                importance_sampling_level=level,
-                **CLIP,
+                settings=_settings(
+                    aggregation=aggregation, importance_sampling_level=level, **CLIP
+                ),
             )[0]
 
         g_tok = jax.grad(f)(lp, "token")
         for level in ("sequence", "sequence_token"):
             np.testing.assert_allclose(jax.grad(f)(lp, level), g_tok, rtol=1e-6, atol=1e-9)
+
+
+class DescribeTest(parameterized.TestCase):
+    def test_the_options_on_are_named_in_order(self):
+        words = losses.describe(
+            _settings(aggregation="token_mean", beta=0.04, dual_clip_c=3.0, eps_high=0.28)
+        )
+        assert words == [
+            "objective clipped surrogate, token ratio, clip [0.8, 1.28]",
+            "loss token_mean",
+            "KL k3 beta 0.04",
+            "dual clip c 3",
+        ]
+        assert losses.describe(_settings(top_entropy_quantile=0.2))[-1] == "top 0.2 entropy tokens"
+
+    @parameterized.product(objective=losses.OBJECTIVES, level=losses.IS_LEVELS)
+    def test_every_choice_has_words(self, objective, level):
+        words = losses.describe(_settings(objective=objective, importance_sampling_level=level))
+        assert words[0].startswith("objective ") and len(words) == 2  # beta 0: no option on

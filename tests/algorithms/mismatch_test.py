@@ -11,6 +11,8 @@ from absl.testing import parameterized
 
 from mmr_jax.algorithms import losses, mismatch
 
+from support import testing
+
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
 e = math.exp
@@ -24,6 +26,7 @@ LOGPS = OLD + jnp.log(jnp.array([[1.0, 1.5, 7.0], [1.0, 0.5, 1.1]]))
 ADV = jnp.array([1.0, -2.0])
 MASK = jnp.array([[True, True, False], [True, True, True]])
 CLIP = dict(eps_low=0.2, eps_high=0.2)
+_settings = testing.loss_settings  # the loss section policy_loss reads
 D = jnp.array([[0.1, 1.0, 5.0], [-0.2, 0.0, 0.5]])
 ENGINE = OLD - D
 VALID_D = [0.1, 1.0, -0.2, 0.0, 0.5]
@@ -121,7 +124,12 @@ class TisInTheLossTest(chex.TestCase):
         w = mismatch.tis_weights(OLD, ENGINE, MASK, cap=2.0)
         fn = self.variant(
             lambda w: losses.policy_loss(
-                LOGPS, OLD, ADV, MASK, aggregation="token_mean", is_weights_NxT=w, **CLIP
+                LOGPS,
+                OLD,
+                ADV,
+                MASK,
+                settings=_settings(aggregation="token_mean", **CLIP),
+                is_weights_NxT=w,
             )[0]
         )
         np.testing.assert_allclose(fn(w), want, rtol=1e-6)
@@ -132,7 +140,12 @@ class TisInTheLossTest(chex.TestCase):
         # token losses 2 e^0.3. Token mean over all 5 tokens, not over the 3 kept ones.
         w = mismatch.tis_weights(OLD, ENGINE, MASK, cap=2.0, mode="sequence_mask")
         loss = losses.policy_loss(
-            OLD, OLD, ADV, MASK, aggregation="token_mean", is_weights_NxT=w, **CLIP
+            OLD,
+            OLD,
+            ADV,
+            MASK,
+            settings=_settings(aggregation="token_mean", **CLIP),
+            is_weights_NxT=w,
         )[0]
         np.testing.assert_allclose(loss, 3 * 2 * e(0.3) / 5, rtol=1e-6)
         assert abs(float(loss) - 3 * 2 * e(0.3) / 3) > 0.5
@@ -148,11 +161,9 @@ class TisInTheLossTest(chex.TestCase):
                 OLD,
                 ADV,
                 MASK,
-                aggregation="token_mean",
+                settings=_settings(aggregation="token_mean", beta=beta, **CLIP),
                 is_weights_NxT=w,
                 ref_logps_NxT=ref,
-                beta=beta,
-                **CLIP,
             )
 
         g_plain = jax.grad(lambda x: loss(x, None, 0.0)[0])(LOGPS)
@@ -169,7 +180,8 @@ class TisInTheLossTest(chex.TestCase):
         assert abs(float(kl_plain)) > 1e-3
 
     def test_off_is_todays_loss(self):
-        kw = dict(aggregation="seq_mean_token_mean", ref_logps_NxT=OLD - 0.3, beta=0.1, **CLIP)
+        settings = _settings(aggregation="seq_mean_token_mean", beta=0.1, **CLIP)
+        kw = dict(settings=settings, ref_logps_NxT=OLD - 0.3)
         base, base_m = losses.policy_loss(LOGPS, OLD, ADV, MASK, **kw)
         ones, ones_m = losses.policy_loss(
             LOGPS, OLD, ADV, MASK, is_weights_NxT=jnp.ones_like(OLD), **kw

@@ -2,6 +2,7 @@
 
 import ast
 import dataclasses
+import json
 import pathlib
 import sys
 from unittest import mock
@@ -16,6 +17,7 @@ from mmr_jax.step import train_step
 from mmr_jax.training import workdir_guard
 
 CONFIGS = pathlib.Path(__file__).resolve().parents[2] / "configs"
+RUNS = pathlib.Path(__file__).resolve().parents[1] / "support" / "runs"  # run.json of older trees
 VARIANTS = [
     "grpo",
     "dr_grpo",
@@ -182,6 +184,19 @@ class TestBadInput:
             command_line.check_override_keys(argv)
         command_line.check_override_keys([*argv[:2], "--config.reweight.lam=0.5"])
 
+    def test_a_renamed_key_names_its_new_name(self):
+        argv = ["prog", f"--config={CONFIGS / 'grpo.py'}:smoke", "--config.mesh.layout=flat"]
+        with pytest.raises(command_line.UnknownKeyError) as e:
+            command_line.check_argv(argv)
+        assert "unknown config key 'mesh.layout'" in str(e.value) and "\n" not in str(e.value)
+        assert str(e.value).endswith("(mesh.layout is now mesh.over_hosts)")
+        command_line.check_argv([*argv[:2], "--config.mesh.over_hosts=flat"])
+        c = command_line.load_config_file(f"{CONFIGS / 'grpo.py'}:smoke")
+        with pytest.raises(command_line.UnknownKeyError, match="is now mesh.over_hosts"):
+            command_line.set_keys(c, {"mesh.layout": "flat"})  # scripts' --set, load_config
+        flat = command_line.set_keys(c, {"mesh.over_hosts": "flat"})
+        assert checks.from_config_dict(flat).mesh.over_hosts == "flat"
+
     @pytest.mark.parametrize("raw", ["+,-", "+ -"])
     def test_a_tuple_absl_cannot_parse_names_the_quoted_form(self, raw):
         argv = [
@@ -199,8 +214,21 @@ class TestBadInput:
     def test_unknown_key_in_dict(self):
         cfg = _load("grpo").to_dict()
         cfg["loss"]["bogus"] = 1
-        with pytest.raises(ValueError, match=r"unknown keys \['bogus'\].*valid keys"):
-            checks.from_config_dict(cfg)
+        with pytest.raises(schema.ConfigError, match=r"unknown keys \['bogus'\].*valid keys"):
+            checks.from_config_dict(cfg)  # a UserError (one FATAL line) and still a ValueError
+
+    def test_set_keys_names_the_valid_keys_of_a_missing_section(self):
+        c = _load("grpo")
+        with pytest.raises(command_line.UnknownKeyError) as e:
+            command_line.set_keys(c, {"loss.kll.beta": 0.1})
+        assert str(e.value).startswith("unknown config key 'loss.kll.beta': 'loss' has no key")
+        assert "'kl_estimator'" in str(e.value) and isinstance(e.value, KeyError)
+        command_line.set_keys(c, {"loss.beta": 0.5})  # a key that exists is set
+        assert c.loss.beta == 0.5
+
+    def test_an_assignment_without_equals_is_a_config_value_error(self):
+        with pytest.raises(command_line.ConfigValueError, match="expected name=value"):
+            command_line.parse_assignments(["batch.prompts"])
 
     def test_bad_arg(self):
         with pytest.raises(Exception, match="unknown config argument"):
@@ -292,19 +320,29 @@ class TestBadInput:
             names = [n.target.id for n in cls.body if isinstance(n, ast.AnnAssign)]
             assert sorted(k for k in set(names) if names.count(k) > 1) == [], cls.name
 
-    def test_dataclass_defaults_are_the_base_config(self):
-        # One default per key: a dataclass default that differs from configs/base.py is a twin
-        # that a run built without the base (tests, scripts) would silently get instead.
-        cfg = checks.from_config_dict(command_line.load_config_file(str(CONFIGS / "base.py")))
+    def test_each_default_is_written_once_in_the_base_config(self):
+        # The typed config holds no default: a second one would be a twin that a run built
+        # without the base (tests, scripts) silently gets instead. configs/base.py's are the ones.
         for name, section in checks._SECTIONS.items():
             for f in dataclasses.fields(section):
-                if (
-                    f.default in (dataclasses.MISSING, "", ())
-                    or f.default_factory is not dataclasses.MISSING
-                ):
-                    continue  # no default: an empty placeholder that the config always sets
-                got = getattr(getattr(cfg, name), f.name)
-                assert got == f.default, f"{name}.{f.name}: base {got!r}, dataclass {f.default!r}"
+                assert f.default is dataclasses.MISSING, f"{name}.{f.name} = {f.default!r}"
+                assert f.default_factory is dataclasses.MISSING, f"{name}.{f.name}"
+        with pytest.raises(ValueError, match=r"'loss': unknown keys \[\], missing keys \['beta'\]"):
+            stored = _load("grpo").to_dict()
+            del stored["loss"]["beta"]
+            checks.from_config_dict(stored)  # a config, unlike a stored run, names every key
+
+    def test_a_stored_run_takes_keys_added_since_at_their_base_default(self):
+        stored = _load("grpo", "smoke").to_dict()
+        del stored["loss"]["dual_clip_c"], stored["loss"]["top_entropy_quantile"]
+        del stored["rewards"]["overlong_max_len"]
+        stored["rewards"]["weights"] = {"accuracy": 1.0}  # one key, not merged with the base's
+        today = command_line.stored_config(stored)
+        assert (today["loss"]["dual_clip_c"], today["loss"]["top_entropy_quantile"]) == (0.0, 1.0)
+        assert today["rewards"]["overlong_max_len"] == 0
+        assert today["rewards"]["weights"] == {"accuracy": 1.0}
+        assert today["batch"] == stored["batch"]  # the stored values, not the base's
+        assert checks.from_config_dict(today).loss.dual_clip_c == 0.0
 
     @pytest.mark.parametrize(
         "loss",
@@ -364,9 +402,7 @@ class TestBadInput:
     def test_the_run_json_of_the_commit_before_resumes_under_todays_keys(self, tmp_path):
         # run.json of configs/cpu_smollm2.py for 3 steps, written by commit bfa45cc (the one
         # before reweight.method) for scripts/step_fingerprint.py's before figures.
-        fixture = (
-            pathlib.Path(__file__).parents[1] / "support" / "runs" / "bfa45cc_cpu_smollm2_run.json"
-        )
+        fixture = RUNS / "bfa45cc_cpu_smollm2_run.json"
         (tmp_path / workdir_guard.RUN_FILE).write_text(fixture.read_text())
         (tmp_path / "checkpoints" / "3").mkdir(parents=True)  # a run with a checkpoint is bound
         over = [
@@ -382,6 +418,52 @@ class TestBadInput:
         dra = _load("cpu_smollm2", None, [*over, "--config.reweight.method=dra"])
         with pytest.raises(workdir_guard.RunMismatchError, match="reweight.method: 'mmr' -> 'dra'"):
             workdir_guard.prepare_workdir(tmp_path, checks.from_config_dict(dra).to_dict())
+
+    def test_a_workdir_of_the_commit_before_issue_53_resumes(self, tmp_path):
+        # run.json of `scripts/train.py --config=configs/cpu_smollm2.py:smoke
+        # --config.total_steps=1 --config.checkpoint.every=1 --config.eval.at_start=False`, written
+        # by commit bb73ad9 (mesh.layout; defaults also in the typed config), eval.data_dir made
+        # relative. That workdir, checkpoint and all, resumed on this tree for a second step.
+        from mmr_jax.training import hf_export
+
+        fixture = RUNS / "bb73ad9_cpu_smollm2_run.json"
+        (tmp_path / workdir_guard.RUN_FILE).write_text(fixture.read_text())
+        (tmp_path / "checkpoints" / "1").mkdir(parents=True)  # a run with a checkpoint is bound
+        over = ["--config.checkpoint.every=1", "--config.eval.at_start=False"]
+        today = checks.from_config_dict(
+            _load("cpu_smollm2", "smoke", [*over, "--config.total_steps=2"])
+        )
+        workdir_guard.prepare_workdir(tmp_path, today.to_dict())  # the same run: it resumes
+        stored = hf_export.run_config(tmp_path)  # what restores its checkpoints
+        assert stored.mesh.over_hosts == "hybrid" and stored.total_steps == 1
+        assert dataclasses.replace(stored, total_steps=2, eval=today.eval) == today
+        dual = _load("cpu_smollm2", "smoke", [*over, "--config.loss.dual_clip_c=3.0"])
+        with pytest.raises(workdir_guard.RunMismatchError, match="loss.dual_clip_c: 0.0 -> 3.0"):
+            workdir_guard.prepare_workdir(tmp_path, checks.from_config_dict(dual).to_dict())
+
+    def test_a_run_stored_with_mesh_layout_resumes_under_mesh_over_hosts(self, tmp_path):
+        # mesh.layout is mesh.over_hosts since issue 53; bfa45cc's run.json names the old key.
+        fixture = RUNS / "bfa45cc_cpu_smollm2_run.json"
+        stored = json.loads(fixture.read_text())["config"]
+        assert stored["mesh"] == {"layout": "hybrid", "shape": [1, -1, 1]}
+        assert (
+            checks.from_config_dict(command_line.stored_config(stored)).mesh.over_hosts == "hybrid"
+        )
+        assert stored["mesh"] == {"layout": "hybrid", "shape": [1, -1, 1]}  # not modified
+        stored["mesh"]["layout"] = "flat"  # a run laid flat refuses a hybrid resume, and says so
+        (tmp_path / workdir_guard.RUN_FILE).write_text(json.dumps({"config": stored}))
+        (tmp_path / "checkpoints" / "3").mkdir(parents=True)
+        hybrid = checks.from_config_dict(
+            command_line.stored_config(
+                {**stored, "mesh": {"layout": "hybrid", "shape": [1, -1, 1]}}
+            )
+        )
+        with pytest.raises(
+            workdir_guard.RunMismatchError, match="mesh.over_hosts: 'flat' -> 'hybrid'"
+        ):
+            workdir_guard.prepare_workdir(tmp_path, hybrid.to_dict())
+        flat = dataclasses.replace(hybrid, mesh=dataclasses.replace(hybrid.mesh, over_hosts="flat"))
+        workdir_guard.prepare_workdir(tmp_path, flat.to_dict())  # the same run: it resumes
 
     @pytest.mark.parametrize(
         "old,want",

@@ -130,6 +130,52 @@ def test_parse_args_types_from_defaults():
         harness.parse_args("doc", flags_, ["--mode=hot"])
 
 
+class TestUserErrors:
+    """A benchmark fed a bad flag or a missing file ends in one `FATAL:` line, exit code 1."""
+
+    @pytest.mark.parametrize(
+        "argv,want",
+        [
+            (["--steps=abc"], "FATAL: argument --steps: invalid int value: 'abc'. "),
+            (["--mode=hot"], "FATAL: argument --mode: invalid choice: 'hot'"),
+            (["--stpes=3"], "FATAL: unrecognized arguments: --stpes=3. "),
+        ],
+    )
+    def test_a_bad_flag_is_one_line(self, argv, want, capsys):
+        flags_ = {"steps": (5, "n"), "mode": ("off", "m", ("off", "warm"))}
+        with pytest.raises(SystemExit) as exit_:
+            harness.parse_args("doc", flags_, argv)
+        line = exit_.value.code  # sys.exit(str): Python prints it to stderr, exit code 1
+        assert isinstance(line, str) and "\n" not in line, line
+        assert line.startswith(want) and line.endswith("--help lists the flags"), line
+        assert capsys.readouterr().err == ""  # no usage text
+
+    def test_run_tells_a_user_error_in_one_line_and_keeps_a_bugs_traceback(self):
+        from mmr_jax.config import command_line
+
+        def missing_config():
+            command_line.load_config_file("configs/nope.py")
+
+        with pytest.raises(SystemExit) as exit_:
+            harness.run(missing_config)
+        assert exit_.value.code.startswith("FATAL: config file 'configs/nope.py' not found")
+
+        def bug():
+            raise ZeroDivisionError("a bug")
+
+        with pytest.raises(ZeroDivisionError):
+            harness.run(bug)
+
+    def test_counts_flag_refuses_what_is_not_a_whole_number(self):
+        values = flags.FlagValues()
+        flags.DEFINE_list("prompts", ["8"], "prompt counts", flag_values=values)
+        harness.counts_flag("prompts", flag_values=values)
+        values(["bench", "--prompts=8,32"])
+        assert values.prompts == ["8", "32"]
+        with pytest.raises(flags.IllegalFlagValueError, match="takes whole numbers"):
+            values(["bench", "--prompts=8,x"])
+
+
 def test_parse_args_list_default_is_a_repeatable_flag():
     flags_ = {"set": ([], "key=value")}
     args, _ = harness.parse_args("doc", flags_, ["--set=a=1", "--set", "b=2"])

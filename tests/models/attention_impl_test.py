@@ -230,7 +230,7 @@ class WholeModelTest(parameterized.TestCase):
         cm = jnp.asarray(np.arange(t)[None] < np.array([7, 3, 1, 5, 6, 2])[:, None])
 
         def run():
-            logits = model(tokens, attention_mask_BxT=amask)
+            logits = model(tokens, attention_mask_NxT=amask)
             lp = logprobs.shared_prompt_logprobs(model, pt, pm, ct, cm)
             return logits, lp
 
@@ -401,7 +401,7 @@ class OtherBackendsTest(parameterized.TestCase):
 
     def test_splash_rejects_packed_segments(self):
         q, k, v, mask = self._cases(jnp.float32)["completions"]
-        packed = mask._replace(extra_BxTxS=mask.dense())
+        packed = mask._replace(extra_NxTxS=mask.dense())
         with self.assertRaisesRegex(NotImplementedError, "packed-completion"):
             attention_impl.dot_product(q, k, v, packed, implementation="pallas_tpu")
 

@@ -141,13 +141,13 @@ class ChooseTest(parameterized.TestCase):
         plain, completions = attention_probe.probe_cases(jnp.bfloat16, 4, 2, 16, packed=True)
         q, k, _, mask = plain
         self.assertEqual((q.shape[1] % 2, q.dtype, k.shape[2]), (1, jnp.bfloat16, 2))
-        self.assertFalse(bool(mask.kv_valid_BxS[1, 0]))  # a left-padded prompt
+        self.assertFalse(bool(mask.kv_valid_NxS[1, 0]))  # a left-padded prompt
         q, k, _, mask = completions
         self.assertEqual((q.shape[1] % 2, k.shape[1] % 2), (1, 0))  # T odd, S = P + T even
-        self.assertIsNotNone(mask.extra_BxTxS)
-        self.assertFalse(bool(mask.kv_valid_BxS[2, -1]))  # a right-padded completion
+        self.assertIsNotNone(mask.extra_NxTxS)
+        self.assertFalse(bool(mask.kv_valid_NxS[2, -1]))  # a right-padded completion
         _, unpacked = attention_probe.probe_cases(jnp.bfloat16, 4, 2, 16, packed=False)
-        self.assertIsNone(unpacked[3].extra_BxTxS)
+        self.assertIsNone(unpacked[3].extra_NxTxS)
 
 
 class MaskFreeTest(parameterized.TestCase):
@@ -168,7 +168,7 @@ class MaskFreeTest(parameterized.TestCase):
             pvalid = jnp.asarray(np.arange(p)[None] >= np.array([2, 0, 4, 1])[:, None])
             own = jnp.asarray(np.arange(t)[None] < np.array([7, 3, 1, 5])[:, None])
             mask = attention_impl.prompt_then_causal(pvalid, own)
-        weight = jax.random.normal(keys[3], (b, t, n * d)) * mask.kv_valid_BxS[:, -t:, None]
+        weight = jax.random.normal(keys[3], (b, t, n * d)) * mask.kv_valid_NxS[:, -t:, None]
 
         def dense(q, k, v):
             return attention_impl.dot_product(q, k, v, mask, implementation="xla")
@@ -189,7 +189,7 @@ class MaskFreeTest(parameterized.TestCase):
         k = jnp.zeros((1, 3, 1, 8))
         mask = attention_impl.causal(jnp.ones((1, 3), bool))
         with self.assertRaisesRegex(NotImplementedError, "packed segments"):
-            attention_impl._maskfree(q, k, k, mask._replace(extra_BxTxS=mask.dense()), "xla")
+            attention_impl._maskfree(q, k, k, mask._replace(extra_NxTxS=mask.dense()), "xla")
         full = mask._replace(static_TxS=np.ones((3, 3), bool))
         with self.assertRaisesRegex(NotImplementedError, "causal pattern"):
             attention_impl._maskfree(q, k, k, full, "xla")

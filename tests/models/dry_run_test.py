@@ -66,7 +66,7 @@ class TestPod:
         assert dry_run.pod_mesh_shape((1, -1, 1), hosts=4, devices_per_host=8) == (
             dry_run.MeshShape(4, 8, 1)
         )
-        flat = dry_run.pod_mesh_shape((1, -1, 1), hosts=4, devices_per_host=8, layout="flat")
+        flat = dry_run.pod_mesh_shape((1, -1, 1), hosts=4, devices_per_host=8, over_hosts="flat")
         assert flat == dry_run.MeshShape(1, 32, 1)
 
     def test_script_summary_on_a_pod(self, capsys):
@@ -81,7 +81,7 @@ class TestPod:
 
 
 # The compiled dry run on a fake pod of 2 hosts x 4 devices (8 virtual CPU devices, device i on
-# host i // 4), in a fresh process: the hybrid default and the flat layout of the same config.
+# host i // 4), in a fresh process: the hybrid default and flat over the hosts, same config.
 _POD_SCRIPT = textwrap.dedent(
     """
     import json, math, sys
@@ -105,27 +105,27 @@ _POD_SCRIPT = textwrap.dedent(
                    for x in jax.tree.leaves(tree))
 
     out = {}
-    for layout in ("hybrid", "flat"):
-        args = script._parser().parse_args(base + ["--set", f"mesh.layout={layout}"])
+    for over_hosts in ("hybrid", "flat"):
+        args = script._parser().parse_args(base + ["--set", f"mesh.over_hosts={over_hosts}"])
         r = script.compiled(args)
         c = command_line.load_config_file(args.train_config)
         command_line.set_keys(c, command_line.parse_assignments(args.set))
         cfg = checks.from_config_dict(c)
         mesh = compiled_dry_run.config_mesh(cfg, hosts=[i // 4 for i in range(8)])
         _, targs = dry_run_programs.train_step_program(cfg, mesh)
-        out[layout] = dict(mesh=r["mesh"], hosts=r["hosts"], row_hosts=r["row_hosts"],
-                           args=r["programs"][0].argument_bytes, want=shard_bytes(targs),
-                           table=script.compiled_dry_run_table(r))
+        out[over_hosts] = dict(mesh=r["mesh"], hosts=r["hosts"], row_hosts=r["row_hosts"],
+                               args=r["programs"][0].argument_bytes, want=shard_bytes(targs),
+                               table=script.compiled_dry_run_table(r))
     print("RESULT", json.dumps(out))
     """
 )
 
 
-@pytest.mark.slow  # two layouts' train and decode steps compiled: ~20 s of CPU
+@pytest.mark.slow  # both meshes' train and decode steps compiled: ~20 s of CPU
 def test_compiled_dry_run_on_two_hosts_of_four(tmp_path):
     """The hybrid default on 2 fake hosts x 4 devices compiles as (2, 4, 1), each data row one
     host's devices, and each device holds the bytes its shardings give (fsdp over 4: more than
-    the flat layout's fsdp over all 8)."""
+    flat's fsdp over all 8)."""
     ckpt = testing.make_tiny_checkpoint(tmp_path / "ckpt", tokenizer=False, vocab_size=384)
     proc = testing.run_in_fresh_jax(_POD_SCRIPT, str(ckpt))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -62,11 +62,11 @@ class TestOneHost:
     @pytest.mark.parametrize(
         "shape", [(1, -1, 1), (2, -1, 1), (-1, 2, 1), (1, 2, -1), (2, 2, 2), (8, 1, 1)]
     )
-    @pytest.mark.parametrize("layout", sharding.LAYOUTS)
-    def test_same_mesh_as_a_plain_reshape(self, shape, layout):
+    @pytest.mark.parametrize("over_hosts", sharding.OVER_HOSTS)
+    def test_same_mesh_as_a_plain_reshape(self, shape, over_hosts):
         devices = _devices(1, 8)
         sizes = [8 // -np.prod(shape) if s == -1 else s for s in shape]  # the -1 filled by hand
-        mesh = sharding.make_mesh(*shape, devices=devices, layout=layout)
+        mesh = sharding.make_mesh(*shape, devices=devices, over_hosts=over_hosts)
         assert mesh.axis_names == sharding.AXES
         assert mesh.devices.tolist() == np.asarray(devices, object).reshape(sizes).tolist()
 
@@ -79,7 +79,7 @@ class TestOneHost:
 
 
 def _hybrid(*shape, **kw):
-    return sharding.make_mesh(*shape, layout="hybrid", **kw)
+    return sharding.make_mesh(*shape, over_hosts="hybrid", **kw)
 
 
 class TestSeveralHosts:
@@ -122,12 +122,15 @@ class TestSeveralHosts:
         mesh = _hybrid(1, 2, 1, devices=devices)
         assert mesh.devices.tolist() == [[[devices[0]], [devices[1]]]]
 
-    def test_flat_layout_is_the_plain_reshape(self):
+    def test_flat_over_hosts_is_the_plain_reshape(self):
         devices = _devices(2, 4, interleaved=True)
         want = np.asarray(devices, object).reshape(1, 8, 1).tolist()
-        assert sharding.make_mesh(1, -1, 1, devices=devices, layout="flat").devices.tolist() == want
+        assert (
+            sharding.make_mesh(1, -1, 1, devices=devices, over_hosts="flat").devices.tolist()
+            == want
+        )
         # make_mesh's own default is flat (direct callers keep their mesh); runs take the
-        # config's `mesh.layout`, hybrid by default (the cluster test below).
+        # config's `mesh.over_hosts`, hybrid by default (the cluster test below).
         assert sharding.make_mesh(1, -1, 1, devices=devices).devices.tolist() == want
 
     def test_fake_hosts_by_position(self):
@@ -142,38 +145,38 @@ class TestSeveralHosts:
             "fsdp": 8,
             "tensor": 1,
         }
-        flat = sharding.mesh_sizes((1, -1, 1), hosts=4, devices_per_host=8, layout="flat")
+        flat = sharding.mesh_sizes((1, -1, 1), hosts=4, devices_per_host=8, over_hosts="flat")
         assert flat == {"data": 1, "fsdp": 32, "tensor": 1}
 
 
 class TestRefusals:
     def test_auto_shape_that_cannot_stay_within_a_host(self):
         # 2 hosts x 3 devices, fsdp 2: data = 3 rows do not split over 2 hosts.
-        with pytest.raises(sharding.MeshLayoutError, match="does not split over 2 hosts"):
+        with pytest.raises(sharding.MeshShapeError, match="does not split over 2 hosts"):
             _hybrid(-1, 2, 1, devices=_devices(2, 3))
 
     def test_per_host_shape_must_fit_a_host(self):
-        with pytest.raises(sharding.MeshLayoutError, match="do not divide the 4 devices of one"):
+        with pytest.raises(sharding.MeshShapeError, match="do not divide the 4 devices of one"):
             _hybrid(2, -1, 3, devices=_devices(2, 4))
 
     def test_unequal_hosts(self):
         devices = _devices(2, 4)[:-1]  # host 1 holds 3
-        with pytest.raises(sharding.MeshLayoutError, match=r"hosts hold \[4, 3\] devices"):
+        with pytest.raises(sharding.MeshShapeError, match=r"hosts hold \[4, 3\] devices"):
             _hybrid(1, -1, 1, devices=devices)
         mesh = _hybrid(1, 7, 1, devices=devices)  # written: laid flat
         assert list(mesh.devices.reshape(-1)) == devices
 
     @pytest.mark.parametrize("shape", [(1, -1, -1), (0, 2, 1), (1, 2)])
     def test_bad_shapes(self, shape):
-        with pytest.raises(sharding.MeshLayoutError, match="at most one -1"):
+        with pytest.raises(sharding.MeshShapeError, match="at most one -1"):
             sharding.device_grid(shape, _devices(1, 2), [0, 0])
 
-    def test_layout_name(self):
-        with pytest.raises(sharding.MeshLayoutError, match="expected one of"):
-            sharding.make_mesh(devices=_devices(1, 2), layout="dcn")
+    def test_over_hosts_name(self):
+        with pytest.raises(sharding.MeshShapeError, match="expected one of"):
+            sharding.make_mesh(devices=_devices(1, 2), over_hosts="dcn")
         c = grpo.get_config("smoke")
-        c.mesh.layout = "dcn"
-        with pytest.raises(schema.ConfigError, match="mesh.layout='dcn'"):
+        c.mesh.over_hosts = "dcn"
+        with pytest.raises(schema.ConfigError, match="mesh.over_hosts='dcn'"):
             checks.from_config_dict(c)
 
 
@@ -197,7 +200,7 @@ for name, shape in (("default", None), ("written", (1, 4, 1))):
     c = grpo.get_config("smoke")
     if shape:
         c.mesh.shape = shape
-    mesh = sharding.make_mesh(*c.mesh.shape, layout=c.mesh.layout)
+    mesh = sharding.make_mesh(*c.mesh.shape, over_hosts=c.mesh.over_hosts)
     # A global array over the mesh, summed: the layout is one a multi-controller program runs.
     x = jax.make_array_from_callback(
         (4, 4), NamedSharding(mesh, P("data", "fsdp")),
@@ -247,5 +250,5 @@ def test_training_on_the_hybrid_default(tmp_path, tiny_llama_dir):
         (two, "train.log", "{'data': 2, 'fsdp': 1, 'tensor': 1}"),
         (two, "train.process1.log", "{'data': 2, 'fsdp': 1, 'tensor': 1}"),
     ):
-        assert f"mesh {mesh} (layout hybrid" in (workdir / log).read_text(), (workdir, log)
+        assert f"mesh {mesh} (over hosts hybrid" in (workdir / log).read_text(), (workdir, log)
     multihost_runs.assert_same(multihost_runs.metrics_of(one), multihost_runs.metrics_of(two))

@@ -67,7 +67,7 @@ class ChunkedTest(parameterized.TestCase):
         lp = logprobs.shared_prompt_logprobs(model, prompt, pmask, tokens, mask, chunk_size=8)
         rows = jnp.concatenate([jnp.repeat(prompt, N_PER, 0), tokens], axis=1)
         rmask = jnp.concatenate([jnp.repeat(pmask, N_PER, 0), mask], axis=1)
-        logits = model(rows, attention_mask_BxT=rmask)[:, P - 1 : -1]
+        logits = model(rows, attention_mask_NxT=rmask)[:, P - 1 : -1]
         ref = jnp.take_along_axis(jax.nn.log_softmax(logits, -1), tokens[..., None], -1)[..., 0]
         np.testing.assert_allclose(lp, jnp.where(mask, ref, 0.0), atol=1e-5)
 

@@ -126,7 +126,7 @@ class TestParity:
         path = checkpoints["qwen2_bias_tied"]
         model = models.from_pretrained(path)
         tokens, mask, positions = _left_padded([20, 13, 7], 20)
-        ours = np.asarray(_forward(model, tokens, attention_mask_BxT=mask))
+        ours = np.asarray(_forward(model, tokens, attention_mask_NxT=mask))
         ref = _hf_logits(path, tokens, mask, positions)
         m = np.asarray(mask, bool)
         assert np.abs(ours[m] - ref[m]).max() <= PARITY_TOL
@@ -161,13 +161,13 @@ class TestKVCache:
         model = models.from_pretrained(checkpoints[name])
         lengths, prompt_len, new = [9, 5, 2], 9, 6
         tokens, mask, positions = _left_padded([n + new for n in lengths], prompt_len + new, seed=2)
-        full = np.asarray(_forward(model, tokens, positions_BxT=positions, attention_mask_BxT=mask))
+        full = np.asarray(_forward(model, tokens, positions_NxT=positions, attention_mask_NxT=mask))
 
         max_len = prompt_len + new + 3
         kv_mask = jnp.zeros((3, max_len), jnp.int32).at[:, : prompt_len + new].set(mask)
         cache = model.init_cache(3, max_len)
         step = nnx.jit(
-            lambda m, t, p, c, i: m.forward_cached(t, p, c, write_index=i, kv_mask_BxS=kv_mask)
+            lambda m, t, p, c, i: m.forward_cached(t, p, c, write_index=i, kv_mask_NxS=kv_mask)
         )
         logits, cache = step(model, tokens[:, :prompt_len], positions[:, :prompt_len], cache, 0)
         if split:
@@ -208,14 +208,14 @@ class TestKVCache:
             _forward(
                 model,
                 jnp.asarray(rows_tokens),
-                positions_BxT=jnp.asarray(rows_pos),
-                attention_mask_BxT=jnp.asarray(rows_mask),
+                positions_NxT=jnp.asarray(rows_pos),
+                attention_mask_NxT=jnp.asarray(rows_mask),
             )
         )
 
         prompt_cache = kv_cache.split(model.init_cache(2, prompt_len))
         prefill = nnx.jit(
-            lambda m, t, p, c: m.forward_cached(t, p, c, write_index=0, kv_mask_BxS=p_mask)
+            lambda m, t, p, c: m.forward_cached(t, p, c, write_index=0, kv_mask_NxS=p_mask)
         )
         _, prompt_cache = prefill(model, p_tokens[:, :-1], p_pos[:, :-1], prompt_cache)
         pmask = jnp.asarray(p_mask, bool).at[:, -1].set(False)  # the last token: each row's own

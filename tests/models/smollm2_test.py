@@ -68,7 +68,7 @@ def test_greedy_kv_cache_decode_matches_generate(smollm2):
     cache = model.init_cache(1, total)
     kv_mask = jnp.ones((1, total), jnp.int32)
     step = nnx.jit(
-        lambda m, t, p, c, i: m.forward_cached(t, p, c, write_index=i, kv_mask_BxS=kv_mask)
+        lambda m, t, p, c, i: m.forward_cached(t, p, c, write_index=i, kv_mask_NxS=kv_mask)
     )
     tokens = jnp.asarray([prompt], jnp.int32)
     logits, cache = step(model, tokens, jnp.arange(len(prompt))[None], cache, 0)

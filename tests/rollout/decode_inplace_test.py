@@ -270,7 +270,7 @@ def _greedy_decode_logits(model, prompt_ids, n, steps):
     positions = np.maximum(np.cumsum(mask, -1) - 1, 0).astype(np.int32)
     prompt_cache = kv_cache.split(model.init_cache(b, p))
     _, prompt_cache = model.forward_cached(
-        tokens[:, :-1], positions[:, :-1], prompt_cache, write_index=0, kv_mask_BxS=mask
+        tokens[:, :-1], positions[:, :-1], prompt_cache, write_index=0, kv_mask_NxS=mask
     )
     pmask = mask.copy()
     pmask[:, -1] = False

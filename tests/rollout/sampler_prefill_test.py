@@ -37,8 +37,8 @@ class TestSegmentIds:
             jnp.asarray(positions),
             cache,
             write_index=jnp.int32(write_index),
-            kv_mask_BxS=jnp.asarray(segments >= 0),
-            segment_ids_BxS=jnp.asarray(segments),
+            kv_mask_NxS=jnp.asarray(segments >= 0),
+            segment_ids_NxS=jnp.asarray(segments),
         )
         assert np.isfinite(np.asarray(logits)).all()
         start = 0
@@ -49,7 +49,7 @@ class TestSegmentIds:
                 jnp.arange(n, dtype=jnp.int32)[None],
                 llama.init_cache(1, n),
                 write_index=0,
-                kv_mask_BxS=jnp.ones((1, n), bool),
+                kv_mask_NxS=jnp.ones((1, n), bool),
             )
             np.testing.assert_allclose(logits[0, start : start + n], alone[0], atol=1e-5, rtol=1e-5)
             start += n
@@ -67,7 +67,7 @@ def _left_padded_prompt_cache(model, prompts, bp, p):
         model = nnx.merge(graphdef, state)
         cache = kv_cache.split(model.init_cache(bp, p))
         _, cache = model.forward_cached(
-            tokens[:, :-1], positions[:, :-1], cache, write_index=0, kv_mask_BxS=mask
+            tokens[:, :-1], positions[:, :-1], cache, write_index=0, kv_mask_NxS=mask
         )
         return cache
 

@@ -46,8 +46,7 @@ def test_device_runs_fit_their_five_minutes_with_slack():
     assert TOTAL_S <= CALL_S - 10
     # the documented device commands are these runs at this timeout
     for run in "AB":
-        cmd = f'run(command="bash scripts/gpu_check.sh --run={run}", carry=[".whl"], timeout_s=300)'
-        assert cmd in SCRIPT.read_text()
+        assert f"bash scripts/gpu_check.sh --run={run}    # limit {CALL_S} s" in SCRIPT.read_text()
 
 
 def test_fetch_wheels_names_only_what_the_image_lacks():
@@ -92,7 +91,7 @@ def test_cpu_smoke_runs_every_step(tmp_path):
         assert s["status"] == "ok", (name, s, log[-4000:])
     for name in ("aot_vs_device",) + RUN_A[2:] + RUN_B:
         assert summary["steps"][name]["json"] == f"{name}.json"
-    # what the device tool brings back from each run's call: at most 8 files
+    # what comes back from each run's call: at most 8 files
     files = {p.name for p in out.iterdir()}
     shared = {"gpu_check.log", "summary.json"}
     run_a = shared | {f"{n}.json" for n in RUN_A[:1] + RUN_A[2:]} | {"profile.json"}

@@ -54,6 +54,23 @@ class TestTextPieces:
         assert fmt.text_pieces(_bytes_decode, [], "") == []
 
 
+class TestGeneratedText:
+    """vLLM's detokenizer holds back a character until its last byte comes, so a generation
+    that ends inside one ends without it (vLLM's text for the same tokens)."""
+
+    def test_an_unfinished_last_character_is_left_out(self):
+        ids = list("hé€".encode())[:-1]  # the euro sign's last byte never came
+        assert fmt.generated_text(_bytes_decode, ids, _bytes_decode(ids)) == "hé"
+        ids = list(b"a") + [0xE2]  # "a", then the first byte of a character
+        assert fmt.generated_text(_bytes_decode, ids, _bytes_decode(ids)) == "a"
+
+    def test_finished_text_is_the_decode(self):
+        ids = list("hé€!".encode())
+        assert fmt.generated_text(_bytes_decode, ids, "hé€!") == "hé€!"
+        ids = [0xE2, ord("x")]  # a broken character mid-text: kept as the decode has it
+        assert fmt.generated_text(_bytes_decode, ids, _bytes_decode(ids)) == "\ufffdx"
+
+
 class TestStopAtStrings:
     PIECES = ["Hel", "lo", " wor", "ld"]  # token ends at 3, 5, 9, 11
 

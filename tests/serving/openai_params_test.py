@@ -179,6 +179,17 @@ class TestParseChatRequest:
         )
         assert backend.template_kwargs == {"enable_thinking": False}
 
+    def test_kv_transfer_prompt_token_ids_replace_the_template(self):
+        backend = _Backend()
+        r = openai_chat_params.parse_chat_request(
+            _chat(kv_transfer_params={"prompt_token_ids": [7, 8, 9]}), backend
+        )
+        assert r.prompts == [[7, 8, 9]] and backend.rendered == []
+        with pytest.raises(HTTPError, match="token id 1000 is out of vocabulary") as e:
+            parse = openai_chat_params.parse_chat_request
+            parse(_chat(kv_transfer_params={"prompt_token_ids": [1000]}), backend)
+        assert e.value.param == "kv_transfer_params.prompt_token_ids"
+
     def test_template_error_is_a_400(self):
         backend = _Backend()
         backend.chat_prompt = lambda m: (_ for _ in ()).throw(ValueError("roles must alternate"))

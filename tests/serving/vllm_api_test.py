@@ -169,6 +169,18 @@ class TestStreamUsage:
         chunks = _sse(_post(srv, "/v1/completions", body, stream=True))
         assert all(ch["usage"] is None for ch in chunks[:-1])
 
+    def test_force_include_usage_streams_usage_unasked(self, served):
+        """vLLM's --enable-force-include-usage: every stream as if it asked for continuous
+        usage; the chunks count up to the non-streamed reply's usage."""
+        backend, _, _ = served
+        body = dict(model="tiny", prompt=[5, 6, 7], max_tokens=6, ignore_eos=True)
+        with server.OpenAIServer(backend, force_include_usage=True) as forced:
+            whole = _post(forced, "/v1/completions", body).json()
+            chunks = _sse(_post(forced, "/v1/completions", {**body, "stream": True}, stream=True))
+        counts = [ch["usage"]["completion_tokens"] for ch in chunks]
+        assert counts == sorted(counts) and counts[0] == 1
+        assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == whole["usage"]
+
 
 class TestRoutes:
     def test_version_ping_load_metrics(self, served):
@@ -257,6 +269,54 @@ class TestPromptControls:
         assert tokens == [f"token_id:{t}" for t in ids]
         both = _post(srv, "/v1/chat/completions", {**body, "add_generation_prompt": True})
         assert both.status_code == 400
+
+    def test_streamed_token_ids_equal_the_reply(self, served):
+        """return_token_ids streamed, as vLLM's: each chunk's token ids, joined, are the
+        reply's; the prompt's ids come once per choice (completions: in the choice; chat:
+        beside the choices, in the first chunk only)."""
+        _, srv, _ = served
+        body = dict(model="tiny", max_tokens=7, temperature=0, return_token_ids=True)
+        for route, extra in [("/v1/completions", {"prompt": PROMPT, "n": 2, "seed": 3,
+                                                  "temperature": 1.0}),
+                             ("/v1/chat/completions", {"messages": CHAT})]:  # fmt: skip
+            whole = _post(srv, route, {**body, **extra}).json()
+            r = _post(srv, route, {**body, **extra, "stream": True}, stream=True)
+            chunks = [json.loads(line[6:]) for line in r.iter_lines() if line[6:7] == b"{"]
+            for c in whole["choices"]:
+                mine = [k for k in chunks if k["choices"][0]["index"] == c["index"]]
+                got = [t for k in mine for t in k["choices"][0].get("token_ids") or []]
+                assert got == c["token_ids"], route
+                if route == "/v1/completions":
+                    prompts = [k["choices"][0].get("prompt_token_ids") for k in mine]
+                    assert prompts == [c["prompt_token_ids"]] + [None] * (len(mine) - 1)
+            if route == "/v1/chat/completions":
+                prompts = [k.get("prompt_token_ids") for k in chunks]
+                assert prompts == [whole["prompt_token_ids"]] + [None] * (len(chunks) - 1)
+
+    def test_kv_transfer_prompt_token_ids_are_the_prompt(self, served):
+        """vLLM's decode-side reuse: the ids a prefill stage tokenized are the prompt, verbatim,
+        whatever the messages; streamed or not; refused by the batched chat, as vLLM's."""
+        _, srv, _ = served
+        body = dict(model="tiny", max_tokens=6, temperature=0, return_token_ids=True)
+        first = _post(srv, "/v1/chat/completions", {**body, "messages": CHAT}).json()
+        ids = first["prompt_token_ids"]
+        reuse = {**body, "messages": [{"role": "user", "content": "unrelated"}]}
+        reuse["kv_transfer_params"] = {"prompt_token_ids": ids}
+        again = _post(srv, "/v1/chat/completions", reuse).json()
+        assert again["prompt_token_ids"] == ids
+        assert again["choices"][0]["token_ids"] == first["choices"][0]["token_ids"]
+        assert again["choices"][0]["message"] == first["choices"][0]["message"]
+        streamed = _post(srv, "/v1/chat/completions", {**reuse, "stream": True}, stream=True)
+        chunks = [json.loads(line[6:]) for line in streamed.iter_lines() if line[6:7] == b"{"]
+        text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
+        assert text == first["choices"][0]["message"]["content"]
+        for bad, word in [({"prompt_token_ids": [10**7]}, "out of vocabulary"),
+                          ({"do_remote_prefill": True}, "only prompt_token_ids")]:  # fmt: skip
+            r = _post(srv, "/v1/chat/completions", {**reuse, "kv_transfer_params": bad})
+            assert r.status_code == 400 and word in r.json()["error"]["message"]
+        batch = {**reuse, "messages": [CHAT, CHAT]}
+        r = _post(srv, "/v1/chat/completions/batch", batch)
+        assert r.json()["error"]["param"] == "kv_transfer_params.prompt_token_ids"
 
 
 class TestTokenControls:

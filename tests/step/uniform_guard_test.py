@@ -5,8 +5,10 @@ import sys
 
 import numpy as np
 
-from mmr_jax.config import checks, schema
+from mmr_jax.config import checks
 from mmr_jax.step import experience, pipeline
+
+from support import testing
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "configs"))
 import base
@@ -27,15 +29,15 @@ def test_config_key_defaults_off_and_reaches_the_typed_config():
 
 def _advantages(r, e, valid, reweight):
     return pipeline.reweighted_advantages(
-        r, e, valid, reweight=reweight, advantage=schema.AdvantageConfig()
+        r, e, valid, reweight=reweight, advantage=testing.base_section("advantage")
     )
 
 
 def test_advantages_zero_uniform_groups_only_with_the_guard_uniform_groups_only_with_the_guard():
     r, e, valid = _groups()
     for scope in ("group", "batch"):
-        off = schema.ReweightConfig(method="mmr", scope=scope)
-        on = schema.ReweightConfig(method="mmr", scope=scope, uniform_group_guard=True)
+        off = testing.base_section("reweight", method="mmr", scope=scope)
+        on = testing.base_section("reweight", method="mmr", scope=scope, uniform_group_guard=True)
         _, adv_off, _ = _advantages(r, e, valid, off)
         _, adv_on, lam_on = _advantages(r, e, valid, on)
         assert np.abs(adv_off[:2]).mean() > 0.3  # MMR alone moves uniform groups
@@ -56,7 +58,7 @@ def test_metrics_report_the_advantage_of_uniform_groups():
         total=r, valid=valid, embeddings=e,
     )  # fmt: skip
     for guard in (False, True):
-        opts = schema.ReweightConfig(method="mmr", uniform_group_guard=guard)
+        opts = testing.base_section("reweight", method="mmr", uniform_group_guard=guard)
         reweighted, adv, lam = _advantages(r, e, valid, opts)
         m = experience.group_metrics(groups, reweighted, adv, lam, filter_reward=None)
         want = np.abs(adv[:2]).mean()  # groups 0 and 1 are uniform

