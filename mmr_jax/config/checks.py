@@ -124,8 +124,9 @@ def validate(cfg: schema.TrainConfig) -> schema.TrainConfig:
     if cfg.model.attention_impl == "pallas_tpu" and b.shared_prompt and b.pack_max_len:
         # splash's segment ids cannot let every packed completion see its prompt's keys
         raise schema.ConfigError(
-            "model.attention_impl='pallas_tpu' (splash) takes no packed completions: set "
-            "batch.pack_max_len=0"
+            "model.attention_impl='pallas_tpu' (splash) takes no packed completions (its segment "
+            "ids cannot let each see its prompt's keys too): set batch.pack_max_len=0, or "
+            "attention_impl='auto' (on a TPU 'unfused' when packed)"
         )
     if not cfg.batch.compile_price_steps >= 0:  # also refuses NaN
         raise schema.ConfigError(

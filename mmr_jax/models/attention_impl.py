@@ -19,7 +19,8 @@ between the projections and the attention, and no score matrix is written by our
                 keys); on CPU they measured a few % faster than 'xla' (docs/attention.md).
   'auto'        resolved once at start-up, outside any trace, by `attention_probe.choose`:
                 on a GPU in bf16/fp16 the first cuDNN form that compiles, runs and matches
-                'xla' on the run's attention structure, else 'xla'; elsewhere 'unfused'.
+                'xla' on the run's attention structure, else 'xla'; on a TPU 'pallas_tpu'
+                unless the completions are packed (`auto_off_gpu`); elsewhere 'unfused'.
 
 Which keys a query sees is a `Mask`: a static [T, S] pattern (causal, or prompt-then-causal),
 a per-row validity of the keys [N, S] (padding), and optionally a per-row [N, T, S] extra
@@ -41,7 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mmr_jax.kernels import compile_platform
-from mmr_jax.models import attention
+from mmr_jax.models import attention, sharding
 from mmr_jax.models import config as config_lib
 
 IMPLEMENTATIONS = config_lib.ATTENTION_IMPLS
@@ -104,8 +105,9 @@ def prompt_then_causal(pvalid_NxP, own_valid_NxT, extra_NxTxT=None) -> Mask:
     return Mask(static, valid, extra)
 
 
-def resolve(implementation: str, dtype, head_dim: int) -> str:
-    """The backend `implementation` names here ('auto': by platform, dtype and head dim)."""
+def resolve(implementation: str, dtype, head_dim: int, *, packed: bool = False) -> str:
+    """The backend `implementation` names here ('auto': by platform, dtype, head dim and whether
+    the masks carry packed segments, which splash cannot take: `auto_off_gpu`)."""
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(
             f"unknown attention implementation {implementation!r}; expected one of "
@@ -115,8 +117,22 @@ def resolve(implementation: str, dtype, head_dim: int) -> str:
         return implementation
     # Never an unprobed cuDNN: `attention_probe.choose` resolves 'auto' before any trace; an
     # 'auto' left in a config (a test, a script that skipped it) gets the safe default.
-    on_gpu = compile_platform.current() == "gpu"
-    return "xla" if on_gpu and cudnn_eligible(dtype, head_dim) else "unfused"
+    platform = compile_platform.current()
+    if platform == "gpu":
+        return "xla" if cudnn_eligible(dtype, head_dim) else "unfused"
+    return auto_off_gpu(platform, packed)[0]
+
+
+def auto_off_gpu(platform: str, packed: bool) -> tuple[str, str]:
+    """(backend, why) of 'auto' off a GPU: on a TPU splash (it compiles through Mosaic, on any
+    mesh under `shard_map`), unless the completions are packed: splash's segment ids cannot let
+    every packed completion see its prompt's keys as well as its own, so those runs keep
+    'unfused'; elsewhere 'unfused' (a few % faster than 'xla' on CPU, docs/attention.md)."""
+    if platform != "tpu":
+        return "unfused", f"auto: no GPU or TPU ({platform})"
+    if packed:
+        return "unfused", "auto on a TPU: splash takes no packed completions (batch.pack_max_len)"
+    return "pallas_tpu", "auto on a TPU: splash"
 
 
 def cudnn_eligible(dtype, head_dim: int) -> bool:
@@ -133,7 +149,7 @@ def dot_product(
     here when None. Fully masked queries (left padding) get a uniform softmax, not NaN.
     """
     b, t, n, d = q_NxTxHxD.shape
-    impl = resolve(implementation, q_NxTxHxD.dtype, d)
+    impl = resolve(implementation, q_NxTxHxD.dtype, d, packed=mask.extra_NxTxS is not None)
     if impl == "pallas_tpu":
         o = _splash(q_NxTxHxD, k_NxSxKxD, v_NxSxKxD, mask)
     elif impl == "cudnn_maskfree":
@@ -268,21 +284,29 @@ def _splash(q_NxTxHxD, k_NxSxKxD, v_NxSxKxD, mask: Mask):
     blocks, q_multiple, kv_multiple = _splash_blocks()
     static = splash_padded_mask(mask.static_TxS, q_multiple, kv_multiple)
     tp, sp = static.shape
-    heads_mask = splash.MultiHeadMask([splash.NumpyMask(static)] * (n // kh))
+    layout = splash_layout(jax.sharding.get_abstract_mesh(), b, kh, n // kh)
+    bp = -(-b // layout.row_multiple) * layout.row_multiple  # rows padded to split evenly
 
-    def pad(x, to):  # zeros after the sequence axis (1)
-        return jnp.pad(x, ((0, 0), (0, to - x.shape[1])) + ((0, 0),) * (x.ndim - 2))
+    def pad(x, to, value=0, axis=1):  # `value` after `axis`
+        widths = [(0, 0)] * x.ndim
+        widths[axis] = (0, to - x.shape[axis])
+        return jnp.pad(x, widths, constant_values=value)
+
+    def rows(x, value=0):
+        return pad(x, bp, value, axis=0)
 
     q = (pad(q_NxTxHxD, tp) * jnp.asarray(d**-0.5, q_NxTxHxD.dtype)).reshape(b, tp, kh, n // kh, d)
-    q_NxKxRxTxD = jnp.transpose(q, (0, 2, 3, 1, 4))
-    k_NxKxSxD = jnp.swapaxes(pad(k_NxSxKxD, sp), 1, 2)
-    v_NxKxSxD = jnp.swapaxes(pad(v_NxSxKxD, sp), 1, 2)
+    q_NxKxRxTxD = rows(jnp.transpose(q, (0, 2, 3, 1, 4)))
+    k_NxKxSxD = rows(jnp.swapaxes(pad(k_NxSxKxD, sp), 1, 2))
+    v_NxKxSxD = rows(jnp.swapaxes(pad(v_NxSxKxD, sp), 1, 2))
+    # padded rows' keys are all valid (segment 0): zeros attended, never a row that sees nothing
+    kv_valid = rows(pad(mask.kv_valid_NxS, sp), True)
     seg = splash.SegmentIds(
-        q=jnp.zeros((b, tp), jnp.int32),
-        kv=jnp.where(pad(mask.kv_valid_NxS, sp), 0, 1).astype(jnp.int32),
+        q=jnp.zeros((bp, tp), jnp.int32), kv=jnp.where(kv_valid, 0, 1).astype(jnp.int32)
     )
 
-    def attend(interpret, q, k, v, seg):  # q [N, K, R, T', D], k/v [N, K, S', D]
+    def attend(interpret, q, k, v, seg):  # q [N, K, R, T', D], k/v [N, K, S', D] (a device's)
+        heads_mask = splash.MultiHeadMask([splash.NumpyMask(static)] * q.shape[2])
         kernel = splash.make_splash_mqa_single_device(
             heads_mask, block_sizes=blocks, interpret=interpret
         )
@@ -292,15 +316,59 @@ def _splash(q_NxTxHxD, k_NxSxKxD, v_NxSxKxD, mask: Mask):
 
         return jax.vmap(one)(q, k, v, seg)
 
-    # The kernel through Mosaic where the program is lowered for a TPU (also compile-only TPU
-    # devices on a CPU host, where the default backend is not 'tpu'), Pallas' interpreter
-    # elsewhere; only the branch of the lowering platform is compiled.
-    o = jax.lax.platform_dependent(
-        q_NxKxRxTxD,
-        k_NxKxSxD,
-        v_NxKxSxD,
-        seg,
-        tpu=functools.partial(attend, False),
-        default=functools.partial(attend, True),
-    )  # [N, K, R, T', D]
+    def per_device(q, k, v, seg):
+        # The kernel through Mosaic where the program is lowered for a TPU (also compile-only TPU
+        # devices on a CPU host, where the default backend is not 'tpu'), Pallas' interpreter
+        # elsewhere; only the branch of the lowering platform is compiled.
+        return jax.lax.platform_dependent(
+            q,
+            k,
+            v,
+            seg,
+            tpu=functools.partial(attend, False),
+            default=functools.partial(attend, True),
+        )
+
+    if layout.mesh is not None:
+        # A Mosaic call is not partitioned by XLA ("wrap the call in a shard_map"): each device
+        # runs the kernel on its own rows and heads, which attention never mixes.
+        q_spec, kv_spec, seg_spec = layout.specs
+        per_device = jax.shard_map(
+            per_device,
+            mesh=layout.mesh,
+            in_specs=(q_spec, kv_spec, kv_spec, splash.SegmentIds(q=seg_spec, kv=seg_spec)),
+            out_specs=q_spec,
+            check_vma=False,  # pallas_call's outputs carry no varying-axes type
+        )
+    o = per_device(q_NxKxRxTxD, k_NxKxSxD, v_NxKxSxD, seg)[:b]  # [N, K, R, T', D]
     return jnp.transpose(o[:, :, :, :t], (0, 3, 1, 2, 4)).astype(v_NxSxKxD.dtype)
+
+
+class SplashLayout(NamedTuple):
+    """How splash's operands split over the trace's mesh: `mesh` None (no mesh, or one device:
+    the plain call); else the PartitionSpecs of q [N, K, R, T', D], k/v [N, K, S', D] and the
+    segment ids [N, L], and the multiple the rows are padded to (1 when not split)."""
+
+    mesh: jax.sharding.AbstractMesh | None
+    specs: tuple = ()
+    row_multiple: int = 1
+
+
+def splash_layout(mesh, rows: int, kv_heads: int, group: int) -> SplashLayout:
+    """Rows over the mesh's batch axes (`sharding.BATCH_AXES`, as the activations are), heads
+    over its `tensor` axis: the kv heads when they divide (each device keeps its query heads'
+    kv heads), else the query heads of a group (kv heads then whole on every device), else
+    none; sequences whole. Rows that do not divide are padded (`row_multiple`)."""
+    if mesh is None or mesh.empty or mesh.size == 1:
+        return SplashLayout(None)
+    from jax.sharding import PartitionSpec as P
+
+    batch = tuple(a for a in sharding.BATCH_AXES if a in mesh.axis_names and mesh.shape[a] > 1)
+    row_multiple = math.prod(mesh.shape[a] for a in batch)
+    heads = sharding.TENSOR_AXIS if sharding.TENSOR_AXIS in mesh.axis_names else None
+    ways = mesh.shape[heads] if heads else 1
+    on_kv = heads if ways > 1 and kv_heads % ways == 0 else None
+    on_group = heads if ways > 1 and on_kv is None and group % ways == 0 else None
+    b = batch or None
+    specs = (P(b, on_kv, on_group, None, None), P(b, on_kv, None, None), P(b, None))
+    return SplashLayout(mesh, specs, row_multiple)

@@ -77,7 +77,7 @@ def choose(
             )
         return Choice(implementation, "configured; probe passed")
     if platform != "gpu":
-        return Choice("unfused", f"auto: no GPU ({platform})")
+        return Choice(*attention_impl.auto_off_gpu(platform, packed))
     if not attention_impl.cudnn_eligible(dtype, head_dim):
         why = f"auto: cuDNN takes no {jnp.dtype(dtype).name} with head dim {head_dim}"
         return Choice("unfused", why)

@@ -19,6 +19,7 @@ a host and only the data-parallel gradient reduction crosses hosts (`device_grid
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from collections.abc import Sequence
@@ -29,6 +30,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 AXES = ("data", "fsdp", "tensor")
+BATCH_AXES = ("data", "fsdp")  # a batch's rows split over these (`batch_sharding`)
+TENSOR_AXIS = "tensor"  # attention heads and the projections' outputs
 # `mesh.over_hosts`: 'hybrid' keeps fsdp and tensor within a host, 'flat' lays the shape over the
 # devices in order (fsdp may span hosts). One host: the same mesh either way.
 OVER_HOSTS = ("hybrid", "flat")
@@ -238,7 +241,17 @@ def named_sharding(path: tuple, shape: tuple[int, ...], mesh: Mesh) -> NamedShar
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
     """Sharding of [N, ...] host batches: N over (data, fsdp)."""
-    return NamedSharding(mesh, P(("data", "fsdp")))
+    return NamedSharding(mesh, P(BATCH_AXES))
+
+
+def tracing_under(mesh: Mesh | None):
+    """A context, entered inside a traced function, that makes `mesh` the trace's mesh
+    (`jax.sharding.get_abstract_mesh()`): what kernels XLA cannot partition (splash's Mosaic call,
+    `attention_impl._splash`) `shard_map` over. No mesh: nothing changes (their one-device call).
+    Inside the trace, not around the call: a jitted step then needs no context from its caller."""
+    if mesh is None:
+        return contextlib.nullcontext()
+    return jax.sharding.use_abstract_mesh(mesh.abstract_mesh)
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

@@ -91,7 +91,8 @@ def _block(block, xp, xc, rope_p, rope_c, masks, disable_lora, key, impl):
     (mask_p, dense_p), (mask_c, dense_c) = masks
     # the prompts alone: the full-row attention
     op = attention_impl.dot_product(qp, k_p, v_p, mask_p, implementation=impl, dense=dense_p)
-    if attention_impl.resolve(impl, qc.dtype, qc.shape[-1]) == "unfused":
+    packed = mask_c.extra_NxTxS is not None
+    if attention_impl.resolve(impl, qc.dtype, qc.shape[-1], packed=packed) == "unfused":
         p = k_p.shape[1]
         pvalid = mask_c.kv_valid_NxS[:: qc.shape[0] // k_p.shape[0], :p]  # [B, P]
         oc = attend_completions(qc, k_p, v_p, k_c, v_c, pvalid, dense_c[:, :, p:])

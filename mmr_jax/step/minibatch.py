@@ -18,6 +18,7 @@ from flax import nnx
 
 from mmr_jax.algorithms import losses, mismatch
 from mmr_jax.models import logprobs as logprobs_lib
+from mmr_jax.models import sharding
 
 MISMATCH_STATS = "mismatch_stats/"  # sufficient statistics, combined exactly, then made metrics
 
@@ -225,12 +226,40 @@ def logprobs_fn(
     prompt_tokens=None,
     prompt_mask=None,
     packed=None,
+    mesh=None,
 ):
     """Log-probs [N, T] of the completion under the given parameters, in `minibatches` chunks.
 
     With `prompt_tokens` [Q, P] / `prompt_mask`, the shared-prompt layout (`tokens_NxL` is then
-    the completions [N, T]), packed with `packed`; as the train step computes them.
+    the completions [N, T]), packed with `packed`; as the train step computes them. `mesh`: the
+    run's, traced under as the train step is (`sharding.tracing_under`).
     """
+    with sharding.tracing_under(mesh):
+        return _logprobs(
+            params, frozen, rest, tokens_NxL, attention_mask_NxL, graphdef=graphdef,
+            num_completion=num_completion, temperature=temperature, chunk=chunk,
+            disable_lora=disable_lora, minibatches=minibatches, prompt_tokens=prompt_tokens,
+            prompt_mask=prompt_mask, packed=packed,
+        )  # fmt: skip
+
+
+def _logprobs(
+    params,
+    frozen,
+    rest,
+    tokens_NxL,
+    attention_mask_NxL,
+    *,
+    graphdef,
+    num_completion,
+    temperature,
+    chunk,
+    disable_lora,
+    minibatches,
+    prompt_tokens,
+    prompt_mask,
+    packed,
+):
     model = nnx.merge(graphdef, params, frozen, rest)
     n = tokens_NxL.shape[0]
     check_minibatches(prompt_tokens, n, minibatches)
@@ -266,5 +295,6 @@ jit_logprobs = jax.jit(
         "chunk",
         "disable_lora",
         "minibatches",
+        "mesh",
     ),
 )

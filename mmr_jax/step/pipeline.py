@@ -210,14 +210,15 @@ def needs_old_logps(cfg: schema.TrainConfig) -> bool:
     return cfg.loss.iterations * cfg.loss.updates_per_batch > 1
 
 
-def logprobs(cfg: schema.TrainConfig, dev: dict, *, policy, params, ref_params):
+def logprobs(cfg: schema.TrainConfig, dev: dict, *, policy, params, ref_params, mesh=None):
     """(reference, old) log-probs [N, T] of the batch `dev` (None where the loss needs none).
 
     `policy` is the run's `lora.Policy`, `params` the trainable parameters of this step,
     `ref_params` the reference policy's (full fine-tune with beta > 0; else None: the base is the
-    adapters switched off).
+    adapters switched off). `mesh`: the run's (splash attention splits over it).
     """
     kw = dict(
+        mesh=mesh,
         graphdef=policy.eval_graphdef,
         num_completion=dev["completion_mask"].shape[1],
         temperature=cfg.rollout.temperature,
@@ -284,7 +285,7 @@ def make_batch(
         choose_packed_length=choose_packed_length,
     )
     dev = distributed.global_batch(host, mesh)
-    ref, old = logprobs(cfg, dev, policy=policy, params=params, ref_params=ref_params)
+    ref, old = logprobs(cfg, dev, policy=policy, params=params, ref_params=ref_params, mesh=mesh)
     batch = train_step.Batch(
         dev["tokens"],
         dev["attention_mask"],

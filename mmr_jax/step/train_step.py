@@ -32,7 +32,7 @@ import optax
 
 from mmr_jax.algorithms import entropy_control, losses, mismatch
 from mmr_jax.config import schema
-from mmr_jax.models import lora
+from mmr_jax.models import lora, sharding
 from mmr_jax.step import minibatch
 
 
@@ -306,9 +306,15 @@ def train_step(
     return new_state, metrics
 
 
-def jit_train_step(*, graphdef, optimizer, schedule, cfg: StepConfig):
-    """`train_step` jitted with the state donated; one compilation per batch shape."""
-    fn = functools.partial(
+def jit_train_step(*, graphdef, optimizer, schedule, cfg: StepConfig, mesh=None):
+    """`train_step` jitted with the state donated; one compilation per batch shape. `mesh`: the
+    run's, traced under (`sharding.tracing_under`: splash attention splits over it)."""
+    step = functools.partial(
         train_step, graphdef=graphdef, optimizer=optimizer, schedule=schedule, cfg=cfg
     )
+
+    def fn(*args, **kwargs):
+        with sharding.tracing_under(mesh):
+            return step(*args, **kwargs)
+
     return jax.jit(fn, donate_argnums=(0,))

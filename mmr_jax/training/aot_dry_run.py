@@ -82,15 +82,8 @@ def attention_plan(cfg: schema.TrainConfig, mcfg, target) -> list[tuple[str, str
         return [(impl, "configured", True)]
     if cudnn:
         raise ValueError(f"attention_impl={impl!r} is a GPU backend; a TPU run refuses it")
-    if impl == "auto":
-        return [
-            ("unfused", "auto: what 'auto' is on a TPU (attention_probe.choose)", True),
-            (
-                "pallas_tpu",
-                "splash, the TPU kernel, if configured (attention_impl=pallas_tpu)",
-                False,
-            ),
-        ]
+    if impl == "auto":  # the start-up rule itself: splash, or 'unfused' with packed completions
+        return [(*attention_impl.auto_off_gpu("tpu", cfg.batch.layout == "packed"), True)]
     return [(impl, "configured", True)]
 
 

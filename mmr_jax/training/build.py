@@ -121,6 +121,7 @@ def run(
         optimizer=optimizer,
         schedule=schedule,
         cfg=train_step.StepConfig.from_config(cfg),
+        mesh=mesh,
     )
     writer = metrics.NullWriter()
     if distributed.is_primary():

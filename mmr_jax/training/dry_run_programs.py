@@ -203,6 +203,7 @@ def train_step_program(
         optimizer=optimizer,
         schedule=schedule,
         cfg=train_step.StepConfig.from_config(cfg),
+        mesh=mesh,
     )
     state = abstract_state(cfg, params, mesh)
     return step, (state, abstract_batch(cfg, mesh), frozen, rest)
@@ -224,6 +225,7 @@ def logprob_program(cfg, mesh, *, attention: str | None = None):
         chunk=cfg.model.logprob_chunk,
         minibatches=cfg.loss.minibatches,
         disable_lora=policy.lora and ref,
+        mesh=mesh,
     )
 
     def logps(params, frozen, rest, tokens, mask, prompt_tokens, prompt_mask, packed):

@@ -447,3 +447,89 @@ class CudnnAtOurShapesTest(parameterized.TestCase):
         )
         for g, rg in zip(grads, ref_grads, strict=True):
             _close(g, rg, jnp.bfloat16, 4)
+
+
+_SPLASH_ON_A_MESH = """
+import jax
+jax.config.update("jax_num_cpu_devices", 4)
+import jax.numpy as jnp, numpy as np
+from mmr_jax.models import attention_impl, sharding
+
+def case(b, n, k, t, p):  # completions over [prompt ; own], odd lengths, padding on both sides
+    ks = jax.random.split(jax.random.key(b * n + k), 4)
+    q = jax.random.normal(ks[0], (b, t, n, 128))
+    kv = [jax.random.normal(x, (b, p + t, k, 128)) for x in ks[1:3]]
+    pvalid = jnp.asarray(np.arange(p)[None] >= 3 * np.arange(b)[:, None])
+    valid = jnp.asarray(np.arange(t)[None] < t - 7 * np.arange(b)[:, None])
+    mask = attention_impl.prompt_then_causal(pvalid, valid)
+    w = jax.random.normal(ks[3], (b, t, n * 128)) * jnp.any(mask.dense(), -1)[..., None]
+    return (q, *kv), mask, w
+
+def run(impl, args, mask, w, mesh=None):
+    def loss(q, k, v):
+        o = attention_impl.dot_product(q, k, v, mask, implementation=impl)
+        return jnp.sum(o * w), jnp.where(w != 0, o, 0)
+    fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
+    with jax.set_mesh(mesh) if mesh is not None else jax.set_mesh(None):
+        text = fn.lower(*args).as_text()
+        (_, out), grads = fn(*args)
+    return out, grads, text.count("manual_computation")
+
+# rows 3 (padded to the mesh's 2 or 4 rows) and 2; kv heads 2 (split over tensor) and 1 (the
+# group's query heads split instead)
+for b, n, k in ((3, 4, 2), (2, 4, 1)):
+    args, mask, w = case(b, n, k, t=45, p=19)
+    ref, ref_grads, _ = run("xla", args, mask, w)
+    one, one_grads, calls = run("pallas_tpu", args, mask, w)
+    assert calls == 0, calls
+    for shape in ((1, 4, 1), (2, 1, 2), (1, 1, 4)):
+        out, grads, calls = run("pallas_tpu", args, mask, w, sharding.make_mesh(*shape))
+        assert calls >= 2, (shape, calls)  # the forward's and the backward's shard_map
+        for got, single, xla in zip((out, *grads), (one, *one_grads), (ref, *ref_grads)):
+            scale = float(jnp.abs(xla).max())
+            to_one = float(jnp.abs(got - single).max()) / scale
+            to_xla = float(jnp.abs(got - xla).max()) / scale
+            assert scale > 1e-3 and to_one < 1e-6 and to_xla < 1e-5, (shape, to_one, to_xla)
+        print("MESH", b, n, k, shape, "ok")
+"""
+
+
+@pytest.mark.slow
+def test_splash_on_a_mesh_equals_one_device_and_xla():
+    """Splash under `shard_map` on 4 (fake CPU) devices, rows over data/fsdp (3 rows: padded to
+    the split), heads over tensor (kv heads, or a group's query heads when the kv heads do not
+    divide), in Pallas' interpret mode: outputs and gradients equal to the one-device call's
+    (within 1e-6 of their magnitude: only the kv-head gradients' sums over the split group's
+    devices reorder) and to XLA's (1e-5, as the fp32 tests above)."""
+    proc = testing.run_in_fresh_jax(_SPLASH_ON_A_MESH)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("MESH") == 6, proc.stdout
+
+
+def test_splash_layout_splits_rows_and_heads():
+    """Hand-worked layouts: rows over the batch axes of size > 1 (padded to their product),
+    heads over tensor (kv heads when they divide, else a group's query heads, else none)."""
+    from jax.sharding import AbstractMesh
+    from jax.sharding import PartitionSpec as P
+
+    def layout(shape, kv_heads, group, rows=6):
+        mesh = AbstractMesh(shape, ("data", "fsdp", "tensor"))
+        return attention_impl.splash_layout(mesh, rows, kv_heads, group)
+
+    got = layout((2, 2, 2), kv_heads=2, group=6)
+    assert got.row_multiple == 4
+    assert got.specs == (
+        P(("data", "fsdp"), "tensor", None, None, None),
+        P(("data", "fsdp"), "tensor", None, None),
+        P(("data", "fsdp"), None),
+    )
+    got = layout((1, 4, 2), kv_heads=1, group=6)  # one kv head: the group's 6 query heads split
+    assert got.row_multiple == 4
+    assert got.specs[:2] == (
+        P(("fsdp",), None, "tensor", None, None),
+        P(("fsdp",), None, None, None),
+    )
+    got = layout((1, 1, 4), kv_heads=2, group=3)  # neither divides 4: heads whole, rows whole
+    assert got.row_multiple == 1 and got.specs[0] == P(None, None, None, None, None)
+    assert layout((1, 1, 1), kv_heads=2, group=6).mesh is None  # one device: the plain call
+    assert attention_impl.splash_layout(None, 6, 2, 6).mesh is None

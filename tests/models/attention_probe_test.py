@@ -8,6 +8,8 @@ fails, one that computes a wrong answer and one that works. The mask-free form's
 
 from __future__ import annotations
 
+import types
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -105,6 +107,34 @@ class ChooseTest(parameterized.TestCase):
             self.assertEqual(got.implementation, want, (impl, platform, dtype))
         with self.assertRaisesRegex(ValueError, "unknown attention implementation"):
             attention_probe.choose("flash", jnp.bfloat16, **SHAPE)
+
+    def test_auto_on_a_tpu_is_splash_unless_packed(self):
+        """Start-up ('choose'), traced code ('resolve' while compiling for a TPU) and the dry
+        run's plan agree: splash, or 'unfused' where the masks carry packed segments."""
+        from mmr_jax.kernels import compile_platform
+        from mmr_jax.training import aot_dry_run
+
+        def never(*a, **k):
+            raise AssertionError("probed")
+
+        for packed, want in ((False, "pallas_tpu"), (True, "unfused")):
+            got = attention_probe.choose(
+                "auto", jnp.bfloat16, **SHAPE, packed=packed, platform="tpu", attend=never
+            )
+            self.assertEqual(got.implementation, want)
+            with compile_platform.compiling_for("tpu"):
+                self.assertEqual(
+                    attention_impl.resolve("auto", jnp.float32, 64, packed=packed), want
+                )
+            cfg = types.SimpleNamespace(
+                model=types.SimpleNamespace(attention_impl="auto", dtype="bfloat16"),
+                batch=types.SimpleNamespace(layout="packed" if packed else "shared"),
+            )
+            mcfg = types.SimpleNamespace(head_dim=128)
+            plan = aot_dry_run.attention_plan(cfg, mcfg, types.SimpleNamespace(platform="tpu"))
+            self.assertEqual(plan, [(want, got.reason, True)])
+        with compile_platform.compiling_for("cpu"):
+            self.assertEqual(attention_impl.resolve("auto", jnp.bfloat16, 64), "unfused")
 
     def test_probe_cases_are_the_runs_structure(self):
         """Odd lengths, padding on both sides, GQA; segments only when packed."""

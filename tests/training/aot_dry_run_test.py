@@ -115,14 +115,15 @@ def test_qwen2_head_dim_128_on_an_h100_compiles_cudnn_and_its_fallback(tmp_path)
 def test_qwen2_head_dim_128_on_a_tpu_compiles_splash(tmp_path):
     # Splash attention (pallas_tpu) through Mosaic, at the completions' length T = 31: not a
     # multiple of its blocks (the fix of issue 52: padded to them). No packing: splash takes no
-    # per-row segments. One chip: on several, XLA cannot partition a Mosaic kernel ("wrap the
-    # call in a shard_map"), which this dry run reports for v5e:2x2 (an open bug, pinned as a
-    # strict expected failure by the HLO tests).
+    # per-row segments, so 'auto' is splash here, by the start-up rule
+    # (`attention_impl.auto_off_gpu`). On several chips splash runs under shard_map (the HLO
+    # tests compile it for v5e:2x2).
     ckpt = _qwen2_head_dim_128(tmp_path)
-    overrides = [f"model.path={ckpt}", "model.dtype=bfloat16", "model.attention_impl=pallas_tpu"]
+    overrides = [f"model.path={ckpt}", "model.dtype=bfloat16"]
     overrides += ["batch.pack_max_len=0", "batch.max_completion_len=31"]
     code, text, report = _dry_run(tmp_path, "v5e:1x1", "configs/grpo.py:smoke", *overrides)
     _check_all_compiled(code, text, report, "v5e:1x1")
+    assert report["attention"] == [["pallas_tpu", "auto on a TPU: splash"]]
     assert "train step (remat none, attention pallas_tpu)" in _compiled(report)
 
 
@@ -131,6 +132,7 @@ def test_a_config_that_does_not_fit_exits_naming_the_program(tmp_path):
     # step's activations are far beyond one v5e chip's 16 GiB.
     overrides = ["batch.prompts=32", "batch.generations=16", "batch.max_completion_len=4096"]
     overrides += ["batch.pack_max_len=0", "loss.minibatches=1", "model.remat=none"]
+    overrides += ["model.attention_impl=unfused"]  # the score matrices: far beyond the chip
     code, text, report = _dry_run(tmp_path, "v5e:1x1", "configs/cpu_smollm2.py", *overrides)
     assert code != 0
     name = "train step (remat none, attention unfused)"

@@ -117,9 +117,10 @@ def _compiled(
 def compile_for(cpu_backend_for_aot, tmp_path_factory):
     root = str(tmp_path_factory.mktemp("aot_hlo"))
 
-    def get(target, kind, model="qwen2", **kw):
+    def get(target, kind, model="qwen2", fresh=False, **kw):
+        """`fresh`: compiled again, not the cached program (a test that patches the code)."""
         aot.require_plugin("cuda" if target.startswith("h") else "tpu")
-        return _compiled(target, kind, model, root=root, **kw)
+        return (_compiled.__wrapped__ if fresh else _compiled)(target, kind, model, root=root, **kw)
 
     return get
 
@@ -277,11 +278,17 @@ def _nbytes(x) -> int:
 # ----- TPU: v5e ---------------------------------------------------------------------------------
 
 
-def _splash_want(cfg):
-    """Splash's three kernels for both attentions, by q operand [rows, K, G, T', D]: lengths
-    padded to splash's block of 128 (prompts 48 -> 128, completions 63 -> 128)."""
-    rows = cfg.rows_per_step
-    prompts, completions = (2, 2, 2, 128, 128), (rows, 2, 2, 128, 128)
+def _splash_want(cfg, devices=1):
+    """Splash's three kernels for both attentions, by one device's q operand [rows, K, G, T', D]:
+    lengths padded to splash's block of 128 (prompts 48 -> 128, completions 63 -> 128); on
+    `devices` chips of the fsdp axis each runs its share of the rows (the 2 prompts padded to
+    split evenly: `attention_impl.splash_layout`; a chip's one row is a q of [K, G, T', D], the
+    compiler drops the unit dim)."""
+
+    def q(rows):
+        return (rows, 2, 2, 128, 128) if rows > 1 else (2, 2, 128, 128)
+
+    prompts, completions = q(-(-cfg.batch.prompts // devices)), q(cfg.rows_per_step // devices)
     want = {}
     for kernel in ("fwd", "dq", "dkv"):
         want[f"prompts {kernel}"] = (rf"splash_mqa_{kernel}", prompts)
@@ -303,14 +310,21 @@ def test_tpu_splash_check_finds_xla_attention(compile_for):
     assert missing_attention_kernels(module, target_re=r"tpu_custom_call", want=want) == list(want)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=NotImplementedError,
-    reason="splash's Mosaic call is not partitioned for a mesh of several chips (JAX: 'Mosaic "
-    "kernels cannot be automatically partitioned. Please wrap the call in a shard_map'): "
-    "attention_impl='pallas_tpu' compiles on one chip only (docs/attention.md)",
-)
 def test_tpu_splash_on_four_chips(compile_for):
+    """On a mesh of 4 chips (fsdp) the train step compiles with splash's kernels under
+    `shard_map`, each chip's call at its own rows."""
     module, _, _, cfg = compile_for("v5e:2x2", "train", attention="pallas_tpu", devices=4)
-    want = _splash_want(cfg)
+    want = _splash_want(cfg, devices=4)
     assert missing_attention_kernels(module, target_re=r"tpu_custom_call", want=want) == []
+
+
+def test_tpu_splash_without_shard_map_does_not_compile_on_four_chips(compile_for, monkeypatch):
+    """The broken variant: the same step traced with no mesh (`sharding.tracing_under` a no-op)
+    calls splash unsplit, which XLA cannot partition; so the test above holds by the shard_map."""
+    import contextlib
+
+    from mmr_jax.models import sharding
+
+    monkeypatch.setattr(sharding, "tracing_under", lambda mesh: contextlib.nullcontext())
+    with pytest.raises(Exception, match="Mosaic kernels cannot be automatically partitioned"):
+        compile_for("v5e:2x2", "train", attention="pallas_tpu", devices=4, fresh=True)
