@@ -235,53 +235,28 @@ def logprobs_fn(
     run's, traced under as the train step is (`sharding.tracing_under`).
     """
     with sharding.tracing_under(mesh):
-        return _logprobs(
-            params, frozen, rest, tokens_NxL, attention_mask_NxL, graphdef=graphdef,
-            num_completion=num_completion, temperature=temperature, chunk=chunk,
-            disable_lora=disable_lora, minibatches=minibatches, prompt_tokens=prompt_tokens,
-            prompt_mask=prompt_mask, packed=packed,
-        )  # fmt: skip
+        model = nnx.merge(graphdef, params, frozen, rest)
+        n = tokens_NxL.shape[0]
+        check_minibatches(prompt_tokens, n, minibatches)
 
+        def one(xs):
+            tokens, mask, ptokens, pmask, pk = xs
+            return batch_logprobs(
+                model,
+                tokens,
+                mask,
+                prompt_tokens=ptokens,
+                prompt_mask=pmask,
+                packed=pk,
+                num_completion=num_completion,
+                temperature=temperature,
+                chunk=chunk,
+                disable_lora=disable_lora,
+            )
 
-def _logprobs(
-    params,
-    frozen,
-    rest,
-    tokens_NxL,
-    attention_mask_NxL,
-    *,
-    graphdef,
-    num_completion,
-    temperature,
-    chunk,
-    disable_lora,
-    minibatches,
-    prompt_tokens,
-    prompt_mask,
-    packed,
-):
-    model = nnx.merge(graphdef, params, frozen, rest)
-    n = tokens_NxL.shape[0]
-    check_minibatches(prompt_tokens, n, minibatches)
-
-    def one(xs):
-        tokens, mask, ptokens, pmask, pk = xs
-        return batch_logprobs(
-            model,
-            tokens,
-            mask,
-            prompt_tokens=ptokens,
-            prompt_mask=pmask,
-            packed=pk,
-            num_completion=num_completion,
-            temperature=temperature,
-            chunk=chunk,
-            disable_lora=disable_lora,
-        )
-
-    xs = (tokens_NxL, attention_mask_NxL, prompt_tokens, prompt_mask, packed)
-    out = jax.lax.map(one, jax.tree.map(functools.partial(split, m=minibatches), xs))
-    return out.reshape(n, num_completion)
+        xs = (tokens_NxL, attention_mask_NxL, prompt_tokens, prompt_mask, packed)
+        out = jax.lax.map(one, jax.tree.map(functools.partial(split, m=minibatches), xs))
+        return out.reshape(n, num_completion)
 
 
 # The reference and old log-probs of a step (`pipeline.make_batch`), jitted here once for every
