@@ -313,8 +313,10 @@ def jit_train_step(*, graphdef, optimizer, schedule, cfg: StepConfig, mesh=None)
         train_step, graphdef=graphdef, optimizer=optimizer, schedule=schedule, cfg=cfg
     )
 
-    def fn(*args, **kwargs):
+    # The arguments named as train_step names them: XLA's parameters carry those names
+    # (`frozen[...]`), which the compiled-HLO tests read.
+    def fn(state, batch, frozen, rest):
         with sharding.tracing_under(mesh):
-            return step(*args, **kwargs)
+            return step(state, batch, frozen, rest)
 
     return jax.jit(fn, donate_argnums=(0,))
