@@ -21,7 +21,7 @@ ALLOWED = {
     "algorithms": set(),
     "rewards": set(),
     "models": {"kernels", "infra"},
-    "config": {"models", "infra"},
+    "config": {"algorithms", "models", "infra"},
     "rollout": {"models", "kernels", "infra", "config"},
     "serving": {"rollout", "models", "infra", "config"},
     "distributed": {"rollout"},

@@ -233,6 +233,7 @@ def dra_reweight(
 
 Reweighter = Callable[..., jax.Array]
 REWEIGHTERS: dict[str, Reweighter] = {}
+SCOPES = ("group", "batch")  # one selection per prompt (the paper), or one over the whole batch
 
 
 def register(name: str) -> Callable[[Reweighter], Reweighter]:
@@ -356,8 +357,8 @@ def reweight_with_lambda(
     """
     if method not in REWEIGHTERS:
         raise ValueError(f"unknown reweighting method {method!r}; known: {sorted(REWEIGHTERS)}")
-    if scope not in ("group", "batch"):
-        raise ValueError(f"scope must be 'group' or 'batch', got {scope!r}")
+    if scope not in SCOPES:
+        raise ValueError(f"scope must be one of {SCOPES}, got {scope!r}")
     if method == "none":
         check_inputs(rewards, None, mask=mask)
         return jnp.asarray(rewards), None

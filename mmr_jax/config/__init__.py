@@ -5,6 +5,7 @@
 `--config.a.b=v` overrides and their key checks). Config stays at the edge: the math never sees a
 ConfigDict.
 
-May import: `models` (the model config's names) and `infra` (`user_errors`: a config error is
-told in one line), and nothing else of mmr_jax.
+May import: `algorithms` (its registries' names are the choices of their keys), `models` (the
+model config's names) and `infra` (`user_errors`: a config error is told in one line), and nothing
+else of mmr_jax.
 """

@@ -8,9 +8,15 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+from mmr_jax.algorithms import advantages, losses, mismatch, mmr
 from mmr_jax.config import schema
 from mmr_jax.models import config as model_config
+from mmr_jax.models import sharding
 
+# Each choice is written once: where a registry implements the choices (the estimators, the
+# reweighters, the objectives, ...), the allowed names are that registry's (a registry dict is read
+# when a config is checked, so an entry registered later is a valid choice without a second edit).
+# The rest have no registry to read.
 _CHOICES = {
     ("rollout", "engine"): ("embedded", "vllm"),
     ("rollout", "off_policy_lag"): (0, 1),
@@ -18,21 +24,17 @@ _CHOICES = {
     ("model", "attention_impl"): model_config.ATTENTION_IMPLS,
     ("model", "frozen_dtype"): ("", "float32", "bfloat16", "float16"),
     ("model", "init"): ("pretrained", "random"),
-    ("advantage", "estimator"): ("grpo", "dr_grpo", "rloo", "batch_std"),
-    ("loss", "objective"): ("ppo_clip", "cispo"),
-    ("loss", "aggregation"): ("seq_mean_token_mean", "token_mean", "seq_mean_token_sum_norm"),
-    ("loss", "kl_estimator"): ("k1", "k2", "k3"),
-    ("loss", "importance_sampling_level"): ("token", "sequence", "sequence_token"),
-    ("loss", "tis_mode"): tuple(
-        f"{level}_{kind}"
-        for level in ("token", "sequence", "geometric")
-        for kind in ("truncate", "mask")
-    ),
-    ("reweight", "method"): ("none", "mmr", "dra"),
-    ("reweight", "scope"): ("group", "batch"),
+    ("advantage", "estimator"): advantages.ESTIMATORS,
+    ("loss", "objective"): losses.OBJECTIVES,
+    ("loss", "aggregation"): losses.AGGREGATIONS,
+    ("loss", "kl_estimator"): losses.KL_ESTIMATORS,
+    ("loss", "importance_sampling_level"): losses.IS_LEVELS,
+    ("loss", "tis_mode"): mismatch.TIS_MODES,
+    ("reweight", "method"): mmr.REWEIGHTERS,
+    ("reweight", "scope"): mmr.SCOPES,
     ("rewards", "cosine_form"): ("tokens", "released"),
     ("eval", "source"): ("benchmarks", "arithmetic", "task"),
-    ("mesh", "over_hosts"): ("hybrid", "flat"),
+    ("mesh", "over_hosts"): sharding.OVER_HOSTS,
 }
 ARITHMETIC_OPS = ("+", "-", "*")  # the operators `problems.data.arithmetic_problems` draws
 
@@ -96,7 +98,9 @@ def validate(cfg: schema.TrainConfig) -> schema.TrainConfig:
     for (section, key), choices in _CHOICES.items():
         value = getattr(getattr(cfg, section), key)
         if value not in choices:
-            raise schema.ConfigError(f"config {section}.{key}={value!r}; expected one of {choices}")
+            raise schema.ConfigError(
+                f"config {section}.{key}={value!r}; expected one of {tuple(choices)}"
+            )
     ops = cfg.data.arithmetic_ops
     if not ops or not set(ops) <= set(ARITHMETIC_OPS):
         raise schema.ConfigError(

@@ -11,7 +11,7 @@ import pytest
 from absl import flags
 from ml_collections import config_flags
 
-from mmr_jax.algorithms import advantages, losses, mismatch, mmr
+from mmr_jax.algorithms import advantages
 from mmr_jax.config import checks, command_line, schema
 from mmr_jax.step import train_step
 from mmr_jax.training import workdir_guard
@@ -155,15 +155,21 @@ class TestVariants:
             0.5,
         )
 
-    def test_choices_are_the_modules(self):
-        # schema spells the choices out (it imports no JAX); they must stay the modules'.
-        choices = checks._CHOICES
-        assert choices[("loss", "tis_mode")] == mismatch.TIS_MODES
-        assert choices[("loss", "importance_sampling_level")] == losses.IS_LEVELS
-        assert choices[("loss", "aggregation")] == losses.AGGREGATIONS
-        assert choices[("loss", "objective")] == losses.OBJECTIVES
-        assert choices[("advantage", "estimator")] == tuple(advantages.ESTIMATORS)
-        assert choices[("reweight", "method")] == tuple(mmr.REWEIGHTERS)
+    def test_a_registered_estimator_is_a_valid_choice_with_no_config_edit(self):
+        # The choices are the registries themselves: a name added to `advantages.ESTIMATORS` (as a
+        # user's own estimator would be) passes the check, and fails again once removed.
+        cfg = checks.from_config_dict(_load("grpo"))
+        mine = dataclasses.replace(cfg.advantage, estimator="my_estimator")
+        bad = dataclasses.replace(cfg, advantage=mine)
+        with pytest.raises(schema.ConfigError, match="'grpo'.*'rloo'"):
+            checks.validate(bad)
+        advantages.register("my_estimator")(advantages.ESTIMATORS["grpo"])
+        try:
+            assert checks.validate(bad) is bad
+        finally:
+            del advantages.ESTIMATORS["my_estimator"]
+        with pytest.raises(schema.ConfigError, match="my_estimator"):
+            checks.validate(bad)
 
     def test_overrides(self):
         cfg = _load("grpo_7b", None, ["--config.reweight.method=mmr", "--config.reweight.lam=0.7"])
