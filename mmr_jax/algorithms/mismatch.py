@@ -37,6 +37,7 @@ spread is small against the mean (issue 40: r ~ 0.007 +- 0.008 lost 2e-4 of the 
 """
 
 import math
+from typing import Protocol
 
 import chex
 import jax
@@ -62,6 +63,15 @@ MISMATCH_REDUCERS = {
     "capped": "sum",  # tokens whose TIS weight was truncated at the cap ('truncate' modes)
     "masked": "sum",  # tokens whose TIS weight was set to 0 ('mask' modes)
 }
+
+
+class TisSettings(Protocol):
+    """What the correction reads of a run's loss section (`config.schema.LossConfig` is one),
+    passed whole, as `losses.policy_loss` takes its settings."""
+
+    tis_cap: float  # 0 = no correction; else the truncation C >= 1, or the mask's upper bound
+    tis_mode: str  # one of TIS_MODES
+    tis_mask_low: float  # the mask's lower bound in [0, 1) ('_mask' modes only; 0 = none)
 
 
 def check_tis(*, cap: float, mode: str, low: float) -> None:
@@ -114,9 +124,7 @@ def tis_weights(
     engine_logps_NxT: jax.Array,
     mask_NxT: jax.Array,
     *,
-    cap: float,
-    mode: str = "token_truncate",
-    low: float = 0.0,
+    settings: TisSettings,
 ) -> jax.Array:
     """Importance weights correcting for the rollout/trainer mismatch, no gradient.
 
@@ -130,13 +138,12 @@ def tis_weights(
       old_logps_NxT: [N, T] trainer log-probs of the sampled tokens (pre-update policy).
       engine_logps_NxT: [N, T] the rollout engine's log-probs of the same tokens.
       mask_NxT: [N, T] bool or {0, 1}, True = a completion token.
-      cap: the truncation C >= 1, or the mask's upper bound.
-      mode: one of TIS_MODES.
-      low: the mask's lower bound in [0, 1) ('_mask' modes only; 0 = none).
+      settings: `tis_cap` (here >= 1), `tis_mode`, `tis_mask_low` (`TisSettings`).
 
     Returns:
       [N, T] float weights, 0 at masked positions and on rejected tokens / sequences.
     """
+    cap, mode, low = settings.tis_cap, settings.tis_mode, settings.tis_mask_low
     check_tis(cap=cap, mode=mode, low=low)
     lr = tis_log_ratio(old_logps_NxT, engine_logps_NxT, mask_NxT, level=mode.rsplit("_", 1)[0])
     return _weights(lr, mask_NxT.astype(bool), cap=cap, mode=mode, low=low)[0]
@@ -172,9 +179,7 @@ def mismatch_stats(
     engine_logps_NxT: jax.Array,
     mask_NxT: jax.Array,
     *,
-    tis_cap: float = 0.0,
-    tis_mode: str = "token_truncate",
-    tis_low: float = 0.0,
+    settings: TisSettings | None = None,
 ) -> dict[str, jax.Array]:
     """Sufficient statistics of the trainer/engine log-prob mismatch on the masked tokens.
 
@@ -182,8 +187,8 @@ def mismatch_stats(
       trainer_logps_NxT: [N, T] trainer log-probs of the sampled tokens.
       engine_logps_NxT: [N, T] the rollout engine's log-probs of the same tokens.
       mask_NxT: [N, T] bool or {0, 1}, True = a token that counts.
-      tis_cap: unless 0, also count the tokens the correction `tis_mode` (with `tis_low`)
-        truncates ('capped') or rejects ('masked'), as `tis_weights` does.
+      settings: with `tis_cap` not 0, also count the tokens the correction truncates
+        ('capped') or rejects ('masked'), as `tis_weights` does; None = no correction.
 
     Returns:
       float32 scalars keyed as `MISMATCH_REDUCERS` (no gradient); min / max are +inf / -inf
@@ -208,13 +213,12 @@ def mismatch_stats(
         "ratio_min": jnp.min(jnp.where(valid, ratio, jnp.inf)),
         "ratio_max": jnp.max(jnp.where(valid, ratio, -jnp.inf)),
     }
-    if tis_cap != 0:  # NaN or a negative cap is an error, not "off"
-        check_tis(cap=tis_cap, mode=tis_mode, low=tis_low)
-        level = tis_mode.rsplit("_", 1)[0]
+    if settings is not None and settings.tis_cap != 0:  # NaN or a cap < 0: an error, not "off"
+        cap, mode, low = settings.tis_cap, settings.tis_mode, settings.tis_mask_low
+        check_tis(cap=cap, mode=mode, low=low)
+        level = mode.rsplit("_", 1)[0]
         lr = tis_log_ratio(trainer_logps_NxT, engine_logps_NxT, mask_NxT, level=level)
-        _, capped, masked = _weights(
-            lr.astype(jnp.float32), valid, cap=tis_cap, mode=tis_mode, low=tis_low
-        )
+        _, capped, masked = _weights(lr.astype(jnp.float32), valid, cap=cap, mode=mode, low=low)
         out["capped"] = jnp.sum(capped * m)
         out["masked"] = jnp.sum(masked * m)
     return out

@@ -159,12 +159,7 @@ def minibatch_loss(
         if mb.sampler_logps is None:
             raise ValueError("loss.tis_cap > 0 needs the engine's log-probs (Batch.sampler_logps)")
         tis = mismatch.tis_weights(
-            behaviour,
-            mb.sampler_logps,
-            mb.completion_mask,
-            cap=cfg.loss.tis_cap,
-            mode=cfg.loss.tis_mode,
-            low=cfg.loss.tis_mask_low,
+            behaviour, mb.sampler_logps, mb.completion_mask, settings=cfg.loss
         )
     loss, aux = losses.policy_loss(
         logps,
@@ -198,14 +193,7 @@ def minibatch_loss(
         if key in aux:  # only with the option on
             out[name] = aux[key]
     if mb.sampler_logps is not None:  # trainer (pre-update) vs engine log-probs: sums, combined
-        stats = mismatch.mismatch_stats(
-            behaviour,
-            mb.sampler_logps,
-            mask,
-            tis_cap=cfg.loss.tis_cap,
-            tis_mode=cfg.loss.tis_mode,
-            tis_low=cfg.loss.tis_mask_low,
-        )
+        stats = mismatch.mismatch_stats(behaviour, mb.sampler_logps, mask, settings=cfg.loss)
         out.update({MISMATCH_STATS + k: v for k, v in stats.items()})
     return loss, out
 

@@ -1,6 +1,7 @@
 """Tests for algorithms.mismatch: correction modes on constructed mismatches, and the statistics."""
 
 import math
+import types
 
 import chex
 import jax
@@ -27,6 +28,13 @@ ADV = jnp.array([1.0, -2.0])
 MASK = jnp.array([[True, True, False], [True, True, True]])
 CLIP = dict(eps_low=0.2, eps_high=0.2)
 _settings = testing.loss_settings  # the loss section policy_loss reads
+
+
+def _tis(cap, mode="token_truncate", low=0.0):
+    """The loss section's correction keys, as `mismatch.TisSettings` reads them."""
+    return types.SimpleNamespace(tis_cap=cap, tis_mode=mode, tis_mask_low=low)
+
+
 D = jnp.array([[0.1, 1.0, 5.0], [-0.2, 0.0, 0.5]])
 ENGINE = OLD - D
 VALID_D = [0.1, 1.0, -0.2, 0.0, 0.5]
@@ -54,11 +62,11 @@ class TisWeightsTest(chex.TestCase):
     def test_hand_worked(self, mode, cap, low):
         want, capped, masked = HAND[(mode, cap, low)]
         w = self.variant(
-            lambda o, en, m: mismatch.tis_weights(o, en, m, cap=cap, mode=mode, low=low)
+            lambda o, en, m: mismatch.tis_weights(o, en, m, settings=_tis(cap, mode, low))
         )(OLD, ENGINE, MASK)
         np.testing.assert_allclose(w, want, rtol=1e-6)
         got = mismatch.mismatch_metrics(
-            mismatch.mismatch_stats(OLD, ENGINE, MASK, tis_cap=cap, tis_mode=mode, tis_low=low)
+            mismatch.mismatch_stats(OLD, ENGINE, MASK, settings=_tis(cap, mode, low))
         )
         np.testing.assert_allclose(got["tis/clipped_frac"], capped, rtol=1e-6)
         np.testing.assert_allclose(got["tis/masked_frac"], masked, rtol=1e-6)
@@ -76,9 +84,9 @@ class TisWeightsTest(chex.TestCase):
         }
 
     def test_a_cap_above_every_ratio_leaves_the_plain_ratios(self):
-        w = mismatch.tis_weights(OLD, ENGINE, MASK, cap=10.0)
+        w = mismatch.tis_weights(OLD, ENGINE, MASK, settings=_tis(10.0))
         np.testing.assert_allclose(w, [[e(0.1), e(1.0), 0.0], [e(-0.2), 1.0, e(0.5)]], rtol=1e-6)
-        w = mismatch.tis_weights(OLD, ENGINE, MASK, cap=10.0, mode="sequence_mask")
+        w = mismatch.tis_weights(OLD, ENGINE, MASK, settings=_tis(10.0, "sequence_mask"))
         np.testing.assert_allclose(w, [[e(1.1)] * 2 + [0.0], [e(0.3)] * 3], rtol=1e-6)
 
     @parameterized.parameters("sequence_truncate", "sequence_mask")
@@ -86,7 +94,9 @@ class TisWeightsTest(chex.TestCase):
         # 200 tokens of d = 1: exp(200) is inf in fp32; the weight is the cap, or a rejection.
         trainer = jnp.zeros((2, 200))
         engine = trainer - jnp.array([[1.0], [0.001]])
-        w = mismatch.tis_weights(trainer, engine, jnp.ones((2, 200), bool), cap=3.0, mode=mode)
+        w = mismatch.tis_weights(
+            trainer, engine, jnp.ones((2, 200), bool), settings=_tis(3.0, mode)
+        )
         assert np.isfinite(np.asarray(w)).all()
         np.testing.assert_allclose(w[0], 3.0 if mode.endswith("truncate") else 0.0)
         np.testing.assert_allclose(w[1], e(0.2), rtol=1e-5)  # sum of 200 x 0.001
@@ -104,11 +114,11 @@ class TisWeightsTest(chex.TestCase):
     )
     def test_bad_arguments_raise(self, cap, mode, low, match):
         with pytest.raises(ValueError, match=match):
-            mismatch.tis_weights(OLD, ENGINE, MASK, cap=cap, mode=mode, low=low)
+            mismatch.tis_weights(OLD, ENGINE, MASK, settings=_tis(cap, mode, low))
         if cap != 0:  # 0 is "no correction" to the statistics
             with pytest.raises(ValueError, match=match):
-                mismatch.mismatch_stats(OLD, ENGINE, MASK, tis_cap=cap, tis_mode=mode, tis_low=low)
-        mismatch.tis_weights(OLD, ENGINE, MASK, cap=1.0)  # the edge is allowed
+                mismatch.mismatch_stats(OLD, ENGINE, MASK, settings=_tis(cap, mode, low))
+        mismatch.tis_weights(OLD, ENGINE, MASK, settings=_tis(1.0))  # the edge is allowed
 
     def test_unknown_level_raises(self):
         with pytest.raises(ValueError, match="unknown TIS level 'tokens'"):
@@ -121,7 +131,7 @@ class TisInTheLossTest(chex.TestCase):
         # token_mean per-token losses (tests/algorithms/losses_test.py): [-1, -1.2, _], [2, 1.6,
         # 2.2].
         want = (-1 * e(0.1) - 1.2 * 2.0 + 2 * e(-0.2) + 1.6 * 1.0 + 2.2 * e(0.5)) / 5
-        w = mismatch.tis_weights(OLD, ENGINE, MASK, cap=2.0)
+        w = mismatch.tis_weights(OLD, ENGINE, MASK, settings=_tis(2.0))
         fn = self.variant(
             lambda w: losses.policy_loss(
                 LOGPS,
@@ -138,7 +148,7 @@ class TisInTheLossTest(chex.TestCase):
         # TRL's semantics (mismatch module docstring), not verl's rejection sampling: on-policy,
         # sequence_mask at cap 2 rejects seq 0 (e^1.1 > 2); seq 1 (A = -2, weight e^0.3) has
         # token losses 2 e^0.3. Token mean over all 5 tokens, not over the 3 kept ones.
-        w = mismatch.tis_weights(OLD, ENGINE, MASK, cap=2.0, mode="sequence_mask")
+        w = mismatch.tis_weights(OLD, ENGINE, MASK, settings=_tis(2.0, "sequence_mask"))
         loss = losses.policy_loss(
             OLD,
             OLD,
@@ -152,7 +162,7 @@ class TisInTheLossTest(chex.TestCase):
 
     @parameterized.parameters(*HAND)
     def test_weights_scale_the_gradient_per_token_not_the_kl(self, mode, cap, low):
-        w = mismatch.tis_weights(OLD, ENGINE, MASK, cap=cap, mode=mode, low=low)
+        w = mismatch.tis_weights(OLD, ENGINE, MASK, settings=_tis(cap, mode, low))
         ref = OLD - 0.3
 
         def loss(x, w, beta):
@@ -206,7 +216,7 @@ def _combined(trainer, engine, mask, m, **kw):
 class MismatchStatsTest(chex.TestCase):
     @chex.variants(with_jit=True, without_jit=True)
     def test_hand_worked(self):
-        stats = self.variant(lambda a, b, m: mismatch.mismatch_stats(a, b, m, tis_cap=2.0))(
+        stats = self.variant(lambda a, b, m: mismatch.mismatch_stats(a, b, m, settings=_tis(2.0)))(
             OLD, ENGINE, MASK
         )
         got = mismatch.mismatch_metrics(stats)
@@ -280,7 +290,7 @@ class MismatchStatsTest(chex.TestCase):
         engine = trainer + jnp.asarray(rng.normal(size=(b, t)) * 0.4, jnp.float32)
         mask = jnp.asarray(rng.random((b, t)) < np.linspace(0.1, 0.9, b)[:, None])
         for mode in mismatch.TIS_MODES:
-            kw = dict(tis_cap=1.3, tis_mode=mode)
+            kw = dict(settings=_tis(1.3, mode))
             full, acc = (
                 _metrics(trainer, engine, mask, **kw),
                 _combined(trainer, engine, mask, m, **kw),
@@ -290,13 +300,13 @@ class MismatchStatsTest(chex.TestCase):
                 np.testing.assert_allclose(acc[k], full[k], rtol=1e-6, err_msg=k)
         # Against numpy on the masked tokens.
         d = np.asarray(trainer - engine)[np.asarray(mask)]
-        full = _metrics(trainer, engine, mask, tis_cap=1.3)
+        full = _metrics(trainer, engine, mask, settings=_tis(1.3))
         np.testing.assert_allclose(full["mismatch/ratio_std"], np.exp(d).std(), rtol=1e-6)
         np.testing.assert_allclose(full["mismatch/ratio_max"], np.exp(d).max(), rtol=1e-6)
         np.testing.assert_allclose(full["tis/clipped_frac"], np.mean(np.exp(d) > 1.3), rtol=1e-6)
 
     def test_no_tokens_gives_neutral_values(self):
-        got = _metrics(OLD, ENGINE, jnp.zeros_like(MASK), tis_cap=2.0)
+        got = _metrics(OLD, ENGINE, jnp.zeros_like(MASK), settings=_tis(2.0))
         assert {k: float(v) for k, v in got.items()} == {
             "mismatch/logp_abs_mean": 0.0,
             "mismatch/logp_abs_max": 0.0,
@@ -307,5 +317,5 @@ class MismatchStatsTest(chex.TestCase):
             "tis/clipped_frac": 0.0,
             "tis/masked_frac": 0.0,
         }
-        none = _combined(OLD, ENGINE, jnp.zeros_like(MASK), 2, tis_cap=2.0)
+        none = _combined(OLD, ENGINE, jnp.zeros_like(MASK), 2, settings=_tis(2.0))
         assert all(np.isfinite(float(v)) for v in none.values()), none
