@@ -1,6 +1,6 @@
 """The package tree as the architecture (issue 48): which subpackage may import which, no import
 circles between modules, pure math with no I/O, docs/package_tree.md generated from the tree, and
-every repository path the docs name present in it (and every test they name as `file::Test::test`)."""
+every repository path the docs name present in it (every test named as `file::Test::test` too)."""
 
 import ast
 import pathlib
