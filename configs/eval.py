@@ -55,8 +55,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.prompt_batch_size = 32  # prompts per engine call
     c.engine = "embedded"  # rollout engine: 'embedded' | 'vllm'
     # Embedded engine on CPU: one JAX device per core (0 = all cores, 1 = a single device), the
-    # prompts of each call split over them. SmolLM2-135M, 32 prompts x 4: 2.03x transformers on
-    # 2 cores against 1.56x on one device (benchmarks/bench_sampler.py, README "Measured speed").
+    # prompts of each call split over them. SmolLM2-135M, 32 prompts x 4: 2.57x transformers on
+    # 2 devices against 2.50x on one (benchmarks/bench_sampler.py, 2026-11-24; docs/performance.md,
+    # "Measured speed").
     c.cpu_devices = 0
     c.url = "http://localhost:8000"  # vLLM / OpenAI-compatible server (engine 'vllm')
     c.grader_workers = 2  # math-verify worker processes (0 = in-process)

@@ -1,6 +1,6 @@
 """The package tree as the architecture (issue 48): which subpackage may import which, no import
 circles between modules, pure math with no I/O, docs/package_tree.md generated from the tree, and
-every repository path the docs name present in it."""
+every repository path the docs name present in it (every test named as `file::Test::test` too)."""
 
 import ast
 import pathlib
@@ -172,14 +172,15 @@ DOC_PATH = re.compile(
     r"(?<![\w/.<-])((?:mmr_jax|scripts|configs|tests|benchmarks)/[\w./-]*\w"
     rf"|(?:{SUBPACKAGES})/\w+\.py)"
 )
+NODE_IDS = re.compile(r"(?:::\w+)+")  # `tests/x_test.py::TestY::test_z`
 
 
 def doc_paths_missing(repo: pathlib.Path) -> list[str]:
     """'page:line: path' for each repository path (`mmr_jax/...`, `scripts/...`, `configs/...`,
     `tests/...`, `benchmarks/...`, or a module as `training/build.py`) a docs page or the README
     names that is not in the tree, as a file or folder from the repository root, the page's
-    folder, `mmr_jax/` or `tests/` (a `::test` suffix is not part of it; a placeholder with `<`,
-    `*` or `{` is not a path)."""
+    folder, `mmr_jax/` or `tests/` (a placeholder with `<`, `*` or `{` is not a path); and each
+    `path.py::Name::name` whose class or function is not defined in that file."""
     pages = sorted(repo.glob("docs/**/*.md")) + [repo / "README.md"]
     missing = []
     for page in pages:
@@ -189,9 +190,21 @@ def doc_paths_missing(repo: pathlib.Path) -> list[str]:
                 if after in "<*{" and after or path in NOT_PATHS:
                     continue
                 places = (repo, page.parent, repo / "mmr_jax", repo / "tests")
-                if not any((place / path).exists() for place in places):
+                found = [place / path for place in places if (place / path).exists()]
+                if not found:
                     missing.append(f"{page.relative_to(repo)}:{number}: {path}")
+                elif ids := NODE_IDS.match(line, match.end()):
+                    for name in _undefined(found[0], ids.group(0).strip(":").split("::")):
+                        missing.append(f"{page.relative_to(repo)}:{number}: {path}::{name}")
     return missing
+
+
+def _undefined(path: pathlib.Path, names: list[str]) -> list[str]:
+    """The names of a pytest node id (`TestX`, `test_y`) that `path` defines no class or function
+    of."""
+    text = path.read_text() if path.is_file() else ""
+    defined = set(re.findall(r"^\s*(?:async\s+)?(?:def|class)\s+(\w+)", text, re.M))
+    return [name for name in names if name not in defined]
 
 
 def test_docs_name_only_paths_that_exist():
@@ -203,13 +216,17 @@ def test_the_docs_path_check_finds_a_missing_path(tmp_path):
     (tmp_path / "docs").mkdir()
     (tmp_path / "scripts").mkdir()
     (tmp_path / "scripts" / "train.py").write_text("")
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "a_test.py").write_text("class TestA:\n    def test_b(self): ...\n")
     (tmp_path / "docs" / "a.md").write_text(
         "Run `scripts/train.py`, then scripts/trian.py; see tests/<sub>/x_test.py, "
         "configs/nope.py and step/pipline.py.\n"
+        "`tests/a_test.py::TestA::test_b` holds; `tests/a_test.py::TestA::test_c` is gone.\n"
     )
     (tmp_path / "README.md").write_text("`python benchmarks/gone.py --json=x`\n")
     assert doc_paths_missing(tmp_path) == [
         "docs/a.md:1: scripts/trian.py",
         "docs/a.md:1: step/pipline.py",
+        "docs/a.md:2: tests/a_test.py::test_c",
         "README.md:1: benchmarks/gone.py",
     ]

@@ -41,8 +41,8 @@ split over the mesh's batch axes and the weights replicated, so each device deco
 (`shard_map`: its own while loop); nothing crosses devices but the prefill's gather. On
 CPU, with one JAX device per core, this runs the small per-step ops (attention, sampling) on
 every core, but each device also streams all the weights for its share of the rows. For
-SmolLM2-135M at 8 and 32 prompts x 4, one device was as fast or faster (README, measured speed);
-larger batches (evaluation's 32 x 16) are where the split can pay.
+SmolLM2-135M at 8 and 32 prompts x 4, one device was about as fast (docs/performance.md,
+"Measured speed"); larger batches (evaluation's 32 x 16) are where the split can pay.
 
 Compiles. Shapes are bucketed (prompt count and number of stop ids to powers of two, prompt length
 and new tokens to 2^k or 1.5 * 2^k) and every sampling value, max_new_tokens included, is a traced
