@@ -70,9 +70,9 @@ class Whole:
         if steps is not None:
             raise ValueError("chunked decoding (steps) is single-device, with compaction")
         if not self.finished:
-            self.toks, self.logps, self.stopped, steps_D = (np.asarray(x) for x in self._run())
+            self.toks, self.logps, self.stopped, device_steps = (np.asarray(x) for x in self._run())
             self.done, self.finished = np.ones_like(self.stopped), True
-            self.stats.decode_steps = int(np.max(steps_D))
+            self.stats.decode_steps = int(np.max(device_steps))
 
     def cancel(self, rows):
         raise ValueError("cancel needs chunked decoding")
