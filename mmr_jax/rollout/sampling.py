@@ -2,7 +2,7 @@
 
 The sampler's decode loop draws with `sample_step`; `filter_top_k_top_p_sorted` is the
 definition `filter_top_k_top_p` is tested against. Legend: N rows, V vocab, C filter candidates,
-NB blocks of the CDF, K = `_CDF_BLOCK` tokens a block.
+NB blocks of the CDF, BLOCK = `_CDF_BLOCK` tokens a block.
 """
 
 from __future__ import annotations
@@ -91,19 +91,19 @@ def categorical(keys_N: jax.Array, logits_NxV: jax.Array) -> jax.Array:
     nb = -(-v // _CDF_BLOCK)
     logits = jnp.pad(logits_NxV, ((0, 0), (0, nb * _CDF_BLOCK - v)), constant_values=-jnp.inf)
     top = jnp.max(logits, axis=-1, keepdims=True)
-    p_NxNBxK = jnp.exp(logits - top).reshape(n, nb, _CDF_BLOCK)
-    block_cdf = jnp.cumsum(jnp.sum(p_NxNBxK, axis=-1), axis=-1)  # [N, NB]
+    p_NxNBxBLOCK = jnp.exp(logits - top).reshape(n, nb, _CDF_BLOCK)
+    block_cdf = jnp.cumsum(jnp.sum(p_NxNBxBLOCK, axis=-1), axis=-1)  # [N, NB]
     # u in (0, 1], so the target is > 0 and <= the last CDF value: some block reaches it.
     u = 1.0 - jax.vmap(jax.random.uniform)(keys_N)
     target = u * block_cdf[:, -1]
     b = jnp.minimum(jnp.sum(block_cdf < target[:, None], axis=-1), nb - 1)
     before = jnp.where(b > 0, jnp.take_along_axis(block_cdf, (b - 1)[:, None], -1)[:, 0], 0.0)
     # block_cdf rose at b (it passed the target there), so block b holds some p > 0.
-    p_NxK = jnp.take_along_axis(p_NxNBxK, b[:, None, None], axis=1)[:, 0]
-    inner = jnp.sum(jnp.cumsum(p_NxK, axis=-1) < (target - before)[:, None], axis=-1)
+    p_NxBLOCK = jnp.take_along_axis(p_NxNBxBLOCK, b[:, None, None], axis=1)[:, 0]
+    inner = jnp.sum(jnp.cumsum(p_NxBLOCK, axis=-1) < (target - before)[:, None], axis=-1)
     # The first index whose running sum reaches the rest of the target has p > 0; rounding can
     # carry the count past the block's last token with p > 0, so clamp to that one.
-    last_nonzero = jnp.max(jnp.where(p_NxK > 0, jnp.arange(_CDF_BLOCK), -1), axis=-1)
+    last_nonzero = jnp.max(jnp.where(p_NxBLOCK > 0, jnp.arange(_CDF_BLOCK), -1), axis=-1)
     return (b * _CDF_BLOCK + jnp.minimum(inner, last_nonzero)).astype(jnp.int32)
 
 
