@@ -1,7 +1,8 @@
-"""The decode steps `bench_decode_step.py` times: `decode_loop`, a jitted run of N KV-cache decode
-steps of the sampler's model as the sampler's while loop runs them (`forward_cached_shared_prompt`
-against a shared prompt cache and the rows' own cache, then a draw at T = 0.7), weight-major or
-plain x @ W; and `pass_q_through`, what the attention is replaced by for the 'no attention' row.
+"""The decode steps `bench_decode_step.py` times: `decode_loop`, a jitted run of `steps` KV-cache
+decode steps of the sampler's model as the sampler's while loop runs them
+(`forward_cached_shared_prompt` against a shared prompt cache and the rows' own cache, then a draw
+at temperature 0.7), weight-major or plain x @ W; and `pass_q_through`, what the attention is
+replaced by for the 'no attention' row.
 """
 
 from __future__ import annotations
@@ -85,6 +86,6 @@ def decode_loop(
 
 
 def pass_q_through(q_NxTxHxD, *unused):
-    """Stands in for the attention over the cache: q itself, heads merged ([R, T, N * D])."""
+    """Stands in for the attention over the cache: q itself, heads merged ([N, T, H * D])."""
     del unused
     return q_NxTxHxD.reshape(q_NxTxHxD.shape[0], q_NxTxHxD.shape[1], -1)

@@ -142,7 +142,7 @@ def _sample_and_grade(
 def _grade_batch(
     tokenizer, batch, problems, grader, ks, keep_completions, number_only=False
 ) -> list[dict]:
-    """One record per problem of a generated batch [B, n, T]."""
+    """One record per problem of a generated batch [B, G, T]."""
     n = batch.tokens.shape[1]
     texts = _decode(tokenizer, batch)
     flat = [t for ts in texts for t in ts]

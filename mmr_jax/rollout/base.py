@@ -1,6 +1,7 @@
 """The rollout interface every engine implements (embedded JAX sampler, vLLM server client).
 
-Legend: B prompts, n completions per prompt, T generated tokens (padded to the longest completion).
+Legend: B prompts, G completions per prompt (`SamplingParams.n`), T generated tokens (padded to
+the longest completion).
 
 Log-prob convention: `RolloutBatch.logprobs[b, i, t] = log softmax(logits / temperature)[token]`,
 i.e. after temperature but *before* top-p / top-k truncation and renormalisation. That is what the
@@ -51,10 +52,10 @@ class SamplingParams:
 class RolloutBatch:
     """Host numpy arrays, prompt-major: `tokens[b, i]` is completion i of prompt b.
 
-    tokens: int32 [B, n, T] completion ids (pad after the end; the stop token is kept).
-    mask: bool [B, n, T] True = a generated token (including the stop token).
-    logprobs: float32 [B, n, T] sampler log-probs after temperature, 0 where masked.
-    finish_reasons: [B][n] 'stop' | 'length'.
+    tokens: int32 [B, G, T] completion ids (pad after the end; the stop token is kept).
+    mask: bool [B, G, T] True = a generated token (including the stop token).
+    logprobs: float32 [B, G, T] sampler log-probs after temperature, 0 where masked.
+    finish_reasons: [B][G] 'stop' | 'length'.
     """
 
     tokens: np.ndarray
@@ -64,7 +65,7 @@ class RolloutBatch:
 
     def __post_init__(self):
         if self.tokens.ndim != 3:
-            raise ValueError(f"tokens must be [B, n, T], got shape {self.tokens.shape}")
+            raise ValueError(f"tokens must be [B, G, T], got shape {self.tokens.shape}")
         shape = self.tokens.shape
         if self.mask.shape != shape or self.logprobs.shape != shape:
             raise ValueError(
@@ -73,11 +74,11 @@ class RolloutBatch:
         if len(self.finish_reasons) != shape[0] or any(
             len(r) != shape[1] for r in self.finish_reasons
         ):
-            raise ValueError(f"finish_reasons must be [B={shape[0]}][n={shape[1]}]")
+            raise ValueError(f"finish_reasons must be [B={shape[0]}][G={shape[1]}]")
 
     @property
     def lengths(self) -> np.ndarray:
-        """int32 [B, n] number of generated tokens (stop token included)."""
+        """int32 [B, G] number of generated tokens (stop token included)."""
         return self.mask.sum(-1).astype(np.int32)
 
     def completion_ids(self, b: int, i: int) -> list[int]:
@@ -93,7 +94,7 @@ def batch_from_lists(
     pad_id: int = 0,
     min_len: int = 1,
 ) -> RolloutBatch:
-    """Packs ragged [B][n][t] completions into a padded `RolloutBatch`."""
+    """Packs ragged [B][G][t] completions into a padded `RolloutBatch`."""
     num_prompts = len(token_lists)
     n = len(token_lists[0]) if num_prompts else 0
     max_len = max([min_len] + [len(c) for comps in token_lists for c in comps])

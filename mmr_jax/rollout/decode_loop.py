@@ -5,7 +5,7 @@ every row is done, or until at most `min_live` rows are still decoding. Early in
 completions ~9 tokens, a few 32) most of a full loop's steps were spent on finished rows, so the
 loop hands over once at most half its rows are live: those rows go on alone in a loop half the
 size (`compact`: each takes its own copy of its prompt's cache, its keys, own cache and outputs
-so far; `resume`), and again, down to 4 rows, so a call compiles at most log2(R / 4) extra
+so far; `resume`), and again, down to 4 rows, so a call compiles at most log2(N / 4) extra
 loops, each once per shape. (SmolLM2 decode step at 32 rows 121 ms, at 8 rows 60 ms; halving,
 not quartering, gave 1.22x on the CPU default's rollouts against 1.03x:
 benchmarks/bench_rollout.py.)
@@ -13,7 +13,8 @@ Rows keep their random keys, so the tokens are those of the uncompacted loop, up
 The loop also stops at a traced step `until`, so the host can run it in chunks (`Chunked`: a
 server streaming, or ending rows early between chunks) without recompiling.
 
-Legend: B prompts, n samples per prompt, R = B * n rows, P prompt slots, N new-token slots.
+Legend: B prompts, G samples per prompt (the static `n`), N = B * G rows, P prompt slots, T
+new-token slots.
 """
 
 from __future__ import annotations
@@ -35,28 +36,29 @@ from mmr_jax.rollout import sampling as sampling_lib
 class Rows:
     """The decode loop's state: its rows, their prompts' cache and how far they got.
 
-    Rows r = b * n + i read prompt b of `prompt_cache` / `prompt_mask` (n static, passed beside).
-    `cache` is the rows' own (split, N slots); `cur` each row's next input; `t` the next slot.
+    Rows r = b * G + i read prompt b of `prompt_cache` / `prompt_mask` (G static, passed beside
+    as `n`). `cache` is the rows' own (split, T slots); `cur` each row's next input; `t` the next
+    slot.
     """
 
     prompt_cache: kv_cache.KVCache
     prompt_mask: jax.Array  # [B, P] bool, slot P - 1 off (the last prompt token is an input)
-    lengths: jax.Array  # [R] int32 prompt lengths
-    row_keys: jax.Array  # [R] PRNG keys
+    lengths: jax.Array  # [N] int32 prompt lengths
+    row_keys: jax.Array  # [N] PRNG keys
     t: jax.Array  # () int32
     cache: kv_cache.KVCache
-    cur: jax.Array  # [R] int32
-    done: jax.Array  # [R] bool
-    stopped: jax.Array  # [R] bool
-    toks: jax.Array  # [R, N] int32
-    logps: jax.Array  # [R, N] float32
+    cur: jax.Array  # [N] int32
+    done: jax.Array  # [N] bool
+    stopped: jax.Array  # [N] bool
+    toks: jax.Array  # [N, T] int32
+    logps: jax.Array  # [N, T] float32
 
 
 def run(model, kernels_t, rows, limits, sampling, greedy, use_filter, logprobs_mode):
     """The decode `while_loop` from `rows.t` until every row is done, at most `min_live` are
     still decoding (`min_live` 0: to the end) or step `until` is reached (a traced scalar: the
     host runs the loop in chunks without recompiling). `limits` is (max_new_tokens, min_live,
-    until). Rows are grouped n = R / B per prompt; `sampling` is (temperature, top_k, top_p,
+    until). Rows are grouped G = N / B per prompt (`n`); `sampling` is (temperature, top_k, top_p,
     stop_ids)."""
     temperature, top_k, top_p, stop_ids = sampling
     max_new_tokens, min_live, until = limits
@@ -104,26 +106,27 @@ def run(model, kernels_t, rows, limits, sampling, greedy, use_filter, logprobs_m
 
 
 @functools.partial(jax.jit, static_argnames=("n",))
-def compact(rows: Rows, keep_S, real_S, *, n: int) -> Rows:
-    """The rows `keep_S` of `rows` (S of them), each with its own copy of its prompt's cache, so
-    the result has one row per prompt (n = 1); rows where `real_S` is False are padding (done).
+def compact(rows: Rows, keep_N, real_N, *, n: int) -> Rows:
+    """The rows `keep_N` of `rows` (N of them: the compacted loop's rows), each with its own copy
+    of its prompt's cache, so the result has one row per prompt (G = 1); rows where `real_N` is
+    False are padding (done).
 
     Row r keeps its keys, own cache and outputs so far, so it continues exactly as it would have.
     """
-    prompt_of = keep_S // n
-    take = functools.partial(jnp.take, indices=keep_S, axis=0)
+    prompt_of = keep_N // n
+    take = functools.partial(jnp.take, indices=keep_N, axis=0)
     return Rows(
         prompt_cache=jax.tree.map(  # caches are [L, rows, ...]: rows are axis 1
             functools.partial(jnp.take, indices=prompt_of, axis=1), rows.prompt_cache
         ),
         prompt_mask=jnp.take(rows.prompt_mask, prompt_of, axis=0),
         lengths=take(rows.lengths),
-        row_keys=rows.row_keys[keep_S],
+        row_keys=rows.row_keys[keep_N],
         t=rows.t,
-        cache=jax.tree.map(functools.partial(jnp.take, indices=keep_S, axis=1), rows.cache),
+        cache=jax.tree.map(functools.partial(jnp.take, indices=keep_N, axis=1), rows.cache),
         cur=take(rows.cur),
-        done=take(rows.done) | ~real_S,
-        stopped=take(rows.stopped) & real_S,
+        done=take(rows.done) | ~real_N,
+        stopped=take(rows.stopped) & real_N,
         toks=take(rows.toks),
         logps=take(rows.logps),
     )
@@ -174,7 +177,7 @@ class Chunked:
 
     `start(until)` runs the first loop (`sampler.decode_program` with `keep_rows`) up to step
     `until`; `resume_loop(rows, min_live, until)` runs `resume`. After each `advance`, `toks`,
-    `logps`, `stopped` and `done` ([R, N] / [R] host arrays of the original rows) hold what is
+    `logps`, `stopped` and `done` ([N, T] / [N] host arrays of the original rows) hold what is
     decoded so far and `t` the steps run; `cancel(rows)` ends rows at the next chunk (stop
     strings, clients that left). Rows keep their keys, so the tokens do not depend on the chunk
     sizes.

@@ -82,11 +82,11 @@ def pack_prompts(lengths, width: int):
 
 @dataclasses.dataclass(frozen=True)
 class PackedPrefill:
-    """Host inputs of `_prefill`: W = P - 1 packed columns, Rows packed rows."""
+    """Host inputs of `prefill.prefill`: W = P - 1 packed columns, N packed rows."""
 
-    tokens: np.ndarray  # [Rows, W] int32, pad_id where no prompt
-    positions: np.ndarray  # [Rows, W] int32, 0..len_b - 2 along prompt b's segment
-    segment_ids: np.ndarray  # [Rows, W] int32, the prompt index b, -1 for padding
+    tokens: np.ndarray  # [N, W] int32, pad_id where no prompt
+    positions: np.ndarray  # [N, W] int32, 0..len_b - 2 along prompt b's segment
+    segment_ids: np.ndarray  # [N, W] int32, the prompt index b, -1 for padding
     gather: np.ndarray  # [Bp, P] int32: flat packed index row * W + col of prompt-cache slot (b, s)
 
 

@@ -1,7 +1,8 @@
 """The sampler's packed prefill: prompt tokens packed into rows, their keys/values gathered into
 the prompt cache (`sampler`'s docstring, "Layout").
 
-Legend: Bp padded prompts, P prompt slots, R packed rows of W = P - 1 slots, L layers.
+Legend: Bp padded prompts, P prompt slots, N packed rows of W = P - 1 slots, L layers, K kv heads,
+D head dim.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from mmr_jax.models import kv_cache, sharding
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "cache_sharding"))
 def prefill(
-    graphdef, state, tokens_RxW, positions_RxW, segment_ids_RxW, gather_BxP, *, cache_sharding=None
+    graphdef, state, tokens_NxW, positions_NxW, segment_ids_NxW, gather_BxP, *, cache_sharding=None
 ):
     """The prompt cache (split: keys [L, Bp, K, D, P], values [L, Bp, K, P, D]) from packed rows.
 
@@ -28,26 +29,26 @@ def prefill(
     sharding: `cache_sharding(mesh)`), or None.
     """
     model = nnx.merge(graphdef, state)
-    rows, w = tokens_RxW.shape
+    rows, w = tokens_NxW.shape
     packed = kv_cache.split(model.init_cache(rows, w))
     _, packed = model.forward_cached(
-        tokens_RxW,
-        positions_RxW,
+        tokens_NxW,
+        positions_NxW,
         packed,
         write_index=0,
-        kv_mask_NxS=segment_ids_RxW >= 0,
-        segment_ids_NxS=segment_ids_RxW,
+        kv_mask_NxS=segment_ids_NxW >= 0,
+        segment_ids_NxS=segment_ids_NxW,
     )
 
-    def gather_keys(k_LxRxKxDxW):
-        nl, _, kh, d, _ = k_LxRxKxDxW.shape
-        flat = jnp.transpose(k_LxRxKxDxW, (0, 2, 3, 1, 4)).reshape(nl, kh, d, rows * w)
+    def gather_keys(k_LxNxKxDxW):
+        nl, _, kh, d, _ = k_LxNxKxDxW.shape
+        flat = jnp.transpose(k_LxNxKxDxW, (0, 2, 3, 1, 4)).reshape(nl, kh, d, rows * w)
         out = jnp.take(flat, gather_BxP, axis=3, mode="clip")  # [L, K, D, Bp, P]
         return jnp.transpose(out, (0, 3, 1, 2, 4))
 
-    def gather_values(v_LxRxKxWxD):
-        nl, _, kh, _, d = v_LxRxKxWxD.shape
-        flat = jnp.transpose(v_LxRxKxWxD, (0, 2, 1, 3, 4)).reshape(nl, kh, rows * w, d)
+    def gather_values(v_LxNxKxWxD):
+        nl, _, kh, _, d = v_LxNxKxWxD.shape
+        flat = jnp.transpose(v_LxNxKxWxD, (0, 2, 1, 3, 4)).reshape(nl, kh, rows * w, d)
         out = jnp.take(flat, gather_BxP, axis=2, mode="clip")  # [L, K, Bp, P, D]
         return jnp.transpose(out, (0, 2, 1, 3, 4))
 

@@ -1,7 +1,7 @@
 """Embedded JAX sampler: packed prefill + KV-cache decode of a `Decoder`, each under one jit.
 
-Legend: B prompts (padded to Bp), n samples per prompt, R = Bp * n rows, P prompt slots (padded),
-N new-token slots (padded), V vocab.
+Legend: B prompts (padded to Bp), G samples per prompt (`params.n`), N = Bp * G rows, P prompt
+slots (padded), T new-token slots (padded), V vocab.
 
 Layout. Prompts are left-padded to P, so every prompt ends at slot P - 1: the prompt cache (Bp
 prompts x P slots) holds prompt b's first len_b - 1 tokens at slots [P - len_b, P - 1), and its
@@ -12,8 +12,8 @@ with segment ids so each attends to its own prompt only, and their keys/values a
 the prompt cache's slots (`prefill.prefill`, its own jit: a new row count does not recompile the
 decode loop; its logits are unused, so XLA drops the vocab projection). Left-padded, more than half
 the prefill tokens of the SmolLM2 benchmark were padding. The prompt cache is shared, not repeated:
-row r = b * n + i reads prompt b's slots (`Decoder.forward_cached_shared_prompt`), so a prompt's
-keys are stored and read once for its n samples. Each row has its own cache of N slots: decode
+row r = b * G + i reads prompt b's slots (`Decoder.forward_cached_shared_prompt`), so a prompt's
+keys are stored and read once for its G samples. Each row has its own cache of T slots: decode
 step t feeds token x_t (x_0 = the last prompt token) into slot t and samples generated token t. A
 `lax.while_loop` stops when every row has hit a stop id or `max_new_tokens`.
 
@@ -101,8 +101,8 @@ def decode_program(
     mesh=None,
     keep_rows=False,
 ):
-    """Decodes against the prompt cache (from `prefill.prefill`); -> tokens [R, N] int32, logps
-    [R, N] f32, stopped [R] bool (hit a stop id) and the decode steps run, [devices] int32, and with
+    """Decodes against the prompt cache (from `prefill.prefill`); -> tokens [N, T] int32, logps
+    [N, T] f32, stopped [N] bool (hit a stop id) and the decode steps run, [devices] int32, and with
     `keep_rows` the loop's `decode_loop.Rows` (to compact and continue; single device only).
 
     `arrays` are `_decode`'s, in its order: the state and the weight-major kernels (or None),
@@ -147,8 +147,8 @@ def _decode(
     prompts_BxP,
     prompt_mask_BxP,
     prompt_cache,
-    row_ids_R,
-    real_rows_R,
+    row_ids_N,
+    real_rows_N,
     seed,
     max_new_tokens,
     min_live,
@@ -167,21 +167,21 @@ def _decode(
     """`decode_program`'s work on one device's (or all) prompts and rows; returns its outputs."""
     model = nnx.merge(graphdef, state)
     bp, _ = prompts_BxP.shape
-    r = bp * n
+    num_rows = bp * n
     lengths_B = prompt_mask_BxP.sum(-1).astype(jnp.int32)
     rows = decode_loop.Rows(
         prompt_cache=prompt_cache,
         # Slot P - 1 is not in the prompt cache: the last prompt token is each row's first input.
         prompt_mask=prompt_mask_BxP.at[:, -1].set(False),
         lengths=jnp.repeat(lengths_B, n),
-        row_keys=jax.vmap(lambda i: jax.random.fold_in(jax.random.key(seed), i))(row_ids_R),
+        row_keys=jax.vmap(lambda i: jax.random.fold_in(jax.random.key(seed), i))(row_ids_N),
         t=jnp.int32(0),
-        cache=kv_cache.split(model.init_cache(r, num_new)),
+        cache=kv_cache.split(model.init_cache(num_rows, num_new)),
         cur=jnp.repeat(prompts_BxP[:, -1], n),
-        done=~real_rows_R,
-        stopped=jnp.zeros((r,), bool),
-        toks=jnp.zeros((r, num_new), jnp.int32),
-        logps=jnp.zeros((r, num_new), jnp.float32),
+        done=~real_rows_N,
+        stopped=jnp.zeros((num_rows,), bool),
+        toks=jnp.zeros((num_rows, num_new), jnp.int32),
+        logps=jnp.zeros((num_rows, num_new), jnp.float32),
     )
     sampling = (temperature, top_k, top_p, stop_ids)
     limits = (max_new_tokens, min_live, until)
@@ -288,9 +288,9 @@ def start(
     stop_arr[: len(stops)] = stops
     tokens, mask = padding.left_pad(prompt_ids, bp, p, pad_id)
     packed = padding.pack_prefill(prompt_ids, bp, p, pad_id, row_multiple=ways)
-    b_R, i_R = np.divmod(np.arange(bp * slots, dtype=np.int32), slots)
-    real_R = (b_R < num_prompts) & (i_R < n)
-    row_ids = np.where(i_R < n, b_R * n + i_R, bp * n + b_R * slots + i_R).astype(np.int32)
+    b_N, i_N = np.divmod(np.arange(bp * slots, dtype=np.int32), slots)
+    real_N = (b_N < num_prompts) & (i_N < n)
+    row_ids = np.where(i_N < n, b_N * n + i_N, bp * n + b_N * slots + i_N).astype(np.int32)
     greedy = params.temperature == 0.0
     graphdef = nnx.graphdef(model)
     state = sampler_weights.sampling_weights(model) if weights is None else weights
@@ -337,7 +337,7 @@ def start(
             rows(mask),
             prompt_cache,
             rows(row_ids + np.int32(first_row)),
-            rows(real_R),
+            rows(real_N),
             seed_value,
             max_new,
             scalar(np.int32(decode_loop.min_live(size) if compacting else 0)),

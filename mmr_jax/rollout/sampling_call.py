@@ -1,6 +1,6 @@
 """A sampler call in progress (`sampler.start`): its decode run in chunks, read back as it goes.
 
-Legend: B prompts, n samples per prompt, R rows (B * n real ones), N new-token slots.
+Legend: B prompts, G samples per prompt (`n`), N rows (B * G real ones), T new-token slots.
 """
 
 from __future__ import annotations
@@ -38,12 +38,12 @@ class Sampling:
         self.loop.cancel(self.real_rows[np.asarray(rows, int)])
 
     def decoded(self):
-        """(tokens [B * n, N], log-probs [B * n, N], stopped [B * n], done [B * n]) so far."""
-        r, loop = self.real_rows, self.loop
-        return loop.toks[r], loop.logps[r], loop.stopped[r], loop.done[r]
+        """(tokens [B * G, T], log-probs [B * G, T], stopped [B * G], done [B * G]) so far."""
+        real, loop = self.real_rows, self.loop
+        return loop.toks[real], loop.logps[real], loop.stopped[real], loop.done[real]
 
     def progress(self):
-        """(lengths [B * n], tokens [B * n, N], log-probs, stopped [B * n]) so far: a row's
+        """(lengths [B * G], tokens [B * G, T], log-probs, stopped [B * G]) so far: a row's
         length is its tokens up to its stop token when stopped, else the steps run."""
         toks, logps, stopped, _ = self.decoded()
         return (
@@ -70,16 +70,16 @@ class Whole:
         if steps is not None:
             raise ValueError("chunked decoding (steps) is single-device, with compaction")
         if not self.finished:
-            self.toks, self.logps, self.stopped, steps_D = (np.asarray(x) for x in self._run())
+            self.toks, self.logps, self.stopped, device_steps = (np.asarray(x) for x in self._run())
             self.done, self.finished = np.ones_like(self.stopped), True
-            self.stats.decode_steps = int(np.max(steps_D))
+            self.stats.decode_steps = int(np.max(device_steps))
 
     def cancel(self, rows):
         raise ValueError("cancel needs chunked decoding")
 
 
 def row_lengths(toks, stopped, stops, steps: int) -> np.ndarray:
-    """Tokens of each row [R]: up to its first stop id when `stopped`, else `steps`."""
+    """Tokens of each row [N]: up to its first stop id when `stopped`, else `steps`."""
     toks = toks[:, :steps]
     is_stop = np.isin(toks, np.asarray(stops, np.int32)) if stops else np.zeros_like(toks, bool)
     first_stop = np.where(is_stop.any(-1), is_stop.argmax(-1) + 1, steps)
@@ -87,9 +87,10 @@ def row_lengths(toks, stopped, stops, steps: int) -> np.ndarray:
 
 
 def to_batch(toks, logps, stopped, num_prompts, n, max_new, stops, pad_id) -> base.RolloutBatch:
-    """Device outputs [R, N] -> a host `RolloutBatch` [B, n, T] with T = the longest completion."""
-    r = num_prompts * n
-    toks, logps, stopped = toks[:r, :max_new], logps[:r, :max_new], stopped[:r]
+    """Device outputs [N, T] (T new-token slots) -> a host `RolloutBatch` [B, G, T], T cut to the
+    longest completion."""
+    real = num_prompts * n
+    toks, logps, stopped = toks[:real, :max_new], logps[:real, :max_new], stopped[:real]
     lengths = row_lengths(toks, stopped, stops, max_new)
     t = max(1, int(lengths.max()))
     mask = np.arange(t)[None, :] < lengths[:, None]

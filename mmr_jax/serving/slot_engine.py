@@ -91,7 +91,7 @@ class SlotEngine:
         return next(iter(self._programs.values()))
 
     def decode(self, weights, rows, *, use_filter: bool):
-        """One `slot_programs.decode_step`: (tokens [R], log-probs [R]) as host arrays."""
+        """One `slot_programs.decode_step`: (tokens [N], log-probs [N]) as host arrays."""
         name, state, kernels = weights
         self.cache, tok, logp = self._programs[name].decode(
             state, kernels, self.cache, rows, use_filter=use_filter

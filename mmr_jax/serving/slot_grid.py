@@ -8,7 +8,7 @@ run and is refused; one that fits waits until its rows' slots are free.
 
 `Programs` compiles every program the batch uses for one weight structure ahead of any request
 (`slot_programs`; a progress line each, through `log`), so no request waits for a compile:
-  decode: one per row count R in `Grid.decode_rows` (powers of two up to S, and S), with and
+  decode: one per row count N in `Grid.decode_rows` (powers of two up to S, and S), with and
     without top-k/top-p filtering;
   prefill: one per width in `Grid.prefill_widths` (prompts packed into one row of a
     power-of-two width from `MIN_WIDTH` to `CHUNK`), and one `prefill_more` (a CHUNK of a
@@ -44,7 +44,7 @@ class Grid:
     slots: int
     columns: int
     token_bytes: int
-    vocab_size: int = 0  # the decode step's bias rows [R, V] (`token_controls`)
+    vocab_size: int = 0  # the decode step's bias rows [N, V] (`token_controls`)
 
     @classmethod
     def from_budget(cls, model_config, dtype, *, kv_cache_bytes, max_model_len, max_num_seqs):
@@ -124,9 +124,9 @@ class Programs:
     def decode(self, state, kernels, cache, rows, *, use_filter):
         return self._decode[len(rows["cur"]), use_filter](state, kernels, cache, rows)
 
-    def prefill(self, state, cache, tokens_RxW, positions_RxW, segments_RxW, slots_RxW, cols_RxW):
-        return self._prefill[tokens_RxW.shape[1]](
-            state, cache, tokens_RxW, positions_RxW, segments_RxW, slots_RxW, cols_RxW
+    def prefill(self, state, cache, tokens_NxW, positions_NxW, segments_NxW, slots_NxW, cols_NxW):
+        return self._prefill[tokens_NxW.shape[1]](
+            state, cache, tokens_NxW, positions_NxW, segments_NxW, slots_NxW, cols_NxW
         )
 
     def prefill_more(self, state, cache, tokens_1xW, start, length, slot):
@@ -137,7 +137,7 @@ class Programs:
 
 
 def _idle_rows(r: int, columns: int, vocab_size: int) -> dict:
-    """`decode_step`'s rows for R idle rows (every write dropped)."""
+    """`decode_step`'s rows for N idle rows (every write dropped)."""
     return {
         "cur": np.zeros(r, np.int32),
         "pos": np.full(r, columns, np.int32),

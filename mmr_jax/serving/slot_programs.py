@@ -8,7 +8,7 @@ other slots being touched or copied:
     key/value are scattered to its own column; attention reads its columns below that position,
     block by block up to the longest live row, not all C); per-row temperature, top-k, top-p,
     greedy and seed, so requests with different sampling controls share the step.
-  `prefill`: the prompts of new requests packed into rows [R, W], each attending to itself,
+  `prefill`: the prompts of new requests packed into rows [N, W], each attending to itself,
     their keys/values scattered into their slots' columns.
   `prefill_more`: the next W tokens of one long prompt, at columns [start, start + W) of its
     slot, attending to the columns before them.
@@ -18,8 +18,9 @@ Every shape is static, so `SlotPrograms` compiles a small grid of them ahead of 
 Randomness: row r of a request with seed s draws step t from fold_in(fold_in(key(s), r), t), as
 `rollout.sampler` does, so a seeded completion does not depend on what else is decoding.
 
-Legend: L layers, S slots, C columns per slot, R rows of a step, W prompt tokens per row,
-K kv heads, G query heads per kv head, D head dim, V vocab.
+Legend: L layers, S slots, C columns per slot, N rows of a step, W prompt tokens per row, T tokens
+a row writes (1 in a decode step, W in a prefill), H query heads, K kv heads, R = H / K query
+heads per kv head, D head dim, V vocab. (Locals as in `models.attention`: r rows, nh heads, g = R.)
 """
 
 from __future__ import annotations
@@ -41,12 +42,12 @@ def block_count(longest: int) -> int:
     return -(-int(longest) // BLOCK)
 
 
-def _attend_rows(q, k_new, v_new, ck, cv, layer, pos_R, n_blocks):
+def _attend_rows(q, k_new, v_new, ck, cv, layer, pos_N, n_blocks):
     """One query per row against its own slot's columns [0, pos_r) and its new key/value.
 
-    q [R, 1, N, D]; k_new, v_new [R, 1, K, D]; ck, cv the stacked split cache (read only);
-    rows are the first R slots. Online softmax over `n_blocks` blocks of `BLOCK` columns (a
-    traced count), in fp32. Returns [R, 1, N*D].
+    q [N, 1, H, D]; k_new, v_new [N, 1, K, D]; ck, cv the stacked split cache (read only);
+    rows are the first N slots. Online softmax over `n_blocks` blocks of `BLOCK` columns (a
+    traced count), in fp32. Returns [N, 1, H*D].
     """
     r, _, nh, d = q.shape
     kh = k_new.shape[2]
@@ -61,8 +62,8 @@ def _attend_rows(q, k_new, v_new, ck, cv, layer, pos_R, n_blocks):
         start = b * BLOCK
         kb = jax.lax.dynamic_slice(ck, (layer, zero, zero, zero, start), (1, r, kh, d, BLOCK))[0]
         vb = jax.lax.dynamic_slice(cv, (layer, zero, zero, start, zero), (1, r, kh, BLOCK, d))[0]
-        s = jnp.sum(q[..., None] * kb[:, :, None].astype(f32), axis=3)  # [R, K, G, BLOCK]
-        valid = (start + jnp.arange(BLOCK))[None, :] < pos_R[:, None]
+        s = jnp.sum(q[..., None] * kb[:, :, None].astype(f32), axis=3)  # [N, K, R, BLOCK]
+        valid = (start + jnp.arange(BLOCK))[None, :] < pos_N[:, None]
         s = jnp.where(valid[:, None, None], s, attention.MASK_VALUE)
         m_next = jnp.maximum(m, jnp.max(s, axis=-1, keepdims=True))
         e, scale = jnp.exp(s - m_next), jnp.exp(m - m_next)
@@ -74,40 +75,40 @@ def _attend_rows(q, k_new, v_new, ck, cv, layer, pos_R, n_blocks):
     return (o / z).astype(v_new.dtype).reshape(r, 1, nh * d)
 
 
-def _scatter_columns(cache: kv_cache.KVCache, k_LxRxTxKxD, v_LxRxTxKxD, slot_RxT, col_RxT):
-    """New keys/values [L, R, T, K, D] written to (slot, column) of the split cache; a column
+def _scatter_columns(cache: kv_cache.KVCache, k_LxNxTxKxD, v_LxNxTxKxD, slot_NxT, col_NxT):
+    """New keys/values [L, N, T, K, D] written to (slot, column) of the split cache; a column
     past the cache (C) drops the write (padding, idle rows)."""
-    k_val = jnp.transpose(k_LxRxTxKxD, (1, 2, 0, 3, 4)).astype(cache.k.dtype)  # [R, T, L, K, D]
-    v_val = jnp.transpose(v_LxRxTxKxD, (1, 2, 0, 3, 4)).astype(cache.v.dtype)
-    k = cache.k.at[:, slot_RxT, :, :, col_RxT].set(k_val, mode="drop")
-    v = cache.v.at[:, slot_RxT, :, col_RxT, :].set(v_val, mode="drop")
+    k_val = jnp.transpose(k_LxNxTxKxD, (1, 2, 0, 3, 4)).astype(cache.k.dtype)  # [N, T, L, K, D]
+    v_val = jnp.transpose(v_LxNxTxKxD, (1, 2, 0, 3, 4)).astype(cache.v.dtype)
+    k = cache.k.at[:, slot_NxT, :, :, col_NxT].set(k_val, mode="drop")
+    v = cache.v.at[:, slot_NxT, :, col_NxT, :].set(v_val, mode="drop")
     return cache.replace(k=k, v=v)
 
 
-def sample_rows(logits_RxV, keys_R, temperature_R, top_k_R, top_p_R, *, use_filter, mode):
-    """Next token [R] and its log-prob [R], each row with its own controls: temperature 0 is
+def sample_rows(logits_NxV, keys_N, temperature_N, top_k_N, top_p_N, *, use_filter, mode):
+    """Next token [N] and its log-prob [N], each row with its own controls: temperature 0 is
     greedy (argmax, log softmax(logits) reported); else `sampling.sample_step`'s draw and
     log-prob `mode` (`sampling.LOGPROBS_MODES`), top-k / top-p applied only where a row sets
     them (`use_filter`: whether any row does)."""
-    greedy = temperature_R <= 0.0
-    scaled = logits_RxV / jnp.where(greedy, 1.0, temperature_R)[:, None]
+    greedy = temperature_N <= 0.0
+    scaled = logits_NxV / jnp.where(greedy, 1.0, temperature_N)[:, None]
     logp_all = jax.nn.log_softmax(scaled, axis=-1)
     drawn_from = scaled
     if use_filter:
-        wants = (top_k_R > 0) | (top_p_R < 1.0)
+        wants = (top_k_N > 0) | (top_p_N < 1.0)
         # Rows without a filter get top-k = the filter's candidates (exact there, no full sort)
         # and keep their unfiltered logits.
-        k = jnp.where(wants, top_k_R, sampling._FILTER_CANDIDATES)[:, None]
-        p = jnp.where(wants, top_p_R, 1.0)[:, None]
+        k = jnp.where(wants, top_k_N, sampling._FILTER_CANDIDATES)[:, None]
+        p = jnp.where(wants, top_p_N, 1.0)[:, None]
         filtered = sampling.filter_top_k_top_p(scaled, k, p)
         drawn_from = jnp.where(wants[:, None], filtered, scaled)
     tok = jnp.where(
-        greedy, jnp.argmax(logits_RxV, axis=-1), sampling.categorical(keys_R, drawn_from)
+        greedy, jnp.argmax(logits_NxV, axis=-1), sampling.categorical(keys_N, drawn_from)
     ).astype(jnp.int32)
     if mode == "processed_logprobs":
         logp_all = jnp.where(greedy[:, None], logp_all, jax.nn.log_softmax(drawn_from, axis=-1))
     elif mode == "raw_logprobs":
-        logp_all = jax.nn.log_softmax(logits_RxV, axis=-1)
+        logp_all = jax.nn.log_softmax(logits_NxV, axis=-1)
     return tok, jnp.take_along_axis(logp_all, tok[:, None], axis=-1)[:, 0]
 
 
@@ -126,14 +127,14 @@ def decode_step(
     use_filter: bool,
     logprobs_mode: str,
 ):
-    """One decode step of the first R slots (R = len(rows["cur"])).
+    """One decode step of the first N slots (N = len(rows["cur"])).
 
-    rows: cur [R] int32 (each row's input token), pos [R] int32 (its position: the column it is
-    written to; C for an idle row, whose write is dropped), seed [R] uint32, row_id [R] int32,
-    step [R] int32 (tokens generated so far), temperature, top_p [R] f32, top_k [R] int32,
-    bias [R, V] f32 (added to the logits: `token_controls`), n_blocks () int32 (`block_count`
+    rows: cur [N] int32 (each row's input token), pos [N] int32 (its position: the column it is
+    written to; C for an idle row, whose write is dropped), seed [N] uint32, row_id [N] int32,
+    step [N] int32 (tokens generated so far), temperature, top_p [N] f32, top_k [N] int32,
+    bias [N, V] f32 (added to the logits: `token_controls`), n_blocks () int32 (`block_count`
     of the longest pos + 1).
-    Returns (cache, tokens [R] int32, log-probs [R] f32).
+    Returns (cache, tokens [N] int32, log-probs [N] f32).
     """
     model = nnx.merge(graphdef, state)
     pos, r = rows["pos"], rows["cur"].shape[0]
@@ -171,24 +172,24 @@ def decode_step(
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache",))
-def prefill(graphdef, state, cache, tokens_RxW, positions_RxW, segments_RxW, slots_RxW, cols_RxW):
+def prefill(graphdef, state, cache, tokens_NxW, positions_NxW, segments_NxW, slots_NxW, cols_NxW):
     """Prompts packed into rows (`padding.pack_prompts`): each token attends to the tokens of
-    its own segment (id >= 0) before it, and its key/value go to column `cols_RxW` of slot
-    `slots_RxW` (a column C, past the cache: padding, nothing written)."""
+    its own segment (id >= 0) before it, and its key/value go to column `cols_NxW` of slot
+    `slots_NxW` (a column C, past the cache: padding, nothing written)."""
     model = nnx.merge(graphdef, state)
-    r, w = tokens_RxW.shape
+    r, w = tokens_NxW.shape
     scratch = kv_cache.split(model.init_cache(r, w))
     _, scratch = model.forward_cached(
-        tokens_RxW,
-        positions_RxW,
+        tokens_NxW,
+        positions_NxW,
         scratch,
         write_index=0,
-        kv_mask_NxS=segments_RxW >= 0,
-        segment_ids_NxS=segments_RxW,
+        kv_mask_NxS=segments_NxW >= 0,
+        segment_ids_NxS=segments_NxW,
     )
-    k = jnp.transpose(scratch.k, (0, 1, 4, 2, 3))  # [L, R, W, K, D]
+    k = jnp.transpose(scratch.k, (0, 1, 4, 2, 3))  # [L, N, W, K, D]
     v = jnp.transpose(scratch.v, (0, 1, 3, 2, 4))
-    return _scatter_columns(cache, k, v, slots_RxW, cols_RxW)
+    return _scatter_columns(cache, k, v, slots_NxW, cols_NxW)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache",))

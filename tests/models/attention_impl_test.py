@@ -315,14 +315,14 @@ def _train_step_text(model_kw=None, chunk=0):
 
 class LayoutTrafficTest(parameterized.TestCase):
     def test_no_score_sized_concat_or_pad_in_the_train_step(self):
-        """The unfused form concatenated the completions' fp32 scores [R, K, G, T, P+T] and its
+        """The unfused form concatenated the completions' fp32 scores [N, K, R, T, P+T] and its
         backward padded them: at this shape 14 concatenations (315 KB, the largest 86 KB = one
         score tensor, 6*4*23*39*4 bytes) and 11 pads (221 KB). Now only each row's keys and
-        values [R, P+T, K, D] and [R, T] vectors are concatenated, and the rotary embedding's
+        values [N, P+T, K, D] and [N, T] vectors are concatenated, and the rotary embedding's
         halves no longer are (nor padded in its backward)."""
         counts = _layout_bytes(_train_step_text())
         score_bytes = 6 * 4 * 23 * 39 * 4
-        kv_bytes = 6 * 39 * 2 * 16 * 4  # a row's keys [R, P+T, K, D] (fp32 in the backward)
+        kv_bytes = 6 * 39 * 2 * 16 * 4  # a row's keys [N, P+T, K, D] (fp32 in the backward)
         self.assertLessEqual(counts["concatenate"][2], kv_bytes, counts)
         self.assertLess(counts["concatenate"][1], 315_000 // 4, counts)
         self.assertLess(counts["pad"][1], score_bytes // 16, counts)

@@ -1,4 +1,4 @@
-"""Chunked log-probs (`logprobs._chunked`): the same values and gradients as the whole [R, T, V]
+"""Chunked log-probs (`logprobs._chunked`): the same values and gradients as the whole [N, T, V]
 logits at once, and a compiled gradient whose temporaries never hold those logits."""
 
 from __future__ import annotations
@@ -72,15 +72,15 @@ class ChunkedTest(parameterized.TestCase):
         np.testing.assert_allclose(lp, jnp.where(mask, ref, 0.0), atol=1e-5)
 
     def test_compiled_temporaries_below_the_whole_logits(self):
-        """The LM head and log-softmax over given hidden states [R, N, H]: the gradient's
-        compiled temporaries stay below half of one fp32 [R, N, V] logits tensor when chunked,
+        """The LM head and log-softmax over given hidden states [N, T, E]: the gradient's
+        compiled temporaries stay below half of one fp32 [N, T, V] logits tensor when chunked,
         and exceed it whole (so the bound tests something)."""
-        vocab, rows, n, chunk = 4096, 16, 256, 8
+        vocab, rows, t, chunk = 4096, 16, 256, 8
         model = _model(vocab)
         graphdef, state = nnx.split(model)
-        h = jax.random.normal(jax.random.key(0), (rows, n, 32))
-        targets = jax.random.randint(jax.random.key(1), (rows, n), 0, vocab)
-        logits_bytes = rows * n * vocab * 4
+        h = jax.random.normal(jax.random.key(0), (rows, t, 32))
+        targets = jax.random.randint(jax.random.key(1), (rows, t), 0, vocab)
+        logits_bytes = rows * t * vocab * 4
 
         def temp_bytes(chunk):
             def loss(state, h):

@@ -261,7 +261,7 @@ class TestSamplerValues:
 def _greedy_decode_logits(model, prompt_ids, n, steps):
     """Greedy decode through `forward_cached_shared_prompt` as the sampler lays it out (prompts
     left-padded, the prompt cache shared by each prompt's n rows, slot P - 1 the first input);
-    -> (logits [steps, R, V] of each step, tokens [R, steps])."""
+    -> (logits [steps, N, V] of each step, tokens [N, steps])."""
     b, p = len(prompt_ids), max(map(len, prompt_ids)) + 1
     tokens = np.zeros((b, p), np.int32)
     mask = np.zeros((b, p), bool)

@@ -98,7 +98,7 @@ def _jax_greedy(model, n=1, max_new_tokens=16):
 
 
 def _teacher_forced(model, prompts, batch, temperature):
-    """The JAX model's log-probs [B, n, T] of the batch's tokens at `temperature`."""
+    """The JAX model's log-probs [B, G, T] of the batch's tokens at `temperature`."""
     import jax.numpy as jnp
 
     from mmr_jax.models import logprobs
