@@ -74,8 +74,10 @@ class TisSettings(Protocol):
     tis_mask_low: float  # the mask's lower bound in [0, 1) ('_mask' modes only; 0 = none)
 
 
-def check_tis(*, cap: float, mode: str, low: float) -> None:
-    """Raises ValueError unless (cap, mode, low) is a valid correction (module docstring)."""
+def check_tis(settings: TisSettings) -> tuple[float, str, float]:
+    """(cap, mode, low) of `settings`; raises ValueError unless they are a valid correction
+    (module docstring)."""
+    cap, mode, low = settings.tis_cap, settings.tis_mode, settings.tis_mask_low
     if mode not in TIS_MODES:
         raise ValueError(f"unknown TIS mode {mode!r}; known: {TIS_MODES}")
     if not (cap >= 1 and math.isfinite(cap)):  # also refuses NaN
@@ -85,6 +87,7 @@ def check_tis(*, cap: float, mode: str, low: float) -> None:
         raise ValueError(f"TIS lower bound must lie in [0, 1), got {low}")
     if low > 0 and mode.endswith("_truncate"):
         raise ValueError(f"a TIS lower bound ({low}) only applies to the '_mask' modes, not {mode}")
+    return cap, mode, low
 
 
 def tis_log_ratio(
@@ -143,8 +146,7 @@ def tis_weights(
     Returns:
       [N, T] float weights, 0 at masked positions and on rejected tokens / sequences.
     """
-    cap, mode, low = settings.tis_cap, settings.tis_mode, settings.tis_mask_low
-    check_tis(cap=cap, mode=mode, low=low)
+    cap, mode, low = check_tis(settings)
     lr = tis_log_ratio(old_logps_NxT, engine_logps_NxT, mask_NxT, level=mode.rsplit("_", 1)[0])
     return _weights(lr, mask_NxT.astype(bool), cap=cap, mode=mode, low=low)[0]
 
@@ -214,8 +216,7 @@ def mismatch_stats(
         "ratio_max": jnp.max(jnp.where(valid, ratio, -jnp.inf)),
     }
     if settings is not None and settings.tis_cap != 0:  # NaN or a cap < 0: an error, not "off"
-        cap, mode, low = settings.tis_cap, settings.tis_mode, settings.tis_mask_low
-        check_tis(cap=cap, mode=mode, low=low)
+        cap, mode, low = check_tis(settings)
         level = mode.rsplit("_", 1)[0]
         lr = tis_log_ratio(trainer_logps_NxT, engine_logps_NxT, mask_NxT, level=level)
         _, capped, masked = _weights(lr.astype(jnp.float32), valid, cap=cap, mode=mode, low=low)
