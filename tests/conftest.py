@@ -20,8 +20,6 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault(
     "XLA_FLAGS", "--xla_backend_optimization_level=1 --xla_cpu_use_fusion_emitters=false"
 )
-# The scripts the tests start keep no compilation cache in ~/.cache (compile_cache_test sets one).
-os.environ.setdefault("MMR_JAX_COMPILE_CACHE", "off")
 
 # tests/ is a package, its folders mirroring the code (docs/testing.md), so pytest puts the repo
 # root on sys.path, not tests/: appended here for `from support import ...`. Appended: no test
@@ -42,7 +40,6 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 # build the same program under a new `jax.jit`, and the two xdist workers build many of the same,
 # so a cold run reuses them. On tests/step/train_step_test.py + tests/models/shared_prompt_test.py
 # from an empty folder: 127 s of CPU against 154 s without (2026-11-29; all 38 pass either way).
-# The processes the tests start are untouched (the environment is not changed here).
 # MMR_JAX_TEST_XLA_CACHE=off switches it off.
 if os.environ.get("MMR_JAX_TEST_XLA_CACHE", "").lower() not in ("off", "0", "none"):
     from support import testing as _testing
@@ -50,6 +47,14 @@ if os.environ.get("MMR_JAX_TEST_XLA_CACHE", "").lower() not in ("off", "0", "non
     jax.config.update("jax_compilation_cache_dir", _testing.XLA_CACHE_DIR)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.1)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    # The scripts the tests start (scripts/train.py, evaluate.py, the benchmarks: through
+    # `infra/compile_cache.enable`) load and store the same folder, never ~/.cache: most of them
+    # run the same tiny models, so a program one start-up compiled the next one loads. The key
+    # is XLA's (program, compile options, versions, device), so a loaded executable is the one a
+    # compile would have built and no result changes (the bit-for-bit resume tests pass with it).
+    os.environ.setdefault("MMR_JAX_COMPILE_CACHE", _testing.XLA_CACHE_DIR)
+# Off (MMR_JAX_TEST_XLA_CACHE=off): the scripts keep no compilation cache either.
+os.environ.setdefault("MMR_JAX_COMPILE_CACHE", "off")
 
 # Property-based tests (tests/algorithms/*_fuzz_test.py). 'ci', the default, is reproducible:
 # derandomised (the same cases every run) with no example database. 'deep' draws 10x more cases,

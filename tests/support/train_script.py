@@ -82,7 +82,7 @@ def launch(
     port = multihost.free_port()
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
-    env["MMR_JAX_COMPILE_CACHE"] = "off"  # no state shared with other runs
+    # MMR_JAX_COMPILE_CACHE: the tests' cache (tests/conftest.py), so the processes share programs
     procs = []
     for i in range(processes):
         args = [
