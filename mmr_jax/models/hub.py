@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 
@@ -64,9 +65,44 @@ def resolve_checkpoint(
     return pathlib.Path(local)
 
 
+# Where `load_tokenizer` may skip AutoTokenizer. For a Llama folder whose tokenizer_config.json
+# names one of these classes (and no remote code), transformers 5's AutoTokenizer resolves to
+# `TokenizersBackend`, but only after AutoConfig, whose import brings in torch: 2.3 s of every
+# script's start-up on the tiny checkpoints the tests build and on the CPU default, for the same
+# object. Not for qwen2: AutoTokenizer overrides the declared class with `Qwen2Tokenizer` there,
+# which splits text differently. tests/models/hub_test.py checks both readings.
+_PLAIN_BACKEND_CLASSES = frozenset({"TokenizersBackend", "PreTrainedTokenizerFast"})
+_PLAIN_BACKEND_MODEL_TYPES = frozenset({"llama"})
+
+
+def _json(path: pathlib.Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def declares_plain_backend(folder: pathlib.Path) -> bool:
+    """Whether AutoTokenizer would load `folder`'s tokenizer as a plain `TokenizersBackend`
+    (the cases listed above, decided from the folder's JSON files without importing transformers'
+    config classes)."""
+    tokenizer_config = _json(folder / "tokenizer_config.json")
+    return (
+        (folder / "tokenizer.json").is_file()
+        and tokenizer_config.get("tokenizer_class") in _PLAIN_BACKEND_CLASSES
+        and "auto_map" not in tokenizer_config
+        and _json(folder / "config.json").get("model_type") in _PLAIN_BACKEND_MODEL_TYPES
+    )
+
+
 def load_tokenizer(path_or_repo_id: str | os.PathLike, what: str = "checkpoint"):
-    """The checkpoint's tokenizer (transformers' AutoTokenizer): a path that is not a checkpoint
-    is a `CheckpointNotFoundError`, not transformers' guess about a missing tokenizer library."""
+    """The checkpoint's tokenizer, as transformers' AutoTokenizer chooses it: a path that is not a
+    checkpoint is a `CheckpointNotFoundError`, not transformers' guess about a missing tokenizer
+    library. A folder that `declares_plain_backend` is loaded as that class directly."""
     import transformers
 
-    return transformers.AutoTokenizer.from_pretrained(resolve_checkpoint(path_or_repo_id, what))
+    folder = resolve_checkpoint(path_or_repo_id, what)
+    if declares_plain_backend(folder):
+        return transformers.TokenizersBackend.from_pretrained(folder)
+    return transformers.AutoTokenizer.from_pretrained(folder)

@@ -49,8 +49,6 @@ def stop_token_ids(path_or_repo_id: str | os.PathLike, tokenizer=None) -> tuple[
 def checkpoint_stop_ids(folder: str | os.PathLike, tokenizer=None) -> tuple[int, ...]:
     """`stop_token_ids` of a checkpoint folder (one `hub.resolve_checkpoint` gave)."""
     if tokenizer is None:
-        import transformers
-
-        tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+        tokenizer = hub.load_tokenizer(folder)
     ids = set(generation_eos_ids(folder)) | set(_ids(tokenizer.eos_token_id))
     return tuple(sorted(ids))

@@ -360,8 +360,6 @@ def collect(study: ml_collections.ConfigDict, specs: list[RunSpec]) -> dict:
 
 def base_accuracy(cfg: schema.TrainConfig):
     """Held-out evaluation of the untrained checkpoint, as the run would evaluate it at step 0."""
-    import transformers
-
     from mmr_jax.models import hub
     from mmr_jax.problems import evaluation
     from mmr_jax.rollout import embedded
@@ -371,7 +369,7 @@ def base_accuracy(cfg: schema.TrainConfig):
     e = cfg.eval
     return evaluation.evaluate(
         embedded.EmbeddedEngine.from_pretrained(path, seed=cfg.seed),
-        transformers.AutoTokenizer.from_pretrained(path),
+        hub.load_tokenizer(path),
         problem_sets.eval_problems(cfg),
         n=e.n,
         temperature=e.temperature,

@@ -141,7 +141,7 @@ class TestRealVllmServers:
                 opts = vllm_launch.LaunchOptions(
                     model=str(ckpt), served_model_name=recording_server.MODEL_NAME,
                     port=vllm_launch.free_port(), python=str(python), backend="cpu",
-                    dtype="float32", max_model_len=512,
+                    dtype="float32", max_model_len=512, extra_args=testing.VLLM_TEST_SERVER_ARGS,
                 )  # fmt: skip
                 servers.append(vllm_launch.ServerProcess(opts, log).start())
             for s in servers:

