@@ -8,6 +8,10 @@ import sys
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# One math-verify grading worker per process the tests start (the default is min(2, CPUs)): each
+# worker is an interpreter importing math-verify, and the tests start about a hundred processes
+# that grade a few rows each. A two-worker pool is tested itself (tests/rewards/rewards_test.py).
+os.environ.setdefault("MMR_JAX_GRADER_WORKERS", "1")
 # Compiles dominate these tests (tiny models, many shapes), so XLA is asked to compile cheaply:
 # the CPU backend's older loop emitters instead of its MLIR fusion emitters, at LLVM level 1 (as
 # the scripts compile). Against level 0 with the fusion emitters (used here before), on 2 cores

@@ -13,6 +13,8 @@ JAX parent is never forked and no user `__main__` is re-imported), and kills and
 whose row passes `hard_timeout_s`; the row is reported as timed out (reward 0, counted).
 `Grader(workers=0)` grades in-process with math-verify's signal timeouts when on the main thread
 (used by tests and small scripts), and without any bound elsewhere (a warning says so).
+`default_grader()`, the one training and evaluation use, has min(2, CPUs) workers, or the count in
+`MMR_JAX_GRADER_WORKERS`.
 """
 
 from __future__ import annotations
@@ -280,13 +282,31 @@ class Grader:
 
 
 _DEFAULT: Grader | None = None
+# The default grader's worker count: a whole number >= 0 (0 grades in-process, with the limits
+# above); unset, min(2, CPUs). A host with many cores and long completions may want more; the
+# tests set 1 (tests/conftest.py): each worker is a fresh interpreter importing math-verify
+# (0.75 s of CPU), started by every training process the tests launch.
+WORKERS_ENV = "MMR_JAX_GRADER_WORKERS"
+
+
+def default_workers() -> int:
+    """The default grader's worker count (`WORKERS_ENV`, else min(2, CPUs))."""
+    text = os.environ.get(WORKERS_ENV, "").strip()
+    if not text:
+        return max(1, min(2, os.cpu_count() or 1))
+    if not text.isdigit():
+        raise ValueError(
+            f"{WORKERS_ENV}={text!r}: expected a whole number >= 0 of grading worker processes "
+            "(0 grades in-process)"
+        )
+    return int(text)
 
 
 def default_grader() -> Grader:
-    """A process-wide Grader with min(2, CPUs) workers, created on first use."""
+    """A process-wide Grader with `default_workers()` workers, created on first use."""
     global _DEFAULT
     if _DEFAULT is None:
-        _DEFAULT = Grader(workers=max(1, min(2, os.cpu_count() or 1)))
+        _DEFAULT = Grader(workers=default_workers())
     return _DEFAULT
 
 

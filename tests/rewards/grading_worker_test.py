@@ -51,3 +51,19 @@ def test_worker_that_cannot_start_is_a_named_error(monkeypatch):
     grader = grading.Grader(workers=1, timeout_s=5)
     with pytest.raises(grading.GradingWorkerError, match="did not start"):
         grader.grade(["x"], ["1"])
+
+
+@pytest.mark.parametrize("text, expected", [("", None), ("3", 3), ("0", 0), (" 1 ", 1)])
+def test_default_workers_from_the_environment(monkeypatch, text, expected):
+    import os
+
+    monkeypatch.setenv(grading.WORKERS_ENV, text)
+    got = grading.default_workers()
+    assert got == (max(1, min(2, os.cpu_count() or 1)) if expected is None else expected)
+
+
+@pytest.mark.parametrize("text", ["-1", "two", "1.5"])
+def test_default_workers_refuses_what_is_not_a_count(monkeypatch, text):
+    monkeypatch.setenv(grading.WORKERS_ENV, text)
+    with pytest.raises(ValueError, match=f"{grading.WORKERS_ENV}='{text}'"):
+        grading.default_workers()
