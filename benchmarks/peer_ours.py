@@ -69,6 +69,10 @@ def make_step(cfg, batch: peer_batch.PeerBatch, checkpoint: str | None):
         state = train_step.init_state(policy.params, optimizer, seed=cfg.seed, loss=cfg.loss)
         args = [state, _device_batch(cfg, batch, None), policy.frozen, policy.rest]
     else:
+        # The shared-prompt layout the peer's batch is in (`_device_batch`), not the packed one
+        # a config's pack_max_len (4096 by default) asks for: the program's Batch must be that
+        # batch's tree. The H200 run of 2026-11-29 failed here on the packed default.
+        cfg = dataclasses.replace(cfg, batch=dataclasses.replace(cfg.batch, pack_max_len=0))
         mesh = compiled_dry_run.config_mesh(cfg)
         step, (state_a, batch_a, frozen_a, rest_a) = dry_run_programs.train_step_program(cfg, mesh)
         state = harness.random_on_device(state_a)

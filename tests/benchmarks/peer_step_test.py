@@ -91,6 +91,27 @@ def test_summary_ratios_and_metric_differences():
     assert "2.50" in text and "FAILED: timed out after 9 s" in text
 
 
+def test_random_weights_side_on_the_packed_default(tmp_path):
+    # Without a checkpoint our side compiles the config's own program (random weights, as on a
+    # GPU); configs pack completions by default, which the peer's shared-prompt batch is not.
+    ckpt = peer_job.write_checkpoint(
+        str(bench_harness.REPO / "third_party/hf_configs/deepseek_r1_distill_qwen_1_5b.json"),
+        tmp_path / "ckpt",
+        0,
+        **peer_step.TINY_ARCH,
+    )
+    cfg = peer_ours.load_config(
+        peer_step.SMOKE_CONFIG, [*peer_step.SMOKE_SET, f"model.path='{ckpt}'"]
+    )
+    assert cfg.batch.layout == "packed"
+    shape = peer_ours.shape_of(cfg)
+    vocab, beta = peer_ours.vocab_size(cfg), cfg.loss.beta
+    batch = peer_batch.make_batch(shape, vocab_size=vocab, beta=beta, seed=0)
+    compiled, args, _ = peer_ours.make_step(cfg, batch, None)
+    assert args[1].packed is None and args[1].prompt_tokens.shape == batch.prompts_BxP.shape
+    assert np.isfinite(peer_ours.metrics_of(compiled(*args))["loss"])
+
+
 @pytest.mark.slow
 def test_cpu_smoke_command_writes_both_sides(tmp_path):
     out = tmp_path / "peer.json"
