@@ -1,9 +1,13 @@
 """Checkpoint resolution: local folders as they are, hub ids through the HF cache, clear errors."""
 
+import json
+
 import huggingface_hub.constants
 import pytest
 
 from mmr_jax.models import hub
+
+from support import testing
 
 
 @pytest.fixture
@@ -42,10 +46,6 @@ class TestResolveCheckpoint:
 def _tokenizer_folder(tmp_path, model_type: str, declared: str, **tokenizer_config):
     """The tests' tiny tokenizer, saved with config.json's `model_type` and tokenizer_config.json's
     `tokenizer_class` set as a checkpoint from the hub may set them."""
-    import json
-
-    from support import testing
-
     folder = tmp_path / f"{model_type}-{declared}"
     testing.make_tiny_tokenizer(folder)
     (folder / "config.json").write_text(json.dumps({"model_type": model_type}))
@@ -107,8 +107,6 @@ class TestLoadTokenizer:
             "import sys; from mmr_jax.models import hub; tok = hub.load_tokenizer(sys.argv[1]); "
             "print(type(tok).__name__, 'torch' in sys.modules)"
         )
-        from support import testing
-
         out = testing.run_in_fresh_jax(script, str(folder), timeout=120)
         assert out.returncode == 0, out.stderr
         assert out.stdout.split() == ["TokenizersBackend", "False"]
